@@ -1,0 +1,427 @@
+//! The reference backend: f32 and f64 on the host, convolutions through im2col and the `gemm`
+//! crate, parallel with rayon. Every kernel is deterministic: the same inputs give the same
+//! bits on the same machine.
+
+mod conv;
+mod elementwise;
+pub use elementwise::splitmix64;
+mod norm;
+mod pool;
+
+use rayon::prelude::*;
+
+use super::{Backend, ChannelGeom, ConvGeom, PoolGeom, SgdStep};
+use crate::tensor::{DType, Storage};
+use crate::{Error, Result};
+
+/// The element types the CPU kernels are written over.
+pub trait Float:
+    num_traits::Float
+    + Send
+    + Sync
+    + 'static
+    + Default
+    + std::fmt::Debug
+    + std::iter::Sum
+    + std::ops::AddAssign
+    + std::ops::SubAssign
+    + std::ops::MulAssign
+{
+    fn view(s: &Storage) -> Result<&[Self]>;
+    fn view_mut(s: &mut Storage) -> Result<&mut [Self]>;
+    fn of(x: f64) -> Self;
+    fn f64(self) -> f64;
+}
+
+macro_rules! impl_float {
+    ($t:ty, $variant:ident) => {
+        impl Float for $t {
+            fn view(s: &Storage) -> Result<&[Self]> {
+                match s {
+                    Storage::$variant(v) => Ok(v),
+                    other => Err(dtype_mismatch(stringify!($t), other.dtype())),
+                }
+            }
+            fn view_mut(s: &mut Storage) -> Result<&mut [Self]> {
+                match s {
+                    Storage::$variant(v) => Ok(v),
+                    other => Err(dtype_mismatch(stringify!($t), other.dtype())),
+                }
+            }
+            fn of(x: f64) -> Self {
+                x as $t
+            }
+            fn f64(self) -> f64 {
+                self as f64
+            }
+        }
+    };
+}
+impl_float!(f32, F32);
+impl_float!(f64, F64);
+
+fn dtype_mismatch(want: &str, got: DType) -> Error {
+    Error::Internal(format!(
+        "dtype mismatch: kernel for {want} got {}",
+        got.name()
+    ))
+}
+
+/// Runs `$body` with `$T` bound to the Rust type of `$dtype`.
+macro_rules! with_float {
+    ($dtype:expr, $T:ident => $body:expr) => {
+        match $dtype {
+            DType::F32 => {
+                type $T = f32;
+                $body
+            }
+            DType::F64 => {
+                type $T = f64;
+                $body
+            }
+        }
+    };
+}
+
+/// dst (m×n) = [dst +] lhs (m×k) · rhs (k×n), all row-major; `*_t` reads the stored matrix
+/// transposed (lhs stored k×m, rhs stored n×k).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn matmul<T: Float>(
+    m: usize,
+    n: usize,
+    k: usize,
+    dst: &mut [T],
+    lhs: &[T],
+    lhs_t: bool,
+    rhs: &[T],
+    rhs_t: bool,
+    accumulate: bool,
+    parallel: bool,
+) {
+    assert!(dst.len() >= m * n && lhs.len() >= m * k && rhs.len() >= k * n);
+    if m == 0 || n == 0 {
+        return;
+    }
+    if k == 0 {
+        if !accumulate {
+            dst[..m * n].fill(T::zero());
+        }
+        return;
+    }
+    let (lhs_rs, lhs_cs) = if lhs_t {
+        (1, m as isize)
+    } else {
+        (k as isize, 1)
+    };
+    let (rhs_rs, rhs_cs) = if rhs_t {
+        (1, k as isize)
+    } else {
+        (n as isize, 1)
+    };
+    let par = if parallel {
+        gemm::Parallelism::Rayon(rayon::current_num_threads())
+    } else {
+        gemm::Parallelism::None
+    };
+    // SAFETY: the asserts above keep every index the strides describe inside the slices.
+    unsafe {
+        gemm::gemm(
+            m,
+            n,
+            k,
+            dst.as_mut_ptr(),
+            1,
+            n as isize,
+            accumulate,
+            lhs.as_ptr(),
+            lhs_cs,
+            lhs_rs,
+            rhs.as_ptr(),
+            rhs_cs,
+            rhs_rs,
+            T::one(),
+            T::one(),
+            false,
+            false,
+            false,
+            par,
+        )
+    }
+}
+
+/// The host backend.
+pub struct Cpu;
+
+impl Backend for Cpu {
+    fn name(&self) -> String {
+        format!("cpu ({} threads)", rayon::current_num_threads())
+    }
+
+    fn zeros(&self, numel: usize, dtype: DType) -> Storage {
+        match dtype {
+            DType::F32 => Storage::F32(vec![0.0; numel]),
+            DType::F64 => Storage::F64(vec![0.0; numel]),
+        }
+    }
+
+    fn upload(&self, data: &[f64], dtype: DType) -> Storage {
+        match dtype {
+            DType::F32 => Storage::F32(data.iter().map(|&x| x as f32).collect()),
+            DType::F64 => Storage::F64(data.to_vec()),
+        }
+    }
+
+    fn conv2d_workspace(&self, g: &ConvGeom) -> usize {
+        conv::workspace(g)
+    }
+
+    fn conv2d_forward(
+        &self,
+        x: &Storage,
+        w: &Storage,
+        y: &mut Storage,
+        ws: &mut Storage,
+        g: &ConvGeom,
+    ) -> Result<()> {
+        with_float!(x.dtype(), T => conv::forward::<T>(T::view(x)?, T::view(w)?, T::view_mut(y)?, T::view_mut(ws)?, g));
+        Ok(())
+    }
+
+    fn conv2d_backward_data(
+        &self,
+        dy: &Storage,
+        w: &Storage,
+        dx: &mut Storage,
+        ws: &mut Storage,
+        g: &ConvGeom,
+    ) -> Result<()> {
+        with_float!(dy.dtype(), T => conv::backward_data::<T>(T::view(dy)?, T::view(w)?, T::view_mut(dx)?, T::view_mut(ws)?, g));
+        Ok(())
+    }
+
+    fn conv2d_backward_filter(
+        &self,
+        x: &Storage,
+        dy: &Storage,
+        dw: &mut Storage,
+        ws: &mut Storage,
+        g: &ConvGeom,
+    ) -> Result<()> {
+        with_float!(x.dtype(), T => conv::backward_filter::<T>(T::view(x)?, T::view(dy)?, T::view_mut(dw)?, T::view_mut(ws)?, g));
+        Ok(())
+    }
+
+    fn add_channel_bias(&self, y: &mut Storage, bias: &Storage, g: &ChannelGeom) -> Result<()> {
+        with_float!(y.dtype(), T => elementwise::add_channel_bias::<T>(T::view_mut(y)?, T::view(bias)?, g));
+        Ok(())
+    }
+
+    fn channel_sum(&self, dy: &Storage, db: &mut Storage, g: &ChannelGeom) -> Result<()> {
+        with_float!(dy.dtype(), T => elementwise::channel_sum::<T>(T::view(dy)?, T::view_mut(db)?, g));
+        Ok(())
+    }
+
+    fn batchnorm_forward_train(
+        &self,
+        x: &Storage,
+        gamma: &Storage,
+        beta: &Storage,
+        y: &mut Storage,
+        mean: &mut Storage,
+        var: &mut Storage,
+        eps: f64,
+        g: &ChannelGeom,
+    ) -> Result<()> {
+        with_float!(x.dtype(), T => norm::forward_train::<T>(T::view(x)?, T::view(gamma)?, T::view(beta)?, T::view_mut(y)?, T::view_mut(mean)?, T::view_mut(var)?, eps, g));
+        Ok(())
+    }
+
+    fn batchnorm_forward_eval(
+        &self,
+        x: &Storage,
+        gamma: &Storage,
+        beta: &Storage,
+        mean: &Storage,
+        var: &Storage,
+        y: &mut Storage,
+        eps: f64,
+        g: &ChannelGeom,
+    ) -> Result<()> {
+        with_float!(x.dtype(), T => norm::forward_eval::<T>(T::view(x)?, T::view(gamma)?, T::view(beta)?, T::view(mean)?, T::view(var)?, T::view_mut(y)?, eps, g));
+        Ok(())
+    }
+
+    fn batchnorm_backward(
+        &self,
+        x: &Storage,
+        dy: &Storage,
+        gamma: &Storage,
+        mean: &Storage,
+        var: &Storage,
+        dx: &mut Storage,
+        dgamma: &mut Storage,
+        dbeta: &mut Storage,
+        eps: f64,
+        g: &ChannelGeom,
+    ) -> Result<()> {
+        with_float!(x.dtype(), T => norm::backward::<T>(T::view(x)?, T::view(dy)?, T::view(gamma)?, T::view(mean)?, T::view(var)?, T::view_mut(dx)?, T::view_mut(dgamma)?, T::view_mut(dbeta)?, eps, g));
+        Ok(())
+    }
+
+    fn batchnorm_update_running(
+        &self,
+        running_mean: &mut Storage,
+        running_var: &mut Storage,
+        mean: &Storage,
+        var: &Storage,
+        momentum: f64,
+        count: usize,
+    ) -> Result<()> {
+        with_float!(mean.dtype(), T => norm::update_running::<T>(T::view_mut(running_mean)?, T::view_mut(running_var)?, T::view(mean)?, T::view(var)?, momentum, count));
+        Ok(())
+    }
+
+    fn relu_forward(&self, x: &Storage, y: &mut Storage) -> Result<()> {
+        with_float!(x.dtype(), T => elementwise::relu::<T>(T::view(x)?, T::view_mut(y)?));
+        Ok(())
+    }
+
+    fn relu_backward(&self, y: &Storage, dy: &Storage, dx: &mut Storage) -> Result<()> {
+        with_float!(y.dtype(), T => elementwise::relu_backward::<T>(T::view(y)?, T::view(dy)?, T::view_mut(dx)?));
+        Ok(())
+    }
+
+    fn add(&self, a: &Storage, b: &Storage, y: &mut Storage) -> Result<()> {
+        with_float!(a.dtype(), T => elementwise::zip(T::view(a)?, T::view(b)?, T::view_mut(y)?, |a, b| a + b));
+        Ok(())
+    }
+
+    fn add_assign(&self, y: &mut Storage, x: &Storage) -> Result<()> {
+        with_float!(x.dtype(), T => elementwise::add_assign::<T>(T::view_mut(y)?, T::view(x)?));
+        Ok(())
+    }
+
+    fn mul(&self, x: &Storage, mask: &Storage, y: &mut Storage) -> Result<()> {
+        with_float!(x.dtype(), T => elementwise::zip(T::view(x)?, T::view(mask)?, T::view_mut(y)?, |a, b| a * b));
+        Ok(())
+    }
+
+    fn dropout_mask(&self, mask: &mut Storage, p: f64, seed: u64) -> Result<()> {
+        with_float!(mask.dtype(), T => elementwise::dropout_mask::<T>(T::view_mut(mask)?, p, seed));
+        Ok(())
+    }
+
+    fn max_pool_forward(&self, x: &Storage, y: &mut Storage, g: &PoolGeom) -> Result<()> {
+        with_float!(x.dtype(), T => pool::max_forward::<T>(T::view(x)?, T::view_mut(y)?, g));
+        Ok(())
+    }
+
+    fn max_pool_backward(
+        &self,
+        x: &Storage,
+        dy: &Storage,
+        dx: &mut Storage,
+        g: &PoolGeom,
+    ) -> Result<()> {
+        with_float!(x.dtype(), T => pool::max_backward::<T>(T::view(x)?, T::view(dy)?, T::view_mut(dx)?, g));
+        Ok(())
+    }
+
+    fn avg_pool_forward(&self, x: &Storage, y: &mut Storage, g: &PoolGeom) -> Result<()> {
+        with_float!(x.dtype(), T => pool::avg_forward::<T>(T::view(x)?, T::view_mut(y)?, g));
+        Ok(())
+    }
+
+    fn avg_pool_backward(&self, dy: &Storage, dx: &mut Storage, g: &PoolGeom) -> Result<()> {
+        with_float!(dy.dtype(), T => pool::avg_backward::<T>(T::view(dy)?, T::view_mut(dx)?, g));
+        Ok(())
+    }
+
+    fn linear_forward(
+        &self,
+        x: &Storage,
+        w: &Storage,
+        y: &mut Storage,
+        n: usize,
+        d_in: usize,
+        d_out: usize,
+    ) -> Result<()> {
+        with_float!(x.dtype(), T => matmul::<T>(n, d_out, d_in, T::view_mut(y)?, T::view(x)?, false, T::view(w)?, true, false, true));
+        Ok(())
+    }
+
+    fn linear_backward(
+        &self,
+        x: &Storage,
+        w: &Storage,
+        dy: &Storage,
+        dx: Option<&mut Storage>,
+        dw: &mut Storage,
+        n: usize,
+        d_in: usize,
+        d_out: usize,
+    ) -> Result<()> {
+        with_float!(x.dtype(), T => {
+            let dyv = T::view(dy)?;
+            if let Some(dx) = dx {
+                matmul::<T>(n, d_in, d_out, T::view_mut(dx)?, dyv, false, T::view(w)?, false, false, true);
+            }
+            matmul::<T>(d_out, d_in, n, T::view_mut(dw)?, dyv, true, T::view(x)?, false, true, true);
+        });
+        Ok(())
+    }
+
+    fn copy_channels(
+        &self,
+        src: &Storage,
+        dst: &mut Storage,
+        src_c: (usize, usize),
+        dst_c: (usize, usize),
+        count: usize,
+        n: usize,
+        hw: usize,
+    ) -> Result<()> {
+        with_float!(src.dtype(), T => elementwise::copy_channels::<T>(T::view(src)?, T::view_mut(dst)?, src_c, dst_c, count, n, hw));
+        Ok(())
+    }
+
+    fn softmax_cross_entropy(
+        &self,
+        logits: &Storage,
+        labels: &[u32],
+        probs: &mut Storage,
+        n: usize,
+        k: usize,
+    ) -> Result<f64> {
+        with_float!(logits.dtype(), T => Ok(elementwise::softmax_cross_entropy::<T>(T::view(logits)?, labels, T::view_mut(probs)?, n, k)))
+    }
+
+    fn softmax_cross_entropy_backward(
+        &self,
+        probs: &Storage,
+        labels: &[u32],
+        dlogits: &mut Storage,
+        scale: f64,
+        n: usize,
+        k: usize,
+    ) -> Result<()> {
+        with_float!(probs.dtype(), T => elementwise::softmax_cross_entropy_backward::<T>(T::view(probs)?, labels, T::view_mut(dlogits)?, scale, n, k));
+        Ok(())
+    }
+
+    fn sgd_update(
+        &self,
+        w: &mut Storage,
+        grad: &Storage,
+        momentum_buf: &mut Storage,
+        step: &SgdStep,
+    ) -> Result<()> {
+        with_float!(grad.dtype(), T => elementwise::sgd::<T>(T::view_mut(w)?, T::view(grad)?, T::view_mut(momentum_buf)?, step));
+        Ok(())
+    }
+
+    fn fill(&self, s: &mut Storage, value: f64) -> Result<()> {
+        with_float!(s.dtype(), T => T::view_mut(s)?.par_iter_mut().for_each(|v| *v = T::of(value)));
+        Ok(())
+    }
+}

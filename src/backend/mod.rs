@@ -1,0 +1,337 @@
+//! Backends compute; ops decide shapes and allocate. A [`Device`] is a backend plus the
+//! allocator its bytes are leased from.
+
+pub mod cpu;
+
+use std::sync::Arc;
+
+use crate::memory::{Allocator, Category, MemoryStats};
+use crate::tensor::{DType, Shape, Storage, Tensor};
+use crate::Result;
+
+/// Geometry of a 2-d convolution over an NCHW batch (weights: c_out × c_in/groups × kh × kw).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ConvGeom {
+    pub n: usize,
+    pub c_in: usize,
+    pub h: usize,
+    pub w: usize,
+    pub c_out: usize,
+    pub kh: usize,
+    pub kw: usize,
+    pub stride: (usize, usize),
+    pub pad: (usize, usize),
+    pub dilation: (usize, usize),
+    pub groups: usize,
+    pub h_out: usize,
+    pub w_out: usize,
+}
+
+impl ConvGeom {
+    /// Rows of the im2col matrix of one group: (c_in / groups) · kh · kw.
+    pub fn col_rows(&self) -> usize {
+        self.c_in / self.groups * self.kh * self.kw
+    }
+    /// A 1×1, stride-1, unpadded convolution reads its input as the im2col matrix directly.
+    pub fn is_pointwise(&self) -> bool {
+        self.kh == 1 && self.kw == 1 && self.stride == (1, 1) && self.pad == (0, 0)
+    }
+}
+
+/// Geometry of a 2-d pooling window over an NCHW batch.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PoolGeom {
+    pub n: usize,
+    pub c: usize,
+    pub h: usize,
+    pub w: usize,
+    pub kh: usize,
+    pub kw: usize,
+    pub stride: (usize, usize),
+    pub pad: (usize, usize),
+    pub h_out: usize,
+    pub w_out: usize,
+}
+
+/// A batch seen per channel: n × c × hw.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ChannelGeom {
+    pub n: usize,
+    pub c: usize,
+    pub hw: usize,
+}
+
+/// SGD hyper-parameters for one update.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct SgdStep {
+    pub lr: f64,
+    pub momentum: f64,
+    pub weight_decay: f64,
+    pub nesterov: bool,
+}
+
+/// The kernels a device runs. Inputs and outputs are storages of one dtype; gradients of
+/// parameters are accumulated (`+=`) so micro-batches and shared weights add up.
+/// `ws` is workspace leased by the caller with the size the backend asked for.
+pub trait Backend: Send + Sync {
+    fn name(&self) -> String;
+    /// Zero-filled storage.
+    fn zeros(&self, numel: usize, dtype: DType) -> Storage;
+    fn upload(&self, data: &[f64], dtype: DType) -> Storage;
+
+    /// Workspace elements for the convolution passes of `g`.
+    fn conv2d_workspace(&self, g: &ConvGeom) -> usize;
+    fn conv2d_forward(
+        &self,
+        x: &Storage,
+        w: &Storage,
+        y: &mut Storage,
+        ws: &mut Storage,
+        g: &ConvGeom,
+    ) -> Result<()>;
+    fn conv2d_backward_data(
+        &self,
+        dy: &Storage,
+        w: &Storage,
+        dx: &mut Storage,
+        ws: &mut Storage,
+        g: &ConvGeom,
+    ) -> Result<()>;
+    fn conv2d_backward_filter(
+        &self,
+        x: &Storage,
+        dy: &Storage,
+        dw: &mut Storage,
+        ws: &mut Storage,
+        g: &ConvGeom,
+    ) -> Result<()>;
+    /// y[n, c, ...] += bias[c].
+    fn add_channel_bias(&self, y: &mut Storage, bias: &Storage, g: &ChannelGeom) -> Result<()>;
+    /// db[c] += Σ dy[n, c, ...].
+    fn channel_sum(&self, dy: &Storage, db: &mut Storage, g: &ChannelGeom) -> Result<()>;
+
+    /// Batch statistics (mean, biased variance) per channel, and the normalized output.
+    #[allow(clippy::too_many_arguments)]
+    fn batchnorm_forward_train(
+        &self,
+        x: &Storage,
+        gamma: &Storage,
+        beta: &Storage,
+        y: &mut Storage,
+        mean: &mut Storage,
+        var: &mut Storage,
+        eps: f64,
+        g: &ChannelGeom,
+    ) -> Result<()>;
+    #[allow(clippy::too_many_arguments)]
+    fn batchnorm_forward_eval(
+        &self,
+        x: &Storage,
+        gamma: &Storage,
+        beta: &Storage,
+        mean: &Storage,
+        var: &Storage,
+        y: &mut Storage,
+        eps: f64,
+        g: &ChannelGeom,
+    ) -> Result<()>;
+    #[allow(clippy::too_many_arguments)]
+    fn batchnorm_backward(
+        &self,
+        x: &Storage,
+        dy: &Storage,
+        gamma: &Storage,
+        mean: &Storage,
+        var: &Storage,
+        dx: &mut Storage,
+        dgamma: &mut Storage,
+        dbeta: &mut Storage,
+        eps: f64,
+        g: &ChannelGeom,
+    ) -> Result<()>;
+    /// running = (1 - momentum)·running + momentum·batch, with the unbiased batch variance.
+    fn batchnorm_update_running(
+        &self,
+        running_mean: &mut Storage,
+        running_var: &mut Storage,
+        mean: &Storage,
+        var: &Storage,
+        momentum: f64,
+        count: usize,
+    ) -> Result<()>;
+
+    fn relu_forward(&self, x: &Storage, y: &mut Storage) -> Result<()>;
+    /// dx = dy where y > 0.
+    fn relu_backward(&self, y: &Storage, dy: &Storage, dx: &mut Storage) -> Result<()>;
+    fn add(&self, a: &Storage, b: &Storage, y: &mut Storage) -> Result<()>;
+    /// y += x.
+    fn add_assign(&self, y: &mut Storage, x: &Storage) -> Result<()>;
+    /// y = x · mask (dropout).
+    fn mul(&self, x: &Storage, mask: &Storage, y: &mut Storage) -> Result<()>;
+    /// mask = 0 with probability p, else 1/(1-p); element i's draw depends only on (seed, i).
+    fn dropout_mask(&self, mask: &mut Storage, p: f64, seed: u64) -> Result<()>;
+
+    fn max_pool_forward(&self, x: &Storage, y: &mut Storage, g: &PoolGeom) -> Result<()>;
+    /// Routes each output gradient to the first maximum of its window (recomputed from x).
+    fn max_pool_backward(
+        &self,
+        x: &Storage,
+        dy: &Storage,
+        dx: &mut Storage,
+        g: &PoolGeom,
+    ) -> Result<()>;
+    /// Average over the window, padding counted (PyTorch's `count_include_pad=True`).
+    fn avg_pool_forward(&self, x: &Storage, y: &mut Storage, g: &PoolGeom) -> Result<()>;
+    fn avg_pool_backward(&self, dy: &Storage, dx: &mut Storage, g: &PoolGeom) -> Result<()>;
+
+    /// y (n × out) = x (n × in) · wᵀ (w: out × in).
+    fn linear_forward(
+        &self,
+        x: &Storage,
+        w: &Storage,
+        y: &mut Storage,
+        n: usize,
+        d_in: usize,
+        d_out: usize,
+    ) -> Result<()>;
+    /// dx = dy · w (when asked) and dw += dyᵀ · x.
+    #[allow(clippy::too_many_arguments)]
+    fn linear_backward(
+        &self,
+        x: &Storage,
+        w: &Storage,
+        dy: &Storage,
+        dx: Option<&mut Storage>,
+        dw: &mut Storage,
+        n: usize,
+        d_in: usize,
+        d_out: usize,
+    ) -> Result<()>;
+
+    /// Copies channels [src_off, src_off + count) of `src` (n × src_c × hw) into channels
+    /// [dst_off, dst_off + count) of `dst` (n × dst_c × hw).
+    fn copy_channels(
+        &self,
+        src: &Storage,
+        dst: &mut Storage,
+        src_c: (usize, usize),
+        dst_c: (usize, usize),
+        count: usize,
+        n: usize,
+        hw: usize,
+    ) -> Result<()>;
+
+    /// Mean cross-entropy of softmax(logits) (n × k) against `labels`; writes the probabilities.
+    fn softmax_cross_entropy(
+        &self,
+        logits: &Storage,
+        labels: &[u32],
+        probs: &mut Storage,
+        n: usize,
+        k: usize,
+    ) -> Result<f64>;
+    /// dlogits = scale · (probs - onehot(labels)).
+    fn softmax_cross_entropy_backward(
+        &self,
+        probs: &Storage,
+        labels: &[u32],
+        dlogits: &mut Storage,
+        scale: f64,
+        n: usize,
+        k: usize,
+    ) -> Result<()>;
+
+    /// One SGD update of `w` from `grad`, with its momentum buffer.
+    fn sgd_update(
+        &self,
+        w: &mut Storage,
+        grad: &Storage,
+        momentum_buf: &mut Storage,
+        step: &SgdStep,
+    ) -> Result<()>;
+    fn fill(&self, s: &mut Storage, value: f64) -> Result<()>;
+}
+
+struct DeviceInner {
+    allocator: Arc<Allocator>,
+    backend: Box<dyn Backend>,
+}
+
+/// A backend and the allocator every byte of it is leased from. Cheap to clone.
+#[derive(Clone)]
+pub struct Device {
+    inner: Arc<DeviceInner>,
+}
+
+impl std::fmt::Debug for Device {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Device({})", self.inner.allocator.name())
+    }
+}
+
+impl Device {
+    /// The CPU backend, with an emulated capacity (`None`: unlimited).
+    pub fn cpu(name: &str, capacity: Option<u64>) -> Device {
+        Device {
+            inner: Arc::new(DeviceInner {
+                allocator: Allocator::new(name, capacity),
+                backend: Box::new(cpu::Cpu),
+            }),
+        }
+    }
+
+    pub fn name(&self) -> &str {
+        self.inner.allocator.name()
+    }
+
+    pub fn backend(&self) -> &dyn Backend {
+        &*self.inner.backend
+    }
+
+    pub fn memory(&self) -> MemoryStats {
+        self.inner.allocator.stats()
+    }
+
+    pub fn reset_peak(&self) {
+        self.inner.allocator.reset_peak()
+    }
+
+    /// A zero-filled tensor whose bytes count as `category`.
+    pub fn zeros(&self, shape: Shape, dtype: DType, category: Category) -> Result<Tensor> {
+        let n = shape.numel();
+        let lease = self
+            .inner
+            .allocator
+            .lease((n * dtype.size()) as u64, category)?;
+        Ok(Tensor::from_buffer(
+            shape,
+            self.backend().zeros(n, dtype),
+            lease,
+        ))
+    }
+
+    /// A tensor holding `data` converted to `dtype`.
+    pub fn upload(
+        &self,
+        shape: Shape,
+        data: &[f64],
+        dtype: DType,
+        category: Category,
+    ) -> Result<Tensor> {
+        if shape.numel() != data.len() {
+            return Err(crate::Error::Shape(format!(
+                "{} values do not fill a tensor of shape {shape}",
+                data.len()
+            )));
+        }
+        let lease = self
+            .inner
+            .allocator
+            .lease((data.len() * dtype.size()) as u64, category)?;
+        Ok(Tensor::from_buffer(
+            shape,
+            self.backend().upload(data, dtype),
+            lease,
+        ))
+    }
+}

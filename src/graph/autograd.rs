@@ -1,0 +1,236 @@
+//! Forward and backward over a range of a graph's nodes (the whole graph, or one pipeline
+//! stage). Forward frees each value after its last use unless backward saved it; backward runs
+//! in reverse and drops each node's saved tensors as soon as it has used them.
+
+use std::ops::Range;
+
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use rand_distr::{Distribution, Normal};
+
+use super::{Graph, ValueId};
+use crate::backend::cpu::splitmix64;
+use crate::backend::Device;
+use crate::memory::Category;
+use crate::ops::{Backward, Ctx, Init, Saved};
+use crate::tensor::{DType, Shape, Tensor};
+use crate::{Error, Result};
+
+/// Parameter values (trainable ones and buffers) and gradients, indexed like `Graph::params`.
+pub struct Params {
+    pub values: Vec<Tensor>,
+    /// `Some` for trainable parameters.
+    pub grads: Vec<Option<Tensor>>,
+}
+
+impl Params {
+    /// Initial values drawn in parameter order from `seed`; zero gradients.
+    pub fn init(graph: &Graph, device: &Device, dtype: DType, seed: u64) -> Result<Params> {
+        let mut rng = ChaCha8Rng::seed_from_u64(seed);
+        let mut values = Vec::with_capacity(graph.params.len());
+        let mut grads = Vec::with_capacity(graph.params.len());
+        for p in &graph.params {
+            let n = p.spec.shape.numel();
+            let data: Vec<f64> = match p.spec.init {
+                Init::Zeros => vec![0.0; n],
+                Init::Ones => vec![1.0; n],
+                Init::Normal(std) => {
+                    let d = Normal::new(0.0, std).map_err(|e| Error::Internal(e.to_string()))?;
+                    (0..n).map(|_| d.sample(&mut rng)).collect()
+                }
+                Init::Uniform(b) => (0..n).map(|_| rng.random_range(-b..b)).collect(),
+            };
+            values.push(device.upload(p.spec.shape.clone(), &data, dtype, Category::Weights)?);
+            grads.push(if p.spec.trainable {
+                Some(device.zeros(p.spec.shape.clone(), dtype, Category::Gradients)?)
+            } else {
+                None
+            });
+        }
+        Ok(Params { values, grads })
+    }
+
+    pub fn zero_grads(&mut self, device: &Device) -> Result<()> {
+        for g in self.grads.iter_mut().flatten() {
+            device.backend().fill(g.storage_mut()?, 0.0)?;
+        }
+        Ok(())
+    }
+}
+
+/// What a training forward leaves for backward.
+pub struct Tape {
+    nodes: Range<usize>,
+    saved: Vec<Option<Saved>>,
+    /// Input shapes (batch included) of each node.
+    input_shapes: Vec<Vec<Shape>>,
+    requires_grad: Vec<bool>,
+    seed: u64,
+}
+
+/// The seed of node `node`'s randomness in the pass seeded `seed`.
+fn node_seed(seed: u64, node: usize) -> u64 {
+    splitmix64(seed ^ splitmix64(node as u64 + 1))
+}
+
+/// Runs `nodes` of `graph` from `feeds`, returning the values in `keep`. With `training`, the
+/// tape holds what backward needs; `input_grads` makes the fed values want gradients (a
+/// pipeline stage sends them upstream).
+#[allow(clippy::too_many_arguments)]
+pub fn forward(
+    graph: &Graph,
+    params: &mut Params,
+    device: &Device,
+    feeds: Vec<(ValueId, Tensor)>,
+    nodes: Range<usize>,
+    keep: &[ValueId],
+    training: bool,
+    input_grads: bool,
+    seed: u64,
+) -> Result<(Vec<Tensor>, Tape)> {
+    let nv = graph.values.len();
+    let mut values: Vec<Option<Tensor>> = vec![None; nv];
+    let mut uses = vec![0usize; nv];
+    let mut requires_grad = vec![false; nv];
+    for n in &graph.nodes[nodes.clone()] {
+        n.inputs.iter().for_each(|&v| uses[v] += 1);
+    }
+    for (v, t) in feeds {
+        requires_grad[v] = input_grads;
+        values[v] = Some(t);
+    }
+    let mut tape = Tape {
+        nodes: nodes.clone(),
+        saved: Vec::with_capacity(nodes.len()),
+        input_shapes: Vec::with_capacity(nodes.len()),
+        requires_grad: Vec::new(),
+        seed,
+    };
+    for id in nodes {
+        let node = &graph.nodes[id];
+        let ins: Vec<&Tensor> = node
+            .inputs
+            .iter()
+            .map(|&v| {
+                values[v].as_ref().ok_or_else(|| {
+                    Error::Internal(format!("{}: input %{v} is not available", node.name))
+                })
+            })
+            .collect::<Result<_>>()?;
+        let ctx = Ctx {
+            device,
+            training,
+            seed: node_seed(seed, id),
+        };
+        let (y, saved) =
+            node.op
+                .get()
+                .forward(&ctx, &ins, &mut params.values[node.params.clone()])?;
+        if training {
+            tape.input_shapes
+                .push(ins.iter().map(|t| t.shape().clone()).collect());
+            tape.saved.push(Some(saved));
+        }
+        let has_trainable = node.params.clone().any(|p| graph.params[p].spec.trainable);
+        requires_grad[node.output] = has_trainable || node.inputs.iter().any(|&v| requires_grad[v]);
+        values[node.output] = Some(y);
+        for &v in &node.inputs {
+            uses[v] -= 1;
+            if uses[v] == 0 && !keep.contains(&v) {
+                values[v] = None;
+            }
+        }
+    }
+    tape.requires_grad = requires_grad;
+    let out = keep
+        .iter()
+        .map(|&v| {
+            values[v]
+                .clone()
+                .ok_or_else(|| Error::Internal(format!("value %{v} was not computed")))
+        })
+        .collect::<Result<_>>()?;
+    Ok((out, tape))
+}
+
+/// Adds `g` into `slot`, in place when a buffer is not shared.
+fn accumulate(device: &Device, slot: &mut Option<Tensor>, g: Tensor) -> Result<()> {
+    let Some(mut acc) = slot.take() else {
+        *slot = Some(g);
+        return Ok(());
+    };
+    let mut g = g;
+    let be = device.backend();
+    if let Ok(s) = acc.storage_mut() {
+        be.add_assign(s, g.storage())?;
+    } else if let Ok(s) = g.storage_mut() {
+        be.add_assign(s, acc.storage())?;
+        acc = g;
+    } else {
+        let mut sum = device.zeros(acc.shape().clone(), acc.dtype(), Category::Activations)?;
+        be.add(acc.storage(), g.storage(), sum.storage_mut()?)?;
+        acc = sum;
+    }
+    *slot = Some(acc);
+    Ok(())
+}
+
+/// Back-propagates `seeds` (gradients of values the forward produced) through the tape,
+/// adding parameter gradients into `params.grads`; returns the gradients of `want`.
+pub fn backward(
+    graph: &Graph,
+    params: &mut Params,
+    device: &Device,
+    mut tape: Tape,
+    seeds: Vec<(ValueId, Tensor)>,
+    want: &[ValueId],
+) -> Result<Vec<Option<Tensor>>> {
+    let mut grads: Vec<Option<Tensor>> = vec![None; graph.values.len()];
+    for (v, g) in seeds {
+        accumulate(device, &mut grads[v], g)?;
+    }
+    for (i, id) in tape.nodes.clone().enumerate().rev() {
+        let node = &graph.nodes[id];
+        let saved = tape.saved[i].take().unwrap_or_default();
+        let Some(dy) = grads[node.output].take() else {
+            continue;
+        };
+        let need: Vec<bool> = node.inputs.iter().map(|&v| tape.requires_grad[v]).collect();
+        let trainable: Vec<usize> = node
+            .params
+            .clone()
+            .filter(|&p| params.grads[p].is_some())
+            .collect();
+        if trainable.is_empty() && !need.contains(&true) {
+            continue;
+        }
+        let mut pgrads: Vec<Tensor> = trainable
+            .iter()
+            .map(|&p| params.grads[p].take().expect("trainable"))
+            .collect();
+        let ctx = Ctx {
+            device,
+            training: true,
+            seed: node_seed(tape.seed, id),
+        };
+        let b = Backward {
+            saved,
+            dy,
+            inputs: &tape.input_shapes[i],
+            need: &need,
+        };
+        let result =
+            node.op
+                .get()
+                .backward(&ctx, b, &params.values[node.params.clone()], &mut pgrads);
+        for (&p, g) in trainable.iter().zip(pgrads) {
+            params.grads[p] = Some(g);
+        }
+        for ((&v, g), &needed) in node.inputs.iter().zip(result?).zip(&need) {
+            if let (Some(g), true) = (g, needed) {
+                accumulate(device, &mut grads[v], g)?;
+            }
+        }
+    }
+    Ok(want.iter().map(|&v| grads[v].take()).collect())
+}

@@ -1,0 +1,160 @@
+//! Building a graph from nested blocks.
+
+use super::{Block, BlockId, Graph, Node, Output, Param, Value, ValueId};
+use crate::ops::conv::Conv2d;
+use crate::ops::{activation, dropout, elementwise, linear, norm, pool, shape, Op};
+use crate::tensor::Shape;
+use crate::{Error, Result};
+
+/// Appends nodes to a graph inside the block currently open.
+pub struct GraphBuilder {
+    g: Graph,
+    current: BlockId,
+}
+
+impl GraphBuilder {
+    /// A graph named `name` whose input has the per-sample shape `input`.
+    pub fn new(name: &str, kind: &str, input: Shape) -> (Self, ValueId) {
+        let g = Graph {
+            name: name.to_string(),
+            input: 0,
+            values: vec![Value {
+                shape: input,
+                producer: None,
+                consumers: vec![],
+            }],
+            nodes: vec![],
+            params: vec![],
+            blocks: vec![Block {
+                name: name.to_string(),
+                kind: kind.to_string(),
+                parent: None,
+                children: vec![],
+                nodes: vec![],
+            }],
+            outputs: vec![],
+        };
+        (GraphBuilder { g, current: 0 }, 0)
+    }
+
+    pub fn shape(&self, v: ValueId) -> &Shape {
+        &self.g.values[v].shape
+    }
+
+    /// Runs `f` inside a child block named `name`.
+    pub fn block<R>(
+        &mut self,
+        name: impl Into<String>,
+        kind: &str,
+        f: impl FnOnce(&mut Self) -> Result<R>,
+    ) -> Result<R> {
+        let id = self.g.blocks.len();
+        self.g.blocks.push(Block {
+            name: name.into(),
+            kind: kind.to_string(),
+            parent: Some(self.current),
+            children: vec![],
+            nodes: vec![],
+        });
+        self.g.blocks[self.current].children.push(id);
+        let parent = std::mem::replace(&mut self.current, id);
+        let r = f(self);
+        self.current = parent;
+        r
+    }
+
+    /// Appends `op` applied to `inputs`; its parameters are named after the block path and `name`.
+    pub fn op(&mut self, name: &str, op: Op, inputs: &[ValueId]) -> Result<ValueId> {
+        let path = self.g.block_path(self.current);
+        let full = if path.is_empty() {
+            name.to_string()
+        } else {
+            format!("{path}.{name}")
+        };
+        let ins: Vec<&Shape> = inputs.iter().map(|&v| &self.g.values[v].shape).collect();
+        let out_shape = op.get().infer(&ins).map_err(|e| {
+            Error::Shape(format!("{}: {full} ({}): {e}", self.g.name, op.describe()))
+        })?;
+        let mut specs = op.get().params(&ins);
+        specs.sort_by_key(|s| !s.trainable);
+        let node_id = self.g.nodes.len();
+        let first = self.g.params.len();
+        for spec in specs {
+            self.g.params.push(Param {
+                name: format!("{full}.{}", spec.suffix),
+                spec,
+                node: node_id,
+            });
+        }
+        let out = self.g.values.len();
+        self.g.values.push(Value {
+            shape: out_shape,
+            producer: Some(node_id),
+            consumers: vec![],
+        });
+        for &v in inputs {
+            self.g.values[v].consumers.push(node_id);
+        }
+        self.g.nodes.push(Node {
+            name: full,
+            op,
+            inputs: inputs.to_vec(),
+            output: out,
+            params: first..self.g.params.len(),
+            block: self.current,
+        });
+        self.g.blocks[self.current].nodes.push(node_id);
+        Ok(out)
+    }
+
+    pub fn conv(&mut self, name: &str, x: ValueId, c: Conv2d) -> Result<ValueId> {
+        self.op(name, Op::Conv2d(c), &[x])
+    }
+    pub fn batchnorm(&mut self, name: &str, x: ValueId) -> Result<ValueId> {
+        self.op(name, Op::BatchNorm(norm::BatchNorm::default()), &[x])
+    }
+    pub fn relu(&mut self, name: &str, x: ValueId) -> Result<ValueId> {
+        self.op(name, Op::Relu(activation::Relu), &[x])
+    }
+    pub fn add(&mut self, name: &str, a: ValueId, b: ValueId) -> Result<ValueId> {
+        self.op(name, Op::Add(elementwise::Add), &[a, b])
+    }
+    pub fn max_pool(&mut self, name: &str, x: ValueId, w: pool::Window) -> Result<ValueId> {
+        self.op(name, Op::MaxPool(pool::MaxPool(w)), &[x])
+    }
+    pub fn avg_pool(&mut self, name: &str, x: ValueId, w: pool::Window) -> Result<ValueId> {
+        self.op(name, Op::AvgPool(pool::AvgPool(w)), &[x])
+    }
+    pub fn global_avg_pool(&mut self, name: &str, x: ValueId) -> Result<ValueId> {
+        self.op(name, Op::GlobalAvgPool(pool::GlobalAvgPool), &[x])
+    }
+    pub fn flatten(&mut self, name: &str, x: ValueId) -> Result<ValueId> {
+        self.op(name, Op::Flatten(shape::Flatten), &[x])
+    }
+    pub fn concat(&mut self, name: &str, xs: &[ValueId]) -> Result<ValueId> {
+        self.op(name, Op::Concat(shape::Concat), xs)
+    }
+    pub fn dropout(&mut self, name: &str, x: ValueId, p: f64) -> Result<ValueId> {
+        self.op(name, Op::Dropout(dropout::Dropout { p }), &[x])
+    }
+    /// A fully connected layer from a flat input.
+    pub fn linear(&mut self, name: &str, x: ValueId, d_out: usize, bias: bool) -> Result<ValueId> {
+        let d_in = self.shape(x).numel();
+        self.op(name, Op::Linear(linear::Linear { d_in, d_out, bias }), &[x])
+    }
+
+    /// The finished graph with its loss outputs; checks that parameter names are unique.
+    pub fn finish(mut self, outputs: Vec<Output>) -> Result<Graph> {
+        let mut names = std::collections::HashSet::new();
+        for p in &self.g.params {
+            if !names.insert(p.name.as_str()) {
+                return Err(Error::Internal(format!(
+                    "{}: parameter name {} used twice",
+                    self.g.name, p.name
+                )));
+            }
+        }
+        self.g.outputs = outputs;
+        Ok(self.g)
+    }
+}

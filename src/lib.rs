@@ -1,0 +1,36 @@
+//! gems: memory-aware model-parallel training of deep CNNs on very large images.
+//!
+//! Data flows top to bottom: `models` build a `graph`; `runtime` executes it on a `backend`
+//! `Device`, whose bytes are accounted by `memory`; `ops` hold each op's shapes, forward,
+//! backward and costs.
+
+pub mod backend;
+pub mod data;
+pub mod graph;
+pub mod memory;
+pub mod models;
+pub mod ops;
+pub mod runtime;
+pub mod tensor;
+pub mod train;
+
+pub use backend::Device;
+pub use memory::{Category, OutOfMemory};
+pub use tensor::{DType, Shape, Tensor};
+
+/// Everything that can go wrong on a user path.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error(transparent)]
+    OutOfMemory(#[from] OutOfMemory),
+    #[error("shape error: {0}")]
+    Shape(String),
+    #[error("{0}")]
+    Config(String),
+    #[error("internal error: {0}")]
+    Internal(String),
+    #[error(transparent)]
+    Io(#[from] std::io::Error),
+}
+
+pub type Result<T, E = Error> = std::result::Result<T, E>;

@@ -1,0 +1,285 @@
+//! The `gems` command line.
+
+use std::io::{IsTerminal, Write};
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Instant;
+
+use clap::{Args, Parser, Subcommand};
+use indicatif::{ProgressBar, ProgressStyle};
+
+use gems::memory::{human_bytes, parse_bytes, Category};
+use gems::runtime::optim::SgdConfig;
+use gems::runtime::schedule::{Decay, LrSchedule};
+use gems::train::{StepReport, TrainConfig, Trainer};
+use gems::{models, DType};
+
+#[derive(Parser)]
+#[command(
+    name = "gems",
+    version,
+    about = "Memory-aware model-parallel training of deep CNNs on very large images"
+)]
+struct Cli {
+    /// Worker threads for the CPU backend (default: all cores).
+    #[arg(long, global = true)]
+    threads: Option<usize>,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Train a model on one device.
+    Train(TrainArgs),
+    /// List the models with parameters, FLOPs and activation memory, or show one model's graph.
+    Models(ModelsArgs),
+}
+
+#[derive(Args)]
+struct TrainArgs {
+    #[arg(long, default_value = "resnet20v2")]
+    model: String,
+    /// Image side in pixels (square RGB images).
+    #[arg(long, default_value_t = 32)]
+    image_size: usize,
+    #[arg(long, default_value_t = 10)]
+    classes: usize,
+    #[arg(long, default_value_t = 32)]
+    batch_size: usize,
+    #[arg(long, default_value_t = 150)]
+    steps: usize,
+    /// Base learning rate.
+    #[arg(long, default_value_t = 0.1)]
+    lr: f64,
+    #[arg(long, default_value_t = 0.9)]
+    momentum: f64,
+    #[arg(long, default_value_t = 5e-4)]
+    weight_decay: f64,
+    #[arg(long)]
+    nesterov: bool,
+    /// constant, cosine, or step:EVERY:GAMMA.
+    #[arg(long, default_value = "cosine")]
+    schedule: Decay,
+    /// Steps of linear learning-rate warm-up.
+    #[arg(long, default_value_t = 10)]
+    warmup: usize,
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// f32 or f64.
+    #[arg(long, default_value = "f32")]
+    dtype: DType,
+    /// Device capacity, e.g. 2GiB (emulated on the CPU; default unlimited).
+    #[arg(long, value_parser = parse_bytes)]
+    device_memory: Option<u64>,
+    /// Write one JSON line per step to this file.
+    #[arg(long)]
+    metrics: Option<PathBuf>,
+}
+
+#[derive(Args)]
+struct ModelsArgs {
+    #[arg(long, default_value_t = 224)]
+    image_size: usize,
+    #[arg(long, default_value_t = 10)]
+    classes: usize,
+    /// Bytes per element for activation sizes: f32 or f64.
+    #[arg(long, default_value = "f32")]
+    dtype: DType,
+    /// Print this model's block tree and adjacency list.
+    #[arg(long, value_name = "NAME")]
+    graph: Option<String>,
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    if let Some(t) = cli.threads {
+        if let Err(e) = rayon::ThreadPoolBuilder::new()
+            .num_threads(t)
+            .build_global()
+        {
+            eprintln!("error: cannot start {t} threads: {e}");
+            return ExitCode::FAILURE;
+        }
+    }
+    let result = match cli.command {
+        Command::Train(a) => train(a),
+        Command::Models(a) => list_models(a),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn train(a: TrainArgs) -> anyhow::Result<()> {
+    if a.steps == 0 {
+        anyhow::bail!("--steps must be at least 1");
+    }
+    let config = TrainConfig {
+        model: a.model,
+        image_size: a.image_size,
+        classes: a.classes,
+        batch_size: a.batch_size,
+        steps: a.steps,
+        schedule: LrSchedule {
+            base: a.lr,
+            decay: a.schedule,
+            warmup: a.warmup,
+            total: a.steps,
+        },
+        sgd: SgdConfig {
+            momentum: a.momentum,
+            weight_decay: a.weight_decay,
+            nesterov: a.nesterov,
+        },
+        seed: a.seed,
+        dtype: a.dtype,
+        device_memory: a.device_memory,
+    };
+    let mut metrics = match &a.metrics {
+        Some(p) => Some(std::io::BufWriter::new(std::fs::File::create(p).map_err(
+            |e| anyhow::anyhow!("cannot write metrics to {}: {e}", p.display()),
+        )?)),
+        None => None,
+    };
+    let mut trainer = Trainer::new(config.clone())?;
+    let g = &trainer.graph;
+    println!(
+        "training {} ({} parameters, {:.2} GFLOPs/image) on {}², {} classes, batch {}, {} steps, {} on {}",
+        g.name,
+        g.parameter_count(),
+        g.flops_per_sample() as f64 / 1e9,
+        config.image_size,
+        config.classes,
+        config.batch_size,
+        config.steps,
+        config.dtype.name(),
+        trainer.device.backend().name(),
+    );
+    let bar = if std::io::stderr().is_terminal() {
+        let b = ProgressBar::new(config.steps as u64);
+        b.set_style(
+            ProgressStyle::with_template("{bar:30} {pos}/{len} {msg}").expect("static template"),
+        );
+        Some(b)
+    } else {
+        None
+    };
+    let started = Instant::now();
+    let mut history: Vec<StepReport> = Vec::with_capacity(config.steps);
+    for _ in 0..config.steps {
+        let r = trainer.step()?;
+        if let Some(m) = metrics.as_mut() {
+            let mut line = serde_json::to_value(&r)?;
+            line["images_per_s"] = (r.batch as f64 / r.seconds).into();
+            writeln!(m, "{line}")?;
+        }
+        let recent = &history[history.len().saturating_sub(9)..];
+        let (loss, acc) = window_stats(recent.iter().chain(std::iter::once(&r)));
+        let ips = r.batch as f64 / r.seconds;
+        let msg = format!(
+            "loss {loss:.4}  acc {:.1}%  {ips:.1} img/s  lr {:.4}",
+            100.0 * acc,
+            r.lr
+        );
+        match &bar {
+            Some(b) => {
+                b.set_message(msg);
+                b.inc(1);
+            }
+            None if (r.step + 1) % (config.steps / 10).max(1) == 0 => {
+                println!("step {:>5}/{}  {msg}", r.step + 1, config.steps)
+            }
+            None => {}
+        }
+        history.push(r);
+    }
+    if let Some(b) = bar {
+        b.finish_and_clear();
+    }
+    if let Some(mut m) = metrics {
+        m.flush()?;
+    }
+    let secs = started.elapsed().as_secs_f64();
+    let images: usize = history.iter().map(|r| r.batch).sum();
+    let tail = &history[history.len().saturating_sub(10)..];
+    let (loss, acc) = window_stats(tail.iter());
+    let mem = trainer.memory();
+    println!(
+        "done: {} steps, {images} images in {secs:.1} s",
+        history.len()
+    );
+    println!(
+        "  loss {loss:.4}, accuracy {:.1}% (mean of the last {} steps; chance is {:.1}%)",
+        100.0 * acc,
+        tail.len(),
+        100.0 / config.classes as f64
+    );
+    println!("  throughput {:.1} images/s", images as f64 / secs);
+    println!("  peak memory {}: {}", human_bytes(mem.peak), mem.at_peak);
+    if let Some(cap) = mem.capacity {
+        println!(
+            "  capacity {} ({:.0}% used at peak)",
+            human_bytes(cap),
+            100.0 * mem.peak as f64 / cap as f64
+        );
+    }
+    debug_assert_eq!(mem.live.get(Category::Activations), 0);
+    Ok(())
+}
+
+/// Mean loss and accuracy over reports.
+fn window_stats<'a>(rs: impl Iterator<Item = &'a StepReport>) -> (f64, f64) {
+    let (mut loss, mut correct, mut seen, mut n) = (0.0, 0, 0, 0);
+    for r in rs {
+        loss += r.loss;
+        correct += r.correct;
+        seen += r.batch;
+        n += 1;
+    }
+    (loss / n.max(1) as f64, correct as f64 / seen.max(1) as f64)
+}
+
+fn list_models(a: ModelsArgs) -> anyhow::Result<()> {
+    if let Some(name) = a.graph {
+        let g = models::build(&name, a.image_size, a.classes)?;
+        println!(
+            "{} at {}², {} classes: {} parameters\n",
+            g.name,
+            a.image_size,
+            a.classes,
+            g.parameter_count()
+        );
+        println!("blocks:\n{}", g.block_tree());
+        println!("adjacency list:\n{}", g.adjacency_list());
+        return Ok(());
+    }
+    println!(
+        "models at {}×{}, {} classes, {} activations:",
+        a.image_size,
+        a.image_size,
+        a.classes,
+        a.dtype.name()
+    );
+    println!(
+        "{:<14} {:>12} {:>14} {:>18}",
+        "model", "parameters", "GFLOPs/image", "activations/image"
+    );
+    for name in models::LISTED {
+        match models::build(name, a.image_size, a.classes) {
+            Ok(g) => println!(
+                "{:<14} {:>12} {:>14.3} {:>18}",
+                name,
+                g.parameter_count(),
+                g.flops_per_sample() as f64 / 1e9,
+                human_bytes(g.saved_bytes_per_sample(a.dtype))
+            ),
+            Err(e) => println!("{name:<14} {e}"),
+        }
+    }
+    Ok(())
+}

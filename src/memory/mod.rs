@@ -1,0 +1,285 @@
+//! Device memory accounting: every device byte is leased from an [`Allocator`] that knows its
+//! capacity, the live bytes by [`Category`], and the high-water mark.
+
+use std::fmt;
+use std::sync::{Arc, Mutex};
+
+/// What a block of device memory is for. The planner predicts bytes per category; the
+/// allocator measures them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Category {
+    Weights,
+    Gradients,
+    OptimizerState,
+    Activations,
+    Workspace,
+    Communication,
+}
+
+impl Category {
+    pub const ALL: [Category; 6] = [
+        Category::Weights,
+        Category::Gradients,
+        Category::OptimizerState,
+        Category::Activations,
+        Category::Workspace,
+        Category::Communication,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Category::Weights => "weights",
+            Category::Gradients => "gradients",
+            Category::OptimizerState => "optimizer",
+            Category::Activations => "activations",
+            Category::Workspace => "workspace",
+            Category::Communication => "communication",
+        }
+    }
+
+    fn index(self) -> usize {
+        self as usize
+    }
+}
+
+/// Bytes per category.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ByCategory(pub [u64; 6]);
+
+impl ByCategory {
+    pub fn get(&self, c: Category) -> u64 {
+        self.0[c.index()]
+    }
+    pub fn total(&self) -> u64 {
+        self.0.iter().sum()
+    }
+}
+
+impl fmt::Display for ByCategory {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let parts: Vec<String> = Category::ALL
+            .iter()
+            .filter(|c| self.get(**c) > 0)
+            .map(|c| format!("{} {}", c.name(), human_bytes(self.get(*c))))
+            .collect();
+        if parts.is_empty() {
+            write!(f, "nothing")
+        } else {
+            write!(f, "{}", parts.join(", "))
+        }
+    }
+}
+
+/// A request the allocator could not serve. Names the device, the request and what is live.
+#[derive(Debug, Clone, thiserror::Error)]
+#[error(
+    "{device}: out of memory: {category} request of {} exceeds the capacity of {} ({} live: {live})",
+    human_bytes(*requested),
+    human_bytes(*capacity),
+    human_bytes(live.total())
+)]
+pub struct OutOfMemory {
+    pub device: String,
+    pub requested: u64,
+    pub category: &'static str,
+    pub capacity: u64,
+    pub live: ByCategory,
+}
+
+#[derive(Debug, Default)]
+struct State {
+    live: ByCategory,
+    peak: u64,
+    at_peak: ByCategory,
+}
+
+/// Memory statistics of one device.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MemoryStats {
+    pub capacity: Option<u64>,
+    pub live: ByCategory,
+    /// High-water mark of live bytes.
+    pub peak: u64,
+    /// Live bytes by category at the moment of the peak.
+    pub at_peak: ByCategory,
+}
+
+/// Accounts leases against a capacity (`None`: unlimited).
+#[derive(Debug)]
+pub struct Allocator {
+    name: String,
+    capacity: Option<u64>,
+    state: Mutex<State>,
+}
+
+impl Allocator {
+    pub fn new(name: impl Into<String>, capacity: Option<u64>) -> Arc<Self> {
+        Arc::new(Allocator {
+            name: name.into(),
+            capacity,
+            state: Mutex::new(State::default()),
+        })
+    }
+
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    fn state(&self) -> std::sync::MutexGuard<'_, State> {
+        // A poisoned lock only means another thread panicked while counting; the numbers
+        // themselves are always consistent, so keep going.
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Reserves `bytes` for `category`; the lease gives them back when dropped.
+    pub fn lease(self: &Arc<Self>, bytes: u64, category: Category) -> Result<Lease, OutOfMemory> {
+        let mut s = self.state();
+        let total = s.live.total() + bytes;
+        if let Some(cap) = self.capacity {
+            if total > cap {
+                return Err(OutOfMemory {
+                    device: self.name.clone(),
+                    requested: bytes,
+                    category: category.name(),
+                    capacity: cap,
+                    live: s.live,
+                });
+            }
+        }
+        s.live.0[category.index()] += bytes;
+        if total > s.peak {
+            s.peak = total;
+            s.at_peak = s.live;
+        }
+        Ok(Lease {
+            allocator: Arc::clone(self),
+            bytes,
+            category,
+        })
+    }
+
+    pub fn stats(&self) -> MemoryStats {
+        let s = self.state();
+        MemoryStats {
+            capacity: self.capacity,
+            live: s.live,
+            peak: s.peak,
+            at_peak: s.at_peak,
+        }
+    }
+
+    /// Starts a new peak measurement from what is live now.
+    pub fn reset_peak(&self) {
+        let mut s = self.state();
+        s.peak = s.live.total();
+        s.at_peak = s.live;
+    }
+}
+
+/// Bytes held from an allocator; returned on drop.
+#[derive(Debug)]
+pub struct Lease {
+    allocator: Arc<Allocator>,
+    bytes: u64,
+    category: Category,
+}
+
+impl Lease {
+    pub fn bytes(&self) -> u64 {
+        self.bytes
+    }
+    pub fn category(&self) -> Category {
+        self.category
+    }
+}
+
+impl Drop for Lease {
+    fn drop(&mut self) {
+        self.allocator.state().live.0[self.category.index()] -= self.bytes;
+    }
+}
+
+/// `1.5 MiB`, `12.0 GiB`.
+pub fn human_bytes(b: u64) -> String {
+    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut v = b as f64;
+    let mut u = 0;
+    while v >= 1024.0 && u + 1 < UNITS.len() {
+        v /= 1024.0;
+        u += 1;
+    }
+    if u == 0 {
+        format!("{b} B")
+    } else {
+        format!("{v:.2} {}", UNITS[u])
+    }
+}
+
+/// Parses `2GiB`, `512MiB`, `1.5GB`, `1000000` (bytes).
+pub fn parse_bytes(s: &str) -> Result<u64, String> {
+    let t = s.trim();
+    let split = t.find(|c: char| c.is_ascii_alphabetic()).unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let v: f64 = num
+        .trim()
+        .parse()
+        .map_err(|_| format!("'{s}' is not a size (examples: 2GiB, 512MiB, 80GB)"))?;
+    let mult: f64 = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 1.0,
+        "k" | "kib" => 1024.0,
+        "kb" => 1e3,
+        "m" | "mib" => 1024.0 * 1024.0,
+        "mb" => 1e6,
+        "g" | "gib" => 1024.0 * 1024.0 * 1024.0,
+        "gb" => 1e9,
+        "t" | "tib" => 1024f64.powi(4),
+        "tb" => 1e12,
+        other => {
+            return Err(format!(
+                "unknown size unit '{other}' in '{s}' (use B, KiB, MiB, GiB, KB, MB, GB)"
+            ))
+        }
+    };
+    if !(v.is_finite() && v >= 0.0) {
+        return Err(format!("'{s}' is not a size"));
+    }
+    Ok((v * mult).round() as u64)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn leases_count_by_category_and_peak() {
+        let a = Allocator::new("test", Some(1000));
+        let w = a.lease(300, Category::Weights).unwrap();
+        let x = a.lease(500, Category::Activations).unwrap();
+        assert_eq!(a.stats().live.total(), 800);
+        let err = a.lease(300, Category::Workspace).unwrap_err();
+        assert_eq!(err.requested, 300);
+        assert_eq!(err.live.get(Category::Activations), 500);
+        assert!(
+            err.to_string().contains("workspace request of 300 B"),
+            "{err}"
+        );
+        drop(x);
+        let _y = a.lease(600, Category::Workspace).unwrap();
+        let s = a.stats();
+        assert_eq!(s.peak, 900);
+        assert_eq!(s.at_peak.get(Category::Workspace), 600);
+        assert_eq!(s.at_peak.get(Category::Activations), 0);
+        drop(w);
+        assert_eq!(a.stats().live.total(), 600);
+    }
+
+    #[test]
+    fn parses_sizes() {
+        assert_eq!(parse_bytes("2GiB").unwrap(), 2 << 30);
+        assert_eq!(parse_bytes("1.5 MiB").unwrap(), 1572864);
+        assert_eq!(parse_bytes("80GB").unwrap(), 80_000_000_000);
+        assert_eq!(parse_bytes("4096").unwrap(), 4096);
+        assert!(parse_bytes("lots").is_err());
+        assert!(parse_bytes("3 parsecs").is_err());
+    }
+}

@@ -1,0 +1,35 @@
+//! Model builders. Each builds a graph from nested blocks for a given image size and number
+//! of classes, and refuses configurations its architecture cannot take.
+
+pub mod resnet;
+
+use crate::graph::Graph;
+use crate::{Error, Result};
+
+/// Named models `gems models` lists (any valid depth of a family is accepted by [`build`]).
+pub const LISTED: &[&str] = &[
+    "resnet20v1",
+    "resnet56v1",
+    "resnet110v1",
+    "resnet20v2",
+    "resnet56v2",
+    "resnet110v2",
+    "resnet164v2",
+    "resnet1001v2",
+];
+
+/// Builds the model called `name` for `image_size`² RGB images and `classes` classes.
+pub fn build(name: &str, image_size: usize, classes: usize) -> Result<Graph> {
+    if classes < 2 {
+        return Err(Error::Config(format!(
+            "{name}: a classifier needs at least 2 classes, got {classes}"
+        )));
+    }
+    if let Some(spec) = resnet::ResNetSpec::parse(name)? {
+        return resnet::build(name, &spec, image_size, classes);
+    }
+    Err(Error::Config(format!(
+        "unknown model '{name}' (known: {}, or resnet<9n+2>v2 / resnet<6n+2>v1)",
+        LISTED.join(", ")
+    )))
+}

@@ -1,0 +1,54 @@
+//! ReLU. Backward reads the saved output (y > 0 exactly where x > 0).
+
+use super::{Backward, Ctx, Operator, Saved, SavesFor};
+use crate::tensor::{Shape, Tensor};
+use crate::Result;
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct Relu;
+
+impl Operator for Relu {
+    fn infer(&self, inputs: &[&Shape]) -> std::result::Result<Shape, String> {
+        Ok(inputs[0].clone())
+    }
+
+    fn forward(
+        &self,
+        ctx: &Ctx,
+        xs: &[&Tensor],
+        _params: &mut [Tensor],
+    ) -> Result<(Tensor, Saved)> {
+        let mut y = ctx.activation(xs[0].shape().clone(), xs[0])?;
+        ctx.device
+            .backend()
+            .relu_forward(xs[0].storage(), y.storage_mut()?)?;
+        let saved = Saved(vec![y.clone()]);
+        Ok((y, saved))
+    }
+
+    fn backward(
+        &self,
+        ctx: &Ctx,
+        b: Backward,
+        _params: &[Tensor],
+        _grads: &mut [Tensor],
+    ) -> Result<Vec<Option<Tensor>>> {
+        let y = &b.saved.0[0];
+        let mut dx = ctx.activation(y.shape().clone(), y)?;
+        ctx.device
+            .backend()
+            .relu_backward(y.storage(), b.dy.storage(), dx.storage_mut()?)?;
+        Ok(vec![Some(dx)])
+    }
+
+    fn flops(&self, _inputs: &[&Shape], output: &Shape) -> u64 {
+        output.numel() as u64
+    }
+
+    fn saves(&self, _inputs: &[&Shape]) -> SavesFor {
+        SavesFor {
+            output: true,
+            ..Default::default()
+        }
+    }
+}

@@ -1,0 +1,191 @@
+//! 2-d convolution (stride, padding, dilation, groups; NCHW; optional bias).
+
+use std::fmt;
+
+use super::{chw, window_out, Backward, Ctx, Init, Operator, ParamSpec, Saved, SavesFor};
+use crate::backend::{ChannelGeom, ConvGeom};
+use crate::tensor::{Shape, Tensor};
+use crate::Result;
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct Conv2d {
+    pub c_out: usize,
+    pub kernel: (usize, usize),
+    pub stride: (usize, usize),
+    pub pad: (usize, usize),
+    pub dilation: (usize, usize),
+    pub groups: usize,
+    pub bias: bool,
+}
+
+impl Conv2d {
+    /// A square k×k convolution without bias.
+    pub fn new(c_out: usize, k: usize, stride: usize, pad: usize) -> Self {
+        Conv2d {
+            c_out,
+            kernel: (k, k),
+            stride: (stride, stride),
+            pad: (pad, pad),
+            dilation: (1, 1),
+            groups: 1,
+            bias: false,
+        }
+    }
+
+    pub fn geom(&self, x: &Shape) -> Result<ConvGeom> {
+        let (n, c_in, h, w) = x.nchw();
+        let out = self
+            .infer(&[&Shape::new([c_in, h, w])])
+            .map_err(crate::Error::Shape)?;
+        Ok(ConvGeom {
+            n,
+            c_in,
+            h,
+            w,
+            c_out: self.c_out,
+            kh: self.kernel.0,
+            kw: self.kernel.1,
+            stride: self.stride,
+            pad: self.pad,
+            dilation: self.dilation,
+            groups: self.groups,
+            h_out: out.dim(1),
+            w_out: out.dim(2),
+        })
+    }
+}
+
+impl fmt::Display for Conv2d {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "conv {}x{}", self.kernel.0, self.kernel.1)?;
+        if self.stride != (1, 1) {
+            write!(f, "/{}", self.stride.0)?;
+        }
+        if self.dilation != (1, 1) {
+            write!(f, " dil {}", self.dilation.0)?;
+        }
+        if self.groups != 1 {
+            write!(f, " groups {}", self.groups)?;
+        }
+        write!(f, " ->{}", self.c_out)
+    }
+}
+
+impl Operator for Conv2d {
+    fn infer(&self, inputs: &[&Shape]) -> std::result::Result<Shape, String> {
+        let (c, h, w) = chw(inputs[0])?;
+        if self.groups == 0 || c % self.groups != 0 || self.c_out % self.groups != 0 {
+            return Err(format!(
+                "{} input and {} output channels are not divisible into {} groups",
+                c, self.c_out, self.groups
+            ));
+        }
+        if self.stride.0 == 0 || self.stride.1 == 0 || self.kernel.0 == 0 || self.kernel.1 == 0 {
+            return Err("kernel and stride must be positive".into());
+        }
+        let ho = window_out(h, self.kernel.0, self.stride.0, self.pad.0, self.dilation.0)?;
+        let wo = window_out(w, self.kernel.1, self.stride.1, self.pad.1, self.dilation.1)?;
+        Ok(Shape::new([self.c_out, ho, wo]))
+    }
+
+    fn params(&self, inputs: &[&Shape]) -> Vec<ParamSpec> {
+        let c_in = inputs[0].dim(0);
+        let (kh, kw) = self.kernel;
+        // torchvision's ResNet init: Kaiming normal, fan-out, for ReLU.
+        let std = (2.0 / (self.c_out * kh * kw) as f64).sqrt();
+        let mut p = vec![ParamSpec {
+            suffix: "weight",
+            shape: Shape::new([self.c_out, c_in / self.groups, kh, kw]),
+            init: Init::Normal(std),
+            trainable: true,
+        }];
+        if self.bias {
+            p.push(ParamSpec {
+                suffix: "bias",
+                shape: Shape::new([self.c_out]),
+                init: Init::Zeros,
+                trainable: true,
+            });
+        }
+        p
+    }
+
+    fn forward(&self, ctx: &Ctx, xs: &[&Tensor], params: &mut [Tensor]) -> Result<(Tensor, Saved)> {
+        let x = xs[0];
+        let g = self.geom(x.shape())?;
+        let be = ctx.device.backend();
+        let mut y = ctx.activation(Shape::new([g.n, g.c_out, g.h_out, g.w_out]), x)?;
+        let mut ws = ctx.workspace(be.conv2d_workspace(&g), x)?;
+        be.conv2d_forward(
+            x.storage(),
+            params[0].storage(),
+            y.storage_mut()?,
+            ws.storage_mut()?,
+            &g,
+        )?;
+        if self.bias {
+            let cg = ChannelGeom {
+                n: g.n,
+                c: g.c_out,
+                hw: g.h_out * g.w_out,
+            };
+            be.add_channel_bias(y.storage_mut()?, params[1].storage(), &cg)?;
+        }
+        Ok((y, Saved(vec![x.clone()])))
+    }
+
+    fn backward(
+        &self,
+        ctx: &Ctx,
+        b: Backward,
+        params: &[Tensor],
+        grads: &mut [Tensor],
+    ) -> Result<Vec<Option<Tensor>>> {
+        let (x, dy) = (&b.saved.0[0], &b.dy);
+        let g = self.geom(x.shape())?;
+        let be = ctx.device.backend();
+        let mut ws = ctx.workspace(be.conv2d_workspace(&g), x)?;
+        be.conv2d_backward_filter(
+            x.storage(),
+            dy.storage(),
+            grads[0].storage_mut()?,
+            ws.storage_mut()?,
+            &g,
+        )?;
+        if self.bias {
+            let cg = ChannelGeom {
+                n: g.n,
+                c: g.c_out,
+                hw: g.h_out * g.w_out,
+            };
+            be.channel_sum(dy.storage(), grads[1].storage_mut()?, &cg)?;
+        }
+        let dx = if b.need[0] {
+            let mut dx = ctx.activation(b.inputs[0].clone(), x)?;
+            be.conv2d_backward_data(
+                dy.storage(),
+                params[0].storage(),
+                dx.storage_mut()?,
+                ws.storage_mut()?,
+                &g,
+            )?;
+            Some(dx)
+        } else {
+            None
+        };
+        Ok(vec![dx])
+    }
+
+    fn flops(&self, inputs: &[&Shape], output: &Shape) -> u64 {
+        let c_in = inputs[0].dim(0) / self.groups;
+        let macs = output.numel() * c_in * self.kernel.0 * self.kernel.1;
+        2 * macs as u64 + if self.bias { output.numel() as u64 } else { 0 }
+    }
+
+    fn saves(&self, _inputs: &[&Shape]) -> SavesFor {
+        SavesFor {
+            inputs: true,
+            ..Default::default()
+        }
+    }
+}

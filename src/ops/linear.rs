@@ -1,0 +1,126 @@
+//! Fully connected layer: y = x·Wᵀ + b with W of shape (out, in), as in PyTorch.
+
+use super::{Backward, Ctx, Init, Operator, ParamSpec, Saved, SavesFor};
+use crate::backend::ChannelGeom;
+use crate::tensor::{Shape, Tensor};
+use crate::Result;
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct Linear {
+    pub d_in: usize,
+    pub d_out: usize,
+    pub bias: bool,
+}
+
+impl Operator for Linear {
+    fn infer(&self, inputs: &[&Shape]) -> std::result::Result<Shape, String> {
+        match inputs[0].dims() {
+            [d] if *d == self.d_in => Ok(Shape::new([self.d_out])),
+            _ => Err(format!(
+                "linear expects [{}] per sample, got {}",
+                self.d_in, inputs[0]
+            )),
+        }
+    }
+
+    fn params(&self, _inputs: &[&Shape]) -> Vec<ParamSpec> {
+        // PyTorch's default: U(-1/√in, 1/√in) for weight and bias.
+        let bound = 1.0 / (self.d_in as f64).sqrt();
+        let mut p = vec![ParamSpec {
+            suffix: "weight",
+            shape: Shape::new([self.d_out, self.d_in]),
+            init: Init::Uniform(bound),
+            trainable: true,
+        }];
+        if self.bias {
+            p.push(ParamSpec {
+                suffix: "bias",
+                shape: Shape::new([self.d_out]),
+                init: Init::Uniform(bound),
+                trainable: true,
+            });
+        }
+        p
+    }
+
+    fn forward(&self, ctx: &Ctx, xs: &[&Tensor], params: &mut [Tensor]) -> Result<(Tensor, Saved)> {
+        let x = xs[0];
+        let n = x.shape().dim(0);
+        let be = ctx.device.backend();
+        let mut y = ctx.activation(Shape::new([n, self.d_out]), x)?;
+        be.linear_forward(
+            x.storage(),
+            params[0].storage(),
+            y.storage_mut()?,
+            n,
+            self.d_in,
+            self.d_out,
+        )?;
+        if self.bias {
+            be.add_channel_bias(
+                y.storage_mut()?,
+                params[1].storage(),
+                &ChannelGeom {
+                    n,
+                    c: self.d_out,
+                    hw: 1,
+                },
+            )?;
+        }
+        Ok((y, Saved(vec![x.clone()])))
+    }
+
+    fn backward(
+        &self,
+        ctx: &Ctx,
+        b: Backward,
+        params: &[Tensor],
+        grads: &mut [Tensor],
+    ) -> Result<Vec<Option<Tensor>>> {
+        let x = &b.saved.0[0];
+        let n = x.shape().dim(0);
+        let be = ctx.device.backend();
+        let mut dx = if b.need[0] {
+            Some(ctx.activation(x.shape().clone(), x)?)
+        } else {
+            None
+        };
+        let dx_storage = match dx.as_mut() {
+            Some(t) => Some(t.storage_mut()?),
+            None => None,
+        };
+        be.linear_backward(
+            x.storage(),
+            params[0].storage(),
+            b.dy.storage(),
+            dx_storage,
+            grads[0].storage_mut()?,
+            n,
+            self.d_in,
+            self.d_out,
+        )?;
+        if self.bias {
+            be.channel_sum(
+                b.dy.storage(),
+                grads[1].storage_mut()?,
+                &ChannelGeom {
+                    n,
+                    c: self.d_out,
+                    hw: 1,
+                },
+            )?;
+        }
+        Ok(vec![dx])
+    }
+
+    fn flops(&self, _inputs: &[&Shape], _output: &Shape) -> u64 {
+        (2 * self.d_in * self.d_out + if self.bias { self.d_out } else { 0 }) as u64
+    }
+
+    fn saves(&self, _inputs: &[&Shape]) -> SavesFor {
+        SavesFor {
+            inputs: true,
+            ..Default::default()
+        }
+    }
+}

@@ -1,0 +1,86 @@
+//! Softmax cross-entropy on logits (N × K), the mean over the batch. Not a graph op: the
+//! trainer applies it to each graph output with that output's weight.
+
+use crate::backend::Device;
+use crate::tensor::Tensor;
+use crate::{Error, Result};
+
+/// The mean loss and the softmax probabilities (kept for backward and accuracy).
+pub fn softmax_cross_entropy(
+    device: &Device,
+    logits: &Tensor,
+    labels: &[u32],
+) -> Result<(f64, Tensor)> {
+    let (n, k) = match logits.shape().dims() {
+        [n, k] => (*n, *k),
+        _ => {
+            return Err(Error::Shape(format!(
+                "logits must be N×K, got {}",
+                logits.shape()
+            )))
+        }
+    };
+    if labels.len() != n {
+        return Err(Error::Shape(format!(
+            "{} labels for a batch of {n}",
+            labels.len()
+        )));
+    }
+    if let Some(&bad) = labels.iter().find(|&&l| l as usize >= k) {
+        return Err(Error::Config(format!(
+            "label {bad} is out of range for {k} classes"
+        )));
+    }
+    let mut probs = device.zeros(
+        logits.shape().clone(),
+        logits.dtype(),
+        crate::Category::Activations,
+    )?;
+    let loss = device.backend().softmax_cross_entropy(
+        logits.storage(),
+        labels,
+        probs.storage_mut()?,
+        n,
+        k,
+    )?;
+    Ok((loss, probs))
+}
+
+/// d(weight · mean loss)/d logits.
+pub fn softmax_cross_entropy_backward(
+    device: &Device,
+    probs: &Tensor,
+    labels: &[u32],
+    weight: f64,
+) -> Result<Tensor> {
+    let (n, k) = (probs.shape().dim(0), probs.shape().dim(1));
+    let mut d = device.zeros(
+        probs.shape().clone(),
+        probs.dtype(),
+        crate::Category::Activations,
+    )?;
+    device.backend().softmax_cross_entropy_backward(
+        probs.storage(),
+        labels,
+        d.storage_mut()?,
+        weight / n as f64,
+        n,
+        k,
+    )?;
+    Ok(d)
+}
+
+/// How many rows have their largest probability at the label.
+pub fn correct(probs: &Tensor, labels: &[u32]) -> usize {
+    let k = probs.shape().dim(1);
+    let p = probs.to_f64_vec();
+    labels
+        .iter()
+        .enumerate()
+        .filter(|&(i, &l)| {
+            let row = &p[i * k..(i + 1) * k];
+            let best = (0..k).fold(0, |b, j| if row[j] > row[b] { j } else { b });
+            best == l as usize
+        })
+        .count()
+}

@@ -1,0 +1,192 @@
+//! One file per op family: shape inference, parameters, forward, backward and cost. Ops decide
+//! shapes and allocate through the device; the backend computes. Shapes in the graph are per
+//! sample (no batch dimension); tensors carry the batch as their first dimension.
+
+pub mod activation;
+pub mod conv;
+pub mod dropout;
+pub mod elementwise;
+pub mod linear;
+pub mod loss;
+pub mod norm;
+pub mod pool;
+pub mod shape;
+
+use crate::backend::Device;
+use crate::memory::Category;
+use crate::tensor::{Shape, Tensor};
+use crate::Result;
+
+/// How a parameter starts.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Init {
+    Zeros,
+    Ones,
+    /// Normal(0, std²).
+    Normal(f64),
+    /// Uniform(-bound, bound).
+    Uniform(f64),
+}
+
+/// A parameter an op owns: `suffix` completes its dotted name (`weight`, `running_mean`).
+/// Buffers (running statistics) are state, not trained.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ParamSpec {
+    pub suffix: &'static str,
+    pub shape: Shape,
+    pub init: Init,
+    pub trainable: bool,
+}
+
+/// What forward needs to keep for backward.
+#[derive(Debug, Default)]
+pub struct Saved(pub Vec<Tensor>);
+
+/// What an op saves for backward, so memory can be predicted from the graph.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SavesFor {
+    /// Its inputs (shared with whoever else saves them).
+    pub inputs: bool,
+    /// Its output.
+    pub output: bool,
+    /// Elements of its own per sample (a dropout mask).
+    pub per_sample: usize,
+    /// Elements of its own per batch (batch statistics).
+    pub per_batch: usize,
+}
+
+/// What backward starts from.
+pub struct Backward<'a> {
+    pub saved: Saved,
+    /// Gradient of the output.
+    pub dy: Tensor,
+    /// Shapes of the inputs, batch included.
+    pub inputs: &'a [Shape],
+    /// Which inputs want a gradient.
+    pub need: &'a [bool],
+}
+
+/// Everything forward and backward need besides tensors.
+pub struct Ctx<'a> {
+    pub device: &'a Device,
+    pub training: bool,
+    /// Seed for this op's randomness in this pass (dropout).
+    pub seed: u64,
+}
+
+impl Ctx<'_> {
+    /// A fresh activation (or activation gradient) tensor.
+    pub fn activation(&self, shape: Shape, like: &Tensor) -> Result<Tensor> {
+        self.device
+            .zeros(shape, like.dtype(), Category::Activations)
+    }
+    /// Scratch space that lives for one kernel call.
+    pub fn workspace(&self, elements: usize, like: &Tensor) -> Result<Tensor> {
+        self.device
+            .zeros(Shape::new([elements]), like.dtype(), Category::Workspace)
+    }
+}
+
+/// The interface of every op.
+pub trait Operator {
+    /// Output shape (per sample) from input shapes, or why they are not accepted.
+    fn infer(&self, inputs: &[&Shape]) -> std::result::Result<Shape, String>;
+    fn params(&self, _inputs: &[&Shape]) -> Vec<ParamSpec> {
+        Vec::new()
+    }
+    fn forward(&self, ctx: &Ctx, xs: &[&Tensor], params: &mut [Tensor]) -> Result<(Tensor, Saved)>;
+    /// Gradients of the inputs asked for in `b.need`; parameter gradients are added to `grads`.
+    fn backward(
+        &self,
+        ctx: &Ctx,
+        b: Backward,
+        params: &[Tensor],
+        grads: &mut [Tensor],
+    ) -> Result<Vec<Option<Tensor>>>;
+    /// Forward multiply-adds ×2 per sample.
+    fn flops(&self, inputs: &[&Shape], output: &Shape) -> u64;
+    fn saves(&self, inputs: &[&Shape]) -> SavesFor;
+}
+
+/// The ops a graph is made of.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Op {
+    Conv2d(conv::Conv2d),
+    BatchNorm(norm::BatchNorm),
+    Relu(activation::Relu),
+    Add(elementwise::Add),
+    MaxPool(pool::MaxPool),
+    AvgPool(pool::AvgPool),
+    GlobalAvgPool(pool::GlobalAvgPool),
+    Linear(linear::Linear),
+    Flatten(shape::Flatten),
+    Concat(shape::Concat),
+    Dropout(dropout::Dropout),
+}
+
+impl Op {
+    pub fn get(&self) -> &dyn Operator {
+        match self {
+            Op::Conv2d(o) => o,
+            Op::BatchNorm(o) => o,
+            Op::Relu(o) => o,
+            Op::Add(o) => o,
+            Op::MaxPool(o) => o,
+            Op::AvgPool(o) => o,
+            Op::GlobalAvgPool(o) => o,
+            Op::Linear(o) => o,
+            Op::Flatten(o) => o,
+            Op::Concat(o) => o,
+            Op::Dropout(o) => o,
+        }
+    }
+
+    /// A short description: `conv 3x3/2 64->128`.
+    pub fn describe(&self) -> String {
+        match self {
+            Op::Conv2d(c) => c.to_string(),
+            Op::BatchNorm(_) => "batchnorm".into(),
+            Op::Relu(_) => "relu".into(),
+            Op::Add(_) => "add".into(),
+            Op::MaxPool(p) => format!("maxpool {}", p.0),
+            Op::AvgPool(p) => format!("avgpool {}", p.0),
+            Op::GlobalAvgPool(_) => "global-avgpool".into(),
+            Op::Linear(l) => format!("linear {}->{}", l.d_in, l.d_out),
+            Op::Flatten(_) => "flatten".into(),
+            Op::Concat(_) => "concat".into(),
+            Op::Dropout(d) => format!("dropout p={}", d.p),
+        }
+    }
+}
+
+/// Prepends the batch dimension to a per-sample shape.
+pub fn batched(n: usize, per_sample: &Shape) -> Shape {
+    let mut d = vec![n];
+    d.extend_from_slice(per_sample.dims());
+    Shape(d)
+}
+
+/// (C, H, W) of a per-sample image shape, or an error naming what was expected.
+pub(crate) fn chw(s: &Shape) -> std::result::Result<(usize, usize, usize), String> {
+    match s.dims() {
+        [c, h, w] => Ok((*c, *h, *w)),
+        _ => Err(format!("expected a C×H×W image, got {s}")),
+    }
+}
+
+/// Output size of a sliding window, or an error when the window does not fit.
+pub(crate) fn window_out(
+    input: usize,
+    k: usize,
+    stride: usize,
+    pad: usize,
+    dilation: usize,
+) -> std::result::Result<usize, String> {
+    let span = dilation * (k - 1) + 1;
+    if input + 2 * pad < span {
+        return Err(format!(
+            "input of size {input} (padding {pad}) is smaller than the window {span}"
+        ));
+    }
+    Ok((input + 2 * pad - span) / stride + 1)
+}

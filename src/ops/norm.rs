@@ -1,0 +1,145 @@
+//! Batch normalization over channels: batch statistics in training (running statistics
+//! updated with momentum, PyTorch's convention), running statistics in eval.
+
+use super::{Backward, Ctx, Init, Operator, ParamSpec, Saved, SavesFor};
+use crate::backend::ChannelGeom;
+use crate::tensor::{Shape, Tensor};
+use crate::Result;
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct BatchNorm {
+    pub eps: f64,
+    pub momentum: f64,
+}
+
+impl Default for BatchNorm {
+    fn default() -> Self {
+        BatchNorm {
+            eps: 1e-5,
+            momentum: 0.1,
+        }
+    }
+}
+
+fn geom(x: &Tensor) -> ChannelGeom {
+    let d = x.shape().dims();
+    ChannelGeom {
+        n: d[0],
+        c: d[1],
+        hw: d[2..].iter().product(),
+    }
+}
+
+impl Operator for BatchNorm {
+    fn infer(&self, inputs: &[&Shape]) -> std::result::Result<Shape, String> {
+        if inputs[0].rank() == 0 {
+            return Err("batchnorm needs a channel dimension".into());
+        }
+        Ok(inputs[0].clone())
+    }
+
+    fn params(&self, inputs: &[&Shape]) -> Vec<ParamSpec> {
+        let c = Shape::new([inputs[0].dim(0)]);
+        let spec = |suffix, init, trainable| ParamSpec {
+            suffix,
+            shape: c.clone(),
+            init,
+            trainable,
+        };
+        vec![
+            spec("weight", Init::Ones, true),
+            spec("bias", Init::Zeros, true),
+            spec("running_mean", Init::Zeros, false),
+            spec("running_var", Init::Ones, false),
+        ]
+    }
+
+    fn forward(&self, ctx: &Ctx, xs: &[&Tensor], params: &mut [Tensor]) -> Result<(Tensor, Saved)> {
+        let x = xs[0];
+        let g = geom(x);
+        let be = ctx.device.backend();
+        let mut y = ctx.activation(x.shape().clone(), x)?;
+        let [gamma, beta, rmean, rvar] = params else {
+            return Err(crate::Error::Internal(
+                "batchnorm expects 4 parameters".into(),
+            ));
+        };
+        if !ctx.training {
+            be.batchnorm_forward_eval(
+                x.storage(),
+                gamma.storage(),
+                beta.storage(),
+                rmean.storage(),
+                rvar.storage(),
+                y.storage_mut()?,
+                self.eps,
+                &g,
+            )?;
+            return Ok((y, Saved::default()));
+        }
+        let mut mean = ctx.activation(Shape::new([g.c]), x)?;
+        let mut var = ctx.activation(Shape::new([g.c]), x)?;
+        be.batchnorm_forward_train(
+            x.storage(),
+            gamma.storage(),
+            beta.storage(),
+            y.storage_mut()?,
+            mean.storage_mut()?,
+            var.storage_mut()?,
+            self.eps,
+            &g,
+        )?;
+        be.batchnorm_update_running(
+            rmean.storage_mut()?,
+            rvar.storage_mut()?,
+            mean.storage(),
+            var.storage(),
+            self.momentum,
+            g.n * g.hw,
+        )?;
+        Ok((y, Saved(vec![x.clone(), mean, var])))
+    }
+
+    fn backward(
+        &self,
+        ctx: &Ctx,
+        b: Backward,
+        params: &[Tensor],
+        grads: &mut [Tensor],
+    ) -> Result<Vec<Option<Tensor>>> {
+        let [x, mean, var] = &b.saved.0[..] else {
+            return Err(crate::Error::Internal(
+                "batchnorm backward needs the training-mode forward".into(),
+            ));
+        };
+        let g = geom(x);
+        let mut dx = ctx.activation(x.shape().clone(), x)?;
+        let (dgamma, rest) = grads.split_at_mut(1);
+        ctx.device.backend().batchnorm_backward(
+            x.storage(),
+            b.dy.storage(),
+            params[0].storage(),
+            mean.storage(),
+            var.storage(),
+            dx.storage_mut()?,
+            dgamma[0].storage_mut()?,
+            rest[0].storage_mut()?,
+            self.eps,
+            &g,
+        )?;
+        Ok(vec![Some(dx)])
+    }
+
+    fn flops(&self, _inputs: &[&Shape], output: &Shape) -> u64 {
+        // statistics (2 passes) and the affine map
+        4 * output.numel() as u64
+    }
+
+    fn saves(&self, inputs: &[&Shape]) -> SavesFor {
+        SavesFor {
+            inputs: true,
+            per_batch: 2 * inputs[0].dim(0),
+            ..Default::default()
+        }
+    }
+}

@@ -1,0 +1,233 @@
+//! Max, average and global-average pooling.
+
+use std::fmt;
+
+use super::{chw, window_out, Backward, Ctx, Operator, Saved, SavesFor};
+use crate::backend::PoolGeom;
+use crate::tensor::{Shape, Tensor};
+use crate::Result;
+
+/// A pooling window: kernel, stride, padding.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Window {
+    pub kernel: (usize, usize),
+    pub stride: (usize, usize),
+    pub pad: (usize, usize),
+}
+
+impl Window {
+    pub fn square(k: usize, stride: usize, pad: usize) -> Self {
+        Window {
+            kernel: (k, k),
+            stride: (stride, stride),
+            pad: (pad, pad),
+        }
+    }
+
+    fn infer(&self, s: &Shape) -> std::result::Result<Shape, String> {
+        let (c, h, w) = chw(s)?;
+        if 2 * self.pad.0 > self.kernel.0 || 2 * self.pad.1 > self.kernel.1 {
+            return Err("pool padding must be at most half the kernel".into());
+        }
+        if self.stride.0 == 0 || self.stride.1 == 0 {
+            return Err("pool stride must be positive".into());
+        }
+        let ho = window_out(h, self.kernel.0, self.stride.0, self.pad.0, 1)?;
+        let wo = window_out(w, self.kernel.1, self.stride.1, self.pad.1, 1)?;
+        Ok(Shape::new([c, ho, wo]))
+    }
+
+    fn geom(&self, x: &Shape) -> Result<PoolGeom> {
+        let (n, c, h, w) = x.nchw();
+        let out = self
+            .infer(&Shape::new([c, h, w]))
+            .map_err(crate::Error::Shape)?;
+        Ok(PoolGeom {
+            n,
+            c,
+            h,
+            w,
+            kh: self.kernel.0,
+            kw: self.kernel.1,
+            stride: self.stride,
+            pad: self.pad,
+            h_out: out.dim(1),
+            w_out: out.dim(2),
+        })
+    }
+}
+
+impl fmt::Display for Window {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}x{}/{}", self.kernel.0, self.kernel.1, self.stride.0)
+    }
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct MaxPool(pub Window);
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct AvgPool(pub Window);
+
+/// Mean over H×W: C×H×W → C×1×1.
+#[derive(Clone, Debug, PartialEq)]
+pub struct GlobalAvgPool;
+
+impl Operator for MaxPool {
+    fn infer(&self, inputs: &[&Shape]) -> std::result::Result<Shape, String> {
+        self.0.infer(inputs[0])
+    }
+
+    fn forward(
+        &self,
+        ctx: &Ctx,
+        xs: &[&Tensor],
+        _params: &mut [Tensor],
+    ) -> Result<(Tensor, Saved)> {
+        let x = xs[0];
+        let g = self.0.geom(x.shape())?;
+        let mut y = ctx.activation(Shape::new([g.n, g.c, g.h_out, g.w_out]), x)?;
+        ctx.device
+            .backend()
+            .max_pool_forward(x.storage(), y.storage_mut()?, &g)?;
+        Ok((y, Saved(vec![x.clone()])))
+    }
+
+    fn backward(
+        &self,
+        ctx: &Ctx,
+        b: Backward,
+        _params: &[Tensor],
+        _grads: &mut [Tensor],
+    ) -> Result<Vec<Option<Tensor>>> {
+        let x = &b.saved.0[0];
+        let g = self.0.geom(x.shape())?;
+        let mut dx = ctx.activation(x.shape().clone(), x)?;
+        ctx.device.backend().max_pool_backward(
+            x.storage(),
+            b.dy.storage(),
+            dx.storage_mut()?,
+            &g,
+        )?;
+        Ok(vec![Some(dx)])
+    }
+
+    fn flops(&self, _inputs: &[&Shape], output: &Shape) -> u64 {
+        (output.numel() * self.0.kernel.0 * self.0.kernel.1) as u64
+    }
+
+    fn saves(&self, _inputs: &[&Shape]) -> SavesFor {
+        SavesFor {
+            inputs: true,
+            ..Default::default()
+        }
+    }
+}
+
+impl Operator for AvgPool {
+    fn infer(&self, inputs: &[&Shape]) -> std::result::Result<Shape, String> {
+        self.0.infer(inputs[0])
+    }
+
+    fn forward(
+        &self,
+        ctx: &Ctx,
+        xs: &[&Tensor],
+        _params: &mut [Tensor],
+    ) -> Result<(Tensor, Saved)> {
+        let x = xs[0];
+        let g = self.0.geom(x.shape())?;
+        let mut y = ctx.activation(Shape::new([g.n, g.c, g.h_out, g.w_out]), x)?;
+        ctx.device
+            .backend()
+            .avg_pool_forward(x.storage(), y.storage_mut()?, &g)?;
+        Ok((y, Saved::default()))
+    }
+
+    fn backward(
+        &self,
+        ctx: &Ctx,
+        b: Backward,
+        _params: &[Tensor],
+        _grads: &mut [Tensor],
+    ) -> Result<Vec<Option<Tensor>>> {
+        let g = self.0.geom(&b.inputs[0])?;
+        let mut dx = ctx.activation(b.inputs[0].clone(), &b.dy)?;
+        ctx.device
+            .backend()
+            .avg_pool_backward(b.dy.storage(), dx.storage_mut()?, &g)?;
+        Ok(vec![Some(dx)])
+    }
+
+    fn flops(&self, _inputs: &[&Shape], output: &Shape) -> u64 {
+        (output.numel() * self.0.kernel.0 * self.0.kernel.1) as u64
+    }
+
+    fn saves(&self, _inputs: &[&Shape]) -> SavesFor {
+        SavesFor::default()
+    }
+}
+
+impl GlobalAvgPool {
+    /// The whole image as one average-pool window.
+    fn geom(x: &Shape) -> PoolGeom {
+        let (n, c, h, w) = x.nchw();
+        PoolGeom {
+            n,
+            c,
+            h,
+            w,
+            kh: h,
+            kw: w,
+            stride: (1, 1),
+            pad: (0, 0),
+            h_out: 1,
+            w_out: 1,
+        }
+    }
+}
+
+impl Operator for GlobalAvgPool {
+    fn infer(&self, inputs: &[&Shape]) -> std::result::Result<Shape, String> {
+        let (c, _, _) = chw(inputs[0])?;
+        Ok(Shape::new([c, 1, 1]))
+    }
+
+    fn forward(
+        &self,
+        ctx: &Ctx,
+        xs: &[&Tensor],
+        _params: &mut [Tensor],
+    ) -> Result<(Tensor, Saved)> {
+        let x = xs[0];
+        let g = Self::geom(x.shape());
+        let mut y = ctx.activation(Shape::new([g.n, g.c, 1, 1]), x)?;
+        ctx.device
+            .backend()
+            .avg_pool_forward(x.storage(), y.storage_mut()?, &g)?;
+        Ok((y, Saved::default()))
+    }
+
+    fn backward(
+        &self,
+        ctx: &Ctx,
+        b: Backward,
+        _params: &[Tensor],
+        _grads: &mut [Tensor],
+    ) -> Result<Vec<Option<Tensor>>> {
+        let g = Self::geom(&b.inputs[0]);
+        let mut dx = ctx.activation(b.inputs[0].clone(), &b.dy)?;
+        ctx.device
+            .backend()
+            .avg_pool_backward(b.dy.storage(), dx.storage_mut()?, &g)?;
+        Ok(vec![Some(dx)])
+    }
+
+    fn flops(&self, inputs: &[&Shape], _output: &Shape) -> u64 {
+        inputs[0].numel() as u64
+    }
+
+    fn saves(&self, _inputs: &[&Shape]) -> SavesFor {
+        SavesFor::default()
+    }
+}

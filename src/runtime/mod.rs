@@ -1,0 +1,4 @@
+//! Running training: the optimizer and learning-rate schedules.
+
+pub mod optim;
+pub mod schedule;

@@ -1,0 +1,185 @@
+//! Shapes, element types and tensors. A tensor is a shape plus a shared handle to a buffer
+//! whose bytes are leased from the device's allocator, so dropping the last handle frees them.
+
+use std::fmt;
+use std::sync::Arc;
+
+use crate::memory::Lease;
+
+/// Element type of a tensor.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DType {
+    F32,
+    F64,
+}
+
+impl DType {
+    pub fn size(self) -> usize {
+        match self {
+            DType::F32 => 4,
+            DType::F64 => 8,
+        }
+    }
+    pub fn name(self) -> &'static str {
+        match self {
+            DType::F32 => "f32",
+            DType::F64 => "f64",
+        }
+    }
+}
+
+impl std::str::FromStr for DType {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "f32" => Ok(DType::F32),
+            "f64" => Ok(DType::F64),
+            _ => Err(format!("unknown dtype '{s}' (f32, f64)")),
+        }
+    }
+}
+
+/// Dimensions, outermost first (NCHW for images).
+#[derive(Clone, PartialEq, Eq, Hash, Default, serde::Serialize, serde::Deserialize)]
+pub struct Shape(pub Vec<usize>);
+
+impl Shape {
+    pub fn new(dims: impl Into<Vec<usize>>) -> Self {
+        Shape(dims.into())
+    }
+    pub fn dims(&self) -> &[usize] {
+        &self.0
+    }
+    pub fn rank(&self) -> usize {
+        self.0.len()
+    }
+    pub fn numel(&self) -> usize {
+        self.0.iter().product()
+    }
+    pub fn dim(&self, i: usize) -> usize {
+        self.0[i]
+    }
+    /// (N, C, H, W) of a rank-4 shape.
+    pub fn nchw(&self) -> (usize, usize, usize, usize) {
+        assert_eq!(self.rank(), 4, "expected an NCHW shape, got {self}");
+        (self.0[0], self.0[1], self.0[2], self.0[3])
+    }
+    /// The same shape with another outermost (batch) dimension.
+    pub fn with_batch(&self, n: usize) -> Shape {
+        let mut d = self.0.clone();
+        d[0] = n;
+        Shape(d)
+    }
+}
+
+impl fmt::Display for Shape {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let d: Vec<String> = self.0.iter().map(|x| x.to_string()).collect();
+        write!(f, "[{}]", d.join(", "))
+    }
+}
+
+impl fmt::Debug for Shape {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Display::fmt(self, f)
+    }
+}
+
+/// Device memory holding elements. Each backend adds its variants.
+#[derive(Debug)]
+pub enum Storage {
+    F32(Vec<f32>),
+    F64(Vec<f64>),
+}
+
+impl Storage {
+    pub fn dtype(&self) -> DType {
+        match self {
+            Storage::F32(_) => DType::F32,
+            Storage::F64(_) => DType::F64,
+        }
+    }
+    pub fn len(&self) -> usize {
+        match self {
+            Storage::F32(v) => v.len(),
+            Storage::F64(v) => v.len(),
+        }
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+#[derive(Debug)]
+pub(crate) struct Buffer {
+    pub(crate) storage: Storage,
+    pub(crate) _lease: Lease,
+}
+
+/// A shape and a shared buffer. Cloning shares the buffer (no copy); writing needs the only
+/// handle, which the runtime guarantees for outputs, gradients and parameters.
+#[derive(Clone, Debug)]
+pub struct Tensor {
+    shape: Shape,
+    buf: Arc<Buffer>,
+}
+
+impl Tensor {
+    pub(crate) fn from_buffer(shape: Shape, storage: Storage, lease: Lease) -> Tensor {
+        debug_assert_eq!(shape.numel(), storage.len());
+        Tensor {
+            shape,
+            buf: Arc::new(Buffer {
+                storage,
+                _lease: lease,
+            }),
+        }
+    }
+    pub fn shape(&self) -> &Shape {
+        &self.shape
+    }
+    pub fn dtype(&self) -> DType {
+        self.buf.storage.dtype()
+    }
+    pub fn numel(&self) -> usize {
+        self.shape.numel()
+    }
+    pub fn bytes(&self) -> u64 {
+        self.buf._lease.bytes()
+    }
+    pub fn storage(&self) -> &Storage {
+        &self.buf.storage
+    }
+    /// Mutable storage; fails if the buffer is shared, since a write would be seen by others.
+    pub fn storage_mut(&mut self) -> crate::Result<&mut Storage> {
+        Arc::get_mut(&mut self.buf)
+            .map(|b| &mut b.storage)
+            .ok_or_else(|| crate::Error::Internal("write to a shared tensor".into()))
+    }
+    /// The same buffer seen with another shape of the same size.
+    pub fn reshape(&self, shape: Shape) -> crate::Result<Tensor> {
+        if shape.numel() != self.numel() {
+            return Err(crate::Error::Shape(format!(
+                "cannot reshape {} into {}",
+                self.shape, shape
+            )));
+        }
+        Ok(Tensor {
+            shape,
+            buf: Arc::clone(&self.buf),
+        })
+    }
+    /// Elements as f64 (a copy to the host); for tests, checks and reports.
+    pub fn to_f64_vec(&self) -> Vec<f64> {
+        match &self.buf.storage {
+            Storage::F32(v) => v.iter().map(|&x| x as f64).collect(),
+            Storage::F64(v) => v.clone(),
+        }
+    }
+    /// The single element of a one-element tensor.
+    pub fn scalar(&self) -> f64 {
+        debug_assert_eq!(self.numel(), 1);
+        self.to_f64_vec()[0]
+    }
+}
