@@ -210,6 +210,7 @@ pub trait Backend: Send + Sync {
 
     /// Copies channels [src_off, src_off + count) of `src` (n × src_c × hw) into channels
     /// [dst_off, dst_off + count) of `dst` (n × dst_c × hw).
+    #[allow(clippy::too_many_arguments)]
     fn copy_channels(
         &self,
         src: &Storage,

@@ -74,7 +74,10 @@ impl fmt::Display for Conv2d {
 impl Operator for Conv2d {
     fn infer(&self, inputs: &[&Shape]) -> std::result::Result<Shape, String> {
         let (c, h, w) = chw(inputs[0])?;
-        if self.groups == 0 || c % self.groups != 0 || self.c_out % self.groups != 0 {
+        if self.groups == 0
+            || !c.is_multiple_of(self.groups)
+            || !self.c_out.is_multiple_of(self.groups)
+        {
             return Err(format!(
                 "{} input and {} output channels are not divisible into {} groups",
                 c, self.c_out, self.groups

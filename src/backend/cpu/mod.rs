@@ -371,6 +371,7 @@ impl Backend for Cpu {
         Ok(())
     }
 
+    #[allow(clippy::too_many_arguments)]
     fn copy_channels(
         &self,
         src: &Storage,

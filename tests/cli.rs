@@ -1,0 +1,88 @@
+//! The command line: bad input gets one line on stderr and a non-zero exit.
+
+use std::process::Command;
+
+fn gems(args: &[&str]) -> (bool, String, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_gems"))
+        .args(args)
+        .output()
+        .unwrap();
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).into(),
+        String::from_utf8_lossy(&out.stderr).into(),
+    )
+}
+
+#[test]
+fn bad_input_gets_one_line_and_a_failure() {
+    for (args, expect) in [
+        (vec!["train", "--model", "resnet18v9"], "unknown model"),
+        (vec!["train", "--model", "resnet21v2"], "9n+2"),
+        (vec!["train", "--image-size", "16"], "at least 32"),
+        (vec!["train", "--batch-size", "0"], "batch size"),
+        (vec!["train", "--steps", "0"], "--steps"),
+        (vec!["train", "--device-memory", "lots"], "not a size"),
+        (vec!["train", "--dtype", "f16"], "unknown dtype"),
+        (
+            vec!["train", "--device-memory", "1MiB", "--steps", "1"],
+            "out of memory",
+        ),
+        (vec!["models", "--graph", "alexnet9"], "unknown model"),
+    ] {
+        let (ok, _, err) = gems(&args);
+        assert!(!ok, "{args:?} should fail");
+        assert!(
+            err.contains(expect),
+            "{args:?}: stderr {err:?} should mention {expect:?}"
+        );
+        let lines = err.trim().lines().count();
+        assert!(lines <= 3, "{args:?}: error should be short, got:\n{err}");
+    }
+}
+
+#[test]
+fn models_lists_and_shows_graphs() {
+    let (ok, out, _) = gems(&["models", "--image-size", "32"]);
+    assert!(ok);
+    assert!(
+        out.contains("resnet110v2") && out.contains("1146842"),
+        "{out}"
+    );
+    let (ok, out, _) = gems(&["models", "--graph", "resnet20v2", "--image-size", "32"]);
+    assert!(ok);
+    assert!(
+        out.contains("adjacency list") && out.contains("PreActBottleneck"),
+        "{out}"
+    );
+}
+
+#[test]
+fn train_writes_metrics() {
+    let dir = std::env::temp_dir().join(format!("gems-cli-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let metrics = dir.join("m.jsonl");
+    let (ok, out, err) = gems(&[
+        "train",
+        "--steps",
+        "3",
+        "--batch-size",
+        "4",
+        "--metrics",
+        metrics.to_str().unwrap(),
+    ]);
+    assert!(ok, "{err}");
+    assert!(
+        out.contains("peak memory") && out.contains("images/s"),
+        "{out}"
+    );
+    let text = std::fs::read_to_string(&metrics).unwrap();
+    let lines: Vec<serde_json::Value> = text
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(lines.len(), 3);
+    assert!(lines[2]["loss"].as_f64().unwrap().is_finite());
+    assert_eq!(lines[2]["step"], 2);
+    std::fs::remove_dir_all(dir).ok();
+}

@@ -1,0 +1,482 @@
+//! Every op's backward against central finite differences in f64 on random inputs, and its
+//! f32 forward against its f64 forward.
+
+use gems::backend::Device;
+use gems::ops::conv::Conv2d;
+use gems::ops::pool::{AvgPool, GlobalAvgPool, MaxPool, Window};
+use gems::ops::{
+    activation, dropout, elementwise, linear, loss, norm, shape, Backward, Ctx, Op, Saved,
+};
+use gems::{Category, DType, Shape, Tensor};
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+
+/// Finite-difference step: truncation error ~h², rounding ~1e-16/h, both far below 1e-6.
+const H: f64 = 1e-5;
+/// Elements per tensor compared (all of them when smaller).
+const PROBES: usize = 48;
+
+struct Case {
+    op: Op,
+    /// Per-sample input shapes.
+    inputs: Vec<Vec<usize>>,
+    batch: usize,
+}
+
+fn device() -> Device {
+    Device::cpu("test", None)
+}
+
+/// Distinct values well away from 0 and from each other, so ReLU kinks and max-pool ties
+/// stay farther than H from every probe.
+fn distinct_values(n: usize, rng: &mut ChaCha8Rng) -> Vec<f64> {
+    let mut idx: Vec<usize> = (0..n).collect();
+    for i in (1..n).rev() {
+        idx.swap(i, rng.random_range(0..=i));
+    }
+    idx.iter()
+        .map(|&i| {
+            let v = 0.05 + 2.0 * i as f64 / n as f64;
+            if i % 2 == 0 {
+                v
+            } else {
+                -v
+            }
+        })
+        .collect()
+}
+
+fn upload(d: &Device, shape: &Shape, data: &[f64], dtype: DType) -> Tensor {
+    d.upload(shape.clone(), data, dtype, Category::Activations)
+        .unwrap()
+}
+
+struct Setup {
+    in_shapes: Vec<Shape>,
+    inputs: Vec<Vec<f64>>,
+    param_shapes: Vec<Shape>,
+    trainable: usize,
+    params: Vec<Vec<f64>>,
+    out_shape: Shape,
+    /// The projection r of the scalar L = Σ r·y.
+    r: Vec<f64>,
+}
+
+fn setup(case: &Case, seed: u64) -> Setup {
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    let per: Vec<Shape> = case.inputs.iter().map(|s| Shape::new(s.clone())).collect();
+    let refs: Vec<&Shape> = per.iter().collect();
+    let op = case.op.get();
+    let out = op.infer(&refs).expect("valid case");
+    let specs = op.params(&refs);
+    let in_shapes: Vec<Shape> = per
+        .iter()
+        .map(|s| gems::ops::batched(case.batch, s))
+        .collect();
+    let inputs = in_shapes
+        .iter()
+        .map(|s| distinct_values(s.numel(), &mut rng))
+        .collect();
+    let params = specs
+        .iter()
+        .map(|p| {
+            (0..p.shape.numel())
+                .map(|_| {
+                    if p.suffix == "running_var" {
+                        rng.random_range(0.5..1.5)
+                    } else {
+                        rng.random_range(-1.0..1.0)
+                    }
+                })
+                .collect()
+        })
+        .collect();
+    let out_shape = gems::ops::batched(case.batch, &out);
+    let r = (0..out_shape.numel())
+        .map(|_| rng.random_range(-1.0..1.0))
+        .collect();
+    Setup {
+        in_shapes,
+        inputs,
+        param_shapes: specs.iter().map(|p| p.shape.clone()).collect(),
+        trainable: specs.iter().filter(|p| p.trainable).count(),
+        params,
+        out_shape,
+        r,
+    }
+}
+
+fn run_forward(
+    case: &Case,
+    s: &Setup,
+    inputs: &[Vec<f64>],
+    params: &[Vec<f64>],
+    dtype: DType,
+    training: bool,
+) -> (Tensor, Saved, Vec<Tensor>) {
+    let d = device();
+    let xs: Vec<Tensor> = s
+        .in_shapes
+        .iter()
+        .zip(inputs)
+        .map(|(sh, x)| upload(&d, sh, x, dtype))
+        .collect();
+    let mut ps: Vec<Tensor> = s
+        .param_shapes
+        .iter()
+        .zip(params)
+        .map(|(sh, p)| upload(&d, sh, p, dtype))
+        .collect();
+    let ctx = Ctx {
+        device: &d,
+        training,
+        seed: 42,
+    };
+    let refs: Vec<&Tensor> = xs.iter().collect();
+    let (y, saved) = case.op.get().forward(&ctx, &refs, &mut ps).unwrap();
+    assert_eq!(y.shape(), &s.out_shape, "{:?}", case.op);
+    (y, saved, ps)
+}
+
+fn objective(case: &Case, s: &Setup, inputs: &[Vec<f64>], params: &[Vec<f64>]) -> f64 {
+    let (y, _, _) = run_forward(case, s, inputs, params, DType::F64, true);
+    y.to_f64_vec().iter().zip(&s.r).map(|(a, b)| a * b).sum()
+}
+
+/// ‖a − n‖ / max(‖a‖, ‖n‖) over the probed entries.
+fn rel_error(a: &[f64], n: &[f64]) -> f64 {
+    let diff: f64 = a
+        .iter()
+        .zip(n)
+        .map(|(x, y)| (x - y) * (x - y))
+        .sum::<f64>()
+        .sqrt();
+    let scale = a
+        .iter()
+        .map(|x| x * x)
+        .sum::<f64>()
+        .sqrt()
+        .max(n.iter().map(|x| x * x).sum::<f64>().sqrt());
+    if scale == 0.0 {
+        diff
+    } else {
+        diff / scale
+    }
+}
+
+fn probes(n: usize, rng: &mut ChaCha8Rng) -> Vec<usize> {
+    if n <= PROBES {
+        (0..n).collect()
+    } else {
+        (0..PROBES).map(|_| rng.random_range(0..n)).collect()
+    }
+}
+
+fn check_gradients(name: &str, case: Case) {
+    let s = setup(&case, 1);
+    let d = device();
+    // Analytic gradients.
+    let (y, saved, ps) = run_forward(&case, &s, &s.inputs, &s.params, DType::F64, true);
+    drop(y);
+    let dy = upload(&d, &s.out_shape, &s.r, DType::F64);
+    let mut grads: Vec<Tensor> = s.param_shapes[..s.trainable]
+        .iter()
+        .map(|sh| {
+            d.zeros(sh.clone(), DType::F64, Category::Gradients)
+                .unwrap()
+        })
+        .collect();
+    let need = vec![true; s.inputs.len()];
+    let ctx = Ctx {
+        device: &d,
+        training: true,
+        seed: 42,
+    };
+    let b = Backward {
+        saved,
+        dy,
+        inputs: &s.in_shapes,
+        need: &need,
+    };
+    let dxs = case.op.get().backward(&ctx, b, &ps, &mut grads).unwrap();
+
+    let mut rng = ChaCha8Rng::seed_from_u64(2);
+    let mut check =
+        |what: String, analytic: Vec<f64>, perturb: &mut dyn FnMut(usize, f64) -> f64| {
+            let idx = probes(analytic.len(), &mut rng);
+            let a: Vec<f64> = idx.iter().map(|&i| analytic[i]).collect();
+            let n: Vec<f64> = idx
+                .iter()
+                .map(|&i| (perturb(i, H) - perturb(i, -H)) / (2.0 * H))
+                .collect();
+            let e = rel_error(&a, &n);
+            assert!(
+            e <= 1e-6,
+            "{name}: gradient of {what}: relative error {e:e}\n analytic {a:?}\n numeric  {n:?}"
+        );
+            assert!(
+                a.iter().any(|v| v.abs() > 1e-8),
+                "{name}: gradient of {what} is zero on every probe"
+            );
+        };
+    for (k, dx) in dxs.iter().enumerate() {
+        let dx = dx.as_ref().expect("input gradient").to_f64_vec();
+        check(format!("input {k}"), dx, &mut |i, h| {
+            let mut xs = s.inputs.clone();
+            xs[k][i] += h;
+            objective(&case, &s, &xs, &s.params)
+        });
+    }
+    for (k, g) in grads.iter().enumerate() {
+        check(format!("parameter {k}"), g.to_f64_vec(), &mut |i, h| {
+            let mut ps = s.params.clone();
+            ps[k][i] += h;
+            objective(&case, &s, &s.inputs, &ps)
+        });
+    }
+    // f32 forward agrees with f64.
+    for training in [true, false] {
+        let y64 = run_forward(&case, &s, &s.inputs, &s.params, DType::F64, training)
+            .0
+            .to_f64_vec();
+        let y32 = run_forward(&case, &s, &s.inputs, &s.params, DType::F32, training)
+            .0
+            .to_f64_vec();
+        let e = rel_error(&y32, &y64);
+        assert!(
+            e <= 1e-5,
+            "{name}: f32 forward differs from f64 by {e:e} (training {training})"
+        );
+    }
+}
+
+fn conv(
+    c_out: usize,
+    k: (usize, usize),
+    stride: usize,
+    pad: (usize, usize),
+    dilation: usize,
+    groups: usize,
+    bias: bool,
+) -> Op {
+    Op::Conv2d(Conv2d {
+        c_out,
+        kernel: k,
+        stride: (stride, stride),
+        pad,
+        dilation: (dilation, dilation),
+        groups,
+        bias,
+    })
+}
+
+fn one(op: Op, input: &[usize], batch: usize) -> Case {
+    Case {
+        op,
+        inputs: vec![input.to_vec()],
+        batch,
+    }
+}
+
+#[test]
+fn conv_3x3() {
+    check_gradients(
+        "conv 3x3",
+        one(conv(4, (3, 3), 1, (1, 1), 1, 1, false), &[3, 6, 7], 3),
+    );
+}
+
+#[test]
+fn conv_strided_padded_with_bias() {
+    check_gradients(
+        "conv 3x3/2",
+        one(conv(5, (3, 3), 2, (1, 1), 1, 1, true), &[3, 9, 8], 2),
+    );
+    check_gradients(
+        "conv 5x5 pad 2",
+        one(conv(2, (5, 5), 1, (2, 2), 1, 1, false), &[2, 7, 7], 1),
+    );
+    check_gradients(
+        "conv 3x1",
+        one(conv(3, (3, 1), 1, (1, 0), 1, 1, true), &[2, 5, 4], 2),
+    );
+}
+
+#[test]
+fn conv_dilated() {
+    check_gradients(
+        "conv dilation 2",
+        one(conv(3, (3, 3), 1, (2, 2), 2, 1, false), &[2, 8, 8], 2),
+    );
+    check_gradients(
+        "conv dilation 2 stride 2",
+        one(conv(2, (3, 3), 2, (1, 1), 2, 1, false), &[3, 9, 9], 1),
+    );
+}
+
+#[test]
+fn conv_grouped_and_depthwise() {
+    check_gradients(
+        "conv groups 2",
+        one(conv(4, (3, 3), 1, (1, 1), 1, 2, false), &[6, 5, 5], 3),
+    );
+    check_gradients(
+        "conv depthwise",
+        one(conv(4, (3, 3), 2, (1, 1), 1, 4, true), &[4, 7, 6], 2),
+    );
+}
+
+#[test]
+fn conv_pointwise() {
+    check_gradients(
+        "conv 1x1",
+        one(conv(5, (1, 1), 1, (0, 0), 1, 1, false), &[3, 4, 5], 3),
+    );
+    check_gradients(
+        "conv 1x1/2",
+        one(conv(4, (1, 1), 2, (0, 0), 1, 1, false), &[3, 7, 7], 2),
+    );
+}
+
+#[test]
+fn batchnorm_training() {
+    check_gradients(
+        "batchnorm",
+        one(Op::BatchNorm(norm::BatchNorm::default()), &[3, 4, 5], 4),
+    );
+    check_gradients(
+        "batchnorm batch 1",
+        one(Op::BatchNorm(norm::BatchNorm::default()), &[2, 3, 3], 1),
+    );
+}
+
+#[test]
+fn relu_add_flatten_concat() {
+    check_gradients("relu", one(Op::Relu(activation::Relu), &[3, 4, 4], 2));
+    check_gradients(
+        "add",
+        Case {
+            op: Op::Add(elementwise::Add),
+            inputs: vec![vec![2, 3, 3], vec![2, 3, 3]],
+            batch: 2,
+        },
+    );
+    check_gradients("flatten", one(Op::Flatten(shape::Flatten), &[2, 3, 3], 2));
+    check_gradients(
+        "concat",
+        Case {
+            op: Op::Concat(shape::Concat),
+            inputs: vec![vec![2, 3, 4], vec![1, 3, 4], vec![3, 3, 4]],
+            batch: 2,
+        },
+    );
+}
+
+#[test]
+fn pools() {
+    check_gradients(
+        "maxpool 3x3/2 pad 1",
+        one(Op::MaxPool(MaxPool(Window::square(3, 2, 1))), &[2, 7, 8], 2),
+    );
+    check_gradients(
+        "maxpool 2x2/2",
+        one(Op::MaxPool(MaxPool(Window::square(2, 2, 0))), &[2, 6, 6], 1),
+    );
+    check_gradients(
+        "avgpool 3x3/2 pad 1",
+        one(Op::AvgPool(AvgPool(Window::square(3, 2, 1))), &[2, 7, 8], 2),
+    );
+    check_gradients(
+        "avgpool 2x2/2",
+        one(Op::AvgPool(AvgPool(Window::square(2, 2, 0))), &[3, 6, 6], 2),
+    );
+    check_gradients(
+        "global avgpool",
+        one(Op::GlobalAvgPool(GlobalAvgPool), &[3, 5, 4], 3),
+    );
+}
+
+#[test]
+fn linear_and_dropout() {
+    check_gradients(
+        "linear",
+        one(
+            Op::Linear(linear::Linear {
+                d_in: 7,
+                d_out: 4,
+                bias: true,
+            }),
+            &[7],
+            3,
+        ),
+    );
+    check_gradients(
+        "dropout",
+        one(Op::Dropout(dropout::Dropout { p: 0.3 }), &[4, 5, 5], 2),
+    );
+}
+
+#[test]
+fn softmax_cross_entropy() {
+    let d = device();
+    let mut rng = ChaCha8Rng::seed_from_u64(3);
+    let (n, k) = (4, 5);
+    let logits: Vec<f64> = (0..n * k).map(|_| rng.random_range(-2.0..2.0)).collect();
+    let labels = [1u32, 4, 0, 2];
+    let shape = Shape::new([n, k]);
+    let f = |l: &[f64]| {
+        loss::softmax_cross_entropy(&d, &upload(&d, &shape, l, DType::F64), &labels)
+            .unwrap()
+            .0
+    };
+    let (_, probs) =
+        loss::softmax_cross_entropy(&d, &upload(&d, &shape, &logits, DType::F64), &labels).unwrap();
+    let g = loss::softmax_cross_entropy_backward(&d, &probs, &labels, 0.7)
+        .unwrap()
+        .to_f64_vec();
+    let numeric: Vec<f64> = (0..n * k)
+        .map(|i| {
+            let (mut a, mut b) = (logits.clone(), logits.clone());
+            a[i] += H;
+            b[i] -= H;
+            0.7 * (f(&a) - f(&b)) / (2.0 * H)
+        })
+        .collect();
+    assert!(rel_error(&g, &numeric) <= 1e-6, "{g:?} vs {numeric:?}");
+    // Out-of-range labels are refused, not indexed.
+    assert!(loss::softmax_cross_entropy(
+        &d,
+        &upload(&d, &shape, &logits, DType::F64),
+        &[0, 1, 9, 2]
+    )
+    .is_err());
+}
+
+#[test]
+fn batchnorm_eval_uses_running_statistics() {
+    let case = one(Op::BatchNorm(norm::BatchNorm::default()), &[2, 3, 3], 2);
+    let s = setup(&case, 5);
+    let (y, _, _) = run_forward(&case, &s, &s.inputs, &s.params, DType::F64, false);
+    let y = y.to_f64_vec();
+    let [gamma, beta, mean, var] = &s.params[..] else {
+        panic!()
+    };
+    for (i, (&x, &y)) in s.inputs[0].iter().zip(&y).enumerate() {
+        let c = (i / 9) % 2;
+        let want = gamma[c] * (x - mean[c]) / (var[c] + 1e-5).sqrt() + beta[c];
+        assert!((want - y).abs() < 1e-12, "{want} vs {y}");
+    }
+}
+
+#[test]
+fn batchnorm_running_statistics_follow_pytorch() {
+    let case = one(Op::BatchNorm(norm::BatchNorm::default()), &[1, 2, 2], 2);
+    let mut s = setup(&case, 6);
+    s.inputs[0] = vec![1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0];
+    s.params[2] = vec![0.0];
+    s.params[3] = vec![1.0];
+    let (_, _, ps) = run_forward(&case, &s, &s.inputs, &s.params, DType::F64, true);
+    // mean 4.5, unbiased variance 6 → running = 0.9·old + 0.1·batch.
+    assert!((ps[2].scalar() - 0.45).abs() < 1e-12);
+    assert!((ps[3].scalar() - (0.9 + 0.6)).abs() < 1e-12);
+}
