@@ -1,219 +1,246 @@
-//! Convolution as im2col + gemm. Samples are split into contiguous runs, one per lane
-//! (a lane is one rayon task with its own slice of the workspace); with a single sample the
-//! gemm itself runs in parallel instead. Filter gradients are summed per lane, then over lanes
-//! in lane order, so results do not depend on thread timing.
+//! Convolution as tiled im2col + gemm. The output of each sample is cut into tiles of whole
+//! output rows whose im2col matrix stays cache-resident (~TILE_ELEMS elements), so the
+//! unfolded input never makes a round trip through memory and its workspace stays small even
+//! for 1024² images. A pointwise (1×1, stride 1, unpadded) convolution multiplies the input
+//! directly.
+//!
+//! Work is split into contiguous runs of (sample, tile) items, one run per lane (a rayon task
+//! with its own slice of the workspace). Filter gradients are summed per lane, then over lanes
+//! in lane order, so results do not depend on thread timing. Data gradients overlap between
+//! tiles (col2im adds into shared rows), so they are split by sample instead.
+
+use std::ops::Range;
 
 use rayon::prelude::*;
 
-use super::{matmul, Float};
+use super::{gemm, gemm_raw, Float, View};
 use crate::backend::ConvGeom;
 
-/// Parallel lanes for a batch of `n` samples.
-fn lanes(n: usize) -> usize {
-    n.clamp(1, rayon::current_num_threads())
+/// Elements of one im2col tile: small enough to stay in a core's L2 cache.
+const TILE_ELEMS: usize = 1 << 17;
+
+/// Output rows per tile and tiles per sample.
+fn tiling(g: &ConvGeom) -> (usize, usize) {
+    let k = g.c_in * g.kh * g.kw;
+    let rows = (TILE_ELEMS / (k * g.w_out).max(1)).clamp(1, g.h_out.max(1));
+    (rows, g.h_out.div_ceil(rows))
 }
 
-fn col_len(g: &ConvGeom) -> usize {
+/// Parallel lanes for `items` work items.
+fn lanes(items: usize) -> usize {
+    items.clamp(1, rayon::current_num_threads())
+}
+
+fn col_tile_len(g: &ConvGeom) -> usize {
     if g.is_pointwise() {
         0
     } else {
-        g.c_in * g.kh * g.kw * g.h_out * g.w_out
+        g.c_in * g.kh * g.kw * tiling(g).0 * g.w_out
     }
-}
-
-fn filter_len(g: &ConvGeom) -> usize {
-    g.c_out * g.col_rows()
 }
 
 fn lane_len(g: &ConvGeom) -> usize {
-    col_len(g) + filter_len(g)
+    col_tile_len(g) + g.c_out * g.col_rows()
 }
 
-/// Workspace elements: per lane, an im2col matrix and a filter-gradient partial sum.
+/// Workspace elements: per lane, an im2col tile and a filter-gradient partial sum.
 pub fn workspace(g: &ConvGeom) -> usize {
-    lanes(g.n) * lane_len(g)
+    lanes(g.n * tiling(g).1) * lane_len(g)
 }
 
-/// Samples per lane (the last lane may get fewer).
-fn run_len(g: &ConvGeom) -> usize {
-    g.n.div_ceil(lanes(g.n))
+/// Output rows of tile `t`.
+fn tile_rows(g: &ConvGeom, t: usize) -> Range<usize> {
+    let rows = tiling(g).0;
+    t * rows..((t + 1) * rows).min(g.h_out)
 }
 
-/// col[(c·kh + i)·kw + j][oh·w_out + ow] = x[c][oh·sh - ph + i·dh][ow·sw - pw + j·dw], or 0 outside.
-fn im2col<T: Float>(x: &[T], col: &mut [T], g: &ConvGeom) {
-    let hw_out = g.h_out * g.w_out;
-    for c in 0..g.c_in {
+/// The output columns ow whose input column ow·sw + j·dw - pw lies inside the image.
+fn valid_cols(g: &ConvGeom, j: usize) -> Range<usize> {
+    let (s, off) = (g.stride.1, j * g.dilation.1);
+    let lo = g.pad.1.saturating_sub(off).div_ceil(s);
+    let hi = if g.w + g.pad.1 <= off { 0 } else { (g.w - 1 + g.pad.1 - off) / s + 1 };
+    lo.min(g.w_out)..hi.clamp(lo.min(g.w_out), g.w_out)
+}
+
+/// The input row read by output row `oh` at kernel row `i`, if inside the image.
+fn input_row(g: &ConvGeom, oh: usize, i: usize) -> Option<usize> {
+    (oh * g.stride.0 + i * g.dilation.0).checked_sub(g.pad.0).filter(|&r| r < g.h)
+}
+
+/// col[(c·kh + i)·kw + j][t·w_out + ow] = x[c][ih][iw] for output rows `oh` (0 outside).
+fn im2col<T: Float>(x: &[T], col: &mut [T], g: &ConvGeom, oh: Range<usize>) {
+    let cols = oh.len() * g.w_out;
+    for (r, row) in col.chunks_mut(cols).take(g.c_in * g.kh * g.kw).enumerate() {
+        let (c, i, j) = (r / (g.kh * g.kw), r / g.kw % g.kh, r % g.kw);
         let plane = &x[c * g.h * g.w..(c + 1) * g.h * g.w];
-        for i in 0..g.kh {
-            for j in 0..g.kw {
-                let row = ((c * g.kh + i) * g.kw + j) * hw_out;
-                let out = &mut col[row..row + hw_out];
-                for oh in 0..g.h_out {
-                    let ih = (oh * g.stride.0 + i * g.dilation.0) as isize - g.pad.0 as isize;
-                    let dst = &mut out[oh * g.w_out..(oh + 1) * g.w_out];
-                    if ih < 0 || ih >= g.h as isize {
-                        dst.fill(T::zero());
-                        continue;
-                    }
-                    let src = &plane[ih as usize * g.w..(ih as usize + 1) * g.w];
-                    for (ow, d) in dst.iter_mut().enumerate() {
-                        let iw = (ow * g.stride.1 + j * g.dilation.1) as isize - g.pad.1 as isize;
-                        *d = if iw < 0 || iw >= g.w as isize {
-                            T::zero()
-                        } else {
-                            src[iw as usize]
-                        };
-                    }
+        let valid = valid_cols(g, j);
+        for (t, dst) in oh.clone().zip(row.chunks_mut(g.w_out)) {
+            let Some(ih) = input_row(g, t, i) else {
+                dst.fill(T::zero());
+                continue;
+            };
+            dst[..valid.start].fill(T::zero());
+            dst[valid.end..].fill(T::zero());
+            let src = &plane[ih * g.w..(ih + 1) * g.w];
+            let iw0 = valid.start * g.stride.1 + j * g.dilation.1 - g.pad.1;
+            if g.stride.1 == 1 {
+                dst[valid.clone()].copy_from_slice(&src[iw0..iw0 + valid.len()]);
+            } else {
+                for (k, d) in dst[valid.clone()].iter_mut().enumerate() {
+                    *d = src[iw0 + k * g.stride.1];
                 }
             }
         }
     }
 }
 
-/// The adjoint of im2col: x[c][ih][iw] += col[...] for every position that read it.
-fn col2im<T: Float>(col: &[T], x: &mut [T], g: &ConvGeom) {
-    let hw_out = g.h_out * g.w_out;
-    x.fill(T::zero());
-    for c in 0..g.c_in {
-        let plane = &mut x[c * g.h * g.w..(c + 1) * g.h * g.w];
-        for i in 0..g.kh {
-            for j in 0..g.kw {
-                let row = ((c * g.kh + i) * g.kw + j) * hw_out;
-                let src_rows = &col[row..row + hw_out];
-                for oh in 0..g.h_out {
-                    let ih = (oh * g.stride.0 + i * g.dilation.0) as isize - g.pad.0 as isize;
-                    if ih < 0 || ih >= g.h as isize {
-                        continue;
-                    }
-                    let dst = &mut plane[ih as usize * g.w..(ih as usize + 1) * g.w];
-                    for (ow, &v) in src_rows[oh * g.w_out..(oh + 1) * g.w_out]
-                        .iter()
-                        .enumerate()
-                    {
-                        let iw = (ow * g.stride.1 + j * g.dilation.1) as isize - g.pad.1 as isize;
-                        if iw >= 0 && iw < g.w as isize {
-                            dst[iw as usize] += v;
-                        }
-                    }
+/// The adjoint of im2col for channel `c`: plane[ih][iw] += col[...] over output rows `oh`.
+fn col2im_channel<T: Float>(col: &[T], plane: &mut [T], c: usize, g: &ConvGeom, oh: Range<usize>) {
+    let cols = oh.len() * g.w_out;
+    for i in 0..g.kh {
+        for j in 0..g.kw {
+            let r = (c * g.kh + i) * g.kw + j;
+            let row = &col[r * cols..(r + 1) * cols];
+            let valid = valid_cols(g, j);
+            for (t, src) in oh.clone().zip(row.chunks(g.w_out)) {
+                let Some(ih) = input_row(g, t, i) else { continue };
+                let dst = &mut plane[ih * g.w..(ih + 1) * g.w];
+                let iw0 = valid.start * g.stride.1 + j * g.dilation.1 - g.pad.1;
+                for (k, &v) in src[valid.clone()].iter().enumerate() {
+                    dst[iw0 + k * g.stride.1] += v;
                 }
             }
         }
     }
 }
 
-/// y[n] = W · im2col(x[n]) per group.
+/// A pointer shared by lanes that write disjoint elements.
+#[derive(Clone, Copy)]
+struct SharedOut<T>(*mut T);
+// SAFETY: lanes write disjoint (sample, tile) regions through it; see `forward`.
+unsafe impl<T> Send for SharedOut<T> {}
+unsafe impl<T> Sync for SharedOut<T> {}
+
+impl<T> SharedOut<T> {
+    /// Through a method, so closures capture the wrapper (which is Sync), not the raw field.
+    fn at(&self, offset: usize) -> *mut T {
+        self.0.wrapping_add(offset)
+    }
+}
+
+/// The input of group `gi` for output rows starting at column `off`: (rows of group) × cols.
+fn rhs_view<'a, T: Float>(g: &ConvGeom, x_n: &'a [T], col: &'a [T], gi: usize, off: usize, cols: usize) -> View<'a, T> {
+    let rows_g = g.col_rows();
+    if g.is_pointwise() {
+        View::rows(&x_n[gi * rows_g * g.h * g.w + off..], g.h * g.w)
+    } else {
+        View::rows(&col[gi * rows_g * cols..], cols)
+    }
+}
+
+/// y[n] = W · im2col(x[n]) per group, tile by tile.
 pub fn forward<T: Float>(x: &[T], w: &[T], y: &mut [T], ws: &mut [T], g: &ConvGeom) {
-    let (x_len, y_len) = (g.c_in * g.h * g.w, g.c_out * g.h_out * g.w_out);
-    let (rows, hw_out) = (g.col_rows(), g.h_out * g.w_out);
-    let co_g = g.c_out / g.groups;
-    let run = run_len(g);
-    let par_gemm = lanes(g.n) == 1;
-    y.par_chunks_mut(run * y_len)
-        .zip(x.par_chunks(run * x_len))
-        .zip(ws.par_chunks_mut(lane_len(g)))
-        .for_each(|((ys, xs), lane)| {
-            for (yn, xn) in ys.chunks_mut(y_len).zip(xs.chunks(x_len)) {
-                let col: &[T] = if g.is_pointwise() {
-                    xn
-                } else {
-                    im2col(xn, &mut lane[..col_len(g)], g);
-                    &lane[..col_len(g)]
-                };
-                for gi in 0..g.groups {
-                    matmul(
-                        co_g,
-                        hw_out,
-                        rows,
-                        &mut yn[gi * co_g * hw_out..],
-                        &w[gi * co_g * rows..],
-                        false,
-                        &col[gi * rows * hw_out..],
-                        false,
-                        false,
-                        par_gemm,
-                    );
-                }
+    let (x_len, hw_out) = (g.c_in * g.h * g.w, g.h_out * g.w_out);
+    let y_len = g.c_out * hw_out;
+    let (rows_g, co_g) = (g.col_rows(), g.c_out / g.groups);
+    let tiles = tiling(g).1;
+    let items = g.n * tiles;
+    let per = items.div_ceil(lanes(items));
+    let par_gemm = items == 1;
+    assert!(y.len() >= g.n * y_len && x.len() >= g.n * x_len);
+    let out = SharedOut(y.as_mut_ptr());
+    ws.par_chunks_mut(lane_len(g)).enumerate().for_each(|(l, lane)| {
+        let col = &mut lane[..col_tile_len(g)];
+        for item in l * per..((l + 1) * per).min(items) {
+            let (n, oh) = (item / tiles, tile_rows(g, item % tiles));
+            let (off, cols) = (oh.start * g.w_out, oh.len() * g.w_out);
+            let x_n = &x[n * x_len..(n + 1) * x_len];
+            if !g.is_pointwise() {
+                im2col(x_n, col, g, oh);
             }
-        });
+            for gi in 0..g.groups {
+                let lhs = View::rows(&w[gi * co_g * rows_g..], rows_g);
+                let rhs = rhs_view(g, x_n, col, gi, off, cols);
+                let start = n * y_len + gi * co_g * hw_out + off;
+                // SAFETY: item (n, tile) and group gi write rows [gi·co_g, (gi+1)·co_g) of
+                // sample n at columns [off, off + cols): inside y (asserted above) and
+                // disjoint from every other (item, group).
+                unsafe { gemm_raw(co_g, cols, rows_g, out.at(start), hw_out, lhs, rhs, false, par_gemm) };
+            }
+        }
+    });
 }
 
-/// dx[n] = col2im(Wᵀ · dy[n]) per group.
+/// dx[n] = col2im(Wᵀ · dy[n]) per group; lanes split samples, tiles run in order.
 pub fn backward_data<T: Float>(dy: &[T], w: &[T], dx: &mut [T], ws: &mut [T], g: &ConvGeom) {
-    let (x_len, y_len) = (g.c_in * g.h * g.w, g.c_out * g.h_out * g.w_out);
-    let (rows, hw_out) = (g.col_rows(), g.h_out * g.w_out);
-    let co_g = g.c_out / g.groups;
-    let run = run_len(g);
-    let par_gemm = lanes(g.n) == 1;
-    dx.par_chunks_mut(run * x_len)
-        .zip(dy.par_chunks(run * y_len))
+    let (x_len, hw, hw_out) = (g.c_in * g.h * g.w, g.h * g.w, g.h_out * g.w_out);
+    let y_len = g.c_out * hw_out;
+    let (rows_g, co_g) = (g.col_rows(), g.c_out / g.groups);
+    let tiles = tiling(g).1;
+    let per = g.n.div_ceil(lanes(g.n));
+    let par = lanes(g.n) == 1;
+    dx.par_chunks_mut(per * x_len)
+        .zip(dy.par_chunks(per * y_len))
         .zip(ws.par_chunks_mut(lane_len(g)))
         .for_each(|((dxs, dys), lane)| {
-            for (dxn, dyn_) in dxs.chunks_mut(x_len).zip(dys.chunks(y_len)) {
-                let dcol: &mut [T] = if g.is_pointwise() {
-                    dxn
-                } else {
-                    &mut lane[..col_len(g)]
-                };
-                for gi in 0..g.groups {
-                    matmul(
-                        rows,
-                        hw_out,
-                        co_g,
-                        &mut dcol[gi * rows * hw_out..],
-                        &w[gi * co_g * rows..],
-                        true,
-                        &dyn_[gi * co_g * hw_out..],
-                        false,
-                        false,
-                        par_gemm,
-                    );
-                }
-                if !g.is_pointwise() {
-                    col2im(&lane[..col_len(g)], dxn, g);
+            let dcol = &mut lane[..col_tile_len(g)];
+            for (dx_n, dy_n) in dxs.chunks_mut(x_len).zip(dys.chunks(y_len)) {
+                dx_n.fill(T::zero());
+                for t in 0..tiles {
+                    let oh = tile_rows(g, t);
+                    let (off, cols) = (oh.start * g.w_out, oh.len() * g.w_out);
+                    for gi in 0..g.groups {
+                        let lhs = View::rows(&w[gi * co_g * rows_g..], rows_g).t();
+                        let rhs = View::rows(&dy_n[gi * co_g * hw_out + off..], hw_out);
+                        if g.is_pointwise() {
+                            gemm(rows_g, cols, co_g, &mut dx_n[gi * rows_g * hw + off..], hw, lhs, rhs, false, par);
+                        } else {
+                            gemm(rows_g, cols, co_g, &mut dcol[gi * rows_g * cols..], cols, lhs, rhs, false, par);
+                        }
+                    }
+                    if g.is_pointwise() {
+                        continue;
+                    }
+                    let dcol = &*dcol;
+                    if par {
+                        dx_n.par_chunks_mut(hw).enumerate().for_each(|(c, p)| col2im_channel(dcol, p, c, g, oh.clone()));
+                    } else {
+                        dx_n.chunks_mut(hw).enumerate().for_each(|(c, p)| col2im_channel(dcol, p, c, g, oh.clone()));
+                    }
                 }
             }
         });
 }
 
-/// dW += Σₙ dy[n] · im2col(x[n])ᵀ per group.
+/// dW += Σ dy[n] · im2col(x[n])ᵀ per group, tile by tile.
 pub fn backward_filter<T: Float>(x: &[T], dy: &[T], dw: &mut [T], ws: &mut [T], g: &ConvGeom) {
-    let (x_len, y_len) = (g.c_in * g.h * g.w, g.c_out * g.h_out * g.w_out);
-    let (rows, hw_out) = (g.col_rows(), g.h_out * g.w_out);
-    let co_g = g.c_out / g.groups;
-    let run = run_len(g);
-    let par_gemm = lanes(g.n) == 1;
-    let (cl, fl) = (col_len(g), filter_len(g));
-    ws.par_chunks_mut(lane_len(g))
-        .zip(x.par_chunks(run * x_len))
-        .zip(dy.par_chunks(run * y_len))
-        .for_each(|((lane, xs), dys)| {
-            let (col_buf, part) = lane.split_at_mut(cl);
-            part.fill(T::zero());
-            for (xn, dyn_) in xs.chunks(x_len).zip(dys.chunks(y_len)) {
-                let col: &[T] = if g.is_pointwise() {
-                    xn
-                } else {
-                    im2col(xn, col_buf, g);
-                    col_buf
-                };
-                for gi in 0..g.groups {
-                    matmul(
-                        co_g,
-                        rows,
-                        hw_out,
-                        &mut part[gi * co_g * rows..],
-                        &dyn_[gi * co_g * hw_out..],
-                        false,
-                        &col[gi * rows * hw_out..],
-                        true,
-                        true,
-                        par_gemm,
-                    );
-                }
+    let (x_len, hw_out) = (g.c_in * g.h * g.w, g.h_out * g.w_out);
+    let y_len = g.c_out * hw_out;
+    let (rows_g, co_g) = (g.col_rows(), g.c_out / g.groups);
+    let tiles = tiling(g).1;
+    let items = g.n * tiles;
+    let per = items.div_ceil(lanes(items));
+    let par_gemm = items == 1;
+    let cl = col_tile_len(g);
+    ws.par_chunks_mut(lane_len(g)).enumerate().for_each(|(l, lane)| {
+        let (col, part) = lane.split_at_mut(cl);
+        part.fill(T::zero());
+        for item in l * per..((l + 1) * per).min(items) {
+            let (n, oh) = (item / tiles, tile_rows(g, item % tiles));
+            let (off, cols) = (oh.start * g.w_out, oh.len() * g.w_out);
+            let x_n = &x[n * x_len..(n + 1) * x_len];
+            if !g.is_pointwise() {
+                im2col(x_n, col, g, oh);
             }
-        });
-    for lane in ws.chunks(lane_len(g)).take(g.n.div_ceil(run)) {
-        for (d, p) in dw.iter_mut().zip(&lane[cl..cl + fl]) {
+            for gi in 0..g.groups {
+                let lhs = View::rows(&dy[n * y_len + gi * co_g * hw_out + off..], hw_out);
+                let rhs = rhs_view(g, x_n, col, gi, off, cols).t();
+                gemm(co_g, rows_g, cols, &mut part[gi * co_g * rows_g..], rows_g, lhs, rhs, true, par_gemm);
+            }
+        }
+    });
+    for lane in ws.chunks(lane_len(g)) {
+        for (d, p) in dw.iter_mut().zip(&lane[cl..]) {
             *d += *p;
         }
     }

@@ -83,70 +83,81 @@ macro_rules! with_float {
     };
 }
 
-/// dst (m×n) = [dst +] lhs (m×k) · rhs (k×n), all row-major; `*_t` reads the stored matrix
-/// transposed (lhs stored k×m, rhs stored n×k).
+/// A matrix inside a slice: element (i, j) is `data[i·rs + j·cs]`.
+#[derive(Clone, Copy)]
+pub(crate) struct View<'a, T> {
+    pub data: &'a [T],
+    pub rs: usize,
+    pub cs: usize,
+}
+
+impl<'a, T> View<'a, T> {
+    /// Row-major with `ld` elements between rows.
+    pub fn rows(data: &'a [T], ld: usize) -> Self {
+        View { data, rs: ld, cs: 1 }
+    }
+    /// The transpose (no copy).
+    pub fn t(self) -> Self {
+        View { data: self.data, rs: self.cs, cs: self.rs }
+    }
+    fn fits(&self, rows: usize, cols: usize) -> bool {
+        rows == 0 || cols == 0 || (rows - 1) * self.rs + (cols - 1) * self.cs < self.data.len()
+    }
+}
+
+/// dst (m×n, `dst_rs` between rows) = [dst +] lhs (m×k) · rhs (k×n).
+///
+/// # Safety
+/// `dst` must be valid for writes at every `i·dst_rs + j` (i < m, j < n), and no other thread
+/// may touch those elements during the call.
 #[allow(clippy::too_many_arguments)]
-pub(crate) fn matmul<T: Float>(
-    m: usize,
-    n: usize,
-    k: usize,
-    dst: &mut [T],
-    lhs: &[T],
-    lhs_t: bool,
-    rhs: &[T],
-    rhs_t: bool,
-    accumulate: bool,
-    parallel: bool,
-) {
-    assert!(dst.len() >= m * n && lhs.len() >= m * k && rhs.len() >= k * n);
+pub(crate) unsafe fn gemm_raw<T: Float>(m: usize, n: usize, k: usize, dst: *mut T, dst_rs: usize, lhs: View<T>, rhs: View<T>, accumulate: bool, parallel: bool) {
+    assert!(lhs.fits(m, k) && rhs.fits(k, n), "gemm operands out of bounds");
     if m == 0 || n == 0 {
         return;
     }
     if k == 0 {
         if !accumulate {
-            dst[..m * n].fill(T::zero());
+            for i in 0..m {
+                std::slice::from_raw_parts_mut(dst.add(i * dst_rs), n).fill(T::zero());
+            }
         }
         return;
     }
-    let (lhs_rs, lhs_cs) = if lhs_t {
-        (1, m as isize)
-    } else {
-        (k as isize, 1)
-    };
-    let (rhs_rs, rhs_cs) = if rhs_t {
-        (1, k as isize)
-    } else {
-        (n as isize, 1)
-    };
     let par = if parallel {
         gemm::Parallelism::Rayon(rayon::current_num_threads())
     } else {
         gemm::Parallelism::None
     };
-    // SAFETY: the asserts above keep every index the strides describe inside the slices.
-    unsafe {
-        gemm::gemm(
-            m,
-            n,
-            k,
-            dst.as_mut_ptr(),
-            1,
-            n as isize,
-            accumulate,
-            lhs.as_ptr(),
-            lhs_cs,
-            lhs_rs,
-            rhs.as_ptr(),
-            rhs_cs,
-            rhs_rs,
-            T::one(),
-            T::one(),
-            false,
-            false,
-            false,
-            par,
-        )
-    }
+    gemm::gemm(
+        m,
+        n,
+        k,
+        dst,
+        1,
+        dst_rs as isize,
+        accumulate,
+        lhs.data.as_ptr(),
+        lhs.cs as isize,
+        lhs.rs as isize,
+        rhs.data.as_ptr(),
+        rhs.cs as isize,
+        rhs.rs as isize,
+        T::one(),
+        T::one(),
+        false,
+        false,
+        false,
+        par,
+    )
+}
+
+/// dst (m×n, `dst_rs` between rows) = [dst +] lhs (m×k) · rhs (k×n).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn gemm<T: Float>(m: usize, n: usize, k: usize, dst: &mut [T], dst_rs: usize, lhs: View<T>, rhs: View<T>, accumulate: bool, parallel: bool) {
+    assert!(m == 0 || n == 0 || (m - 1) * dst_rs + n <= dst.len(), "gemm destination out of bounds");
+    // SAFETY: the destination is an exclusively borrowed slice that holds every written index.
+    unsafe { gemm_raw(m, n, k, dst.as_mut_ptr(), dst_rs, lhs, rhs, accumulate, parallel) }
 }
 
 /// The host backend.
@@ -346,7 +357,7 @@ impl Backend for Cpu {
         d_in: usize,
         d_out: usize,
     ) -> Result<()> {
-        with_float!(x.dtype(), T => matmul::<T>(n, d_out, d_in, T::view_mut(y)?, T::view(x)?, false, T::view(w)?, true, false, true));
+        with_float!(x.dtype(), T => gemm::<T>(n, d_out, d_in, T::view_mut(y)?, d_out, View::rows(T::view(x)?, d_in), View::rows(T::view(w)?, d_in).t(), false, true));
         Ok(())
     }
 
@@ -364,9 +375,9 @@ impl Backend for Cpu {
         with_float!(x.dtype(), T => {
             let dyv = T::view(dy)?;
             if let Some(dx) = dx {
-                matmul::<T>(n, d_in, d_out, T::view_mut(dx)?, dyv, false, T::view(w)?, false, false, true);
+                gemm::<T>(n, d_in, d_out, T::view_mut(dx)?, d_in, View::rows(dyv, d_out), View::rows(T::view(w)?, d_in), false, true);
             }
-            matmul::<T>(d_out, d_in, n, T::view_mut(dw)?, dyv, true, T::view(x)?, false, true, true);
+            gemm::<T>(d_out, d_in, n, T::view_mut(dw)?, d_in, View::rows(dyv, d_out).t(), View::rows(T::view(x)?, d_in), true, true);
         });
         Ok(())
     }
