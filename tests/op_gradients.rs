@@ -494,11 +494,16 @@ fn direct_conv(x: &[f64], w: &[f64], g: &gems::backend::ConvGeom) -> Vec<f64> {
                     for ci in 0..ci_g {
                         for i in 0..g.kh {
                             for j in 0..g.kw {
-                                let ih = (oh * g.stride.0 + i * g.dilation.0) as isize - g.pad.0 as isize;
-                                let iw = (ow * g.stride.1 + j * g.dilation.1) as isize - g.pad.1 as isize;
-                                if ih >= 0 && iw >= 0 && (ih as usize) < g.h && (iw as usize) < g.w {
+                                let ih = (oh * g.stride.0 + i * g.dilation.0) as isize
+                                    - g.pad.0 as isize;
+                                let iw = (ow * g.stride.1 + j * g.dilation.1) as isize
+                                    - g.pad.1 as isize;
+                                if ih >= 0 && iw >= 0 && (ih as usize) < g.h && (iw as usize) < g.w
+                                {
                                     let c = grp * ci_g + ci;
-                                    s += x[((n * g.c_in + c) * g.h + ih as usize) * g.w + iw as usize] * w[((co * ci_g + ci) * g.kh + i) * g.kw + j];
+                                    s += x[((n * g.c_in + c) * g.h + ih as usize) * g.w
+                                        + iw as usize]
+                                        * w[((co * ci_g + ci) * g.kh + i) * g.kw + j];
                                 }
                             }
                         }
@@ -530,17 +535,31 @@ fn conv_matches_direct_convolution_across_tiles_and_lanes() {
         let xs = gems::ops::batched(n, &Shape::new(input));
         let g = c.geom(&xs).unwrap();
         let wshape = Shape::new([g.c_out, g.c_in / g.groups, g.kh, g.kw]);
-        let x: Vec<f64> = (0..xs.numel()).map(|_| rng.random_range(-1.0..1.0)).collect();
-        let w: Vec<f64> = (0..wshape.numel()).map(|_| rng.random_range(-1.0..1.0)).collect();
+        let x: Vec<f64> = (0..xs.numel())
+            .map(|_| rng.random_range(-1.0..1.0))
+            .collect();
+        let w: Vec<f64> = (0..wshape.numel())
+            .map(|_| rng.random_range(-1.0..1.0))
+            .collect();
         let xt = upload(&d, &xs, &x, DType::F64);
         let mut params = vec![upload(&d, &wshape, &w, DType::F64)];
-        let ctx = Ctx { device: &d, training: true, seed: 0 };
+        let ctx = Ctx {
+            device: &d,
+            training: true,
+            seed: 0,
+        };
         let (y, _) = op.get().forward(&ctx, &[&xt], &mut params).unwrap();
         let want = direct_conv(&x, &w, &g);
         let e = rel_error(&y.to_f64_vec(), &want);
         assert!(e < 1e-13, "{c} on {xs}: relative error {e:e}");
     }
     // The tiled path's own gradients, across tiles.
-    check_gradients("conv over tiles", one(conv(3, (3, 3), 1, (1, 1), 1, 1, true), &[2, 300, 40], 3));
-    check_gradients("conv over tiles, strided groups", one(conv(4, (3, 3), 2, (1, 1), 1, 2, false), &[2, 600, 50], 1));
+    check_gradients(
+        "conv over tiles",
+        one(conv(3, (3, 3), 1, (1, 1), 1, 1, true), &[2, 300, 40], 3),
+    );
+    check_gradients(
+        "conv over tiles, strided groups",
+        one(conv(4, (3, 3), 2, (1, 1), 1, 2, false), &[2, 600, 50], 1),
+    );
 }

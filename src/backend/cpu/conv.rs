@@ -58,13 +58,19 @@ fn tile_rows(g: &ConvGeom, t: usize) -> Range<usize> {
 fn valid_cols(g: &ConvGeom, j: usize) -> Range<usize> {
     let (s, off) = (g.stride.1, j * g.dilation.1);
     let lo = g.pad.1.saturating_sub(off).div_ceil(s);
-    let hi = if g.w + g.pad.1 <= off { 0 } else { (g.w - 1 + g.pad.1 - off) / s + 1 };
+    let hi = if g.w + g.pad.1 <= off {
+        0
+    } else {
+        (g.w - 1 + g.pad.1 - off) / s + 1
+    };
     lo.min(g.w_out)..hi.clamp(lo.min(g.w_out), g.w_out)
 }
 
 /// The input row read by output row `oh` at kernel row `i`, if inside the image.
 fn input_row(g: &ConvGeom, oh: usize, i: usize) -> Option<usize> {
-    (oh * g.stride.0 + i * g.dilation.0).checked_sub(g.pad.0).filter(|&r| r < g.h)
+    (oh * g.stride.0 + i * g.dilation.0)
+        .checked_sub(g.pad.0)
+        .filter(|&r| r < g.h)
 }
 
 /// col[(c·kh + i)·kw + j][t·w_out + ow] = x[c][ih][iw] for output rows `oh` (0 outside).
@@ -103,7 +109,9 @@ fn col2im_channel<T: Float>(col: &[T], plane: &mut [T], c: usize, g: &ConvGeom, 
             let row = &col[r * cols..(r + 1) * cols];
             let valid = valid_cols(g, j);
             for (t, src) in oh.clone().zip(row.chunks(g.w_out)) {
-                let Some(ih) = input_row(g, t, i) else { continue };
+                let Some(ih) = input_row(g, t, i) else {
+                    continue;
+                };
                 let dst = &mut plane[ih * g.w..(ih + 1) * g.w];
                 let iw0 = valid.start * g.stride.1 + j * g.dilation.1 - g.pad.1;
                 for (k, &v) in src[valid.clone()].iter().enumerate() {
@@ -129,7 +137,14 @@ impl<T> SharedOut<T> {
 }
 
 /// The input of group `gi` for output rows starting at column `off`: (rows of group) × cols.
-fn rhs_view<'a, T: Float>(g: &ConvGeom, x_n: &'a [T], col: &'a [T], gi: usize, off: usize, cols: usize) -> View<'a, T> {
+fn rhs_view<'a, T: Float>(
+    g: &ConvGeom,
+    x_n: &'a [T],
+    col: &'a [T],
+    gi: usize,
+    off: usize,
+    cols: usize,
+) -> View<'a, T> {
     let rows_g = g.col_rows();
     if g.is_pointwise() {
         View::rows(&x_n[gi * rows_g * g.h * g.w + off..], g.h * g.w)
@@ -149,26 +164,40 @@ pub fn forward<T: Float>(x: &[T], w: &[T], y: &mut [T], ws: &mut [T], g: &ConvGe
     let par_gemm = items == 1;
     assert!(y.len() >= g.n * y_len && x.len() >= g.n * x_len);
     let out = SharedOut(y.as_mut_ptr());
-    ws.par_chunks_mut(lane_len(g)).enumerate().for_each(|(l, lane)| {
-        let col = &mut lane[..col_tile_len(g)];
-        for item in l * per..((l + 1) * per).min(items) {
-            let (n, oh) = (item / tiles, tile_rows(g, item % tiles));
-            let (off, cols) = (oh.start * g.w_out, oh.len() * g.w_out);
-            let x_n = &x[n * x_len..(n + 1) * x_len];
-            if !g.is_pointwise() {
-                im2col(x_n, col, g, oh);
+    ws.par_chunks_mut(lane_len(g))
+        .enumerate()
+        .for_each(|(l, lane)| {
+            let col = &mut lane[..col_tile_len(g)];
+            for item in l * per..((l + 1) * per).min(items) {
+                let (n, oh) = (item / tiles, tile_rows(g, item % tiles));
+                let (off, cols) = (oh.start * g.w_out, oh.len() * g.w_out);
+                let x_n = &x[n * x_len..(n + 1) * x_len];
+                if !g.is_pointwise() {
+                    im2col(x_n, col, g, oh);
+                }
+                for gi in 0..g.groups {
+                    let lhs = View::rows(&w[gi * co_g * rows_g..], rows_g);
+                    let rhs = rhs_view(g, x_n, col, gi, off, cols);
+                    let start = n * y_len + gi * co_g * hw_out + off;
+                    // SAFETY: item (n, tile) and group gi write rows [gi·co_g, (gi+1)·co_g) of
+                    // sample n at columns [off, off + cols): inside y (asserted above) and
+                    // disjoint from every other (item, group).
+                    unsafe {
+                        gemm_raw(
+                            co_g,
+                            cols,
+                            rows_g,
+                            out.at(start),
+                            hw_out,
+                            lhs,
+                            rhs,
+                            false,
+                            par_gemm,
+                        )
+                    };
+                }
             }
-            for gi in 0..g.groups {
-                let lhs = View::rows(&w[gi * co_g * rows_g..], rows_g);
-                let rhs = rhs_view(g, x_n, col, gi, off, cols);
-                let start = n * y_len + gi * co_g * hw_out + off;
-                // SAFETY: item (n, tile) and group gi write rows [gi·co_g, (gi+1)·co_g) of
-                // sample n at columns [off, off + cols): inside y (asserted above) and
-                // disjoint from every other (item, group).
-                unsafe { gemm_raw(co_g, cols, rows_g, out.at(start), hw_out, lhs, rhs, false, par_gemm) };
-            }
-        }
-    });
+        });
 }
 
 /// dx[n] = col2im(Wᵀ · dy[n]) per group; lanes split samples, tiles run in order.
@@ -193,9 +222,29 @@ pub fn backward_data<T: Float>(dy: &[T], w: &[T], dx: &mut [T], ws: &mut [T], g:
                         let lhs = View::rows(&w[gi * co_g * rows_g..], rows_g).t();
                         let rhs = View::rows(&dy_n[gi * co_g * hw_out + off..], hw_out);
                         if g.is_pointwise() {
-                            gemm(rows_g, cols, co_g, &mut dx_n[gi * rows_g * hw + off..], hw, lhs, rhs, false, par);
+                            gemm(
+                                rows_g,
+                                cols,
+                                co_g,
+                                &mut dx_n[gi * rows_g * hw + off..],
+                                hw,
+                                lhs,
+                                rhs,
+                                false,
+                                par,
+                            );
                         } else {
-                            gemm(rows_g, cols, co_g, &mut dcol[gi * rows_g * cols..], cols, lhs, rhs, false, par);
+                            gemm(
+                                rows_g,
+                                cols,
+                                co_g,
+                                &mut dcol[gi * rows_g * cols..],
+                                cols,
+                                lhs,
+                                rhs,
+                                false,
+                                par,
+                            );
                         }
                     }
                     if g.is_pointwise() {
@@ -203,9 +252,13 @@ pub fn backward_data<T: Float>(dy: &[T], w: &[T], dx: &mut [T], ws: &mut [T], g:
                     }
                     let dcol = &*dcol;
                     if par {
-                        dx_n.par_chunks_mut(hw).enumerate().for_each(|(c, p)| col2im_channel(dcol, p, c, g, oh.clone()));
+                        dx_n.par_chunks_mut(hw)
+                            .enumerate()
+                            .for_each(|(c, p)| col2im_channel(dcol, p, c, g, oh.clone()));
                     } else {
-                        dx_n.chunks_mut(hw).enumerate().for_each(|(c, p)| col2im_channel(dcol, p, c, g, oh.clone()));
+                        dx_n.chunks_mut(hw)
+                            .enumerate()
+                            .for_each(|(c, p)| col2im_channel(dcol, p, c, g, oh.clone()));
                     }
                 }
             }
@@ -222,23 +275,35 @@ pub fn backward_filter<T: Float>(x: &[T], dy: &[T], dw: &mut [T], ws: &mut [T], 
     let per = items.div_ceil(lanes(items));
     let par_gemm = items == 1;
     let cl = col_tile_len(g);
-    ws.par_chunks_mut(lane_len(g)).enumerate().for_each(|(l, lane)| {
-        let (col, part) = lane.split_at_mut(cl);
-        part.fill(T::zero());
-        for item in l * per..((l + 1) * per).min(items) {
-            let (n, oh) = (item / tiles, tile_rows(g, item % tiles));
-            let (off, cols) = (oh.start * g.w_out, oh.len() * g.w_out);
-            let x_n = &x[n * x_len..(n + 1) * x_len];
-            if !g.is_pointwise() {
-                im2col(x_n, col, g, oh);
+    ws.par_chunks_mut(lane_len(g))
+        .enumerate()
+        .for_each(|(l, lane)| {
+            let (col, part) = lane.split_at_mut(cl);
+            part.fill(T::zero());
+            for item in l * per..((l + 1) * per).min(items) {
+                let (n, oh) = (item / tiles, tile_rows(g, item % tiles));
+                let (off, cols) = (oh.start * g.w_out, oh.len() * g.w_out);
+                let x_n = &x[n * x_len..(n + 1) * x_len];
+                if !g.is_pointwise() {
+                    im2col(x_n, col, g, oh);
+                }
+                for gi in 0..g.groups {
+                    let lhs = View::rows(&dy[n * y_len + gi * co_g * hw_out + off..], hw_out);
+                    let rhs = rhs_view(g, x_n, col, gi, off, cols).t();
+                    gemm(
+                        co_g,
+                        rows_g,
+                        cols,
+                        &mut part[gi * co_g * rows_g..],
+                        rows_g,
+                        lhs,
+                        rhs,
+                        true,
+                        par_gemm,
+                    );
+                }
             }
-            for gi in 0..g.groups {
-                let lhs = View::rows(&dy[n * y_len + gi * co_g * hw_out + off..], hw_out);
-                let rhs = rhs_view(g, x_n, col, gi, off, cols).t();
-                gemm(co_g, rows_g, cols, &mut part[gi * co_g * rows_g..], rows_g, lhs, rhs, true, par_gemm);
-            }
-        }
-    });
+        });
     for lane in ws.chunks(lane_len(g)) {
         for (d, p) in dw.iter_mut().zip(&lane[cl..]) {
             *d += *p;

@@ -94,11 +94,19 @@ pub(crate) struct View<'a, T> {
 impl<'a, T> View<'a, T> {
     /// Row-major with `ld` elements between rows.
     pub fn rows(data: &'a [T], ld: usize) -> Self {
-        View { data, rs: ld, cs: 1 }
+        View {
+            data,
+            rs: ld,
+            cs: 1,
+        }
     }
     /// The transpose (no copy).
     pub fn t(self) -> Self {
-        View { data: self.data, rs: self.cs, cs: self.rs }
+        View {
+            data: self.data,
+            rs: self.cs,
+            cs: self.rs,
+        }
     }
     fn fits(&self, rows: usize, cols: usize) -> bool {
         rows == 0 || cols == 0 || (rows - 1) * self.rs + (cols - 1) * self.cs < self.data.len()
@@ -111,8 +119,21 @@ impl<'a, T> View<'a, T> {
 /// `dst` must be valid for writes at every `i·dst_rs + j` (i < m, j < n), and no other thread
 /// may touch those elements during the call.
 #[allow(clippy::too_many_arguments)]
-pub(crate) unsafe fn gemm_raw<T: Float>(m: usize, n: usize, k: usize, dst: *mut T, dst_rs: usize, lhs: View<T>, rhs: View<T>, accumulate: bool, parallel: bool) {
-    assert!(lhs.fits(m, k) && rhs.fits(k, n), "gemm operands out of bounds");
+pub(crate) unsafe fn gemm_raw<T: Float>(
+    m: usize,
+    n: usize,
+    k: usize,
+    dst: *mut T,
+    dst_rs: usize,
+    lhs: View<T>,
+    rhs: View<T>,
+    accumulate: bool,
+    parallel: bool,
+) {
+    assert!(
+        lhs.fits(m, k) && rhs.fits(k, n),
+        "gemm operands out of bounds"
+    );
     if m == 0 || n == 0 {
         return;
     }
@@ -154,10 +175,35 @@ pub(crate) unsafe fn gemm_raw<T: Float>(m: usize, n: usize, k: usize, dst: *mut 
 
 /// dst (m×n, `dst_rs` between rows) = [dst +] lhs (m×k) · rhs (k×n).
 #[allow(clippy::too_many_arguments)]
-pub(crate) fn gemm<T: Float>(m: usize, n: usize, k: usize, dst: &mut [T], dst_rs: usize, lhs: View<T>, rhs: View<T>, accumulate: bool, parallel: bool) {
-    assert!(m == 0 || n == 0 || (m - 1) * dst_rs + n <= dst.len(), "gemm destination out of bounds");
+pub(crate) fn gemm<T: Float>(
+    m: usize,
+    n: usize,
+    k: usize,
+    dst: &mut [T],
+    dst_rs: usize,
+    lhs: View<T>,
+    rhs: View<T>,
+    accumulate: bool,
+    parallel: bool,
+) {
+    assert!(
+        m == 0 || n == 0 || (m - 1) * dst_rs + n <= dst.len(),
+        "gemm destination out of bounds"
+    );
     // SAFETY: the destination is an exclusively borrowed slice that holds every written index.
-    unsafe { gemm_raw(m, n, k, dst.as_mut_ptr(), dst_rs, lhs, rhs, accumulate, parallel) }
+    unsafe {
+        gemm_raw(
+            m,
+            n,
+            k,
+            dst.as_mut_ptr(),
+            dst_rs,
+            lhs,
+            rhs,
+            accumulate,
+            parallel,
+        )
+    }
 }
 
 /// The host backend.
