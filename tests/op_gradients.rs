@@ -3,6 +3,7 @@
 
 use gems::backend::Device;
 use gems::ops::conv::Conv2d;
+use gems::ops::pool::AdaptiveAvgPool;
 use gems::ops::pool::{AvgPool, GlobalAvgPool, MaxPool, Window};
 use gems::ops::{
     activation, dropout, elementwise, linear, loss, norm, shape, Backward, Ctx, Op, Saved,
@@ -393,6 +394,146 @@ fn pools() {
     check_gradients(
         "global avgpool",
         one(Op::GlobalAvgPool(GlobalAvgPool), &[3, 5, 4], 3),
+    );
+}
+
+#[test]
+fn pools_ceil_mode() {
+    // Output sizes by PyTorch's rule, including the case where the last window would start
+    // in the right padding and is dropped.
+    for (h, k, st, p, floor, ceil) in [
+        (8, 3, 2, 0, 3, 4),
+        (8, 3, 2, 1, 4, 5),
+        (7, 2, 2, 0, 3, 4),
+        (5, 2, 2, 1, 3, 3),
+        (6, 3, 3, 1, 2, 3),
+        (112, 3, 2, 0, 55, 56),
+    ] {
+        for (w, want) in [
+            (Window::square(k, st, p), floor),
+            (Window::square(k, st, p).ceil(), ceil),
+        ] {
+            let y = Op::MaxPool(MaxPool(w))
+                .get()
+                .infer(&[&Shape::new([1, h, h])])
+                .unwrap();
+            assert_eq!(y.dims(), &[1, want, want], "{w} on {h}: {y}");
+        }
+    }
+    check_gradients(
+        "maxpool 3x3/2 ceil",
+        one(
+            Op::MaxPool(MaxPool(Window::square(3, 2, 0).ceil())),
+            &[2, 8, 7],
+            2,
+        ),
+    );
+    check_gradients(
+        "maxpool 3x3/2 pad 1 ceil",
+        one(
+            Op::MaxPool(MaxPool(Window::square(3, 2, 1).ceil())),
+            &[2, 8, 6],
+            2,
+        ),
+    );
+    check_gradients(
+        "avgpool 3x3/2 pad 1 ceil",
+        one(
+            Op::AvgPool(AvgPool(Window::square(3, 2, 1).ceil())),
+            &[2, 8, 6],
+            2,
+        ),
+    );
+    check_gradients(
+        "avgpool 2x2/2 ceil",
+        one(
+            Op::AvgPool(AvgPool(Window::square(2, 2, 0).ceil())),
+            &[2, 5, 7],
+            2,
+        ),
+    );
+    // The divisor of a ceil-mode average window is the window clipped to the padded input:
+    // 3×3/2 pad 1 on 4×4 gives windows over padded rows [0,3), [2,5), [4,6).
+    let d = device();
+    let x: Vec<f64> = (0..16).map(|i| i as f64).collect();
+    let xt = upload(&d, &Shape::new([1, 1, 4, 4]), &x, DType::F64);
+    let ctx = Ctx {
+        device: &d,
+        training: true,
+        seed: 0,
+    };
+    let op = Op::AvgPool(AvgPool(Window::square(3, 2, 1).ceil()));
+    let y = op
+        .get()
+        .forward(&ctx, &[&xt], &mut [])
+        .unwrap()
+        .0
+        .to_f64_vec();
+    assert_eq!(y.len(), 9);
+    assert!(
+        (y[0] - (0.0 + 1.0 + 4.0 + 5.0) / 9.0).abs() < 1e-15,
+        "{y:?}"
+    );
+    assert!((y[2] - (3.0 + 7.0) / 6.0).abs() < 1e-15, "{y:?}");
+    assert!((y[8] - 15.0 / 4.0).abs() < 1e-15, "{y:?}");
+}
+
+#[test]
+fn adaptive_avg_pool() {
+    // Windows [⌊i·H/oh⌋, ⌈(i+1)·H/oh⌉): 5 → 3 gives [0,2), [1,4), [3,5); 2 → 3 repeats.
+    let d = device();
+    let x: Vec<f64> = (0..10).map(|i| i as f64).collect();
+    let xt = upload(&d, &Shape::new([1, 1, 5, 2]), &x, DType::F64);
+    let ctx = Ctx {
+        device: &d,
+        training: true,
+        seed: 0,
+    };
+    let op = Op::AdaptiveAvgPool(AdaptiveAvgPool { out: (3, 3) });
+    let y = op
+        .get()
+        .forward(&ctx, &[&xt], &mut [])
+        .unwrap()
+        .0
+        .to_f64_vec();
+    // Row windows {0,1}, {1,2,3}, {3,4} of a 5×2 image whose (r, c) holds 2r + c; column
+    // windows {0}, {0,1}, {1}.
+    let want = [1.0, 1.5, 2.0, 4.0, 4.5, 5.0, 7.0, 7.5, 8.0];
+    assert!(
+        y.iter().zip(&want).all(|(a, b)| (a - b).abs() < 1e-14),
+        "{y:?}"
+    );
+    check_gradients(
+        "adaptive avgpool 7x6 -> 3x2",
+        one(
+            Op::AdaptiveAvgPool(AdaptiveAvgPool { out: (3, 2) }),
+            &[2, 7, 6],
+            2,
+        ),
+    );
+    check_gradients(
+        "adaptive avgpool 5x3 -> 3x4 (up in one axis)",
+        one(
+            Op::AdaptiveAvgPool(AdaptiveAvgPool { out: (3, 4) }),
+            &[3, 5, 3],
+            2,
+        ),
+    );
+    check_gradients(
+        "adaptive avgpool 2x2 -> 7x7 (VGG at its minimum size)",
+        one(
+            Op::AdaptiveAvgPool(AdaptiveAvgPool { out: (7, 7) }),
+            &[2, 2, 2],
+            2,
+        ),
+    );
+    check_gradients(
+        "adaptive avgpool divisible 6x6 -> 3x3",
+        one(
+            Op::AdaptiveAvgPool(AdaptiveAvgPool { out: (3, 3) }),
+            &[2, 6, 6],
+            1,
+        ),
     );
 }
 

@@ -53,6 +53,14 @@ pub struct PoolGeom {
     pub w_out: usize,
 }
 
+impl PoolGeom {
+    /// Input rows (or columns) output `i` of `out` averages in an adaptive pool over `input`:
+    /// [⌊i·input/out⌋, ⌈(i+1)·input/out⌉), as PyTorch's `AdaptiveAvgPool2d`.
+    pub fn adaptive_window(i: usize, input: usize, out: usize) -> std::ops::Range<usize> {
+        (i * input / out)..((i + 1) * input).div_ceil(out)
+    }
+}
+
 /// A batch seen per channel: n × c × hw.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct ChannelGeom {
@@ -181,8 +189,19 @@ pub trait Backend: Send + Sync {
         g: &PoolGeom,
     ) -> Result<()>;
     /// Average over the window, padding counted (PyTorch's `count_include_pad=True`).
+    /// The divisor is the window clipped to the padded input (a ceil-mode last window can run
+    /// past it), as PyTorch does.
     fn avg_pool_forward(&self, x: &Storage, y: &mut Storage, g: &PoolGeom) -> Result<()>;
     fn avg_pool_backward(&self, dy: &Storage, dx: &mut Storage, g: &PoolGeom) -> Result<()>;
+    /// PyTorch's `AdaptiveAvgPool2d` to `g.h_out × g.w_out` (windows from
+    /// [`PoolGeom::adaptive_window`]; kernel, stride and padding unused).
+    fn adaptive_avg_pool_forward(&self, x: &Storage, y: &mut Storage, g: &PoolGeom) -> Result<()>;
+    fn adaptive_avg_pool_backward(
+        &self,
+        dy: &Storage,
+        dx: &mut Storage,
+        g: &PoolGeom,
+    ) -> Result<()>;
 
     /// y (n × out) = x (n × in) · wᵀ (w: out × in).
     fn linear_forward(

@@ -2,6 +2,7 @@
 
 use super::{Block, BlockId, Graph, Node, Output, Param, Value, ValueId};
 use crate::ops::conv::Conv2d;
+use crate::ops::Init;
 use crate::ops::{activation, dropout, elementwise, linear, norm, pool, shape, Op};
 use crate::tensor::Shape;
 use crate::{Error, Result};
@@ -128,6 +129,19 @@ impl GraphBuilder {
     pub fn global_avg_pool(&mut self, name: &str, x: ValueId) -> Result<ValueId> {
         self.op(name, Op::GlobalAvgPool(pool::GlobalAvgPool), &[x])
     }
+    /// Average pooling to an `out.0 × out.1` map (PyTorch's `AdaptiveAvgPool2d`).
+    pub fn adaptive_avg_pool(
+        &mut self,
+        name: &str,
+        x: ValueId,
+        out: (usize, usize),
+    ) -> Result<ValueId> {
+        self.op(
+            name,
+            Op::AdaptiveAvgPool(pool::AdaptiveAvgPool { out }),
+            &[x],
+        )
+    }
     pub fn flatten(&mut self, name: &str, x: ValueId) -> Result<ValueId> {
         self.op(name, Op::Flatten(shape::Flatten), &[x])
     }
@@ -141,6 +155,26 @@ impl GraphBuilder {
     pub fn linear(&mut self, name: &str, x: ValueId, d_out: usize, bias: bool) -> Result<ValueId> {
         let d_in = self.shape(x).numel();
         self.op(name, Op::Linear(linear::Linear { d_in, d_out, bias }), &[x])
+    }
+
+    /// Overrides how parameter `suffix` (`weight`, `bias`) of the node appended last starts,
+    /// for a model whose initialization differs from the op's default.
+    pub fn set_init(&mut self, suffix: &str, init: Init) -> Result<()> {
+        let node =
+            self.g.nodes.last().ok_or_else(|| {
+                Error::Internal(format!("{}: set_init before any node", self.g.name))
+            })?;
+        let p = self.g.params[node.params.clone()]
+            .iter_mut()
+            .find(|p| p.spec.suffix == suffix)
+            .ok_or_else(|| {
+                Error::Internal(format!(
+                    "{}: {} has no parameter '{suffix}'",
+                    self.g.name, node.name
+                ))
+            })?;
+        p.spec.init = init;
+        Ok(())
     }
 
     /// The finished graph with its loss outputs; checks that parameter names are unique.

@@ -1,4 +1,4 @@
-//! Max, average and global-average pooling.
+//! Max, average, global-average and adaptive-average pooling.
 
 use std::fmt;
 
@@ -7,21 +7,55 @@ use crate::backend::PoolGeom;
 use crate::tensor::{Shape, Tensor};
 use crate::Result;
 
-/// A pooling window: kernel, stride, padding.
+/// A pooling window: kernel, stride, padding, and how a partial last window is treated.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Window {
     pub kernel: (usize, usize),
     pub stride: (usize, usize),
     pub pad: (usize, usize),
+    /// PyTorch's `ceil_mode`: round the output size up, so a last window that starts inside
+    /// the input (or the left padding) but runs past the padded input still counts; such
+    /// windows are clipped at the border. `false` (floor) drops them.
+    pub ceil_mode: bool,
 }
 
 impl Window {
+    /// A k×k window, floor mode.
     pub fn square(k: usize, stride: usize, pad: usize) -> Self {
         Window {
             kernel: (k, k),
             stride: (stride, stride),
             pad: (pad, pad),
+            ceil_mode: false,
         }
+    }
+
+    /// The same window in ceil mode.
+    pub fn ceil(self) -> Self {
+        Window {
+            ceil_mode: true,
+            ..self
+        }
+    }
+
+    /// Output size along one axis (PyTorch's `pooling_output_shape`).
+    fn out(
+        &self,
+        input: usize,
+        k: usize,
+        stride: usize,
+        pad: usize,
+    ) -> std::result::Result<usize, String> {
+        let floor = window_out(input, k, stride, pad, 1)?;
+        if !self.ceil_mode {
+            return Ok(floor);
+        }
+        let mut out = (input + 2 * pad - k).div_ceil(stride) + 1;
+        // The last window must start inside the input or the left padding.
+        if (out - 1) * stride >= input + pad {
+            out -= 1;
+        }
+        Ok(out)
     }
 
     fn infer(&self, s: &Shape) -> std::result::Result<Shape, String> {
@@ -32,8 +66,8 @@ impl Window {
         if self.stride.0 == 0 || self.stride.1 == 0 {
             return Err("pool stride must be positive".into());
         }
-        let ho = window_out(h, self.kernel.0, self.stride.0, self.pad.0, 1)?;
-        let wo = window_out(w, self.kernel.1, self.stride.1, self.pad.1, 1)?;
+        let ho = self.out(h, self.kernel.0, self.stride.0, self.pad.0)?;
+        let wo = self.out(w, self.kernel.1, self.stride.1, self.pad.1)?;
         Ok(Shape::new([c, ho, wo]))
     }
 
@@ -59,7 +93,11 @@ impl Window {
 
 impl fmt::Display for Window {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}x{}/{}", self.kernel.0, self.kernel.1, self.stride.0)
+        write!(f, "{}x{}/{}", self.kernel.0, self.kernel.1, self.stride.0)?;
+        if self.ceil_mode {
+            write!(f, " ceil")?;
+        }
+        Ok(())
     }
 }
 
@@ -225,6 +263,91 @@ impl Operator for GlobalAvgPool {
 
     fn flops(&self, inputs: &[&Shape], _output: &Shape) -> u64 {
         inputs[0].numel() as u64
+    }
+
+    fn saves(&self, _inputs: &[&Shape]) -> SavesFor {
+        SavesFor::default()
+    }
+}
+
+/// PyTorch's `AdaptiveAvgPool2d((oh, ow))`: C×H×W → C×oh×ow, output row i averaging input rows
+/// [⌊i·H/oh⌋, ⌈(i+1)·H/oh⌉) (columns alike). Windows may overlap, and repeat rows when the
+/// output is larger than the input.
+#[derive(Clone, Debug, PartialEq)]
+pub struct AdaptiveAvgPool {
+    pub out: (usize, usize),
+}
+
+impl AdaptiveAvgPool {
+    /// The geometry the backend reads: kernel, stride and padding are unused.
+    fn geom(&self, x: &Shape) -> PoolGeom {
+        let (n, c, h, w) = x.nchw();
+        PoolGeom {
+            n,
+            c,
+            h,
+            w,
+            kh: 0,
+            kw: 0,
+            stride: (0, 0),
+            pad: (0, 0),
+            h_out: self.out.0,
+            w_out: self.out.1,
+        }
+    }
+}
+
+impl Operator for AdaptiveAvgPool {
+    fn infer(&self, inputs: &[&Shape]) -> std::result::Result<Shape, String> {
+        let (c, h, w) = chw(inputs[0])?;
+        if self.out.0 == 0 || self.out.1 == 0 {
+            return Err("adaptive pool output size must be positive".into());
+        }
+        if h == 0 || w == 0 {
+            return Err(format!("adaptive pool input {h}×{w} is empty"));
+        }
+        Ok(Shape::new([c, self.out.0, self.out.1]))
+    }
+
+    fn forward(
+        &self,
+        ctx: &Ctx,
+        xs: &[&Tensor],
+        _params: &mut [Tensor],
+    ) -> Result<(Tensor, Saved)> {
+        let x = xs[0];
+        let g = self.geom(x.shape());
+        let mut y = ctx.activation(Shape::new([g.n, g.c, g.h_out, g.w_out]), x)?;
+        ctx.device
+            .backend()
+            .adaptive_avg_pool_forward(x.storage(), y.storage_mut()?, &g)?;
+        Ok((y, Saved::default()))
+    }
+
+    fn backward(
+        &self,
+        ctx: &Ctx,
+        b: Backward,
+        _params: &[Tensor],
+        _grads: &mut [Tensor],
+    ) -> Result<Vec<Option<Tensor>>> {
+        let g = self.geom(&b.inputs[0]);
+        let mut dx = ctx.activation(b.inputs[0].clone(), &b.dy)?;
+        ctx.device
+            .backend()
+            .adaptive_avg_pool_backward(b.dy.storage(), dx.storage_mut()?, &g)?;
+        Ok(vec![Some(dx)])
+    }
+
+    fn flops(&self, inputs: &[&Shape], _output: &Shape) -> u64 {
+        // One add per element of each window (windows overlap, so more than the input).
+        let span = |input: usize, out: usize| -> usize {
+            (0..out)
+                .map(|i| PoolGeom::adaptive_window(i, input, out).len())
+                .sum()
+        };
+        let (c, h, w) = (inputs[0].dim(0), inputs[0].dim(1), inputs[0].dim(2));
+        (c * span(h, self.out.0) * span(w, self.out.1)) as u64
     }
 
     fn saves(&self, _inputs: &[&Shape]) -> SavesFor {

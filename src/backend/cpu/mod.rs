@@ -394,6 +394,21 @@ impl Backend for Cpu {
         Ok(())
     }
 
+    fn adaptive_avg_pool_forward(&self, x: &Storage, y: &mut Storage, g: &PoolGeom) -> Result<()> {
+        with_float!(x.dtype(), T => pool::adaptive_avg_forward::<T>(T::view(x)?, T::view_mut(y)?, g));
+        Ok(())
+    }
+
+    fn adaptive_avg_pool_backward(
+        &self,
+        dy: &Storage,
+        dx: &mut Storage,
+        g: &PoolGeom,
+    ) -> Result<()> {
+        with_float!(dy.dtype(), T => pool::adaptive_avg_backward::<T>(T::view(dy)?, T::view_mut(dx)?, g));
+        Ok(())
+    }
+
     fn linear_forward(
         &self,
         x: &Storage,

@@ -1,4 +1,4 @@
-//! Max and average pooling, one (n, c) plane per parallel task.
+//! Max, average and adaptive-average pooling, one (n, c) plane per parallel task.
 
 use rayon::prelude::*;
 
@@ -58,8 +58,17 @@ pub fn max_backward<T: Float>(x: &[T], dy: &[T], dx: &mut [T], g: &PoolGeom) {
         });
 }
 
+/// The divisor of window (oh, ow): its size clipped to the padded input, padding counted.
+/// That is kh·kw except for a ceil-mode last window that runs past the padded input.
+fn area(g: &PoolGeom, oh: usize, ow: usize) -> f64 {
+    let span = |o: usize, s: usize, k: usize, p: usize, n: usize| {
+        let start = o * s; // in padded coordinates
+        (start + k).min(n + 2 * p) - start
+    };
+    (span(oh, g.stride.0, g.kh, g.pad.0, g.h) * span(ow, g.stride.1, g.kw, g.pad.1, g.w)) as f64
+}
+
 pub fn avg_forward<T: Float>(x: &[T], y: &mut [T], g: &PoolGeom) {
-    let area = T::of((g.kh * g.kw) as f64);
     y.par_chunks_mut(g.h_out * g.w_out)
         .zip(x.par_chunks(g.h * g.w))
         .for_each(|(yp, xp)| {
@@ -73,14 +82,13 @@ pub fn avg_forward<T: Float>(x: &[T], y: &mut [T], g: &PoolGeom) {
                             .copied()
                             .sum::<T>();
                     }
-                    yp[oh * g.w_out + ow] = s / area;
+                    yp[oh * g.w_out + ow] = s / T::of(area(g, oh, ow));
                 }
             }
         });
 }
 
 pub fn avg_backward<T: Float>(dy: &[T], dx: &mut [T], g: &PoolGeom) {
-    let area = T::of((g.kh * g.kw) as f64);
     dx.par_chunks_mut(g.h * g.w)
         .zip(dy.par_chunks(g.h_out * g.w_out))
         .for_each(|(dxp, dyp)| {
@@ -88,8 +96,50 @@ pub fn avg_backward<T: Float>(dy: &[T], dx: &mut [T], g: &PoolGeom) {
             for oh in 0..g.h_out {
                 for ow in 0..g.w_out {
                     let (rows, cols) = window(g, oh, ow);
-                    let d = dyp[oh * g.w_out + ow] / area;
+                    let d = dyp[oh * g.w_out + ow] / T::of(area(g, oh, ow));
                     for ih in rows {
+                        dxp[ih * g.w + cols.start..ih * g.w + cols.end]
+                            .iter_mut()
+                            .for_each(|v| *v += d);
+                    }
+                }
+            }
+        });
+}
+
+pub fn adaptive_avg_forward<T: Float>(x: &[T], y: &mut [T], g: &PoolGeom) {
+    y.par_chunks_mut(g.h_out * g.w_out)
+        .zip(x.par_chunks(g.h * g.w))
+        .for_each(|(yp, xp)| {
+            for oh in 0..g.h_out {
+                let rows = PoolGeom::adaptive_window(oh, g.h, g.h_out);
+                for ow in 0..g.w_out {
+                    let cols = PoolGeom::adaptive_window(ow, g.w, g.w_out);
+                    let area = T::of((rows.len() * cols.len()) as f64);
+                    let mut s = T::zero();
+                    for ih in rows.clone() {
+                        s += xp[ih * g.w + cols.start..ih * g.w + cols.end]
+                            .iter()
+                            .copied()
+                            .sum::<T>();
+                    }
+                    yp[oh * g.w_out + ow] = s / area;
+                }
+            }
+        });
+}
+
+pub fn adaptive_avg_backward<T: Float>(dy: &[T], dx: &mut [T], g: &PoolGeom) {
+    dx.par_chunks_mut(g.h * g.w)
+        .zip(dy.par_chunks(g.h_out * g.w_out))
+        .for_each(|(dxp, dyp)| {
+            dxp.fill(T::zero());
+            for oh in 0..g.h_out {
+                let rows = PoolGeom::adaptive_window(oh, g.h, g.h_out);
+                for ow in 0..g.w_out {
+                    let cols = PoolGeom::adaptive_window(ow, g.w, g.w_out);
+                    let d = dyp[oh * g.w_out + ow] / T::of((rows.len() * cols.len()) as f64);
+                    for ih in rows.clone() {
                         dxp[ih * g.w + cols.start..ih * g.w + cols.end]
                             .iter_mut()
                             .for_each(|v| *v += d);
