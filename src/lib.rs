@@ -5,6 +5,7 @@
 //! backward and costs.
 
 pub mod backend;
+pub mod checkpoint;
 pub mod data;
 pub mod graph;
 pub mod memory;

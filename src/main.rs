@@ -34,40 +34,54 @@ enum Command {
     Train(TrainArgs),
     /// List the models with parameters, FLOPs and activation memory, or show one model's graph.
     Models(ModelsArgs),
+    /// Loss and accuracy of a checkpoint on held-out images (weights unchanged, BN in eval mode).
+    Eval(EvalArgs),
+}
+
+#[derive(Args)]
+struct EvalArgs {
+    /// The checkpoint to evaluate.
+    #[arg(long)]
+    checkpoint: PathBuf,
+    #[arg(long, default_value_t = 1000)]
+    samples: usize,
+    #[arg(long, default_value_t = 50)]
+    batch_size: usize,
 }
 
 #[derive(Args)]
 struct TrainArgs {
-    #[arg(long, default_value = "resnet20v2")]
+    #[arg(long, default_value = "resnet20v2", conflicts_with = "resume")]
     model: String,
     /// Image side in pixels (square RGB images).
-    #[arg(long, default_value_t = 32)]
+    #[arg(long, default_value_t = 32, conflicts_with = "resume")]
     image_size: usize,
-    #[arg(long, default_value_t = 10)]
+    #[arg(long, default_value_t = 10, conflicts_with = "resume")]
     classes: usize,
-    #[arg(long, default_value_t = 32)]
+    #[arg(long, default_value_t = 32, conflicts_with = "resume")]
     batch_size: usize,
-    #[arg(long, default_value_t = 150)]
-    steps: usize,
-    /// Base learning rate.
-    #[arg(long, default_value_t = 0.1)]
-    lr: f64,
-    #[arg(long, default_value_t = 0.9)]
-    momentum: f64,
-    #[arg(long, default_value_t = 5e-4)]
-    weight_decay: f64,
+    /// Total optimizer steps [default: 150; when resuming, the checkpoint's total].
     #[arg(long)]
+    steps: Option<usize>,
+    /// Base learning rate.
+    #[arg(long, default_value_t = 0.1, conflicts_with = "resume")]
+    lr: f64,
+    #[arg(long, default_value_t = 0.9, conflicts_with = "resume")]
+    momentum: f64,
+    #[arg(long, default_value_t = 5e-4, conflicts_with = "resume")]
+    weight_decay: f64,
+    #[arg(long, conflicts_with = "resume")]
     nesterov: bool,
     /// constant, cosine, or step:EVERY:GAMMA.
-    #[arg(long, default_value = "cosine")]
+    #[arg(long, default_value = "cosine", conflicts_with = "resume")]
     schedule: Decay,
     /// Steps of linear learning-rate warm-up.
-    #[arg(long, default_value_t = 10)]
+    #[arg(long, default_value_t = 10, conflicts_with = "resume")]
     warmup: usize,
-    #[arg(long, default_value_t = 0)]
+    #[arg(long, default_value_t = 0, conflicts_with = "resume")]
     seed: u64,
     /// f32 or f64.
-    #[arg(long, default_value = "f32")]
+    #[arg(long, default_value = "f32", conflicts_with = "resume")]
     dtype: DType,
     /// Device capacity, e.g. 2GiB (emulated on the CPU; default unlimited).
     #[arg(long, value_parser = parse_bytes)]
@@ -75,6 +89,15 @@ struct TrainArgs {
     /// Write one JSON line per step to this file.
     #[arg(long)]
     metrics: Option<PathBuf>,
+    /// Folder to write checkpoints into (step-NNNNNN.safetensors), every --checkpoint-every
+    /// steps and at the end.
+    #[arg(long, value_name = "DIR")]
+    checkpoint: Option<PathBuf>,
+    #[arg(long, value_name = "N", requires = "checkpoint")]
+    checkpoint_every: Option<usize>,
+    /// Continue from a checkpoint: model, data, optimizer and schedule come from it.
+    #[arg(long, value_name = "FILE")]
+    resume: Option<PathBuf>,
 }
 
 #[derive(Args)]
@@ -105,6 +128,7 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Train(a) => train(a),
         Command::Models(a) => list_models(a),
+        Command::Eval(a) => eval(a),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -116,37 +140,58 @@ fn main() -> ExitCode {
 }
 
 fn train(a: TrainArgs) -> anyhow::Result<()> {
-    if a.steps == 0 {
-        anyhow::bail!("--steps must be at least 1");
+    if a.steps == Some(0) || a.checkpoint_every == Some(0) {
+        anyhow::bail!("--steps and --checkpoint-every must be at least 1");
     }
-    let config = TrainConfig {
-        model: a.model,
-        image_size: a.image_size,
-        classes: a.classes,
-        batch_size: a.batch_size,
-        steps: a.steps,
-        schedule: LrSchedule {
-            base: a.lr,
-            decay: a.schedule,
-            warmup: a.warmup,
-            total: a.steps,
-        },
-        sgd: SgdConfig {
-            momentum: a.momentum,
-            weight_decay: a.weight_decay,
-            nesterov: a.nesterov,
-        },
-        seed: a.seed,
-        dtype: a.dtype,
-        device_memory: a.device_memory,
+    if let Some(dir) = &a.checkpoint {
+        std::fs::create_dir_all(dir).map_err(|e| {
+            anyhow::anyhow!("cannot create checkpoint folder {}: {e}", dir.display())
+        })?;
+    }
+    let mut trainer = match &a.resume {
+        Some(file) => {
+            let t = Trainer::resume(file, a.device_memory)?;
+            println!(
+                "resuming from {} at step {}",
+                file.display(),
+                t.steps_done()
+            );
+            t
+        }
+        None => Trainer::new(TrainConfig {
+            model: a.model,
+            image_size: a.image_size,
+            classes: a.classes,
+            batch_size: a.batch_size,
+            steps: a.steps.unwrap_or(150),
+            schedule: LrSchedule {
+                base: a.lr,
+                decay: a.schedule,
+                warmup: a.warmup,
+                total: a.steps.unwrap_or(150),
+            },
+            sgd: SgdConfig {
+                momentum: a.momentum,
+                weight_decay: a.weight_decay,
+                nesterov: a.nesterov,
+            },
+            seed: a.seed,
+            dtype: a.dtype,
+            device_memory: a.device_memory,
+        })?,
     };
+    let total = a.steps.unwrap_or(trainer.config.steps);
+    let first = trainer.steps_done();
+    if first >= total {
+        anyhow::bail!("the checkpoint is at step {first}; ask for more --steps than that");
+    }
+    let config = trainer.config.clone();
     let mut metrics = match &a.metrics {
         Some(p) => Some(std::io::BufWriter::new(std::fs::File::create(p).map_err(
             |e| anyhow::anyhow!("cannot write metrics to {}: {e}", p.display()),
         )?)),
         None => None,
     };
-    let mut trainer = Trainer::new(config.clone())?;
     let g = &trainer.graph;
     println!(
         "training {} ({} parameters, {:.2} GFLOPs/image) on {}², {} classes, batch {}, {} steps, {} on {}",
@@ -156,12 +201,12 @@ fn train(a: TrainArgs) -> anyhow::Result<()> {
         config.image_size,
         config.classes,
         config.batch_size,
-        config.steps,
+        total,
         config.dtype.name(),
         trainer.device.backend().name(),
     );
     let bar = if std::io::stderr().is_terminal() {
-        let b = ProgressBar::new(config.steps as u64);
+        let b = ProgressBar::new((total - first) as u64);
         b.set_style(
             ProgressStyle::with_template("{bar:30} {pos}/{len} {msg}").expect("static template"),
         );
@@ -170,9 +215,15 @@ fn train(a: TrainArgs) -> anyhow::Result<()> {
         None
     };
     let started = Instant::now();
-    let mut history: Vec<StepReport> = Vec::with_capacity(config.steps);
-    for _ in 0..config.steps {
+    let mut history: Vec<StepReport> = Vec::with_capacity(total - first);
+    for _ in first..total {
         let r = trainer.step()?;
+        if let Some(dir) = &a.checkpoint {
+            let done = trainer.steps_done();
+            if done == total || a.checkpoint_every.is_some_and(|n| done % n == 0) {
+                gems::checkpoint::save(&trainer, &dir.join(format!("step-{done:06}.safetensors")))?;
+            }
+        }
         if let Some(m) = metrics.as_mut() {
             let mut line = serde_json::to_value(&r)?;
             line["images_per_s"] = (r.batch as f64 / r.seconds).into();
@@ -191,8 +242,8 @@ fn train(a: TrainArgs) -> anyhow::Result<()> {
                 b.set_message(msg);
                 b.inc(1);
             }
-            None if (r.step + 1) % (config.steps / 10).max(1) == 0 => {
-                println!("step {:>5}/{}  {msg}", r.step + 1, config.steps)
+            None if (r.step + 1) % (total / 10).max(1) == 0 => {
+                println!("step {:>5}/{total}  {msg}", r.step + 1)
             }
             None => {}
         }
@@ -242,6 +293,20 @@ fn window_stats<'a>(rs: impl Iterator<Item = &'a StepReport>) -> (f64, f64) {
         n += 1;
     }
     (loss / n.max(1) as f64, correct as f64 / seen.max(1) as f64)
+}
+
+fn eval(a: EvalArgs) -> anyhow::Result<()> {
+    let mut t = Trainer::resume(&a.checkpoint, None)?;
+    let e = t.evaluate(a.samples, a.batch_size)?;
+    println!(
+        "{} at step {}: loss {:.4}, accuracy {:.1}% on {} held-out images",
+        t.config.model,
+        t.steps_done(),
+        e.loss,
+        100.0 * e.accuracy,
+        e.samples
+    );
+    Ok(())
 }
 
 fn list_models(a: ModelsArgs) -> anyhow::Result<()> {

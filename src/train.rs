@@ -5,6 +5,7 @@ use std::time::Instant;
 
 use crate::backend::cpu::splitmix64;
 use crate::backend::Device;
+use crate::checkpoint::Checkpoint;
 use crate::data::synthetic::Synthetic;
 use crate::graph::{self, Graph, Params};
 use crate::memory::{Category, MemoryStats};
@@ -40,6 +41,17 @@ pub struct StepReport {
     pub lr: f64,
     pub seconds: f64,
 }
+
+/// The result of [`Trainer::evaluate`].
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Evaluation {
+    pub samples: usize,
+    pub loss: f64,
+    pub accuracy: f64,
+}
+
+/// Salt of the held-out data stream.
+const EVAL_STREAM: u64 = 0x4556_414c;
 
 /// A model, its parameters and optimizer on one device, and its data.
 pub struct Trainer {
@@ -136,5 +148,73 @@ impl Trainer {
 
     pub fn memory(&self) -> MemoryStats {
         self.device.memory()
+    }
+
+    /// Optimizer steps taken so far.
+    pub fn steps_done(&self) -> usize {
+        self.step
+    }
+
+    /// Continues from step `step` (after restoring a checkpoint).
+    pub fn set_step(&mut self, step: usize) {
+        self.step = step;
+    }
+
+    /// A trainer restored from a checkpoint, with its configuration, at its step.
+    pub fn resume(path: &std::path::Path, device_memory: Option<u64>) -> Result<Trainer> {
+        let ckpt = Checkpoint::read(path)?;
+        let mut config = ckpt.config()?;
+        config.device_memory = device_memory;
+        let mut t = Trainer::new(config)?;
+        ckpt.restore(&mut t)?;
+        Ok(t)
+    }
+
+    /// Loss and accuracy of the first output over `samples` held-out images, with BN in eval
+    /// mode and no dropout; changes nothing.
+    pub fn evaluate(&mut self, samples: usize, batch_size: usize) -> Result<Evaluation> {
+        if samples == 0 || batch_size == 0 {
+            return Err(Error::Config(
+                "evaluation needs at least one sample and a batch of at least 1".into(),
+            ));
+        }
+        // Held-out images: another seed's stream, never used for training.
+        let held_out = Synthetic {
+            seed: splitmix64(self.config.seed ^ EVAL_STREAM),
+            ..self.data
+        };
+        let g = &self.graph;
+        let out = g.outputs[0].value;
+        let (mut loss, mut correct, mut done) = (0.0, 0, 0);
+        while done < samples {
+            let b = batch_size.min(samples - done);
+            let (pixels, labels) = held_out.batch(done as u64, b);
+            let x = self.device.upload(
+                batched(b, g.input_shape()),
+                &pixels,
+                self.config.dtype,
+                Category::Activations,
+            )?;
+            let (logits, _) = graph::forward(
+                g,
+                &mut self.params,
+                &self.device,
+                vec![(g.input, x)],
+                0..g.nodes.len(),
+                &[out],
+                false,
+                false,
+                0,
+            )?;
+            let (l, probs) = loss::softmax_cross_entropy(&self.device, &logits[0], &labels)?;
+            loss += l * b as f64;
+            correct += loss::correct(&probs, &labels);
+            done += b;
+        }
+        Ok(Evaluation {
+            samples,
+            loss: loss / samples as f64,
+            accuracy: correct as f64 / samples as f64,
+        })
     }
 }

@@ -34,6 +34,23 @@ impl Sgd {
         Ok(Sgd { config, buffers })
     }
 
+    /// The momentum buffers, indexed like the graph's parameters.
+    pub fn buffers(&self) -> &[Option<Tensor>] {
+        &self.buffers
+    }
+
+    /// Replaces the momentum buffers (one per trainable parameter, in order) from host values.
+    pub fn load_buffers(&mut self, device: &Device, values: Vec<Vec<f64>>) -> Result<()> {
+        let mut values = values.into_iter();
+        for b in self.buffers.iter_mut().flatten() {
+            let v = values
+                .next()
+                .ok_or_else(|| crate::Error::Internal("too few momentum buffers".into()))?;
+            *b = device.upload(b.shape().clone(), &v, b.dtype(), Category::OptimizerState)?;
+        }
+        Ok(())
+    }
+
     /// Updates every trainable parameter from its gradient with learning rate `lr`.
     pub fn step(&mut self, params: &mut Params, device: &Device, lr: f64) -> Result<()> {
         let step = SgdStep {

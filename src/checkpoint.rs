@@ -1,0 +1,328 @@
+//! Checkpoints in safetensors. A checkpoint holds the model's parameters and BN running
+//! statistics under their dotted (torchvision-style) names, `<bn>.num_batches_tracked`, the
+//! optimizer's momentum buffers (`optimizer.<name>.momentum_buffer`), and in its metadata the
+//! training configuration and the step. Data order and dropout masks are counter-based on
+//! (seed, step), so those two numbers are the whole random state.
+//!
+//! Files are written atomically (a temporary file in the same folder, synced, then renamed),
+//! and a file that does not match the model — a tensor missing, reshaped, of another dtype, or
+//! cut short — is refused with a message that names the tensor.
+
+use std::collections::HashMap;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+use safetensors::tensor::{Dtype, TensorView};
+use safetensors::SafeTensors;
+
+use crate::ops::Op;
+use crate::runtime::optim::SgdConfig;
+use crate::runtime::schedule::LrSchedule;
+use crate::tensor::{DType, Storage, Tensor};
+use crate::train::{TrainConfig, Trainer};
+use crate::{Error, Result};
+
+const FORMAT: &str = "gems-checkpoint-1";
+
+fn safetensors_dtype(d: DType) -> Dtype {
+    match d {
+        DType::F32 => Dtype::F32,
+        DType::F64 => Dtype::F64,
+    }
+}
+
+/// Little-endian bytes of a tensor's elements.
+fn le_bytes(t: &Tensor) -> Vec<u8> {
+    match t.storage() {
+        Storage::F32(v) => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+        Storage::F64(v) => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+    }
+}
+
+fn from_le_bytes(b: &[u8], dtype: DType) -> Vec<f64> {
+    match dtype {
+        DType::F32 => b
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes(c.try_into().expect("4 bytes")) as f64)
+            .collect(),
+        DType::F64 => b
+            .chunks_exact(8)
+            .map(|c| f64::from_le_bytes(c.try_into().expect("8 bytes")))
+            .collect(),
+    }
+}
+
+/// Names of the BN nodes, whose `num_batches_tracked` the checkpoint carries.
+fn batchnorm_nodes(t: &Trainer) -> Vec<&str> {
+    t.graph
+        .nodes
+        .iter()
+        .filter(|n| matches!(n.op, Op::BatchNorm(_)))
+        .map(|n| n.name.as_str())
+        .collect()
+}
+
+fn metadata(c: &TrainConfig, step: usize) -> HashMap<String, String> {
+    let s = &c.schedule;
+    [
+        ("format", FORMAT.to_string()),
+        ("model", c.model.clone()),
+        ("image_size", c.image_size.to_string()),
+        ("classes", c.classes.to_string()),
+        ("batch_size", c.batch_size.to_string()),
+        ("dtype", c.dtype.name().to_string()),
+        ("seed", c.seed.to_string()),
+        ("step", step.to_string()),
+        ("lr", s.base.to_string()),
+        ("schedule", s.decay.to_string()),
+        ("warmup", s.warmup.to_string()),
+        ("total_steps", s.total.to_string()),
+        ("momentum", c.sgd.momentum.to_string()),
+        ("weight_decay", c.sgd.weight_decay.to_string()),
+        ("nesterov", c.sgd.nesterov.to_string()),
+    ]
+    .into_iter()
+    .map(|(k, v)| (k.to_string(), v))
+    .collect()
+}
+
+/// Writes the trainer's whole state to `path` atomically.
+pub fn save(t: &Trainer, path: &Path) -> Result<()> {
+    let dtype = safetensors_dtype(t.config.dtype);
+    let mut owned: Vec<(String, Vec<usize>, Vec<u8>, Dtype)> = Vec::new();
+    for (p, v) in t.graph.params.iter().zip(&t.params.values) {
+        owned.push((
+            p.name.clone(),
+            v.shape().dims().to_vec(),
+            le_bytes(v),
+            dtype,
+        ));
+    }
+    for bn in batchnorm_nodes(t) {
+        owned.push((
+            format!("{bn}.num_batches_tracked"),
+            vec![],
+            (t.steps_done() as i64).to_le_bytes().to_vec(),
+            Dtype::I64,
+        ));
+    }
+    for (p, buf) in t.graph.params.iter().zip(t.sgd.buffers()) {
+        if let Some(b) = buf {
+            owned.push((
+                format!("optimizer.{}.momentum_buffer", p.name),
+                b.shape().dims().to_vec(),
+                le_bytes(b),
+                dtype,
+            ));
+        }
+    }
+    let views = owned
+        .iter()
+        .map(|(n, shape, data, dt)| {
+            Ok((
+                n.as_str(),
+                TensorView::new(*dt, shape.clone(), data)
+                    .map_err(|e| Error::Internal(format!("{n}: {e}")))?,
+            ))
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let bytes = safetensors::serialize(views, Some(metadata(&t.config, t.steps_done())))
+        .map_err(|e| Error::Internal(format!("serializing a checkpoint: {e}")))?;
+    write_atomically(path, &bytes)
+}
+
+/// Writes `bytes` to a temporary file beside `path`, syncs it, and renames it over `path`, so
+/// a reader sees the old file or the new one, never a mix.
+fn write_atomically(path: &Path, bytes: &[u8]) -> Result<()> {
+    let dir = path
+        .parent()
+        .filter(|d| !d.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
+    let name = path
+        .file_name()
+        .ok_or_else(|| Error::Config(format!("{} is not a file path", path.display())))?;
+    let tmp: PathBuf = dir.join(format!(".{}.tmp", name.to_string_lossy()));
+    let io = |e: std::io::Error, what: &str| {
+        Error::Config(format!("cannot {what} {}: {e}", path.display()))
+    };
+    let mut f = std::fs::File::create(&tmp).map_err(|e| io(e, "write checkpoint"))?;
+    f.write_all(bytes).map_err(|e| io(e, "write checkpoint"))?;
+    f.sync_all().map_err(|e| io(e, "sync checkpoint"))?;
+    drop(f);
+    std::fs::rename(&tmp, path).map_err(|e| io(e, "rename checkpoint into"))?;
+    if let Ok(d) = std::fs::File::open(dir) {
+        // Make the rename itself durable; not every file system supports syncing a folder.
+        let _ = d.sync_all();
+    }
+    Ok(())
+}
+
+/// A checkpoint read into memory: its metadata and raw bytes.
+pub struct Checkpoint {
+    path: PathBuf,
+    bytes: Vec<u8>,
+    meta: HashMap<String, String>,
+}
+
+impl Checkpoint {
+    /// Reads and checks the container; names the first tensor a truncated file cuts short.
+    pub fn read(path: &Path) -> Result<Checkpoint> {
+        let bytes = std::fs::read(path).map_err(|e| {
+            Error::Config(format!("cannot read checkpoint {}: {e}", path.display()))
+        })?;
+        let meta = match SafeTensors::read_metadata(&bytes) {
+            Ok((_, m)) => m.metadata().clone().unwrap_or_default(),
+            Err(e) => {
+                let why = truncated_tensor(&bytes)
+                    .map(|t| format!("tensor '{t}' is cut short"))
+                    .unwrap_or_else(|| e.to_string());
+                return Err(Error::Config(format!(
+                    "{} is not a readable checkpoint: {why}",
+                    path.display()
+                )));
+            }
+        };
+        if meta.get("format").map(String::as_str) != Some(FORMAT) {
+            return Err(Error::Config(format!(
+                "{} is not a gems checkpoint (no '{FORMAT}' format tag)",
+                path.display()
+            )));
+        }
+        Ok(Checkpoint {
+            path: path.to_path_buf(),
+            bytes,
+            meta,
+        })
+    }
+
+    fn get<T: std::str::FromStr>(&self, key: &str) -> Result<T> {
+        self.meta
+            .get(key)
+            .and_then(|v| v.parse().ok())
+            .ok_or_else(|| {
+                Error::Config(format!(
+                    "{}: metadata '{key}' is missing or malformed",
+                    self.path.display()
+                ))
+            })
+    }
+
+    pub fn step(&self) -> Result<usize> {
+        self.get("step")
+    }
+
+    /// The training configuration the checkpoint was written with (capacity not included).
+    pub fn config(&self) -> Result<TrainConfig> {
+        let decay: String = self.get("schedule")?;
+        Ok(TrainConfig {
+            model: self.get("model")?,
+            image_size: self.get("image_size")?,
+            classes: self.get("classes")?,
+            batch_size: self.get("batch_size")?,
+            steps: self.get("total_steps")?,
+            schedule: LrSchedule {
+                base: self.get("lr")?,
+                decay: decay.parse().map_err(Error::Config)?,
+                warmup: self.get("warmup")?,
+                total: self.get("total_steps")?,
+            },
+            sgd: SgdConfig {
+                momentum: self.get("momentum")?,
+                weight_decay: self.get("weight_decay")?,
+                nesterov: self.get("nesterov")?,
+            },
+            seed: self.get("seed")?,
+            dtype: self
+                .get::<String>("dtype")?
+                .parse()
+                .map_err(Error::Config)?,
+            device_memory: None,
+        })
+    }
+
+    /// Loads parameters, BN statistics and optimizer state into `t`, whose model must match.
+    pub fn restore(&self, t: &mut Trainer) -> Result<()> {
+        let st = SafeTensors::deserialize(&self.bytes)
+            .map_err(|e| Error::Config(format!("{}: {e}", self.path.display())))?;
+        let dtype = t.config.dtype;
+        let want = safetensors_dtype(dtype);
+        let file = self.path.display();
+        let read = |name: &str, shape: &[usize], dt: Dtype| -> Result<TensorView<'_>> {
+            let v = st
+                .tensor(name)
+                .map_err(|_| Error::Config(format!("checkpoint {file} lacks tensor '{name}'")))?;
+            if v.dtype() != dt {
+                return Err(Error::Config(format!(
+                    "checkpoint {file}: tensor '{name}' is {:?}, expected {dt:?}",
+                    v.dtype()
+                )));
+            }
+            if v.shape() != shape {
+                return Err(Error::Config(format!(
+                    "checkpoint {file}: tensor '{name}' has shape {:?}, expected {shape:?}",
+                    v.shape()
+                )));
+            }
+            Ok(v)
+        };
+        let mut expected = std::collections::HashSet::new();
+        let mut values = Vec::with_capacity(t.graph.params.len());
+        for (p, v) in t.graph.params.iter().zip(&t.params.values) {
+            let view = read(&p.name, v.shape().dims(), want)?;
+            values.push(from_le_bytes(view.data(), dtype));
+            expected.insert(p.name.clone());
+        }
+        for bn in batchnorm_nodes(t) {
+            let name = format!("{bn}.num_batches_tracked");
+            read(&name, &[], Dtype::I64)?;
+            expected.insert(name);
+        }
+        let mut buffers = Vec::new();
+        for (p, buf) in t.graph.params.iter().zip(t.sgd.buffers()) {
+            if let Some(b) = buf {
+                let name = format!("optimizer.{}.momentum_buffer", p.name);
+                buffers.push(from_le_bytes(
+                    read(&name, b.shape().dims(), want)?.data(),
+                    dtype,
+                ));
+                expected.insert(name);
+            }
+        }
+        if let Some(extra) = st.names().into_iter().find(|n| !expected.contains(*n)) {
+            return Err(Error::Config(format!(
+                "checkpoint {file} has tensor '{extra}', which {} does not have",
+                t.config.model
+            )));
+        }
+        // Everything checked: now overwrite.
+        let device = t.device.clone();
+        for ((p, v), data) in t
+            .graph
+            .params
+            .iter()
+            .zip(t.params.values.iter_mut())
+            .zip(values)
+        {
+            *v = device.upload(p.spec.shape.clone(), &data, dtype, crate::Category::Weights)?;
+        }
+        t.sgd.load_buffers(&device, buffers)?;
+        t.set_step(self.step()?);
+        Ok(())
+    }
+}
+
+/// The first tensor whose bytes lie beyond the end of a cut-short file, from its JSON header.
+fn truncated_tensor(bytes: &[u8]) -> Option<String> {
+    let n = u64::from_le_bytes(bytes.get(..8)?.try_into().ok()?) as usize;
+    let header: HashMap<String, serde_json::Value> =
+        serde_json::from_slice(bytes.get(8..8 + n)?).ok()?;
+    let available = bytes.len() - 8 - n;
+    header
+        .iter()
+        .filter_map(|(name, info)| {
+            Some((name, info.get("data_offsets")?.get(1)?.as_u64()? as usize))
+        })
+        .filter(|(_, end)| *end > available)
+        .min_by_key(|(_, end)| *end)
+        .map(|(name, _)| name.clone())
+}

@@ -1,0 +1,283 @@
+//! Checkpoints: resuming is exact, damaged or mismatched files are refused by name, writes
+//! are atomic, and evaluation changes nothing.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use gems::checkpoint::{self, Checkpoint};
+use gems::runtime::optim::SgdConfig;
+use gems::runtime::schedule::{Decay, LrSchedule};
+use gems::train::{TrainConfig, Trainer};
+use gems::DType;
+use safetensors::tensor::TensorView;
+use safetensors::SafeTensors;
+
+fn temp_dir(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("gems-ckpt-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+fn gems(args: &[&str]) {
+    let out = Command::new(env!("CARGO_BIN_EXE_gems"))
+        .args(args)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "gems {args:?} failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// Every tensor of a checkpoint file: name → (dtype, shape, bytes).
+fn tensors(path: &Path) -> HashMap<String, (String, Vec<usize>, Vec<u8>)> {
+    let bytes = std::fs::read(path).unwrap();
+    let st = SafeTensors::deserialize(&bytes).unwrap();
+    st.tensors()
+        .into_iter()
+        .map(|(n, v)| {
+            (
+                n,
+                (
+                    format!("{:?}", v.dtype()),
+                    v.shape().to_vec(),
+                    v.data().to_vec(),
+                ),
+            )
+        })
+        .collect()
+}
+
+#[test]
+fn resuming_in_a_fresh_process_is_bit_identical() {
+    let d = temp_dir("resume");
+    let (straight, split, resumed) = (d.join("straight"), d.join("split"), d.join("resumed"));
+    let common = [
+        "train",
+        "--batch-size",
+        "4",
+        "--steps",
+        "6",
+        "--warmup",
+        "2",
+        "--seed",
+        "5",
+    ];
+    gems(&[&common[..], &["--checkpoint", straight.to_str().unwrap()]].concat());
+    gems(
+        &[
+            &common[..],
+            &[
+                "--checkpoint",
+                split.to_str().unwrap(),
+                "--checkpoint-every",
+                "3",
+            ],
+        ]
+        .concat(),
+    );
+    let half = split.join("step-000003.safetensors");
+    gems(&[
+        "train",
+        "--resume",
+        half.to_str().unwrap(),
+        "--checkpoint",
+        resumed.to_str().unwrap(),
+    ]);
+    let a = tensors(&straight.join("step-000006.safetensors"));
+    let b = tensors(&resumed.join("step-000006.safetensors"));
+    assert_eq!(a.len(), b.len());
+    assert!(
+        a.keys().any(|k| k.starts_with("optimizer."))
+            && a.contains_key("layer1.0.bn1.num_batches_tracked")
+    );
+    for (name, t) in &a {
+        assert_eq!(Some(t), b.get(name), "tensor {name} differs after resuming");
+    }
+    // The half-way checkpoint really is different (training moved on).
+    assert_ne!(tensors(&half)["fc.weight"], a["fc.weight"]);
+    std::fs::remove_dir_all(d).ok();
+}
+
+fn small_trainer() -> Trainer {
+    Trainer::new(TrainConfig {
+        model: "resnet20v2".into(),
+        image_size: 32,
+        classes: 10,
+        batch_size: 4,
+        steps: 3,
+        schedule: LrSchedule {
+            base: 0.1,
+            decay: Decay::Constant,
+            warmup: 0,
+            total: 3,
+        },
+        sgd: SgdConfig {
+            momentum: 0.9,
+            weight_decay: 5e-4,
+            nesterov: true,
+        },
+        seed: 1,
+        dtype: DType::F32,
+        device_memory: None,
+    })
+    .unwrap()
+}
+
+/// Re-serializes a checkpoint with `edit` applied to its tensors.
+fn rewrite(
+    src: &Path,
+    dst: &Path,
+    edit: impl Fn(&mut Vec<(String, (String, Vec<usize>, Vec<u8>))>),
+) {
+    let bytes = std::fs::read(src).unwrap();
+    let meta = SafeTensors::read_metadata(&bytes)
+        .unwrap()
+        .1
+        .metadata()
+        .clone();
+    let mut ts: Vec<_> = tensors(src).into_iter().collect();
+    edit(&mut ts);
+    let dtype = |s: &str| match s {
+        "F32" => safetensors::Dtype::F32,
+        "F64" => safetensors::Dtype::F64,
+        _ => safetensors::Dtype::I64,
+    };
+    let views: Vec<_> = ts
+        .iter()
+        .map(|(n, (dt, shape, data))| {
+            (
+                n.clone(),
+                TensorView::new(dtype(dt), shape.clone(), data).unwrap(),
+            )
+        })
+        .collect();
+    std::fs::write(dst, safetensors::serialize(views, meta).unwrap()).unwrap();
+}
+
+fn refusal(path: &Path) -> String {
+    let mut t = small_trainer();
+    let before = t.params.values[0].to_f64_vec();
+    let err = Checkpoint::read(path)
+        .and_then(|c| c.restore(&mut t))
+        .expect_err("must be refused")
+        .to_string();
+    assert_eq!(
+        t.params.values[0].to_f64_vec(),
+        before,
+        "a refused checkpoint must change nothing"
+    );
+    err
+}
+
+#[test]
+fn damaged_or_mismatched_checkpoints_are_refused_by_name() {
+    let d = temp_dir("damaged");
+    let good = d.join("good.safetensors");
+    let mut t = small_trainer();
+    t.step().unwrap();
+    checkpoint::save(&t, &good).unwrap();
+    // A good file restores.
+    let mut fresh = small_trainer();
+    Checkpoint::read(&good)
+        .unwrap()
+        .restore(&mut fresh)
+        .unwrap();
+    assert_eq!(
+        fresh.params.values[5].to_f64_vec(),
+        t.params.values[5].to_f64_vec()
+    );
+    assert_eq!(fresh.steps_done(), 1);
+
+    let removed = d.join("removed.safetensors");
+    rewrite(&good, &removed, |ts| {
+        ts.retain(|(n, _)| n != "layer2.1.conv2.weight")
+    });
+    let e = refusal(&removed);
+    assert!(e.contains("lacks tensor 'layer2.1.conv2.weight'"), "{e}");
+
+    let reshaped = d.join("reshaped.safetensors");
+    rewrite(&good, &reshaped, |ts| {
+        let (_, (_, shape, _)) = ts
+            .iter_mut()
+            .find(|(n, _)| n == "layer1.0.conv2.weight")
+            .unwrap();
+        *shape = vec![shape.iter().product()];
+    });
+    let e = refusal(&reshaped);
+    assert!(
+        e.contains("'layer1.0.conv2.weight' has shape [2304]"),
+        "{e}"
+    );
+
+    let retyped = d.join("retyped.safetensors");
+    rewrite(&good, &retyped, |ts| {
+        let (_, (dt, _, data)) = ts.iter_mut().find(|(n, _)| n == "fc.bias").unwrap();
+        *dt = "F64".into();
+        *data = data
+            .chunks(4)
+            .flat_map(|c| (f32::from_le_bytes(c.try_into().unwrap()) as f64).to_le_bytes())
+            .collect();
+    });
+    let e = refusal(&retyped);
+    assert!(e.contains("'fc.bias' is F64, expected F32"), "{e}");
+
+    let extra = d.join("extra.safetensors");
+    rewrite(&good, &extra, |ts| {
+        ts.push(("head.weight".into(), ("F32".into(), vec![1], vec![0; 4])))
+    });
+    assert!(refusal(&extra).contains("'head.weight'"));
+
+    let truncated = d.join("truncated.safetensors");
+    let bytes = std::fs::read(&good).unwrap();
+    std::fs::write(&truncated, &bytes[..bytes.len() - 1000]).unwrap();
+    let e = refusal(&truncated);
+    assert!(e.contains("is cut short") && e.contains('\''), "{e}");
+
+    std::fs::write(d.join("junk.safetensors"), b"not a checkpoint").unwrap();
+    assert!(refusal(&d.join("junk.safetensors")).contains("not a readable checkpoint"));
+    std::fs::remove_dir_all(d).ok();
+}
+
+#[test]
+fn a_failed_write_leaves_the_previous_checkpoint_intact() {
+    let d = temp_dir("atomic");
+    let path = d.join("model.safetensors");
+    let mut t = small_trainer();
+    checkpoint::save(&t, &path).unwrap();
+    let before = std::fs::read(&path).unwrap();
+    t.step().unwrap();
+    // The temporary file's name is taken by a folder: the write fails part-way.
+    std::fs::create_dir(d.join(".model.safetensors.tmp")).unwrap();
+    assert!(checkpoint::save(&t, &path).is_err());
+    assert_eq!(std::fs::read(&path).unwrap(), before);
+    let mut fresh = small_trainer();
+    Checkpoint::read(&path)
+        .unwrap()
+        .restore(&mut fresh)
+        .unwrap();
+    assert_eq!(fresh.steps_done(), 0);
+    std::fs::remove_dir_all(d).ok();
+}
+
+#[test]
+fn evaluation_changes_nothing_and_reports() {
+    let mut t = small_trainer();
+    for _ in 0..3 {
+        t.step().unwrap();
+    }
+    let before: Vec<Vec<f64>> = t.params.values.iter().map(|v| v.to_f64_vec()).collect();
+    let a = t.evaluate(20, 8).unwrap();
+    let b = t.evaluate(20, 8).unwrap();
+    assert_eq!(a, b);
+    assert_eq!(a.samples, 20);
+    assert!(a.loss.is_finite() && (0.0..=1.0).contains(&a.accuracy));
+    let after: Vec<Vec<f64>> = t.params.values.iter().map(|v| v.to_f64_vec()).collect();
+    assert_eq!(
+        before, after,
+        "evaluation must not change weights or BN statistics"
+    );
+}
