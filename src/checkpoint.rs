@@ -18,7 +18,7 @@ use safetensors::SafeTensors;
 use crate::ops::Op;
 use crate::runtime::optim::SgdConfig;
 use crate::runtime::schedule::LrSchedule;
-use crate::tensor::{DType, Storage, Tensor};
+use crate::tensor::{DType, Storage};
 use crate::train::{TrainConfig, Trainer};
 use crate::{Error, Result};
 
@@ -28,27 +28,6 @@ fn safetensors_dtype(d: DType) -> Dtype {
     match d {
         DType::F32 => Dtype::F32,
         DType::F64 => Dtype::F64,
-    }
-}
-
-/// Little-endian bytes of a tensor's elements.
-fn le_bytes(t: &Tensor) -> Vec<u8> {
-    match t.storage() {
-        Storage::F32(v) => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
-        Storage::F64(v) => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
-    }
-}
-
-fn from_le_bytes(b: &[u8], dtype: DType) -> Vec<f64> {
-    match dtype {
-        DType::F32 => b
-            .chunks_exact(4)
-            .map(|c| f32::from_le_bytes(c.try_into().expect("4 bytes")) as f64)
-            .collect(),
-        DType::F64 => b
-            .chunks_exact(8)
-            .map(|c| f64::from_le_bytes(c.try_into().expect("8 bytes")))
-            .collect(),
     }
 }
 
@@ -94,7 +73,7 @@ pub fn save(t: &Trainer, path: &Path) -> Result<()> {
         owned.push((
             p.name.clone(),
             v.shape().dims().to_vec(),
-            le_bytes(v),
+            v.storage().to_le_bytes(),
             dtype,
         ));
     }
@@ -111,7 +90,7 @@ pub fn save(t: &Trainer, path: &Path) -> Result<()> {
             owned.push((
                 format!("optimizer.{}.momentum_buffer", p.name),
                 b.shape().dims().to_vec(),
-                le_bytes(b),
+                b.storage().to_le_bytes(),
                 dtype,
             ));
         }
@@ -269,7 +248,7 @@ impl Checkpoint {
         let mut values = Vec::with_capacity(t.graph.params.len());
         for (p, v) in t.graph.params.iter().zip(&t.params.values) {
             let view = read(&p.name, v.shape().dims(), want)?;
-            values.push(from_le_bytes(view.data(), dtype));
+            values.push(Storage::from_le_bytes(view.data(), dtype));
             expected.insert(p.name.clone());
         }
         for bn in batchnorm_nodes(t) {
@@ -281,7 +260,7 @@ impl Checkpoint {
         for (p, buf) in t.graph.params.iter().zip(t.sgd.buffers()) {
             if let Some(b) = buf {
                 let name = format!("optimizer.{}.momentum_buffer", p.name);
-                buffers.push(from_le_bytes(
+                buffers.push(Storage::from_le_bytes(
                     read(&name, b.shape().dims(), want)?.data(),
                     dtype,
                 ));
@@ -303,7 +282,7 @@ impl Checkpoint {
             .zip(t.params.values.iter_mut())
             .zip(values)
         {
-            *v = device.upload(p.spec.shape.clone(), &data, dtype, crate::Category::Weights)?;
+            *v = device.adopt(p.spec.shape.clone(), data, crate::Category::Weights)?;
         }
         t.sgd.load_buffers(&device, buffers)?;
         t.set_step(self.step()?);

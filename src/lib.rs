@@ -6,6 +6,7 @@
 
 pub mod backend;
 pub mod checkpoint;
+pub mod comm;
 pub mod data;
 pub mod graph;
 pub mod memory;
@@ -28,6 +29,8 @@ pub enum Error {
     Shape(String),
     #[error("{0}")]
     Config(String),
+    #[error("communication: {0}")]
+    Comm(String),
     #[error("internal error: {0}")]
     Internal(String),
     #[error(transparent)]

@@ -330,6 +330,21 @@ impl Device {
         ))
     }
 
+    /// A tensor over `storage` (host-side elements of this device's kind), leased as `category`.
+    pub fn adopt(&self, shape: Shape, storage: Storage, category: Category) -> Result<Tensor> {
+        if shape.numel() != storage.len() {
+            return Err(crate::Error::Shape(format!(
+                "{} elements do not fill a tensor of shape {shape}",
+                storage.len()
+            )));
+        }
+        let lease = self
+            .inner
+            .allocator
+            .lease((storage.len() * storage.dtype().size()) as u64, category)?;
+        Ok(Tensor::from_buffer(shape, storage, lease))
+    }
+
     /// A tensor holding `data` converted to `dtype`.
     pub fn upload(
         &self,

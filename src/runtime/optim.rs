@@ -3,7 +3,7 @@
 use crate::backend::{Device, SgdStep};
 use crate::graph::Params;
 use crate::memory::Category;
-use crate::tensor::Tensor;
+use crate::tensor::{Storage, Tensor};
 use crate::Result;
 
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -39,14 +39,14 @@ impl Sgd {
         &self.buffers
     }
 
-    /// Replaces the momentum buffers (one per trainable parameter, in order) from host values.
-    pub fn load_buffers(&mut self, device: &Device, values: Vec<Vec<f64>>) -> Result<()> {
+    /// Replaces the momentum buffers (one per trainable parameter, in order).
+    pub fn load_buffers(&mut self, device: &Device, values: Vec<Storage>) -> Result<()> {
         let mut values = values.into_iter();
         for b in self.buffers.iter_mut().flatten() {
             let v = values
                 .next()
                 .ok_or_else(|| crate::Error::Internal("too few momentum buffers".into()))?;
-            *b = device.upload(b.shape().clone(), &v, b.dtype(), Category::OptimizerState)?;
+            *b = device.adopt(b.shape().clone(), v, Category::OptimizerState)?;
         }
         Ok(())
     }

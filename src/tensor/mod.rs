@@ -87,7 +87,7 @@ impl fmt::Debug for Shape {
 }
 
 /// Device memory holding elements. Each backend adds its variants.
-#[derive(Debug)]
+#[derive(Clone, Debug)]
 pub enum Storage {
     F32(Vec<f32>),
     F64(Vec<f64>),
@@ -108,6 +108,30 @@ impl Storage {
     }
     pub fn is_empty(&self) -> bool {
         self.len() == 0
+    }
+    /// The elements as little-endian bytes (files and the wire).
+    pub fn to_le_bytes(&self) -> Vec<u8> {
+        match self {
+            Storage::F32(v) => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+            Storage::F64(v) => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+        }
+    }
+    /// Elements of `dtype` from little-endian bytes (a trailing partial element is ignored).
+    pub fn from_le_bytes(bytes: &[u8], dtype: DType) -> Storage {
+        match dtype {
+            DType::F32 => Storage::F32(
+                bytes
+                    .chunks_exact(4)
+                    .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                    .collect(),
+            ),
+            DType::F64 => Storage::F64(
+                bytes
+                    .chunks_exact(8)
+                    .map(|c| f64::from_le_bytes(c.try_into().expect("8 bytes")))
+                    .collect(),
+            ),
+        }
     }
 }
 

@@ -1,0 +1,123 @@
+//! Moving tensors between ranks. A [`Comm`] is a group of ranks (MPI's communicator): point-to-
+//! point sends and receives with tags, and the collectives built on them. Reductions sum in
+//! rank order at the group's first rank and broadcast the result, so every member gets the
+//! same bits (replicas stay identical) whatever the transport.
+//!
+//! Transports: `local` (ranks as threads of one process, the default) and, with the `mpi`
+//! feature, `mpi` (one process per rank under `mpirun`).
+
+pub mod local;
+
+use crate::backend::Device;
+use crate::memory::Category;
+use crate::tensor::{Shape, Storage, Tensor};
+use crate::Result;
+
+/// What travels: a shape and the elements.
+#[derive(Clone, Debug)]
+pub struct Message {
+    pub shape: Shape,
+    pub storage: Storage,
+}
+
+/// Tags at and above this are reserved for the collectives.
+pub const COLLECTIVE_TAG: u64 = 1 << 62;
+
+pub trait Comm: Send {
+    /// This rank's index in the group.
+    fn rank(&self) -> usize;
+    fn size(&self) -> usize;
+    /// Queues `msg` for rank `to` under `tag`; returns without waiting for the receiver.
+    fn send_message(&self, msg: Message, to: usize, tag: u64) -> Result<()>;
+    /// Waits for the message from rank `from` under `tag`. Fails, instead of waiting forever,
+    /// when another rank has failed.
+    fn recv_message(&self, from: usize, tag: u64) -> Result<Message>;
+    /// The sub-group of the ranks that passed the same `color`, ordered by `key` (then rank).
+    /// Every member of this group must call it.
+    fn split(&self, color: usize, key: usize) -> Result<Box<dyn Comm>>;
+
+    fn send(&self, t: &Tensor, to: usize, tag: u64) -> Result<()> {
+        self.send_message(
+            Message {
+                shape: t.shape().clone(),
+                storage: t.storage().clone(),
+            },
+            to,
+            tag,
+        )
+    }
+
+    /// Receives a tensor onto `device`, its bytes leased as `category`.
+    fn recv(&self, from: usize, tag: u64, device: &Device, category: Category) -> Result<Tensor> {
+        let m = self.recv_message(from, tag)?;
+        device.adopt(m.shape, m.storage, category)
+    }
+
+    /// Replaces `t` on every member by the element-wise sum over the group, added in rank order.
+    fn all_reduce_sum(&self, t: &mut Tensor, device: &Device) -> Result<()> {
+        let tag = COLLECTIVE_TAG;
+        if self.rank() == 0 {
+            for r in 1..self.size() {
+                let other = self.recv(r, tag, device, Category::Communication)?;
+                device
+                    .backend()
+                    .add_assign(t.storage_mut()?, other.storage())?;
+            }
+        } else {
+            self.send(t, 0, tag)?;
+        }
+        self.broadcast(t, 0)
+    }
+
+    /// Replaces `t` on every member by root's.
+    fn broadcast(&self, t: &mut Tensor, root: usize) -> Result<()> {
+        let tag = COLLECTIVE_TAG + 1;
+        if self.rank() == root {
+            for r in (0..self.size()).filter(|&r| r != root) {
+                self.send(t, r, tag)?;
+            }
+        } else {
+            let m = self.recv_message(root, tag)?;
+            if m.shape != *t.shape() || m.storage.dtype() != t.dtype() {
+                return Err(crate::Error::Comm(format!(
+                    "broadcast of {} into a tensor of {}",
+                    m.shape,
+                    t.shape()
+                )));
+            }
+            // The tensor's lease already covers these bytes.
+            *t.storage_mut()? = m.storage;
+        }
+        Ok(())
+    }
+
+    /// Returns once every member has called it.
+    fn barrier(&self) -> Result<()> {
+        let empty = || Message {
+            shape: Shape::new([0]),
+            storage: Storage::F32(vec![]),
+        };
+        let tag = COLLECTIVE_TAG + 2;
+        if self.rank() == 0 {
+            for r in 1..self.size() {
+                self.recv_message(r, tag)?;
+            }
+            for r in 1..self.size() {
+                self.send_message(empty(), r, tag)?;
+            }
+        } else {
+            self.send_message(empty(), 0, tag)?;
+            self.recv_message(0, tag)?;
+        }
+        Ok(())
+    }
+}
+
+/// Groups (color, key) pairs of all members into the members of `me`'s color, ordered by key
+/// then rank: what every transport's `split` computes.
+pub fn split_members(pairs: &[(usize, usize)], me: usize) -> Vec<usize> {
+    let color = pairs[me].0;
+    let mut members: Vec<usize> = (0..pairs.len()).filter(|&r| pairs[r].0 == color).collect();
+    members.sort_by_key(|&r| (pairs[r].1, r));
+    members
+}
