@@ -12,6 +12,7 @@ pub mod graph;
 pub mod memory;
 pub mod models;
 pub mod ops;
+pub mod plan;
 pub mod runtime;
 pub mod tensor;
 pub mod train;

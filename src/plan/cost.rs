@@ -1,0 +1,43 @@
+//! The analytical cost model: an op takes as long as the slower of its arithmetic and its
+//! memory traffic on a device (Paleo's max), forward plus backward.
+
+use crate::graph::{Graph, Node};
+use crate::tensor::DType;
+
+/// What a device can do per second.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct DeviceProfile {
+    pub flops_per_s: f64,
+    pub bytes_per_s: f64,
+}
+
+impl DeviceProfile {
+    /// A few CPU cores with AVX-512: what this project's benchmarks measure, roughly.
+    pub const CPU: DeviceProfile = DeviceProfile {
+        flops_per_s: 80e9,
+        bytes_per_s: 10e9,
+    };
+}
+
+/// Bytes an op reads and writes per sample (inputs, output, parameters once).
+fn bytes_moved(g: &Graph, n: &Node, dtype: DType) -> f64 {
+    let ins: usize = n.inputs.iter().map(|&v| g.values[v].shape.numel()).sum();
+    let out = g.values[n.output].shape.numel();
+    ((ins + out) * dtype.size()) as f64
+}
+
+/// Predicted seconds of forward + backward of node `n` for a batch of `batch`.
+pub fn node_seconds(g: &Graph, n: &Node, batch: usize, dtype: DType, p: &DeviceProfile) -> f64 {
+    let flops = g.node_flops(n) as f64 * batch as f64;
+    let bytes = bytes_moved(g, n, dtype) * batch as f64;
+    // Backward does twice the arithmetic of forward and moves about twice the bytes.
+    3.0 * (flops / p.flops_per_s).max(bytes / p.bytes_per_s)
+}
+
+/// Predicted forward + backward seconds of every node.
+pub fn node_costs(g: &Graph, batch: usize, dtype: DType, p: &DeviceProfile) -> Vec<f64> {
+    g.nodes
+        .iter()
+        .map(|n| node_seconds(g, n, batch, dtype, p))
+        .collect()
+}

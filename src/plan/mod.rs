@@ -1,0 +1,4 @@
+//! Planning: where the graph is cut into stages, and what each op is expected to cost.
+
+pub mod cost;
+pub mod partition;
