@@ -2,6 +2,7 @@
 //! of classes, and refuses configurations its architecture cannot take.
 
 pub mod resnet;
+pub mod torchvision;
 
 use crate::graph::Graph;
 use crate::{Error, Result};
@@ -16,6 +17,9 @@ pub const LISTED: &[&str] = &[
     "resnet110v2",
     "resnet164v2",
     "resnet1001v2",
+    "vgg19",
+    "alexnet",
+    "resnet50",
 ];
 
 /// Builds the model called `name` for `image_size`² RGB images and `classes` classes.
@@ -27,6 +31,9 @@ pub fn build(name: &str, image_size: usize, classes: usize) -> Result<Graph> {
     }
     if let Some(spec) = resnet::ResNetSpec::parse(name)? {
         return resnet::build(name, &spec, image_size, classes);
+    }
+    if let Some(arch) = torchvision::Arch::parse(name) {
+        return torchvision::build(arch, image_size, classes);
     }
     Err(Error::Config(format!(
         "unknown model '{name}' (known: {}, or resnet<9n+2>v2 / resnet<6n+2>v1)",
