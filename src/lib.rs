@@ -14,6 +14,7 @@ pub mod models;
 pub mod ops;
 pub mod plan;
 pub mod runtime;
+pub mod schemes;
 pub mod tensor;
 pub mod train;
 

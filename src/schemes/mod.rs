@@ -1,0 +1,156 @@
+//! The GEMS schemes: a placement of (replica, stage) on ranks plus a schedule builder that
+//! orders each rank's tasks. Notation as in DESIGN.md: P stages, m micro-batches per replica
+//! pass, η replicas per step, D data-parallel groups; world = P·D ranks.
+
+pub mod schedule;
+
+use std::fmt;
+use std::str::FromStr;
+
+use crate::{Error, Result};
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Kind {
+    /// The whole model on one rank.
+    Single,
+    /// P = 1 on each of D ranks.
+    Dp,
+    /// MP-Basic: stage p on rank p, micro-batches pipelined.
+    Mp,
+    /// Two replicas, the second placed mirrored (stage P-1-p on rank p), flowing the other way.
+    Mast,
+    /// η > 2 (even) replicas: η/2 rounds of the MAST pair per step.
+    Master,
+}
+
+impl FromStr for Kind {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s {
+            "single" => Ok(Kind::Single),
+            "dp" => Ok(Kind::Dp),
+            "mp" => Ok(Kind::Mp),
+            "mast" => Ok(Kind::Mast),
+            "master" => Ok(Kind::Master),
+            _ => Err(format!(
+                "unknown scheme '{s}' (single, dp, mp, mast, master)"
+            )),
+        }
+    }
+}
+
+impl fmt::Display for Kind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Kind::Single => "single",
+            Kind::Dp => "dp",
+            Kind::Mp => "mp",
+            Kind::Mast => "mast",
+            Kind::Master => "master",
+        })
+    }
+}
+
+/// The order of a stage's forward and backward passes over its micro-batches.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Order {
+    /// Fill-drain: every forward, then every backward (in reverse micro-batch order).
+    GPipe,
+    /// One forward, one backward after a warm-up of P-1-s forwards (PipeDream-flush).
+    OneFOneB,
+}
+
+impl FromStr for Order {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s {
+            "gpipe" => Ok(Order::GPipe),
+            "1f1b" => Ok(Order::OneFOneB),
+            _ => Err(format!("unknown pipeline order '{s}' (gpipe, 1f1b)")),
+        }
+    }
+}
+
+/// A scheme with its sizes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Scheme {
+    pub kind: Kind,
+    /// P: pipeline stages.
+    pub stages: usize,
+    /// m: micro-batches per replica pass.
+    pub parts: usize,
+    /// η: replicas per step (1 for single, dp and mp).
+    pub replicas: usize,
+    /// D: data-parallel groups.
+    pub dp: usize,
+    pub order: Order,
+}
+
+impl Scheme {
+    /// Checks the sizes against each other and against a batch of `batch` images per replica
+    /// pass, before any work starts.
+    pub fn validate(&self, batch: usize) -> Result<()> {
+        let bad = |m: String| Err(Error::Config(m));
+        if self.stages == 0 || self.parts == 0 || self.dp == 0 || self.replicas == 0 {
+            return bad(
+                "stages, parts, replicas and data-parallel groups must all be at least 1".into(),
+            );
+        }
+        match self.kind {
+            Kind::Single if self.stages != 1 || self.dp != 1 || self.replicas != 1 => {
+                return bad("single runs one stage, one replica, one group".into())
+            }
+            Kind::Dp if self.stages != 1 || self.replicas != 1 => {
+                return bad("dp runs one stage per rank (--split 1) and one replica".into())
+            }
+            Kind::Mp if self.replicas != 1 => {
+                return bad("mp runs one replica per step; use mast or master for more".into())
+            }
+            Kind::Mast if self.replicas != 2 => {
+                return bad(format!(
+                    "mast runs exactly 2 replicas, not {}",
+                    self.replicas
+                ))
+            }
+            Kind::Master if self.replicas <= 2 || self.replicas % 2 != 0 => {
+                return bad(format!(
+                    "master needs an even number of replicas above 2, not {}",
+                    self.replicas
+                ))
+            }
+            _ => {}
+        }
+        if batch == 0 || batch % self.parts != 0 {
+            return bad(format!(
+                "a batch of {batch} does not split into {} equal micro-batches",
+                self.parts
+            ));
+        }
+        Ok(())
+    }
+
+    /// World size: P·D.
+    pub fn world(&self) -> usize {
+        self.stages * self.dp
+    }
+
+    /// The rank (within a data-parallel group) that runs `stage` of `replica`: even replicas
+    /// flow from rank 0, odd ones (MAST's second replica) from rank P-1.
+    pub fn place(&self, replica: usize, stage: usize) -> usize {
+        if replica % 2 == 1 {
+            self.stages - 1 - stage
+        } else {
+            stage
+        }
+    }
+
+    /// Micro-batches per step over all replicas and groups: the reference's accumulation count.
+    pub fn micro_batches_per_step(&self) -> usize {
+        self.dp * self.replicas * self.parts
+    }
+
+    /// Index of (group, replica, micro-batch) in the step's global micro-batch order.
+    pub fn global_micro(&self, group: usize, replica: usize, micro: usize) -> usize {
+        (group * self.replicas + replica) * self.parts + micro
+    }
+}
