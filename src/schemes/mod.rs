@@ -112,7 +112,7 @@ impl Scheme {
                     self.replicas
                 ))
             }
-            Kind::Master if self.replicas <= 2 || self.replicas % 2 != 0 => {
+            Kind::Master if self.replicas <= 2 || !self.replicas.is_multiple_of(2) => {
                 return bad(format!(
                     "master needs an even number of replicas above 2, not {}",
                     self.replicas
@@ -120,7 +120,7 @@ impl Scheme {
             }
             _ => {}
         }
-        if batch == 0 || batch % self.parts != 0 {
+        if batch == 0 || !batch.is_multiple_of(self.parts) {
             return bad(format!(
                 "a batch of {batch} does not split into {} equal micro-batches",
                 self.parts
