@@ -16,8 +16,11 @@ use crate::ops::{Backward, Ctx, Init, Saved};
 use crate::tensor::{DType, Shape, Tensor};
 use crate::{Error, Result};
 
-/// Parameter values (trainable ones and buffers) and gradients, indexed like `Graph::params`.
+/// Parameter values (trainable ones and buffers) and gradients of a contiguous range of
+/// `Graph::params` (all of them, or one stage's), indexed from `first`.
 pub struct Params {
+    /// The id of `values[0]` in `Graph::params`.
+    pub first: usize,
     pub values: Vec<Tensor>,
     /// `Some` for trainable parameters.
     pub grads: Vec<Option<Tensor>>,
@@ -26,10 +29,22 @@ pub struct Params {
 impl Params {
     /// Initial values drawn in parameter order from `seed`; zero gradients.
     pub fn init(graph: &Graph, device: &Device, dtype: DType, seed: u64) -> Result<Params> {
+        Params::init_range(graph, device, dtype, seed, 0..graph.params.len())
+    }
+
+    /// The parameters `ids` only, with the values a whole-model initialization gives them (the
+    /// random draws of earlier parameters are made and discarded).
+    pub fn init_range(
+        graph: &Graph,
+        device: &Device,
+        dtype: DType,
+        seed: u64,
+        ids: Range<usize>,
+    ) -> Result<Params> {
         let mut rng = ChaCha8Rng::seed_from_u64(seed);
-        let mut values = Vec::with_capacity(graph.params.len());
-        let mut grads = Vec::with_capacity(graph.params.len());
-        for p in &graph.params {
+        let mut values = Vec::with_capacity(ids.len());
+        let mut grads = Vec::with_capacity(ids.len());
+        for (id, p) in graph.params.iter().enumerate().take(ids.end) {
             let n = p.spec.shape.numel();
             let data: Vec<f64> = match p.spec.init {
                 Init::Zeros => vec![0.0; n],
@@ -40,6 +55,9 @@ impl Params {
                 }
                 Init::Uniform(b) => (0..n).map(|_| rng.random_range(-b..b)).collect(),
             };
+            if id < ids.start {
+                continue;
+            }
             values.push(device.upload(p.spec.shape.clone(), &data, dtype, Category::Weights)?);
             grads.push(if p.spec.trainable {
                 Some(device.zeros(p.spec.shape.clone(), dtype, Category::Gradients)?)
@@ -47,7 +65,16 @@ impl Params {
                 None
             });
         }
-        Ok(Params { values, grads })
+        Ok(Params {
+            first: ids.start,
+            values,
+            grads,
+        })
+    }
+
+    /// Where graph parameter ids `ids` sit in `values`.
+    pub fn local(&self, ids: &Range<usize>) -> Range<usize> {
+        ids.start - self.first..ids.end - self.first
     }
 
     pub fn zero_grads(&mut self, device: &Device) -> Result<()> {
@@ -122,10 +149,11 @@ pub fn forward(
             training,
             seed: node_seed(seed, id),
         };
-        let (y, saved) =
-            node.op
-                .get()
-                .forward(&ctx, &ins, &mut params.values[node.params.clone()])?;
+        let local = params.local(&node.params);
+        let (y, saved) = node
+            .op
+            .get()
+            .forward(&ctx, &ins, &mut params.values[local])?;
         if training {
             tape.input_shapes
                 .push(ins.iter().map(|t| t.shape().clone()).collect());
@@ -199,14 +227,14 @@ pub fn backward(
         let trainable: Vec<usize> = node
             .params
             .clone()
-            .filter(|&p| params.grads[p].is_some())
+            .filter(|&p| params.grads[p - params.first].is_some())
             .collect();
         if trainable.is_empty() && !need.contains(&true) {
             continue;
         }
         let mut pgrads: Vec<Tensor> = trainable
             .iter()
-            .map(|&p| params.grads[p].take().expect("trainable"))
+            .map(|&p| params.grads[p - params.first].take().expect("trainable"))
             .collect();
         let ctx = Ctx {
             device,
@@ -219,12 +247,14 @@ pub fn backward(
             inputs: &tape.input_shapes[i],
             need: &need,
         };
-        let result =
-            node.op
-                .get()
-                .backward(&ctx, b, &params.values[node.params.clone()], &mut pgrads);
+        let result = node.op.get().backward(
+            &ctx,
+            b,
+            &params.values[params.local(&node.params)],
+            &mut pgrads,
+        );
         for (&p, g) in trainable.iter().zip(pgrads) {
-            params.grads[p] = Some(g);
+            params.grads[p - params.first] = Some(g);
         }
         for ((&v, g), &needed) in node.inputs.iter().zip(result?).zip(&need) {
             if let (Some(g), true) = (g, needed) {
