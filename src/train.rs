@@ -105,7 +105,7 @@ impl Trainer {
         let outputs: Vec<_> = g.outputs.iter().collect();
         let keep: Vec<usize> = outputs.iter().map(|o| o.value).collect();
         let seed = splitmix64(self.config.seed ^ self.step as u64);
-        let (logits, tape) = graph::forward(
+        let (logits, mut tape) = graph::forward(
             g,
             &mut self.params,
             &self.device,
@@ -116,6 +116,9 @@ impl Trainer {
             false,
             seed,
         )?;
+        let running = std::mem::take(&mut tape.running);
+        graph::commit_running(g, &mut self.params, &self.device, &running)?;
+        drop(running);
         let mut total = 0.0;
         let mut correct = 0;
         let mut seeds = Vec::new();

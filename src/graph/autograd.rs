@@ -12,7 +12,8 @@ use super::{Graph, ValueId};
 use crate::backend::cpu::splitmix64;
 use crate::backend::Device;
 use crate::memory::Category;
-use crate::ops::{Backward, Ctx, Init, Saved};
+use crate::ops::norm::{BatchNorm, BatchStats};
+use crate::ops::{Backward, Ctx, Init, Op, Saved};
 use crate::tensor::{DType, Shape, Tensor};
 use crate::{Error, Result};
 
@@ -85,8 +86,17 @@ impl Params {
     }
 }
 
+/// Batch statistics of node `node` from the micro-batch the forward ran on.
+#[derive(Clone, Debug)]
+pub struct RunningUpdate {
+    pub node: usize,
+    pub stats: BatchStats,
+}
+
 /// What a training forward leaves for backward.
 pub struct Tape {
+    /// Batch statistics to commit to BN running statistics, in node order.
+    pub running: Vec<RunningUpdate>,
     nodes: Range<usize>,
     saved: Vec<Option<Saved>>,
     /// Input shapes (batch included) of each node.
@@ -127,6 +137,7 @@ pub fn forward(
         values[v] = Some(t);
     }
     let mut tape = Tape {
+        running: Vec::new(),
         nodes: nodes.clone(),
         saved: Vec::with_capacity(nodes.len()),
         input_shapes: Vec::with_capacity(nodes.len()),
@@ -154,6 +165,11 @@ pub fn forward(
             .op
             .get()
             .forward(&ctx, &ins, &mut params.values[local])?;
+        if let (true, Op::BatchNorm(_)) = (training, &node.op) {
+            let stats = BatchNorm::batch_stats(&saved)
+                .ok_or_else(|| Error::Internal(format!("{}: no batch statistics", node.name)))?;
+            tape.running.push(RunningUpdate { node: id, stats });
+        }
         if training {
             tape.input_shapes
                 .push(ins.iter().map(|t| t.shape().clone()).collect());
@@ -179,6 +195,24 @@ pub fn forward(
         })
         .collect::<Result<_>>()?;
     Ok((out, tape))
+}
+
+/// Commits batch statistics to the running statistics of their BN nodes, in the given order.
+pub fn commit_running(
+    graph: &Graph,
+    params: &mut Params,
+    device: &Device,
+    updates: &[RunningUpdate],
+) -> Result<()> {
+    for u in updates {
+        let node = &graph.nodes[u.node];
+        let Op::BatchNorm(bn) = &node.op else {
+            return Err(Error::Internal(format!("{} is not a batchnorm", node.name)));
+        };
+        let local = params.local(&node.params);
+        bn.commit(device, &mut params.values[local], &u.stats)?;
+    }
+    Ok(())
 }
 
 /// Adds `g` into `slot`, in place when a buffer is not shared.

@@ -7,7 +7,7 @@ mod builder;
 
 use std::fmt::Write;
 
-pub use autograd::{backward, forward, Params, Tape};
+pub use autograd::{backward, commit_running, forward, Params, RunningUpdate, Tape};
 pub use builder::GraphBuilder;
 
 use crate::ops::{Op, ParamSpec};

@@ -1,5 +1,7 @@
-//! Batch normalization over channels: batch statistics in training (running statistics
-//! updated with momentum, PyTorch's convention), running statistics in eval.
+//! Batch normalization over channels: batch statistics in training, running statistics in eval.
+//! Training forward does not touch the running statistics: it leaves its batch statistics in
+//! what it saves, and the runtime commits them ([`BatchNorm::commit`], PyTorch's momentum
+//! rule) in the order of the reference run, which pipelines and replicas need.
 
 use super::{Backward, Ctx, Init, Operator, ParamSpec, Saved, SavesFor};
 use crate::backend::ChannelGeom;
@@ -27,6 +29,54 @@ fn geom(x: &Tensor) -> ChannelGeom {
         n: d[0],
         c: d[1],
         hw: d[2..].iter().product(),
+    }
+}
+
+/// One training forward's batch statistics, to be committed to the running statistics.
+#[derive(Clone, Debug)]
+pub struct BatchStats {
+    pub mean: Tensor,
+    /// Biased variance.
+    pub var: Tensor,
+    /// Elements per channel they were taken over.
+    pub count: usize,
+}
+
+impl BatchNorm {
+    /// The batch statistics a training forward saved.
+    pub fn batch_stats(saved: &Saved) -> Option<BatchStats> {
+        let [x, mean, var] = &saved.0[..] else {
+            return None;
+        };
+        let d = x.shape().dims();
+        Some(BatchStats {
+            mean: mean.clone(),
+            var: var.clone(),
+            count: d[0] * d[2..].iter().product::<usize>(),
+        })
+    }
+
+    /// running = (1 - momentum)·running + momentum·batch (unbiased variance), on this node's
+    /// parameters [weight, bias, running_mean, running_var].
+    pub fn commit(
+        &self,
+        device: &crate::Device,
+        params: &mut [Tensor],
+        stats: &BatchStats,
+    ) -> Result<()> {
+        let [_, _, rmean, rvar] = params else {
+            return Err(crate::Error::Internal(
+                "batchnorm expects 4 parameters".into(),
+            ));
+        };
+        device.backend().batchnorm_update_running(
+            rmean.storage_mut()?,
+            rvar.storage_mut()?,
+            stats.mean.storage(),
+            stats.var.storage(),
+            self.momentum,
+            stats.count,
+        )
     }
 }
 
@@ -59,7 +109,7 @@ impl Operator for BatchNorm {
         let g = geom(x);
         let be = ctx.device.backend();
         let mut y = ctx.activation(x.shape().clone(), x)?;
-        let [gamma, beta, rmean, rvar] = params else {
+        let [gamma, beta, rmean, rvar] = &params[..] else {
             return Err(crate::Error::Internal(
                 "batchnorm expects 4 parameters".into(),
             ));
@@ -88,14 +138,6 @@ impl Operator for BatchNorm {
             var.storage_mut()?,
             self.eps,
             &g,
-        )?;
-        be.batchnorm_update_running(
-            rmean.storage_mut()?,
-            rvar.storage_mut()?,
-            mean.storage(),
-            var.storage(),
-            self.momentum,
-            g.n * g.hw,
         )?;
         Ok((y, Saved(vec![x.clone(), mean, var])))
     }
