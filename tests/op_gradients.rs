@@ -616,8 +616,14 @@ fn batchnorm_running_statistics_follow_pytorch() {
     s.inputs[0] = vec![1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0];
     s.params[2] = vec![0.0];
     s.params[3] = vec![1.0];
-    let (_, _, ps) = run_forward(&case, &s, &s.inputs, &s.params, DType::F64, true);
-    // mean 4.5, unbiased variance 6 → running = 0.9·old + 0.1·batch.
+    let (_, saved, mut ps) = run_forward(&case, &s, &s.inputs, &s.params, DType::F64, true);
+    // Training forward leaves the running statistics alone ...
+    assert_eq!((ps[2].scalar(), ps[3].scalar()), (0.0, 1.0));
+    // ... and committing its batch statistics applies PyTorch's rule: mean 4.5, unbiased
+    // variance 6 → running = 0.9·old + 0.1·batch.
+    let stats = norm::BatchNorm::batch_stats(&saved).unwrap();
+    assert_eq!(stats.count, 8);
+    norm::BatchNorm::default().commit(&device(), &mut ps, &stats).unwrap();
     assert!((ps[2].scalar() - 0.45).abs() < 1e-12);
     assert!((ps[3].scalar() - (0.9 + 0.6)).abs() < 1e-12);
 }
