@@ -19,9 +19,18 @@ pub struct Synthetic {
 }
 
 impl Synthetic {
+    fn rng(&self, index: u64) -> ChaCha8Rng {
+        ChaCha8Rng::seed_from_u64(splitmix64(self.seed ^ splitmix64(index)))
+    }
+
+    /// The label of sample `index`, without making its image.
+    pub fn label(&self, index: u64) -> u32 {
+        self.rng(index).random_range(0..self.classes as u32)
+    }
+
     /// Writes sample `index` (C×H×W) into `out` and returns its label.
     pub fn sample(&self, index: u64, out: &mut [f64]) -> u32 {
-        let mut rng = ChaCha8Rng::seed_from_u64(splitmix64(self.seed ^ splitmix64(index)));
+        let mut rng = self.rng(index);
         let label = rng.random_range(0..self.classes as u32);
         let s = self.image_size;
         let step = std::f64::consts::PI / self.classes as f64;
@@ -75,6 +84,7 @@ mod tests {
         // One sample alone equals the same sample inside a batch.
         let mut one = vec![0.0; 3 * 32 * 32];
         assert_eq!(d.sample(101, &mut one), la[1]);
+        assert_eq!(d.label(101), la[1]);
         assert_eq!(one, a[3 * 32 * 32..2 * 3 * 32 * 32]);
         let (_, labels) = d.batch(0, 1000);
         for c in 0..10 {

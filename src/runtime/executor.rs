@@ -1,0 +1,597 @@
+//! Runs a scheme: each rank executes its task list from the schedule on its own device, sends
+//! boundary activations downstream and their gradients upstream, then sums the gradients of
+//! each stage over the ranks that hold a copy of it, commits BN statistics in the reference
+//! order, and steps the optimizer. Every copy of a stage ends a step with the same bits.
+//!
+//! The reference for every scheme is `single` with the same micro-batches: a step processes
+//! M = D·η·m micro-batches of B/m images, numbered (group, replica, micro-batch); micro-batch g
+//! of step t holds images t·M·(B/m) + g·(B/m) onward, each micro-batch's loss counts 1/M, and
+//! BN statistics are committed in g order.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Instant;
+
+use crate::backend::cpu::splitmix64;
+use crate::backend::Device;
+use crate::comm::{Comm, Message};
+use crate::data::synthetic::Synthetic;
+use crate::graph::{self, Graph, Output, Params, RunningUpdate, Tape, ValueId};
+use crate::memory::{Category, MemoryStats};
+use crate::ops::{batched, loss};
+use crate::plan::cost::{self, DeviceProfile};
+use crate::plan::partition::{self, Partition};
+use crate::runtime::optim::Sgd;
+use crate::schemes::schedule::{self, Pass, Schedule, StageCosts, Task};
+use crate::schemes::Scheme;
+use crate::tensor::{Shape, Storage, Tensor};
+use crate::train::TrainConfig;
+use crate::{models, Error, Result};
+
+/// A run: what to train, and how to spread it.
+#[derive(Clone, Debug)]
+pub struct RunConfig {
+    /// `batch_size` is B: images per replica pass.
+    pub train: TrainConfig,
+    pub scheme: Scheme,
+    /// Segments per stage; balanced by predicted cost when absent.
+    pub balance: Option<Vec<usize>>,
+    /// Forward passes whose activations a rank may hold at once (`None`: no bound).
+    pub max_in_flight: Option<usize>,
+    /// Hand every rank's final parameters back in its report (for checks).
+    pub return_params: bool,
+}
+
+/// Everything all ranks agree on: the graph, its stages and the schedule.
+pub struct Layout {
+    pub graph: Graph,
+    pub partition: Partition,
+    /// Values entering each stage (the boundary before it), in a fixed order.
+    pub inputs: Vec<Vec<ValueId>>,
+    /// Values leaving each stage for the next.
+    pub outputs: Vec<Vec<ValueId>>,
+    /// Loss outputs each stage produces.
+    pub losses: Vec<Vec<Output>>,
+    pub schedule: Schedule,
+}
+
+impl Layout {
+    pub fn new(c: &RunConfig) -> Result<Layout> {
+        let t = &c.train;
+        c.scheme.validate(t.batch_size)?;
+        let graph = models::build(&t.model, t.image_size, t.classes)?;
+        let micro = t.batch_size / c.scheme.parts;
+        let costs = cost::node_costs(&graph, micro, t.dtype, &DeviceProfile::CPU);
+        let partition = match &c.balance {
+            Some(b) if b.len() != c.scheme.stages => {
+                return Err(Error::Config(format!(
+                    "--balance lists {} stages but --split is {}",
+                    b.len(),
+                    c.scheme.stages
+                )))
+            }
+            Some(b) => partition::from_balance(&graph, b)?,
+            None => partition::balanced(&graph, c.scheme.stages, &costs)?,
+        };
+        let stages = &partition.stages;
+        let inputs = stages
+            .iter()
+            .map(|r| partition::crossing(&graph, r.start))
+            .collect();
+        let outputs = stages
+            .iter()
+            .enumerate()
+            .map(|(s, r)| {
+                if s + 1 < stages.len() {
+                    partition::crossing(&graph, r.end)
+                } else {
+                    vec![]
+                }
+            })
+            .collect();
+        let losses = stages
+            .iter()
+            .map(|r| {
+                graph
+                    .outputs
+                    .iter()
+                    .filter(|o| {
+                        graph.values[o.value]
+                            .producer
+                            .is_some_and(|p| r.contains(&p))
+                    })
+                    .copied()
+                    .collect()
+            })
+            .collect();
+        let stage_cost = |r: &std::ops::Range<usize>| costs[r.clone()].iter().sum::<f64>();
+        // Forward is a third of a node's predicted forward + backward.
+        let sc = StageCosts {
+            forward: stages.iter().map(|r| stage_cost(r) / 3.0).collect(),
+            backward: stages.iter().map(|r| 2.0 * stage_cost(r) / 3.0).collect(),
+        };
+        let schedule = schedule::build(&c.scheme, &sc, c.max_in_flight)?;
+        Ok(Layout {
+            graph,
+            partition,
+            inputs,
+            outputs,
+            losses,
+            schedule,
+        })
+    }
+
+    /// The param ids of stage `s`'s nodes.
+    fn param_ids(&self, s: usize) -> std::ops::Range<usize> {
+        let r = &self.partition.stages[s];
+        let nodes = &self.graph.nodes[r.clone()];
+        let first = nodes.first().map_or(0, |n| n.params.start);
+        let last = nodes.last().map_or(first, |n| n.params.end);
+        first..last
+    }
+}
+
+/// One copy of a stage's parameters on a rank: even replicas use orientation 0, odd ones 1.
+struct Copy {
+    stage: usize,
+    orientation: usize,
+    params: Params,
+    sgd: Sgd,
+    /// Batch statistics gathered this step, by global micro-batch.
+    running: Vec<(usize, RunningUpdate)>,
+}
+
+/// A finished forward waiting for its backward.
+struct Pending {
+    tape: Tape,
+    seeds: Vec<(ValueId, Tensor)>,
+}
+
+/// What one rank measured.
+#[derive(Clone, Debug)]
+pub struct RankReport {
+    pub rank: usize,
+    /// Seconds computing (forward, backward, loss, optimizer), summed over steps.
+    pub busy: f64,
+    pub wall: f64,
+    pub memory: MemoryStats,
+    /// Per step: this rank's share of the loss (Σ weight·loss / M over its loss outputs).
+    pub losses: Vec<f64>,
+    /// Per step: correct predictions of the first output, and images it scored.
+    pub correct: Vec<(usize, usize)>,
+    /// (param id, values) of every copy, orientation 0 first.
+    pub params: Vec<(usize, usize, Vec<f64>)>,
+}
+
+struct Rank<'a> {
+    c: &'a RunConfig,
+    layout: &'a Layout,
+    comm: Box<dyn Comm>,
+    /// The ranks holding copies of this rank's stages (its MAST pair, across groups).
+    holders: Box<dyn Comm>,
+    device: Device,
+    group: usize,
+    local: usize,
+    copies: Vec<Copy>,
+    data: Synthetic,
+    pending: HashMap<(usize, usize), Pending>,
+    busy: f64,
+}
+
+/// Tag of value `vi` of (pass, replica, stage, micro).
+fn tag(s: &Scheme, pass: Pass, replica: usize, stage: usize, micro: usize, vi: usize) -> u64 {
+    let p = matches!(pass, Pass::Backward) as usize;
+    ((((p * s.replicas + replica) * s.stages + stage) * s.parts + micro) * 8 + vi) as u64
+}
+
+fn empty() -> Message {
+    Message {
+        shape: Shape::new([0]),
+        storage: Storage::F32(vec![]),
+    }
+}
+
+impl<'a> Rank<'a> {
+    fn new(c: &'a RunConfig, layout: &'a Layout, comm: Box<dyn Comm>) -> Result<Rank<'a>> {
+        let s = &c.scheme;
+        let (group, local) = (comm.rank() / s.stages, comm.rank() % s.stages);
+        let device = Device::cpu(&format!("rank {}", comm.rank()), c.train.device_memory);
+        let mirrored = s.replicas >= 2;
+        let color = if mirrored {
+            local.min(s.stages - 1 - local)
+        } else {
+            local
+        };
+        let holders = comm.split(color, comm.rank())?;
+        let mut copies = Vec::new();
+        for orientation in 0..s.replicas.min(2) {
+            let stage = s.place(orientation, local);
+            let params = Params::init_range(
+                &layout.graph,
+                &device,
+                c.train.dtype,
+                c.train.seed,
+                layout.param_ids(stage),
+            )?;
+            let sgd = Sgd::new(&params, &device, c.train.sgd)?;
+            copies.push(Copy {
+                stage,
+                orientation,
+                params,
+                sgd,
+                running: Vec::new(),
+            });
+        }
+        let data = Synthetic {
+            seed: c.train.seed,
+            classes: c.train.classes,
+            image_size: c.train.image_size,
+        };
+        Ok(Rank {
+            c,
+            layout,
+            comm,
+            holders,
+            device,
+            group,
+            local,
+            copies,
+            data,
+            pending: HashMap::new(),
+            busy: 0.0,
+        })
+    }
+
+    fn world_rank(&self, replica: usize, stage: usize) -> usize {
+        self.group * self.c.scheme.stages + self.c.scheme.place(replica, stage)
+    }
+
+    fn micro_size(&self) -> usize {
+        self.c.train.batch_size / self.c.scheme.parts
+    }
+
+    /// First image of global micro-batch `gm` in step `step`.
+    fn first_image(&self, step: usize, gm: usize) -> u64 {
+        ((step * self.c.scheme.micro_batches_per_step() + gm) * self.micro_size()) as u64
+    }
+
+    fn forward(&mut self, step: usize, t: Task, report: &mut RankReport) -> Result<()> {
+        let (s, layout) = (&self.c.scheme, self.layout);
+        let g = &layout.graph;
+        let gm = s.global_micro(self.group, t.replica, t.micro);
+        let mb = self.micro_size();
+        let feeds: Vec<(ValueId, Tensor)> = if t.stage == 0 {
+            let (pixels, _) = self.data.batch(self.first_image(step, gm), mb);
+            let x = self.device.upload(
+                batched(mb, g.input_shape()),
+                &pixels,
+                self.c.train.dtype,
+                Category::Activations,
+            )?;
+            vec![(g.input, x)]
+        } else {
+            let from = self.world_rank(t.replica, t.stage - 1);
+            let mut feeds = Vec::new();
+            for (vi, &v) in layout.inputs[t.stage].iter().enumerate() {
+                let tg = tag(s, Pass::Forward, t.replica, t.stage, t.micro, vi);
+                feeds.push((
+                    v,
+                    self.comm
+                        .recv(from, tg, &self.device, Category::Communication)?,
+                ));
+            }
+            feeds
+        };
+        let start = Instant::now();
+        let losses = &layout.losses[t.stage];
+        let keep: Vec<ValueId> = layout.outputs[t.stage]
+            .iter()
+            .copied()
+            .chain(losses.iter().map(|o| o.value))
+            .collect();
+        let seed = splitmix64(self.c.train.seed ^ (step * s.micro_batches_per_step() + gm) as u64);
+        let copy = &mut self.copies[t.replica % 2];
+        debug_assert_eq!(copy.stage, t.stage);
+        let range = layout.partition.stages[t.stage].clone();
+        let (outs, mut tape) = graph::forward(
+            g,
+            &mut copy.params,
+            &self.device,
+            feeds,
+            range,
+            &keep,
+            true,
+            t.stage > 0,
+            seed,
+        )?;
+        copy.running.extend(tape.running.drain(..).map(|u| (gm, u)));
+        let mut seeds = Vec::new();
+        let n_out = layout.outputs[t.stage].len();
+        if !losses.is_empty() {
+            let first = self.first_image(step, gm);
+            let labels: Vec<u32> = (0..mb as u64).map(|i| self.data.label(first + i)).collect();
+            let m_total = s.micro_batches_per_step() as f64;
+            for (o, logits) in losses.iter().zip(&outs[n_out..]) {
+                let (l, probs) = loss::softmax_cross_entropy(&self.device, logits, &labels)?;
+                *report.losses.last_mut().expect("a step is open") += o.weight * l / m_total;
+                if g.outputs.first() == Some(o) {
+                    let c = report.correct.last_mut().expect("a step is open");
+                    c.0 += loss::correct(&probs, &labels);
+                    c.1 += mb;
+                }
+                seeds.push((
+                    o.value,
+                    loss::softmax_cross_entropy_backward(
+                        &self.device,
+                        &probs,
+                        &labels,
+                        o.weight / m_total,
+                    )?,
+                ));
+            }
+        }
+        self.busy += start.elapsed().as_secs_f64();
+        if n_out > 0 {
+            let to = self.world_rank(t.replica, t.stage + 1);
+            for (vi, out) in outs[..n_out].iter().enumerate() {
+                self.comm.send(
+                    out,
+                    to,
+                    tag(s, Pass::Forward, t.replica, t.stage + 1, t.micro, vi),
+                )?;
+            }
+        }
+        self.pending
+            .insert((t.replica, t.micro), Pending { tape, seeds });
+        Ok(())
+    }
+
+    fn backward(&mut self, t: Task) -> Result<()> {
+        let (s, layout) = (&self.c.scheme, self.layout);
+        let Pending { tape, mut seeds } = self
+            .pending
+            .remove(&(t.replica, t.micro))
+            .ok_or_else(|| Error::Internal(format!("backward before forward: {t:?}")))?;
+        if t.stage + 1 < s.stages {
+            let from = self.world_rank(t.replica, t.stage + 1);
+            for (vi, &v) in layout.outputs[t.stage].iter().enumerate() {
+                let m = self.comm.recv_message(
+                    from,
+                    tag(s, Pass::Backward, t.replica, t.stage, t.micro, vi),
+                )?;
+                if m.shape.numel() > 0 {
+                    seeds.push((
+                        v,
+                        self.device
+                            .adopt(m.shape, m.storage, Category::Communication)?,
+                    ));
+                }
+            }
+        }
+        let start = Instant::now();
+        let want: &[ValueId] = if t.stage > 0 {
+            &layout.inputs[t.stage]
+        } else {
+            &[]
+        };
+        let copy = &mut self.copies[t.replica % 2];
+        let grads = graph::backward(
+            &layout.graph,
+            &mut copy.params,
+            &self.device,
+            tape,
+            seeds,
+            want,
+        )?;
+        self.busy += start.elapsed().as_secs_f64();
+        if t.stage > 0 {
+            let to = self.world_rank(t.replica, t.stage - 1);
+            for (vi, gr) in grads.iter().enumerate() {
+                let tg = tag(s, Pass::Backward, t.replica, t.stage - 1, t.micro, vi);
+                match gr {
+                    Some(gr) => self.comm.send(gr, to, tg)?,
+                    None => self.comm.send_message(empty(), to, tg)?,
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Sums each stage's gradients over its copies, commits BN statistics in reference order,
+    /// and steps the optimizer.
+    fn synchronize(&mut self, step: usize) -> Result<()> {
+        let mut stages: Vec<usize> = self.copies.iter().map(|c| c.stage).collect();
+        stages.sort_unstable();
+        stages.dedup();
+        for stage in stages {
+            let idx: Vec<usize> = (0..self.copies.len())
+                .filter(|&i| self.copies[i].stage == stage)
+                .collect();
+            let n = self.copies[idx[0]].params.grads.len();
+            for p in 0..n {
+                if self.copies[idx[0]].params.grads[p].is_none() {
+                    continue;
+                }
+                // Copies on this rank first (orientation order), then over the holders.
+                let mut acc = self.copies[idx[0]].params.grads[p]
+                    .take()
+                    .expect("trainable");
+                for &i in &idx[1..] {
+                    let other = self.copies[i].params.grads[p].as_ref().expect("trainable");
+                    self.device
+                        .backend()
+                        .add_assign(acc.storage_mut()?, other.storage())?;
+                }
+                if self.holders.size() > 1 {
+                    self.holders.all_reduce_sum(&mut acc, &self.device)?;
+                }
+                for &i in &idx[1..] {
+                    *self.copies[i].params.grads[p]
+                        .as_mut()
+                        .expect("trainable")
+                        .storage_mut()? = acc.storage().clone();
+                }
+                self.copies[idx[0]].params.grads[p] = Some(acc);
+            }
+            let mine: Vec<(usize, RunningUpdate)> = idx
+                .iter()
+                .flat_map(|&i| std::mem::take(&mut self.copies[i].running))
+                .collect();
+            let all = self.gather_running(mine)?;
+            for &i in &idx {
+                let updates: Vec<RunningUpdate> = all.iter().map(|(_, u)| u.clone()).collect();
+                graph::commit_running(
+                    &self.layout.graph,
+                    &mut self.copies[i].params,
+                    &self.device,
+                    &updates,
+                )?;
+            }
+        }
+        let start = Instant::now();
+        let lr = self.c.train.schedule.lr(step);
+        for copy in &mut self.copies {
+            copy.sgd.step(&mut copy.params, &self.device, lr)?;
+            copy.params.zero_grads(&self.device)?;
+        }
+        self.busy += start.elapsed().as_secs_f64();
+        Ok(())
+    }
+
+    /// Every holder's batch statistics of one stage, sorted by (micro-batch, node): the order
+    /// the reference commits them in.
+    fn gather_running(
+        &self,
+        mine: Vec<(usize, RunningUpdate)>,
+    ) -> Result<Vec<(usize, RunningUpdate)>> {
+        let h = &*self.holders;
+        let tag = crate::comm::COLLECTIVE_TAG + 16;
+        let encode = |list: &[(usize, RunningUpdate)]| -> Vec<Message> {
+            let header: Vec<f64> = list
+                .iter()
+                .flat_map(|(gm, u)| [*gm as f64, u.node as f64, u.stats.count as f64])
+                .collect();
+            let mut msgs = vec![Message {
+                shape: Shape::new([header.len()]),
+                storage: Storage::F64(header),
+            }];
+            for (_, u) in list {
+                for t in [&u.stats.mean, &u.stats.var] {
+                    msgs.push(Message {
+                        shape: t.shape().clone(),
+                        storage: t.storage().clone(),
+                    });
+                }
+            }
+            msgs
+        };
+        let decode = |from: usize| -> Result<Vec<(usize, RunningUpdate)>> {
+            let Storage::F64(header) = h.recv_message(from, tag)?.storage else {
+                return Err(Error::Internal("statistics header".into()));
+            };
+            let mut out = Vec::new();
+            for e in header.chunks(3) {
+                let mean = h.recv(from, tag, &self.device, Category::Activations)?;
+                let var = h.recv(from, tag, &self.device, Category::Activations)?;
+                let stats = crate::ops::norm::BatchStats {
+                    mean,
+                    var,
+                    count: e[2] as usize,
+                };
+                out.push((
+                    e[0] as usize,
+                    RunningUpdate {
+                        node: e[1] as usize,
+                        stats,
+                    },
+                ));
+            }
+            Ok(out)
+        };
+        let send = |list: &[(usize, RunningUpdate)], to: usize| -> Result<()> {
+            for m in encode(list) {
+                h.send_message(m, to, tag)?;
+            }
+            Ok(())
+        };
+        let mut all = if h.rank() == 0 {
+            let mut all = mine;
+            for r in 1..h.size() {
+                all.extend(decode(r)?);
+            }
+            all.sort_by_key(|(gm, u)| (*gm, u.node));
+            for r in 1..h.size() {
+                send(&all, r)?;
+            }
+            all
+        } else {
+            send(&mine, 0)?;
+            decode(0)?
+        };
+        all.sort_by_key(|(gm, u)| (*gm, u.node));
+        Ok(all)
+    }
+
+    fn step(&mut self, step: usize, report: &mut RankReport) -> Result<()> {
+        report.losses.push(0.0);
+        report.correct.push((0, 0));
+        let tasks: Vec<Task> = self.layout.schedule.ranks[self.local]
+            .iter()
+            .map(|t| t.task)
+            .collect();
+        for t in tasks {
+            match t.pass {
+                Pass::Forward => self.forward(step, t, report)?,
+                Pass::Backward => self.backward(t)?,
+            }
+        }
+        self.synchronize(step)
+    }
+}
+
+/// Runs `steps` steps of `c` as one rank of `comm` (the world), returning what it measured.
+pub fn run_rank(c: &RunConfig, layout: &Layout, comm: Box<dyn Comm>) -> Result<RankReport> {
+    if comm.size() != c.scheme.world() {
+        return Err(Error::Config(format!(
+            "the world has {} ranks but the scheme needs P·D = {}·{} = {}",
+            comm.size(),
+            c.scheme.stages,
+            c.scheme.dp,
+            c.scheme.world()
+        )));
+    }
+    let started = Instant::now();
+    let rank = comm.rank();
+    let mut r = Rank::new(c, layout, comm)?;
+    let mut report = RankReport {
+        rank,
+        busy: 0.0,
+        wall: 0.0,
+        memory: r.device.memory(),
+        losses: vec![],
+        correct: vec![],
+        params: vec![],
+    };
+    for step in 0..c.train.steps {
+        r.step(step, &mut report)?;
+    }
+    report.busy = r.busy;
+    report.wall = started.elapsed().as_secs_f64();
+    report.memory = r.device.memory();
+    if c.return_params {
+        for copy in &r.copies {
+            for (i, v) in copy.params.values.iter().enumerate() {
+                report
+                    .params
+                    .push((copy.orientation, copy.params.first + i, v.to_f64_vec()));
+            }
+        }
+    }
+    Ok(report)
+}
+
+/// Runs `c` with every rank a thread of this process.
+pub fn run_local(c: &RunConfig) -> Result<Vec<RankReport>> {
+    let layout = Arc::new(Layout::new(c)?);
+    crate::comm::local::run(c.scheme.world(), |comm| run_rank(c, &layout, comm))
+}

@@ -1,0 +1,188 @@
+//! Every scheme trains exactly like single-device training on the same micro-batches: after k
+//! steps every rank's parameters and BN statistics equal the reference's (f64: 1e-9 relative),
+//! and the copies of a stage are bit-identical.
+
+use std::collections::HashMap;
+
+use gems::runtime::executor::{run_local, RankReport, RunConfig};
+use gems::runtime::optim::SgdConfig;
+use gems::runtime::schedule::{Decay, LrSchedule};
+use gems::schemes::{Kind, Order, Scheme};
+use gems::train::{TrainConfig, Trainer};
+use gems::DType;
+
+const STEPS: usize = 3;
+
+fn train(model: &str, batch: usize, dtype: DType) -> TrainConfig {
+    TrainConfig {
+        model: model.into(),
+        image_size: 32,
+        classes: 4,
+        batch_size: batch,
+        steps: STEPS,
+        schedule: LrSchedule {
+            base: 0.05,
+            decay: Decay::Cosine,
+            warmup: 1,
+            total: STEPS,
+        },
+        sgd: SgdConfig {
+            momentum: 0.9,
+            weight_decay: 1e-3,
+            nesterov: true,
+        },
+        seed: 11,
+        dtype,
+        device_memory: None,
+    }
+}
+
+fn run(model: &str, scheme: Scheme, batch: usize, dtype: DType) -> Vec<RankReport> {
+    let c = RunConfig {
+        train: train(model, batch, dtype),
+        scheme,
+        balance: None,
+        max_in_flight: None,
+        return_params: true,
+    };
+    run_local(&c).unwrap_or_else(|e| panic!("{scheme:?}: {e}"))
+}
+
+/// The reference: one rank, the same M micro-batches in order.
+fn reference(model: &str, s: &Scheme, batch: usize, dtype: DType) -> HashMap<usize, Vec<f64>> {
+    let m = s.micro_batches_per_step();
+    let single = Scheme {
+        kind: Kind::Single,
+        stages: 1,
+        parts: m,
+        replicas: 1,
+        dp: 1,
+        order: Order::GPipe,
+    };
+    let r = run(model, single, m * batch / s.parts, dtype);
+    r[0].params
+        .iter()
+        .map(|(_, id, v)| (*id, v.clone()))
+        .collect()
+}
+
+fn check(model: &str, s: Scheme, batch: usize) {
+    let want = reference(model, &s, batch, DType::F64);
+    let got = run(model, s, batch, DType::F64);
+    let mut seen: HashMap<usize, &Vec<f64>> = HashMap::new();
+    for rank in &got {
+        for (_, id, v) in &rank.params {
+            let w = &want[id];
+            let diff = v
+                .iter()
+                .zip(w)
+                .map(|(a, b)| (a - b).abs())
+                .fold(0.0, f64::max);
+            let scale = w.iter().map(|x| x.abs()).fold(1e-30, f64::max);
+            assert!(
+                diff / scale <= 1e-9,
+                "{model} {s:?}: rank {} param {id}: relative difference {:e}",
+                rank.rank,
+                diff / scale
+            );
+            // Copies of a stage are identical to the last bit.
+            if let Some(prev) = seen.insert(*id, v) {
+                assert!(
+                    prev.iter().zip(v).all(|(a, b)| a.to_bits() == b.to_bits()),
+                    "{s:?}: copies of param {id} differ"
+                );
+            }
+        }
+    }
+    assert_eq!(
+        seen.len(),
+        want.len(),
+        "{s:?}: every parameter is held somewhere"
+    );
+    // The loss is spread over the ranks that compute it; their sum is the reference's.
+    assert!(got.iter().all(|r| r.losses.len() == STEPS));
+}
+
+fn scheme(
+    kind: Kind,
+    stages: usize,
+    parts: usize,
+    replicas: usize,
+    dp: usize,
+    order: Order,
+) -> Scheme {
+    Scheme {
+        kind,
+        stages,
+        parts,
+        replicas,
+        dp,
+        order,
+    }
+}
+
+#[test]
+fn mp_gpipe_and_1f1b_match_single() {
+    check("resnet20v2", scheme(Kind::Mp, 2, 2, 1, 1, Order::GPipe), 4);
+    check(
+        "resnet20v2",
+        scheme(Kind::Mp, 3, 3, 1, 1, Order::OneFOneB),
+        3,
+    );
+}
+
+#[test]
+fn mast_even_and_odd_match_single() {
+    check(
+        "resnet20v2",
+        scheme(Kind::Mast, 2, 2, 2, 1, Order::GPipe),
+        4,
+    );
+    check(
+        "resnet20v2",
+        scheme(Kind::Mast, 3, 1, 2, 1, Order::GPipe),
+        2,
+    );
+}
+
+#[test]
+fn master_matches_single() {
+    check(
+        "resnet20v2",
+        scheme(Kind::Master, 2, 1, 4, 1, Order::GPipe),
+        2,
+    );
+}
+
+#[test]
+fn hybrid_and_dp_match_single() {
+    check(
+        "resnet20v2",
+        scheme(Kind::Mp, 2, 2, 1, 2, Order::OneFOneB),
+        2,
+    );
+    check(
+        "resnet20v2",
+        scheme(Kind::Mast, 2, 1, 2, 2, Order::GPipe),
+        2,
+    );
+    check("resnet20v2", scheme(Kind::Dp, 1, 1, 1, 2, Order::GPipe), 2);
+}
+
+#[test]
+fn single_scheme_equals_the_trainer_bit_for_bit() {
+    let r = run(
+        "resnet20v2",
+        scheme(Kind::Single, 1, 1, 1, 1, Order::GPipe),
+        4,
+        DType::F32,
+    );
+    let mut t = Trainer::new(train("resnet20v2", 4, DType::F32)).unwrap();
+    let losses: Vec<f64> = (0..STEPS).map(|_| t.step().unwrap().loss).collect();
+    for (a, b) in r[0].losses.iter().zip(&losses) {
+        assert_eq!(a.to_bits(), b.to_bits());
+    }
+    for (_, id, v) in &r[0].params {
+        assert_eq!(v, &t.params.values[*id].to_f64_vec(), "param {id}");
+    }
+}
