@@ -710,3 +710,114 @@ fn conv_matches_direct_convolution_across_tiles_and_lanes() {
         one(conv(4, (3, 3), 2, (1, 1), 1, 2, false), &[2, 600, 50], 1),
     );
 }
+
+#[test]
+fn avg_pool_excluding_padding() {
+    use gems::ops::pool::AvgPoolExcludePad;
+    // 3×3/1 pad 1 on a 3×3 image: a corner window covers 4 elements, an edge one 6, the centre 9.
+    let d = device();
+    let x: Vec<f64> = (0..9).map(|i| i as f64).collect();
+    let xt = upload(&d, &Shape::new([1, 1, 3, 3]), &x, DType::F64);
+    let ctx = Ctx {
+        device: &d,
+        training: true,
+        seed: 0,
+    };
+    let op = Op::AvgPoolExcludePad(AvgPoolExcludePad(Window::square(3, 1, 1)));
+    let y = op
+        .get()
+        .forward(&ctx, &[&xt], &mut [])
+        .unwrap()
+        .0
+        .to_f64_vec();
+    let want = [2.0, 2.5, 3.0, 3.5, 4.0, 4.5, 5.0, 5.5, 6.0];
+    assert!(
+        y.iter().zip(&want).all(|(a, b)| (a - b).abs() < 1e-14),
+        "{y:?}"
+    );
+    assert_eq!(d.memory().live.get(Category::Workspace), 0);
+    check_gradients(
+        "avgpool 3x3/1 pad 1 excluding padding",
+        one(
+            Op::AvgPoolExcludePad(AvgPoolExcludePad(Window::square(3, 1, 1))),
+            &[2, 5, 6],
+            2,
+        ),
+    );
+    check_gradients(
+        "avgpool 3x3/2 pad 1 excluding padding",
+        one(
+            Op::AvgPoolExcludePad(AvgPoolExcludePad(Window::square(3, 2, 1))),
+            &[3, 7, 8],
+            2,
+        ),
+    );
+}
+
+#[test]
+fn pad2d_pads_and_crops() {
+    // AmoebaNet's shift: crop the first row and column, pad one zero row and column at the end.
+    let shift = shape::Pad2d {
+        top: -1,
+        bottom: 1,
+        left: -1,
+        right: 1,
+    };
+    let d = device();
+    let x: Vec<f64> = (1..=6).map(|i| i as f64).collect();
+    let xt = upload(&d, &Shape::new([1, 1, 2, 3]), &x, DType::F64);
+    let ctx = Ctx {
+        device: &d,
+        training: true,
+        seed: 0,
+    };
+    let y = Op::Pad2d(shift.clone())
+        .get()
+        .forward(&ctx, &[&xt], &mut [])
+        .unwrap()
+        .0;
+    assert_eq!(y.shape().dims(), &[1, 1, 2, 3]);
+    assert_eq!(y.to_f64_vec(), [5.0, 6.0, 0.0, 0.0, 0.0, 0.0]);
+    check_gradients("pad2d shift", one(Op::Pad2d(shift), &[3, 5, 4], 2));
+    check_gradients(
+        "pad2d mixed",
+        one(
+            Op::Pad2d(shape::Pad2d {
+                top: 2,
+                bottom: -1,
+                left: -2,
+                right: 3,
+            }),
+            &[2, 4, 5],
+            2,
+        ),
+    );
+    let too_much = shape::Pad2d {
+        top: -2,
+        bottom: -1,
+        left: 0,
+        right: 0,
+    };
+    assert!(Op::Pad2d(too_much)
+        .get()
+        .infer(&[&Shape::new([1, 3, 3])])
+        .is_err());
+}
+
+#[test]
+fn conv_kernel_wider_than_image() {
+    // Kernel columns (rows) that only ever read padding: AmoebaNet's 1×7 / 7×1 pad 3 convs on
+    // the 2×2 maps of a small image.
+    check_gradients(
+        "conv 1x7 pad 3 on width 2",
+        one(conv(3, (1, 7), 1, (0, 3), 1, 1, false), &[2, 3, 2], 2),
+    );
+    check_gradients(
+        "conv 7x1 pad 3 on height 1",
+        one(conv(2, (7, 1), 1, (3, 0), 1, 1, true), &[3, 1, 4], 2),
+    );
+    check_gradients(
+        "conv 5x5 pad 3 stride 2 on 2x3",
+        one(conv(2, (5, 5), 2, (3, 3), 1, 1, false), &[2, 2, 3], 2),
+    );
+}

@@ -1,6 +1,8 @@
 //! Model builders. Each builds a graph from nested blocks for a given image size and number
 //! of classes, and refuses configurations its architecture cannot take.
 
+pub mod amoebanet;
+pub mod inception;
 pub mod resnet;
 pub mod torchvision;
 
@@ -20,6 +22,8 @@ pub const LISTED: &[&str] = &[
     "vgg19",
     "alexnet",
     "resnet50",
+    "inception_v3",
+    "amoebanet_d",
 ];
 
 /// Builds the model called `name` for `image_size`² RGB images and `classes` classes.
@@ -34,6 +38,12 @@ pub fn build(name: &str, image_size: usize, classes: usize) -> Result<Graph> {
     }
     if let Some(arch) = torchvision::Arch::parse(name) {
         return torchvision::build(arch, image_size, classes);
+    }
+    if let Some(aux_logits) = inception::parse(name) {
+        return inception::build(name, aux_logits, image_size, classes);
+    }
+    if let Some(spec) = amoebanet::parse(name)? {
+        return amoebanet::build(name, spec, image_size, classes);
     }
     Err(Error::Config(format!(
         "unknown model '{name}' (known: {}, or resnet<9n+2>v2 / resnet<6n+2>v1)",

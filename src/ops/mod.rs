@@ -123,6 +123,8 @@ pub enum Op {
     Flatten(shape::Flatten),
     Concat(shape::Concat),
     Dropout(dropout::Dropout),
+    AvgPoolExcludePad(pool::AvgPoolExcludePad),
+    Pad2d(shape::Pad2d),
 }
 
 impl Op {
@@ -140,6 +142,8 @@ impl Op {
             Op::Flatten(o) => o,
             Op::Concat(o) => o,
             Op::Dropout(o) => o,
+            Op::AvgPoolExcludePad(o) => o,
+            Op::Pad2d(o) => o,
         }
     }
 
@@ -158,6 +162,8 @@ impl Op {
             Op::Flatten(_) => "flatten".into(),
             Op::Concat(_) => "concat".into(),
             Op::Dropout(d) => format!("dropout p={}", d.p),
+            Op::AvgPoolExcludePad(p) => format!("avgpool {} excluding padding", p.0),
+            Op::Pad2d(p) => format!("pad {},{},{},{}", p.top, p.bottom, p.left, p.right),
         }
     }
 }

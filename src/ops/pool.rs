@@ -354,3 +354,104 @@ impl Operator for AdaptiveAvgPool {
         SavesFor::default()
     }
 }
+
+/// Average pooling that divides by the input elements a window covers, padding not counted
+/// (PyTorch's `count_include_pad=False`, as AmoebaNet's pools use); floor mode only. Computed
+/// as the padding-counted average times kh·kw / (elements covered) per output position.
+#[derive(Clone, Debug, PartialEq)]
+pub struct AvgPoolExcludePad(pub Window);
+
+impl AvgPoolExcludePad {
+    /// kh·kw / (input elements covered) for every output element of the batch, as workspace.
+    fn scale(&self, ctx: &Ctx, g: &PoolGeom, like: &Tensor) -> Result<Tensor> {
+        let covered = |o: usize, s: usize, p: usize, k: usize, n: usize| {
+            let start = (o * s) as isize - p as isize;
+            ((start + k as isize).min(n as isize) - start.max(0)) as f64
+        };
+        let mut plane = Vec::with_capacity(g.h_out * g.w_out);
+        for oh in 0..g.h_out {
+            let rows = covered(oh, g.stride.0, g.pad.0, g.kh, g.h);
+            for ow in 0..g.w_out {
+                let cols = covered(ow, g.stride.1, g.pad.1, g.kw, g.w);
+                plane.push((g.kh * g.kw) as f64 / (rows * cols));
+            }
+        }
+        let hw = g.h_out * g.w_out;
+        let plane = ctx.device.upload(
+            Shape::new([hw]),
+            &plane,
+            like.dtype(),
+            crate::Category::Workspace,
+        )?;
+        let mut all = ctx.workspace(g.n * g.c * hw, like)?;
+        // Source stride 0: the one plane repeated for every (n, c).
+        ctx.device.backend().copy_channels(
+            plane.storage(),
+            all.storage_mut()?,
+            (0, 0),
+            (1, 0),
+            1,
+            g.n * g.c,
+            hw,
+        )?;
+        Ok(all)
+    }
+}
+
+impl Operator for AvgPoolExcludePad {
+    fn infer(&self, inputs: &[&Shape]) -> std::result::Result<Shape, String> {
+        let out = self.0.infer(inputs[0])?;
+        let (_, h, w) = chw(inputs[0])?;
+        let floor = (
+            window_out(h, self.0.kernel.0, self.0.stride.0, self.0.pad.0, 1)?,
+            window_out(w, self.0.kernel.1, self.0.stride.1, self.0.pad.1, 1)?,
+        );
+        if (out.dim(1), out.dim(2)) != floor {
+            return Err("average pooling without padding counted needs floor mode".into());
+        }
+        Ok(out)
+    }
+
+    fn forward(
+        &self,
+        ctx: &Ctx,
+        xs: &[&Tensor],
+        _params: &mut [Tensor],
+    ) -> Result<(Tensor, Saved)> {
+        let x = xs[0];
+        let g = self.0.geom(x.shape())?;
+        let be = ctx.device.backend();
+        let mut sum = ctx.workspace(g.n * g.c * g.h_out * g.w_out, x)?;
+        be.avg_pool_forward(x.storage(), sum.storage_mut()?, &g)?;
+        let scale = self.scale(ctx, &g, x)?;
+        let mut y = ctx.activation(Shape::new([g.n, g.c, g.h_out, g.w_out]), x)?;
+        be.mul(sum.storage(), scale.storage(), y.storage_mut()?)?;
+        Ok((y, Saved::default()))
+    }
+
+    fn backward(
+        &self,
+        ctx: &Ctx,
+        b: Backward,
+        _params: &[Tensor],
+        _grads: &mut [Tensor],
+    ) -> Result<Vec<Option<Tensor>>> {
+        let g = self.0.geom(&b.inputs[0])?;
+        let be = ctx.device.backend();
+        let scale = self.scale(ctx, &g, &b.dy)?;
+        let mut dsum = ctx.workspace(b.dy.numel(), &b.dy)?;
+        be.mul(b.dy.storage(), scale.storage(), dsum.storage_mut()?)?;
+        drop(scale);
+        let mut dx = ctx.activation(b.inputs[0].clone(), &b.dy)?;
+        be.avg_pool_backward(dsum.storage(), dx.storage_mut()?, &g)?;
+        Ok(vec![Some(dx)])
+    }
+
+    fn flops(&self, _inputs: &[&Shape], output: &Shape) -> u64 {
+        (output.numel() * (self.0.kernel.0 * self.0.kernel.1 + 1)) as u64
+    }
+
+    fn saves(&self, _inputs: &[&Shape]) -> SavesFor {
+        SavesFor::default()
+    }
+}

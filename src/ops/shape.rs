@@ -132,3 +132,119 @@ impl Operator for Concat {
         SavesFor::default()
     }
 }
+
+/// Zero padding of H and W per side, `(top, bottom, left, right)`, where a negative amount
+/// crops instead (PyTorch's `F.pad`). AmoebaNet's factorized reduce shifts its second path by
+/// one pixel with (-1, 1, -1, 1): `ZeroPad2d((0, 1, 0, 1))(x[:, :, 1:, 1:])`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Pad2d {
+    pub top: isize,
+    pub bottom: isize,
+    pub left: isize,
+    pub right: isize,
+}
+
+/// One output row's copy: output row, input row, first output column, first input column,
+/// length.
+type RowCopy = (usize, usize, usize, usize, usize);
+
+impl Pad2d {
+    /// The rows of the output that come from the input, for an `h×w` input and `ho×wo` output.
+    fn copies(&self, (h, w): (usize, usize), (ho, wo): (usize, usize)) -> Vec<RowCopy> {
+        let j0 = self.left.max(0);
+        let j1 = (wo as isize).min(w as isize + self.left);
+        if j1 <= j0 {
+            return Vec::new();
+        }
+        (0..ho)
+            .filter_map(|i| {
+                let r = i as isize - self.top;
+                (0..h as isize).contains(&r).then(|| {
+                    (
+                        i,
+                        r as usize,
+                        j0 as usize,
+                        (j0 - self.left) as usize,
+                        (j1 - j0) as usize,
+                    )
+                })
+            })
+            .collect()
+    }
+}
+
+impl Operator for Pad2d {
+    fn infer(&self, inputs: &[&Shape]) -> std::result::Result<Shape, String> {
+        let (c, h, w) = chw(inputs[0])?;
+        let ho = h as isize + self.top + self.bottom;
+        let wo = w as isize + self.left + self.right;
+        if ho < 1 || wo < 1 {
+            return Err(format!(
+                "padding ({}, {}, {}, {}) leaves nothing of a {h}x{w} image",
+                self.top, self.bottom, self.left, self.right
+            ));
+        }
+        Ok(Shape::new([c, ho as usize, wo as usize]))
+    }
+
+    fn forward(
+        &self,
+        ctx: &Ctx,
+        xs: &[&Tensor],
+        _params: &mut [Tensor],
+    ) -> Result<(Tensor, Saved)> {
+        let x = xs[0];
+        let (n, c, h, w) = x.shape().nchw();
+        let out = self
+            .infer(&[&Shape::new([c, h, w])])
+            .map_err(crate::Error::Shape)?;
+        let (ho, wo) = (out.dim(1), out.dim(2));
+        let mut y = ctx.activation(Shape::new([n, c, ho, wo]), x)?;
+        // Each row segment is one strided copy over all n·c planes (elements as "channels").
+        for (i, r, oj, ij, len) in self.copies((h, w), (ho, wo)) {
+            ctx.device.backend().copy_channels(
+                x.storage(),
+                y.storage_mut()?,
+                (h * w, r * w + ij),
+                (ho * wo, i * wo + oj),
+                len,
+                n * c,
+                1,
+            )?;
+        }
+        Ok((y, Saved::default()))
+    }
+
+    fn backward(
+        &self,
+        ctx: &Ctx,
+        b: Backward,
+        _params: &[Tensor],
+        _grads: &mut [Tensor],
+    ) -> Result<Vec<Option<Tensor>>> {
+        let (n, c, h, w) = b.inputs[0].nchw();
+        let (_, _, ho, wo) = b.dy.shape().nchw();
+        // Every input element lands in at most one output element: copy back, zeros elsewhere.
+        let mut dx = ctx.activation(b.inputs[0].clone(), &b.dy)?;
+        for (i, r, oj, ij, len) in self.copies((h, w), (ho, wo)) {
+            ctx.device.backend().copy_channels(
+                b.dy.storage(),
+                dx.storage_mut()?,
+                (ho * wo, i * wo + oj),
+                (h * w, r * w + ij),
+                len,
+                n * c,
+                1,
+            )?;
+        }
+        Ok(vec![Some(dx)])
+    }
+
+    fn flops(&self, _inputs: &[&Shape], _output: &Shape) -> u64 {
+        0
+    }
+
+    fn saves(&self, _inputs: &[&Shape]) -> SavesFor {
+        SavesFor::default()
+    }
+}

@@ -87,6 +87,10 @@ fn im2col<T: Float>(x: &[T], col: &mut [T], g: &ConvGeom, oh: Range<usize>) {
             };
             dst[..valid.start].fill(T::zero());
             dst[valid.end..].fill(T::zero());
+            // A kernel column that only ever reads padding (a wide kernel on a narrow image).
+            if valid.is_empty() {
+                continue;
+            }
             let src = &plane[ih * g.w..(ih + 1) * g.w];
             let iw0 = valid.start * g.stride.1 + j * g.dilation.1 - g.pad.1;
             if g.stride.1 == 1 {
@@ -108,6 +112,9 @@ fn col2im_channel<T: Float>(col: &[T], plane: &mut [T], c: usize, g: &ConvGeom, 
             let r = (c * g.kh + i) * g.kw + j;
             let row = &col[r * cols..(r + 1) * cols];
             let valid = valid_cols(g, j);
+            if valid.is_empty() {
+                continue;
+            }
             for (t, src) in oh.clone().zip(row.chunks(g.w_out)) {
                 let Some(ih) = input_row(g, t, i) else {
                     continue;
