@@ -9,8 +9,10 @@ use clap::{Args, Parser, Subcommand};
 use indicatif::{ProgressBar, ProgressStyle};
 
 use gems::memory::{human_bytes, parse_bytes, Category};
+use gems::runtime::executor::{run_rank, Layout, RunConfig};
 use gems::runtime::optim::SgdConfig;
 use gems::runtime::schedule::{Decay, LrSchedule};
+use gems::schemes::{Kind, Order, Scheme};
 use gems::train::{StepReport, TrainConfig, Trainer};
 use gems::{models, DType};
 
@@ -98,6 +100,72 @@ struct TrainArgs {
     /// Continue from a checkpoint: model, data, optimizer and schedule come from it.
     #[arg(long, value_name = "FILE")]
     resume: Option<PathBuf>,
+    #[command(flatten)]
+    spread: SchemeArgs,
+}
+
+/// How a run is spread over ranks (see DESIGN.md for the schemes).
+#[derive(Args)]
+struct SchemeArgs {
+    /// single, dp, mp, mast or master.
+    #[arg(long, default_value = "single")]
+    scheme: Kind,
+    /// P: pipeline stages.
+    #[arg(long, default_value_t = 1)]
+    split: usize,
+    /// m: micro-batches per replica pass (--batch-size is split into these).
+    #[arg(long, default_value_t = 1)]
+    parts: usize,
+    /// η: replicas per step [default: 2 for mast, 1 otherwise; master needs an even η > 2].
+    #[arg(long)]
+    replicas: Option<usize>,
+    /// D: data-parallel groups.
+    #[arg(long, default_value_t = 1)]
+    dp: usize,
+    /// World size; must be P·D (checked; the default is P·D).
+    #[arg(long)]
+    ranks: Option<usize>,
+    /// Pipeline order: gpipe or 1f1b.
+    #[arg(long, default_value = "gpipe")]
+    order: Order,
+    /// Segments (pieces between cut points) per stage, e.g. 10,12; balanced by cost if absent.
+    #[arg(long, value_delimiter = ',')]
+    balance: Option<Vec<usize>>,
+    /// At most this many micro-batches' activations per rank at once (MAST's one-replica-at-a-time variant: m).
+    #[arg(long)]
+    max_in_flight: Option<usize>,
+}
+
+impl SchemeArgs {
+    fn scheme(&self) -> anyhow::Result<Scheme> {
+        let replicas = self
+            .replicas
+            .unwrap_or(if self.scheme == Kind::Mast { 2 } else { 1 });
+        let s = Scheme {
+            kind: self.scheme,
+            stages: self.split,
+            parts: self.parts,
+            replicas,
+            dp: self.dp,
+            order: self.order,
+        };
+        if let Some(n) = self.ranks {
+            if n != s.world() {
+                anyhow::bail!(
+                    "--ranks {n} is not P·D = {}·{} = {}",
+                    s.stages,
+                    s.dp,
+                    s.world()
+                );
+            }
+        }
+        Ok(s)
+    }
+
+    /// Whether this is plain one-device training.
+    fn is_single(&self) -> bool {
+        self.scheme == Kind::Single && self.parts == 1
+    }
 }
 
 #[derive(Args)]
@@ -142,6 +210,9 @@ fn main() -> ExitCode {
 fn train(a: TrainArgs) -> anyhow::Result<()> {
     if a.steps == Some(0) || a.checkpoint_every == Some(0) {
         anyhow::bail!("--steps and --checkpoint-every must be at least 1");
+    }
+    if !a.spread.is_single() {
+        return train_spread(a);
     }
     if let Some(dir) = &a.checkpoint {
         std::fs::create_dir_all(dir).map_err(|e| {
@@ -280,6 +351,92 @@ fn train(a: TrainArgs) -> anyhow::Result<()> {
         );
     }
     debug_assert_eq!(mem.live.get(Category::Activations), 0);
+    Ok(())
+}
+
+/// Training spread over ranks (threads of this process).
+fn train_spread(a: TrainArgs) -> anyhow::Result<()> {
+    if a.checkpoint.is_some() || a.resume.is_some() || a.metrics.is_some() {
+        anyhow::bail!("--checkpoint, --resume and --metrics work with --scheme single for now");
+    }
+    let scheme = a.spread.scheme()?;
+    let steps = a.steps.unwrap_or(150);
+    let c = RunConfig {
+        train: TrainConfig {
+            model: a.model,
+            image_size: a.image_size,
+            classes: a.classes,
+            batch_size: a.batch_size,
+            steps,
+            schedule: LrSchedule {
+                base: a.lr,
+                decay: a.schedule,
+                warmup: a.warmup,
+                total: steps,
+            },
+            sgd: SgdConfig {
+                momentum: a.momentum,
+                weight_decay: a.weight_decay,
+                nesterov: a.nesterov,
+            },
+            seed: a.seed,
+            dtype: a.dtype,
+            device_memory: a.device_memory,
+        },
+        scheme,
+        balance: a.spread.balance.clone(),
+        max_in_flight: a.spread.max_in_flight,
+        return_params: false,
+    };
+    let layout = Layout::new(&c)?;
+    let g = &layout.graph;
+    let per_step = scheme.replicas * c.train.batch_size * scheme.dp;
+    println!(
+        "training {} with {}: P={} stages, m={} micro-batches, η={} replicas, D={} groups on {} ranks (threads); {per_step} images per step",
+        g.name, scheme.kind, scheme.stages, scheme.parts, scheme.replicas, scheme.dp, scheme.world()
+    );
+    for (s, r) in layout.partition.stages.iter().enumerate() {
+        let (first, last) = (&g.nodes[r.start].name, &g.nodes[r.end - 1].name);
+        println!(
+            "  stage {s}: nodes {}..{} ({first} … {last})",
+            r.start, r.end
+        );
+    }
+    let started = Instant::now();
+    let layout = std::sync::Arc::new(layout);
+    let reports = gems::comm::local::run(scheme.world(), |comm| run_rank(&c, &layout, comm))?;
+    let secs = started.elapsed().as_secs_f64();
+    let step_loss = |i: usize| reports.iter().map(|r| r.losses[i]).sum::<f64>();
+    let tail = steps.saturating_sub(10)..steps;
+    let loss = tail.clone().map(step_loss).sum::<f64>() / tail.len() as f64;
+    let (correct, seen) = reports
+        .iter()
+        .flat_map(|r| &r.correct[tail.clone()])
+        .fold((0, 0), |a, c| (a.0 + c.0, a.1 + c.1));
+    println!(
+        "done: {steps} steps, {} images in {secs:.1} s",
+        steps * per_step
+    );
+    println!(
+        "  loss {loss:.4}, accuracy {:.1}% (mean of the last {} steps)",
+        100.0 * correct as f64 / seen.max(1) as f64,
+        tail.len()
+    );
+    println!(
+        "  throughput {:.1} images/s",
+        (steps * per_step) as f64 / secs
+    );
+    println!("  rank   busy s   idle s   peak memory");
+    for r in &reports {
+        println!(
+            "  {:>4} {:>8.2} {:>8.2}   {}: {}",
+            r.rank,
+            r.busy,
+            (r.wall - r.busy).max(0.0),
+            human_bytes(r.memory.peak),
+            r.memory.at_peak
+        );
+    }
     Ok(())
 }
 
