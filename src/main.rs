@@ -33,7 +33,7 @@ struct Cli {
 #[derive(Subcommand)]
 enum Command {
     /// Train a model on one device.
-    Train(TrainArgs),
+    Train(Box<TrainArgs>),
     /// List the models with parameters, FLOPs and activation memory, or show one model's graph.
     Models(ModelsArgs),
     /// Loss and accuracy of a checkpoint on held-out images (weights unchanged, BN in eval mode).
@@ -194,7 +194,7 @@ fn main() -> ExitCode {
         }
     }
     let result = match cli.command {
-        Command::Train(a) => train(a),
+        Command::Train(a) => train(*a),
         Command::Models(a) => list_models(a),
         Command::Eval(a) => eval(a),
     };
