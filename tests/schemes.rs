@@ -16,7 +16,13 @@ const STEPS: usize = 3;
 fn train(model: &str, batch: usize, dtype: DType) -> TrainConfig {
     TrainConfig {
         model: model.into(),
-        image_size: 32,
+        // AmoebaNet at 32² ends at 1×1 maps, where BN over a micro-batch of two values is so
+        // ill-conditioned that rounding differences grow past 1e-9 in three steps; 64² is not.
+        image_size: if model.starts_with("amoebanet") {
+            64
+        } else {
+            32
+        },
         classes: 4,
         batch_size: batch,
         steps: STEPS,
@@ -78,9 +84,11 @@ fn check(model: &str, s: Scheme, batch: usize) {
                 .zip(w)
                 .map(|(a, b)| (a - b).abs())
                 .fold(0.0, f64::max);
-            let scale = w.iter().map(|x| x.abs()).fold(1e-30, f64::max);
+            let scale = w.iter().map(|x| x.abs()).fold(0.0, f64::max);
+            // 1e-9 relative to the tensor's largest value; parameters that stay at rounding
+            // noise (a BN shift ahead of another BN, ~1e-17) get an absolute 1e-12.
             assert!(
-                diff / scale <= 1e-9,
+                diff <= 1e-9 * scale + 1e-12,
                 "{model} {s:?}: rank {} param {id}: relative difference {:e}",
                 rank.rank,
                 diff / scale
@@ -121,52 +129,27 @@ fn scheme(
     }
 }
 
-#[test]
-fn mp_gpipe_and_1f1b_match_single() {
-    check("resnet20v2", scheme(Kind::Mp, 2, 2, 1, 1, Order::GPipe), 4);
-    check(
-        "resnet20v2",
-        scheme(Kind::Mp, 3, 3, 1, 1, Order::OneFOneB),
-        3,
-    );
+/// Every scheme of the issue, on `model`.
+fn every_scheme(model: &str) {
+    check(model, scheme(Kind::Mp, 2, 2, 1, 1, Order::GPipe), 4);
+    check(model, scheme(Kind::Mp, 3, 3, 1, 1, Order::OneFOneB), 3);
+    check(model, scheme(Kind::Mast, 2, 2, 2, 1, Order::GPipe), 4);
+    check(model, scheme(Kind::Mast, 3, 1, 2, 1, Order::GPipe), 2);
+    check(model, scheme(Kind::Master, 2, 1, 4, 1, Order::GPipe), 2);
+    check(model, scheme(Kind::Mp, 2, 2, 1, 2, Order::OneFOneB), 2);
+    check(model, scheme(Kind::Mast, 2, 1, 2, 2, Order::GPipe), 2);
+    check(model, scheme(Kind::Dp, 1, 1, 1, 2, Order::GPipe), 2);
 }
 
 #[test]
-fn mast_even_and_odd_match_single() {
-    check(
-        "resnet20v2",
-        scheme(Kind::Mast, 2, 2, 2, 1, Order::GPipe),
-        4,
-    );
-    check(
-        "resnet20v2",
-        scheme(Kind::Mast, 3, 1, 2, 1, Order::GPipe),
-        2,
-    );
+fn every_scheme_matches_single_on_resnet_v2() {
+    every_scheme("resnet20v2");
 }
 
 #[test]
-fn master_matches_single() {
-    check(
-        "resnet20v2",
-        scheme(Kind::Master, 2, 1, 4, 1, Order::GPipe),
-        2,
-    );
-}
-
-#[test]
-fn hybrid_and_dp_match_single() {
-    check(
-        "resnet20v2",
-        scheme(Kind::Mp, 2, 2, 1, 2, Order::OneFOneB),
-        2,
-    );
-    check(
-        "resnet20v2",
-        scheme(Kind::Mast, 2, 1, 2, 2, Order::GPipe),
-        2,
-    );
-    check("resnet20v2", scheme(Kind::Dp, 1, 1, 1, 2, Order::GPipe), 2);
+fn every_scheme_matches_single_on_amoebanet_d() {
+    // Cells take the two previous cells' outputs: cuts carry two tensors.
+    every_scheme("amoebanet_d_3x8");
 }
 
 #[test]
