@@ -9,6 +9,7 @@ use clap::{Args, Parser, Subcommand};
 use indicatif::{ProgressBar, ProgressStyle};
 
 use gems::memory::{human_bytes, parse_bytes, Category};
+use gems::plan::memory;
 use gems::runtime::executor::{run_rank, Layout, RunConfig};
 use gems::runtime::optim::SgdConfig;
 use gems::runtime::schedule::{Decay, LrSchedule};
@@ -180,6 +181,9 @@ struct ModelsArgs {
     /// Print this model's block tree and adjacency list.
     #[arg(long, value_name = "NAME")]
     graph: Option<String>,
+    /// Also show the largest training batch predicted to fit this much device memory.
+    #[arg(long, value_parser = parse_bytes)]
+    device_memory: Option<u64>,
 }
 
 fn main() -> ExitCode {
@@ -487,20 +491,33 @@ fn list_models(a: ModelsArgs) -> anyhow::Result<()> {
         a.classes,
         a.dtype.name()
     );
+    let cap = a
+        .device_memory
+        .map(|c| format!("batch in {}", human_bytes(c)))
+        .unwrap_or_default();
     println!(
-        "{:<14} {:>12} {:>14} {:>18}",
-        "model", "parameters", "GFLOPs/image", "activations/image"
+        "{:<16} {:>12} {:>14} {:>18} {:>16}",
+        "model", "parameters", "GFLOPs/image", "activations/image", cap
     );
     for name in models::LISTED {
         match models::build(name, a.image_size, a.classes) {
-            Ok(g) => println!(
-                "{:<14} {:>12} {:>14.3} {:>18}",
-                name,
-                g.parameter_count(),
-                g.flops_per_sample() as f64 / 1e9,
-                human_bytes(g.saved_bytes_per_sample(a.dtype))
-            ),
-            Err(e) => println!("{name:<14} {e}"),
+            Ok(g) => {
+                let fits = a
+                    .device_memory
+                    .map(|c| match memory::largest_batch(&g, a.dtype, c) {
+                        Some(b) => b.to_string(),
+                        None => "none".into(),
+                    });
+                println!(
+                    "{:<16} {:>12} {:>14.3} {:>18} {:>16}",
+                    name,
+                    g.parameter_count(),
+                    g.flops_per_sample() as f64 / 1e9,
+                    human_bytes(g.saved_bytes_per_sample(a.dtype)),
+                    fits.unwrap_or_default()
+                )
+            }
+            Err(e) => println!("{name:<16} {e}"),
         }
     }
     Ok(())

@@ -128,3 +128,24 @@ fn zero_batch_is_refused() {
         .to_string()
         .contains("batch size"));
 }
+
+#[test]
+fn the_largest_batch_predicted_to_fit_does_fit() {
+    use gems::plan::memory;
+    let cap = 48 << 20;
+    let g = gems::models::build("resnet20v2", 32, 10).unwrap();
+    let b = memory::largest_batch(&g, DType::F32, cap).unwrap();
+    assert!(b >= 8, "{b}");
+    let mut c = config(1);
+    c.batch_size = b;
+    c.device_memory = Some(cap);
+    let mut t = Trainer::new(c).unwrap();
+    t.step().unwrap();
+    // The prediction is an upper bound that is not loose by more than a quarter.
+    let predicted = memory::single_device_peak(&g, b, DType::F32);
+    let measured = t.memory().peak;
+    assert!(
+        measured <= predicted && predicted as f64 <= 1.25 * measured as f64,
+        "measured {measured}, predicted {predicted}"
+    );
+}

@@ -1,4 +1,5 @@
 //! Planning: where the graph is cut into stages, and what each op is expected to cost.
 
 pub mod cost;
+pub mod memory;
 pub mod partition;
