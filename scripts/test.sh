@@ -9,7 +9,8 @@
 #                         libnvrtc12 where 11.2 is not offered)
 #      and exposes NVRTC under the plain name libnvrtc.so via the symlink
 #      target/nvrtc/libnvrtc.so (LD_LIBRARY_PATH, GEMS_NVRTC_LIB);
-#   2. runs the whole suite: cargo test --release (extra arguments are passed on).
+#   2. runs the whole suite: cargo test --release --features mpi (extra arguments are
+#      passed on; without OpenMPI, a warning and the suite without the MPI transport).
 #
 # Environment:
 #   GEMS_SKIP_APT=1   do not install anything (only check and warn).
@@ -257,5 +258,13 @@ if ! command -v cargo >/dev/null 2>&1 && [ -f "${HOME:-/nonexistent}/.cargo/env"
     . "$HOME/.cargo/env"
 fi
 
-log "== cargo test --release"
-cargo test --release "$@"
+# The MPI transport is a cargo feature: built and tested (under mpirun) wherever OpenMPI is.
+features=()
+if command -v mpicc >/dev/null 2>&1 && command -v mpirun >/dev/null 2>&1; then
+    features=(--features mpi)
+else
+    warn "OpenMPI is missing: the MPI transport is neither built nor tested"
+fi
+
+log "== cargo test --release ${features[*]}"
+cargo test --release "${features[@]}" "$@"

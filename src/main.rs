@@ -10,7 +10,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 
 use gems::memory::{human_bytes, parse_bytes, Category};
 use gems::plan::memory;
-use gems::runtime::executor::{run_rank, Layout, RunConfig};
+use gems::runtime::executor::{run_rank, Layout, RankReport, RunConfig};
 use gems::runtime::optim::SgdConfig;
 use gems::runtime::schedule::{Decay, LrSchedule};
 use gems::schemes::{Kind, Order, Scheme};
@@ -105,6 +105,21 @@ struct TrainArgs {
     spread: SchemeArgs,
 }
 
+#[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum Transport {
+    Local,
+    Mpi,
+}
+
+impl std::fmt::Display for Transport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Transport::Local => "threads",
+            Transport::Mpi => "MPI processes",
+        })
+    }
+}
+
 /// How a run is spread over ranks (see DESIGN.md for the schemes).
 #[derive(Args)]
 struct SchemeArgs {
@@ -132,6 +147,9 @@ struct SchemeArgs {
     /// Segments (pieces between cut points) per stage, e.g. 10,12; balanced by cost if absent.
     #[arg(long, value_delimiter = ',')]
     balance: Option<Vec<usize>>,
+    /// How ranks talk: local (threads of this process) or mpi (one process per rank under mpirun).
+    #[arg(long, value_enum, default_value_t = Transport::Local)]
+    transport: Transport,
     /// At most this many micro-batches' activations per rank at once (MAST's one-replica-at-a-time variant: m).
     #[arg(long)]
     max_in_flight: Option<usize>,
@@ -360,8 +378,8 @@ fn train(a: TrainArgs) -> anyhow::Result<()> {
 
 /// Training spread over ranks (threads of this process).
 fn train_spread(a: TrainArgs) -> anyhow::Result<()> {
-    if a.checkpoint.is_some() || a.resume.is_some() || a.metrics.is_some() {
-        anyhow::bail!("--checkpoint, --resume and --metrics work with --scheme single for now");
+    if a.checkpoint.is_some() || a.resume.is_some() {
+        anyhow::bail!("--checkpoint and --resume work with --scheme single for now");
     }
     let scheme = a.spread.scheme()?;
     let steps = a.steps.unwrap_or(150);
@@ -393,22 +411,32 @@ fn train_spread(a: TrainArgs) -> anyhow::Result<()> {
         return_params: false,
     };
     let layout = Layout::new(&c)?;
-    let g = &layout.graph;
     let per_step = scheme.replicas * c.train.batch_size * scheme.dp;
-    println!(
-        "training {} with {}: P={} stages, m={} micro-batches, η={} replicas, D={} groups on {} ranks (threads); {per_step} images per step",
-        g.name, scheme.kind, scheme.stages, scheme.parts, scheme.replicas, scheme.dp, scheme.world()
-    );
-    for (s, r) in layout.partition.stages.iter().enumerate() {
-        let (first, last) = (&g.nodes[r.start].name, &g.nodes[r.end - 1].name);
+    let header = || {
+        let g = &layout.graph;
         println!(
-            "  stage {s}: nodes {}..{} ({first} … {last})",
-            r.start, r.end
+            "training {} with {}: P={} stages, m={} micro-batches, η={} replicas, D={} groups on {} ranks ({}); {per_step} images per step",
+            g.name, scheme.kind, scheme.stages, scheme.parts, scheme.replicas, scheme.dp, scheme.world(), a.spread.transport
         );
-    }
+        for (s, r) in layout.partition.stages.iter().enumerate() {
+            let (first, last) = (&g.nodes[r.start].name, &g.nodes[r.end - 1].name);
+            println!(
+                "  stage {s}: nodes {}..{} ({first} … {last})",
+                r.start, r.end
+            );
+        }
+    };
     let started = Instant::now();
-    let layout = std::sync::Arc::new(layout);
-    let reports = gems::comm::local::run(scheme.world(), |comm| run_rank(&c, &layout, comm))?;
+    let reports = match a.spread.transport {
+        Transport::Local => {
+            header();
+            gems::comm::local::run(scheme.world(), |comm| run_rank(&c, &layout, &*comm))?
+        }
+        Transport::Mpi => match run_mpi(&c, &layout, header)? {
+            Some(reports) => reports,
+            None => return Ok(()),
+        },
+    };
     let secs = started.elapsed().as_secs_f64();
     let step_loss = |i: usize| reports.iter().map(|r| r.losses[i]).sum::<f64>();
     let tail = steps.saturating_sub(10)..steps;
@@ -430,6 +458,24 @@ fn train_spread(a: TrainArgs) -> anyhow::Result<()> {
         "  throughput {:.1} images/s",
         (steps * per_step) as f64 / secs
     );
+    if let Some(path) = &a.metrics {
+        let mut f = std::io::BufWriter::new(
+            std::fs::File::create(path)
+                .map_err(|e| anyhow::anyhow!("cannot write metrics to {}: {e}", path.display()))?,
+        );
+        for i in 0..steps {
+            let (correct, scored) = reports
+                .iter()
+                .map(|r| r.correct[i])
+                .fold((0, 0), |a, c| (a.0 + c.0, a.1 + c.1));
+            writeln!(
+                f,
+                "{}",
+                serde_json::json!({ "step": i, "loss": step_loss(i), "correct": correct, "batch": scored })
+            )?;
+        }
+        f.flush()?;
+    }
     println!("  rank   busy s   idle s   peak memory");
     for r in &reports {
         println!(
@@ -442,6 +488,35 @@ fn train_spread(a: TrainArgs) -> anyhow::Result<()> {
         );
     }
     Ok(())
+}
+
+/// Runs this process's rank under mpirun; the reports of all ranks come back on rank 0.
+#[cfg(feature = "mpi")]
+fn run_mpi(
+    c: &RunConfig,
+    layout: &Layout,
+    header: impl FnOnce(),
+) -> anyhow::Result<Option<Vec<RankReport>>> {
+    use gems::comm::Comm;
+    use gems::runtime::executor::gather_reports;
+    let universe = mpi::initialize().ok_or_else(|| anyhow::anyhow!("MPI was initialized twice"))?;
+    let comm = gems::comm::mpi::MpiComm::world(&universe);
+    if comm.rank() == 0 {
+        header();
+    }
+    match run_rank(c, layout, &comm).and_then(|r| gather_reports(&comm, r)) {
+        Ok(r) => Ok(r),
+        Err(e) => {
+            // One rank failing ends the job: the others would wait for it forever.
+            eprintln!("error: rank {}: {e}", comm.rank());
+            comm.abort(1)
+        }
+    }
+}
+
+#[cfg(not(feature = "mpi"))]
+fn run_mpi(_: &RunConfig, _: &Layout, _: impl FnOnce()) -> anyhow::Result<Option<Vec<RankReport>>> {
+    anyhow::bail!("this gems was built without MPI: build it with `cargo build --release --features mpi` and start it with mpirun")
 }
 
 /// Mean loss and accuracy over reports.

@@ -7,6 +7,8 @@
 //! feature, `mpi` (one process per rank under `mpirun`).
 
 pub mod local;
+#[cfg(feature = "mpi")]
+pub mod mpi;
 
 use crate::backend::Device;
 use crate::memory::Category;
@@ -20,8 +22,9 @@ pub struct Message {
     pub storage: Storage,
 }
 
-/// Tags at and above this are reserved for the collectives.
-pub const COLLECTIVE_TAG: u64 = 1 << 62;
+/// Tags at and above this are reserved for the collectives; every tag stays below 2²³, the
+/// least upper bound MPI implementations give (MPI_TAG_UB).
+pub const COLLECTIVE_TAG: u64 = 1 << 22;
 
 pub trait Comm: Send {
     /// This rank's index in the group.

@@ -166,7 +166,7 @@ pub struct RankReport {
 struct Rank<'a> {
     c: &'a RunConfig,
     layout: &'a Layout,
-    comm: Box<dyn Comm>,
+    comm: &'a dyn Comm,
     /// The ranks holding copies of this rank's stages (its MAST pair, across groups).
     holders: Box<dyn Comm>,
     device: Device,
@@ -179,9 +179,23 @@ struct Rank<'a> {
 }
 
 /// Tag of value `vi` of (pass, replica, stage, micro).
-fn tag(s: &Scheme, pass: Pass, replica: usize, stage: usize, micro: usize, vi: usize) -> u64 {
+fn tag(
+    s: &Scheme,
+    pass: Pass,
+    replica: usize,
+    stage: usize,
+    micro: usize,
+    vi: usize,
+) -> Result<u64> {
     let p = matches!(pass, Pass::Backward) as usize;
-    ((((p * s.replicas + replica) * s.stages + stage) * s.parts + micro) * 8 + vi) as u64
+    let t = ((((p * s.replicas + replica) * s.stages + stage) * s.parts + micro) * 8 + vi) as u64;
+    if t >= crate::comm::COLLECTIVE_TAG {
+        return Err(Error::Config(format!(
+            "{} replicas × {} stages × {} micro-batches are too many to tag messages",
+            s.replicas, s.stages, s.parts
+        )));
+    }
+    Ok(t)
 }
 
 fn empty() -> Message {
@@ -192,7 +206,7 @@ fn empty() -> Message {
 }
 
 impl<'a> Rank<'a> {
-    fn new(c: &'a RunConfig, layout: &'a Layout, comm: Box<dyn Comm>) -> Result<Rank<'a>> {
+    fn new(c: &'a RunConfig, layout: &'a Layout, comm: &'a dyn Comm) -> Result<Rank<'a>> {
         let s = &c.scheme;
         let (group, local) = (comm.rank() / s.stages, comm.rank() % s.stages);
         let device = Device::cpu(&format!("rank {}", comm.rank()), c.train.device_memory);
@@ -273,7 +287,7 @@ impl<'a> Rank<'a> {
             let from = self.world_rank(t.replica, t.stage - 1);
             let mut feeds = Vec::new();
             for (vi, &v) in layout.inputs[t.stage].iter().enumerate() {
-                let tg = tag(s, Pass::Forward, t.replica, t.stage, t.micro, vi);
+                let tg = tag(s, Pass::Forward, t.replica, t.stage, t.micro, vi)?;
                 feeds.push((
                     v,
                     self.comm
@@ -337,7 +351,7 @@ impl<'a> Rank<'a> {
                 self.comm.send(
                     out,
                     to,
-                    tag(s, Pass::Forward, t.replica, t.stage + 1, t.micro, vi),
+                    tag(s, Pass::Forward, t.replica, t.stage + 1, t.micro, vi)?,
                 )?;
             }
         }
@@ -357,7 +371,7 @@ impl<'a> Rank<'a> {
             for (vi, &v) in layout.outputs[t.stage].iter().enumerate() {
                 let m = self.comm.recv_message(
                     from,
-                    tag(s, Pass::Backward, t.replica, t.stage, t.micro, vi),
+                    tag(s, Pass::Backward, t.replica, t.stage, t.micro, vi)?,
                 )?;
                 if m.shape.numel() > 0 {
                     seeds.push((
@@ -387,7 +401,7 @@ impl<'a> Rank<'a> {
         if t.stage > 0 {
             let to = self.world_rank(t.replica, t.stage - 1);
             for (vi, gr) in grads.iter().enumerate() {
-                let tg = tag(s, Pass::Backward, t.replica, t.stage - 1, t.micro, vi);
+                let tg = tag(s, Pass::Backward, t.replica, t.stage - 1, t.micro, vi)?;
                 match gr {
                     Some(gr) => self.comm.send(gr, to, tg)?,
                     None => self.comm.send_message(empty(), to, tg)?,
@@ -550,7 +564,7 @@ impl<'a> Rank<'a> {
 }
 
 /// Runs `steps` steps of `c` as one rank of `comm` (the world), returning what it measured.
-pub fn run_rank(c: &RunConfig, layout: &Layout, comm: Box<dyn Comm>) -> Result<RankReport> {
+pub fn run_rank(c: &RunConfig, layout: &Layout, comm: &dyn Comm) -> Result<RankReport> {
     if comm.size() != c.scheme.world() {
         return Err(Error::Config(format!(
             "the world has {} ranks but the scheme needs P·D = {}·{} = {}",
@@ -593,5 +607,68 @@ pub fn run_rank(c: &RunConfig, layout: &Layout, comm: Box<dyn Comm>) -> Result<R
 /// Runs `c` with every rank a thread of this process.
 pub fn run_local(c: &RunConfig) -> Result<Vec<RankReport>> {
     let layout = Arc::new(Layout::new(c)?);
-    crate::comm::local::run(c.scheme.world(), |comm| run_rank(c, &layout, comm))
+    crate::comm::local::run(c.scheme.world(), |comm| run_rank(c, &layout, &*comm))
+}
+
+/// Every rank's report at rank 0 (`None` elsewhere), parameters left out.
+pub fn gather_reports(comm: &dyn Comm, mine: RankReport) -> Result<Option<Vec<RankReport>>> {
+    let tag = crate::comm::COLLECTIVE_TAG + 32;
+    let encode = |r: &RankReport| -> Vec<f64> {
+        let m = &r.memory;
+        let mut v = vec![
+            r.rank as f64,
+            r.busy,
+            r.wall,
+            m.peak as f64,
+            m.capacity.map_or(-1.0, |c| c as f64),
+        ];
+        v.extend(m.at_peak.0.iter().chain(&m.live.0).map(|&b| b as f64));
+        v.push(r.losses.len() as f64);
+        v.extend(&r.losses);
+        v.extend(r.correct.iter().flat_map(|&(c, n)| [c as f64, n as f64]));
+        v
+    };
+    let decode = |v: &[f64]| -> RankReport {
+        let bytes = |s: &[f64]| crate::memory::ByCategory(std::array::from_fn(|i| s[i] as u64));
+        let steps = v[17] as usize;
+        let losses = v[18..18 + steps].to_vec();
+        let correct = v[18 + steps..]
+            .chunks(2)
+            .map(|c| (c[0] as usize, c[1] as usize))
+            .collect();
+        RankReport {
+            rank: v[0] as usize,
+            busy: v[1],
+            wall: v[2],
+            memory: MemoryStats {
+                peak: v[3] as u64,
+                capacity: (v[4] >= 0.0).then_some(v[4] as u64),
+                at_peak: bytes(&v[5..11]),
+                live: bytes(&v[11..17]),
+            },
+            losses,
+            correct,
+            params: vec![],
+        }
+    };
+    if comm.rank() != 0 {
+        let v = encode(&mine);
+        comm.send_message(
+            Message {
+                shape: Shape::new([v.len()]),
+                storage: Storage::F64(v),
+            },
+            0,
+            tag,
+        )?;
+        return Ok(None);
+    }
+    let mut all = vec![mine];
+    for r in 1..comm.size() {
+        let Storage::F64(v) = comm.recv_message(r, tag)?.storage else {
+            return Err(Error::Internal("report message".into()));
+        };
+        all.push(decode(&v));
+    }
+    Ok(Some(all))
 }

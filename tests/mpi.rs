@@ -1,0 +1,221 @@
+//! The schemes through the MPI transport, one process per rank under mpirun: the same
+//! per-step losses as the local transport to the last bit, and as single-device training on
+//! the same micro-batches to 1e-9; a killed rank ends the job instead of hanging it.
+#![cfg(feature = "mpi")]
+
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+fn gems() -> &'static str {
+    env!("CARGO_BIN_EXE_gems")
+}
+
+/// `mpirun` that may start more ranks than cores, also as root (containers, CI).
+fn mpirun(np: usize) -> Command {
+    let mut c = Command::new("mpirun");
+    c.args(["--oversubscribe", "-np", &np.to_string()])
+        .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
+        .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1");
+    c
+}
+
+fn losses(path: &std::path::Path) -> Vec<f64> {
+    std::fs::read_to_string(path)
+        .unwrap()
+        .lines()
+        .map(|l| {
+            serde_json::from_str::<serde_json::Value>(l).unwrap()["loss"]
+                .as_f64()
+                .unwrap()
+        })
+        .collect()
+}
+
+const COMMON: [&str; 8] = [
+    "train",
+    "--dtype",
+    "f64",
+    "--steps",
+    "4",
+    "--classes",
+    "4",
+    "--seed=3",
+];
+
+fn check(name: &str, np: usize, scheme: &[&str], reference: &[&str]) {
+    let dir = std::env::temp_dir().join(format!("gems-mpi-{name}-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let (m, l, r) = (
+        dir.join("mpi.jsonl"),
+        dir.join("local.jsonl"),
+        dir.join("single.jsonl"),
+    );
+    let out = mpirun(np)
+        .arg(gems())
+        .args(COMMON)
+        .args(scheme)
+        .args(["--transport", "mpi", "--metrics", m.to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{name}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    for (path, args) in [(&l, scheme), (&r, reference)] {
+        let out = Command::new(gems())
+            .args(COMMON)
+            .args(args)
+            .args(["--metrics", path.to_str().unwrap()])
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{name}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    let (mpi, local, single) = (losses(&m), losses(&l), losses(&r));
+    assert_eq!(mpi.len(), 4);
+    assert_eq!(
+        mpi.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+        local.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+        "{name}: mpi {mpi:?} vs local {local:?}"
+    );
+    for (a, b) in mpi.iter().zip(&single) {
+        assert!(
+            (a - b).abs() <= 1e-9 * b.abs(),
+            "{name}: mpi {mpi:?} vs single {single:?}"
+        );
+    }
+    std::fs::remove_dir_all(dir).ok();
+}
+
+#[test]
+fn mp_and_mast_over_mpi() {
+    // 4 ranks; the reference is single-device training on the same micro-batches.
+    check(
+        "mp",
+        4,
+        &[
+            "--scheme",
+            "mp",
+            "--split",
+            "4",
+            "--parts",
+            "2",
+            "--order",
+            "1f1b",
+            "--batch-size",
+            "4",
+        ],
+        &["--scheme", "single", "--parts", "2", "--batch-size", "4"],
+    );
+    check(
+        "mast",
+        4,
+        &[
+            "--scheme",
+            "mast",
+            "--split",
+            "4",
+            "--parts",
+            "2",
+            "--batch-size",
+            "4",
+        ],
+        &["--scheme", "single", "--parts", "4", "--batch-size", "8"],
+    );
+    check(
+        "master",
+        4,
+        &[
+            "--scheme",
+            "master",
+            "--replicas",
+            "4",
+            "--split",
+            "4",
+            "--batch-size",
+            "2",
+        ],
+        &["--scheme", "single", "--parts", "4", "--batch-size", "8"],
+    );
+}
+
+#[test]
+fn hybrid_over_mpi_on_8_ranks() {
+    check(
+        "hybrid",
+        8,
+        &[
+            "--scheme",
+            "mast",
+            "--split",
+            "4",
+            "--dp",
+            "2",
+            "--batch-size",
+            "2",
+        ],
+        &["--scheme", "single", "--parts", "4", "--batch-size", "8"],
+    );
+}
+
+#[test]
+fn a_killed_rank_ends_the_job() {
+    let mut job = mpirun(2)
+        .arg(gems())
+        .args([
+            "train",
+            "--transport",
+            "mpi",
+            "--scheme",
+            "mp",
+            "--split",
+            "2",
+            "--steps",
+            "100000",
+            "--seed=424242",
+        ])
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Wait until both ranks run, then kill one of them.
+    let started = Instant::now();
+    let pids = loop {
+        let out = Command::new("pgrep")
+            .args(["-f", "seed=424242"])
+            .output()
+            .unwrap();
+        let pids: Vec<String> = String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .map(String::from)
+            .filter(|p| *p != job.id().to_string())
+            .collect();
+        if pids.len() >= 2 || started.elapsed() > Duration::from_secs(20) {
+            break pids;
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    assert!(pids.len() >= 2, "ranks did not start: {pids:?}");
+    std::thread::sleep(Duration::from_secs(1));
+    Command::new("kill")
+        .args(["-9", &pids[0]])
+        .status()
+        .unwrap();
+    let killed = Instant::now();
+    loop {
+        if let Some(status) = job.try_wait().unwrap() {
+            assert!(!status.success(), "the job must fail when a rank dies");
+            break;
+        }
+        assert!(
+            killed.elapsed() < Duration::from_secs(30),
+            "the other rank hangs"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert!(killed.elapsed() < Duration::from_secs(30));
+}
