@@ -29,11 +29,52 @@ fn bad_input_gets_one_line_and_a_failure() {
             "out of memory",
         ),
         (vec!["models", "--graph", "alexnet9"], "unknown model"),
-        (vec!["train", "--scheme", "master", "--replicas", "3", "--split", "2"], "even number of replicas"),
-        (vec!["train", "--scheme", "mp", "--split", "2", "--parts", "3", "--batch-size", "4"], "3 equal micro-batches"),
-        (vec!["train", "--scheme", "mp", "--split", "500"], "at most 69 stages"),
-        (vec!["train", "--scheme", "mast", "--split", "2", "--ranks", "3"], "is not P·D"),
-        (vec!["train", "--scheme", "mp", "--split", "2", "--balance", "1,1"], "adds up to 2"),
+        (
+            vec![
+                "train",
+                "--scheme",
+                "master",
+                "--replicas",
+                "3",
+                "--split",
+                "2",
+            ],
+            "even number of replicas",
+        ),
+        (
+            vec![
+                "train",
+                "--scheme",
+                "mp",
+                "--split",
+                "2",
+                "--parts",
+                "3",
+                "--batch-size",
+                "4",
+            ],
+            "3 equal micro-batches",
+        ),
+        (
+            vec!["train", "--scheme", "mp", "--split", "500"],
+            "at most 69 stages",
+        ),
+        (
+            vec!["train", "--scheme", "mast", "--split", "2", "--ranks", "3"],
+            "is not P·D",
+        ),
+        (
+            vec![
+                "train",
+                "--scheme",
+                "mp",
+                "--split",
+                "2",
+                "--balance",
+                "1,1",
+            ],
+            "adds up to 2",
+        ),
         (vec!["train", "--scheme", "warp"], "unknown scheme"),
     ] {
         let (ok, _, err) = gems(&args);

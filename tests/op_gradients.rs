@@ -623,7 +623,9 @@ fn batchnorm_running_statistics_follow_pytorch() {
     // variance 6 → running = 0.9·old + 0.1·batch.
     let stats = norm::BatchNorm::batch_stats(&saved).unwrap();
     assert_eq!(stats.count, 8);
-    norm::BatchNorm::default().commit(&device(), &mut ps, &stats).unwrap();
+    norm::BatchNorm::default()
+        .commit(&device(), &mut ps, &stats)
+        .unwrap();
     assert!((ps[2].scalar() - 0.45).abs() < 1e-12);
     assert!((ps[3].scalar() - (0.9 + 0.6)).abs() < 1e-12);
 }
