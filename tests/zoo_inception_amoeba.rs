@@ -2,15 +2,14 @@
 //! forward and backward through every output, and whole-model gradients against finite
 //! differences in f64.
 
-use std::time::Instant;
+mod common;
 
-use gems::backend::Device;
-use gems::graph::{self, Graph, Params};
-use gems::ops::{batched, loss, Op};
+use common::{check_model_gradients, Spot};
+use gems::ops::Op;
 use gems::runtime::optim::SgdConfig;
 use gems::runtime::schedule::{Decay, LrSchedule};
 use gems::train::{TrainConfig, Trainer};
-use gems::{models, Category, DType};
+use gems::{models, DType};
 
 #[test]
 fn inception_v3_parameter_counts() {
@@ -147,141 +146,12 @@ fn amoebanet_d_parameter_counts_match_torchgpipe() {
     assert!(e.contains("multiple of 3"), "{e}");
 }
 
-/// One training-mode forward of every output in f64: Σ weight·loss and each output's loss;
-/// with `backward`, parameter gradients are added into `params.grads`.
-fn run(
-    g: &Graph,
-    params: &mut Params,
-    d: &Device,
-    x: &[f64],
-    labels: &[u32],
-    backward: bool,
-) -> (f64, Vec<f64>) {
-    let xt = d
-        .upload(
-            batched(labels.len(), g.input_shape()),
-            x,
-            DType::F64,
-            Category::Activations,
-        )
-        .unwrap();
-    let keep: Vec<usize> = g.outputs.iter().map(|o| o.value).collect();
-    let (ys, tape) = graph::forward(
-        g,
-        params,
-        d,
-        vec![(g.input, xt)],
-        0..g.nodes.len(),
-        &keep,
-        true,
-        false,
-        9,
-    )
-    .unwrap();
-    let (mut total, mut each, mut seeds) = (0.0, Vec::new(), Vec::new());
-    for (o, y) in g.outputs.iter().zip(ys) {
-        let (l, probs) = loss::softmax_cross_entropy(d, &y, labels).unwrap();
-        total += o.weight * l;
-        each.push(l);
-        if backward {
-            let seed = loss::softmax_cross_entropy_backward(d, &probs, labels, o.weight).unwrap();
-            seeds.push((o.value, seed));
-        }
-    }
-    if backward {
-        graph::backward(g, params, d, tape, seeds, &[]).unwrap();
-    }
-    (total, each)
-}
-
-/// Forward and backward at batch 2 in f64, then central differences of the total loss on
-/// entries of `probes`: the first and last of each, and with `middle` the middle one too.
-fn check_model(name: &str, image_size: usize, probes: &[&str], middle: bool) {
-    let t = Instant::now();
-    let g = models::build(name, image_size, 2).unwrap();
-    let d = Device::cpu("test", None);
-    let mut params = Params::init(&g, &d, DType::F64, 3).unwrap();
-    let data = gems::data::synthetic::Synthetic {
-        seed: 1,
-        classes: 2,
-        image_size,
-    };
-    let (x, labels) = data.batch(0, 2);
-    let (total, each) = run(&g, &mut params, &d, &x, &labels, true);
-    assert!(total.is_finite() && each.iter().all(|l| l.is_finite() && *l > 0.0));
-    let live = d.memory().live;
-    assert_eq!(
-        live.get(Category::Activations),
-        0,
-        "{name}: activations left"
-    );
-    assert_eq!(live.get(Category::Workspace), 0, "{name}: workspace left");
-    eprintln!(
-        "{name} {image_size}²: forward+backward {:.2}s, losses {each:?}",
-        t.elapsed().as_secs_f64()
-    );
-    for pname in probes {
-        let pi = g
-            .params
-            .iter()
-            .position(|p| p.name == *pname)
-            .unwrap_or_else(|| panic!("{name} has no {pname}"));
-        let analytic = params.grads[pi].as_ref().unwrap().to_f64_vec();
-        assert!(
-            analytic.iter().any(|v| *v != 0.0),
-            "{name} {pname}: no gradient"
-        );
-        let original = params.values[pi].to_f64_vec();
-        let n = original.len();
-        let spots = if middle {
-            vec![0, n / 2, n - 1]
-        } else {
-            vec![0, n - 1]
-        };
-        for i in spots {
-            let a = analytic[i];
-            // As in tests/models.rs, h = 1e-7: small enough that no ReLU input or max-pool
-            // choice switches, large enough that rounding stays small. Where the loss is very
-            // sensitive (Inception's first conv at 299²: |∂L/∂w| ≈ 100, and ~10⁷ ReLU inputs
-            // downstream), h shrinks so that the loss still moves by at most ~1e-7.
-            let h = 1e-7 / a.abs().max(1.0);
-            let set = |params: &mut Params, delta: f64| {
-                let mut v = original.clone();
-                v[i] += delta;
-                params.values[pi] = d
-                    .upload(
-                        g.params[pi].spec.shape.clone(),
-                        &v,
-                        DType::F64,
-                        Category::Weights,
-                    )
-                    .unwrap();
-            };
-            set(&mut params, h);
-            let plus = run(&g, &mut params, &d, &x, &labels, false).0;
-            set(&mut params, -h);
-            let minus = run(&g, &mut params, &d, &x, &labels, false).0;
-            set(&mut params, 0.0);
-            let numeric = (plus - minus) / (2.0 * h);
-            // Relative 1e-5, plus the rounding of the two loss values over 2h: each is a sum
-            // over a whole model, good to a few ulps of the loss, so ~10·ε·|loss|/h ≈ 1e-8
-            // absolute (the 1e-5 relative part dominates for gradients above ~1e-3).
-            let tol = 1e-5 * a.abs().max(numeric.abs()) + 10.0 * f64::EPSILON * total.abs() / h;
-            assert!(
-                (a - numeric).abs() <= tol,
-                "{name} {pname}[{i}]: analytic {a:e}, numeric {numeric:e}, tolerance {tol:e}"
-            );
-        }
-    }
-    eprintln!("{name}: total {:.2}s", t.elapsed().as_secs_f64());
-}
-
 #[test]
 fn inception_v3_gradients_match_finite_differences() {
     // 299² is the smallest image the auxiliary classifier allows; the total loss is
     // loss(fc) + 0.4·loss(AuxLogits.fc), so AuxLogits.fc.bias sees only the auxiliary loss
     // and Conv2d_1a_3x3 both.
-    check_model(
+    check_model_gradients(
         "inception_v3",
         299,
         &[
@@ -290,14 +160,14 @@ fn inception_v3_gradients_match_finite_differences() {
             "fc.bias",
             "AuxLogits.fc.bias",
         ],
-        false,
+        &[Spot::First, Spot::Last],
     );
 }
 
 #[test]
 fn amoebanet_d_gradients_match_finite_differences() {
     // 6 normal cells (two per group) of 16 filters at 64²: the last cells see 2×2 maps.
-    check_model(
+    check_model_gradients(
         "amoebanet_d_6x16",
         64,
         &[
@@ -307,7 +177,7 @@ fn amoebanet_d_gradients_match_finite_differences() {
             "cell5_normal2.reduce2.1.weight",
             "classify.fc.bias",
         ],
-        true,
+        &[Spot::First, Spot::Middle, Spot::Last],
     );
 }
 
