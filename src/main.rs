@@ -409,6 +409,7 @@ fn train_spread(a: TrainArgs) -> anyhow::Result<()> {
         balance: a.spread.balance.clone(),
         max_in_flight: a.spread.max_in_flight,
         return_params: false,
+        metered: false,
     };
     let layout = Layout::new(&c)?;
     let per_step = scheme.replicas * c.train.batch_size * scheme.dp;

@@ -50,6 +50,7 @@ fn run(model: &str, scheme: Scheme, batch: usize, dtype: DType) -> Vec<RankRepor
         balance: None,
         max_in_flight: None,
         return_params: true,
+        metered: false,
     };
     run_local(&c).unwrap_or_else(|e| panic!("{scheme:?}: {e}"))
 }

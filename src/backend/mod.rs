@@ -2,6 +2,7 @@
 //! allocator its bytes are leased from.
 
 pub mod cpu;
+pub mod meter;
 
 use std::sync::Arc;
 
@@ -296,6 +297,18 @@ impl Device {
             inner: Arc::new(DeviceInner {
                 allocator: Allocator::new(name, capacity),
                 backend: Box::new(cpu::Cpu),
+            }),
+        }
+    }
+
+    /// A device that counts the CPU backend's allocations and computes nothing.
+    pub fn cpu_meter(name: &str, capacity: Option<u64>) -> Device {
+        Device {
+            inner: Arc::new(DeviceInner {
+                allocator: Allocator::new(name, capacity),
+                backend: Box::new(meter::Meter {
+                    like: Box::new(cpu::Cpu),
+                }),
             }),
         }
     }

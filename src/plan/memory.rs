@@ -1,7 +1,22 @@
-//! What training holds in device memory, predicted from the graph.
+//! What training holds in device memory. Exactly, per rank and category: the run itself on
+//! metering devices (every allocation of the real task lists, no arithmetic). Roughly, from the
+//! graph alone: parameters plus what forward saves per image.
 
 use crate::graph::Graph;
+use crate::memory::MemoryStats;
+use crate::runtime::executor::{run_local, RunConfig};
 use crate::tensor::DType;
+use crate::Result;
+
+/// Each rank's memory over one step of `c` (peak and bytes by category at the peak), from a
+/// metered run: the same schedule, ops and transfers as a real run, without computing.
+pub fn per_rank(c: &RunConfig) -> Result<Vec<MemoryStats>> {
+    let mut metered = c.clone();
+    metered.metered = true;
+    metered.return_params = false;
+    metered.train.steps = 1;
+    Ok(run_local(&metered)?.into_iter().map(|r| r.memory).collect())
+}
 
 /// Bytes that do not depend on the batch: parameter values and BN statistics, gradients and
 /// momentum buffers of the trainable ones.

@@ -40,6 +40,8 @@ pub struct RunConfig {
     pub max_in_flight: Option<usize>,
     /// Hand every rank's final parameters back in its report (for checks).
     pub return_params: bool,
+    /// Allocate everything, compute nothing: predicts each rank's memory exactly.
+    pub metered: bool,
 }
 
 /// Everything all ranks agree on: the graph, its stages and the schedule.
@@ -209,7 +211,12 @@ impl<'a> Rank<'a> {
     fn new(c: &'a RunConfig, layout: &'a Layout, comm: &'a dyn Comm) -> Result<Rank<'a>> {
         let s = &c.scheme;
         let (group, local) = (comm.rank() / s.stages, comm.rank() % s.stages);
-        let device = Device::cpu(&format!("rank {}", comm.rank()), c.train.device_memory);
+        let name = format!("rank {}", comm.rank());
+        let device = if c.metered {
+            Device::cpu_meter(&name, c.train.device_memory)
+        } else {
+            Device::cpu(&name, c.train.device_memory)
+        };
         let mirrored = s.replicas >= 2;
         let color = if mirrored {
             local.min(s.stages - 1 - local)
@@ -275,13 +282,15 @@ impl<'a> Rank<'a> {
         let gm = s.global_micro(self.group, t.replica, t.micro);
         let mb = self.micro_size();
         let feeds: Vec<(ValueId, Tensor)> = if t.stage == 0 {
-            let (pixels, _) = self.data.batch(self.first_image(step, gm), mb);
-            let x = self.device.upload(
-                batched(mb, g.input_shape()),
-                &pixels,
-                self.c.train.dtype,
-                Category::Activations,
-            )?;
+            let shape = batched(mb, g.input_shape());
+            let x = if self.c.metered {
+                self.device
+                    .zeros(shape, self.c.train.dtype, Category::Activations)?
+            } else {
+                let (pixels, _) = self.data.batch(self.first_image(step, gm), mb);
+                self.device
+                    .upload(shape, &pixels, self.c.train.dtype, Category::Activations)?
+            };
             vec![(g.input, x)]
         } else {
             let from = self.world_rank(t.replica, t.stage - 1);

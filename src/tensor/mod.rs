@@ -91,6 +91,9 @@ impl fmt::Debug for Shape {
 pub enum Storage {
     F32(Vec<f32>),
     F64(Vec<f64>),
+    /// Elements that are counted but never stored: the metering backend's, which replays a
+    /// run's allocations to predict its memory exactly.
+    Virtual(DType, usize),
 }
 
 impl Storage {
@@ -98,12 +101,14 @@ impl Storage {
         match self {
             Storage::F32(_) => DType::F32,
             Storage::F64(_) => DType::F64,
+            Storage::Virtual(d, _) => *d,
         }
     }
     pub fn len(&self) -> usize {
         match self {
             Storage::F32(v) => v.len(),
             Storage::F64(v) => v.len(),
+            Storage::Virtual(_, n) => *n,
         }
     }
     pub fn is_empty(&self) -> bool {
@@ -114,6 +119,7 @@ impl Storage {
         match self {
             Storage::F32(v) => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
             Storage::F64(v) => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+            Storage::Virtual(d, n) => vec![0; d.size() * n],
         }
     }
     /// Elements of `dtype` from little-endian bytes (a trailing partial element is ignored).
@@ -199,6 +205,7 @@ impl Tensor {
         match &self.buf.storage {
             Storage::F32(v) => v.iter().map(|&x| x as f64).collect(),
             Storage::F64(v) => v.clone(),
+            Storage::Virtual(_, n) => vec![0.0; *n],
         }
     }
     /// The single element of a one-element tensor.

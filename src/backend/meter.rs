@@ -1,0 +1,268 @@
+//! The metering backend: allocates every tensor a run would (as `Storage::Virtual`, so the
+//! allocator counts the bytes) and computes nothing. Running a scheme's real task lists on it
+//! predicts each rank's memory by category exactly, for any image size, in milliseconds. The
+//! backend it stands in for decides workspace sizes.
+
+use super::{Backend, ChannelGeom, ConvGeom, PoolGeom, SgdStep};
+use crate::tensor::{DType, Storage};
+use crate::Result;
+
+pub struct Meter {
+    /// The backend whose allocations are predicted.
+    pub like: Box<dyn Backend>,
+}
+
+impl Backend for Meter {
+    fn name(&self) -> String {
+        format!("meter ({})", self.like.name())
+    }
+
+    fn zeros(&self, numel: usize, dtype: DType) -> Storage {
+        Storage::Virtual(dtype, numel)
+    }
+
+    fn upload(&self, data: &[f64], dtype: DType) -> Storage {
+        Storage::Virtual(dtype, data.len())
+    }
+
+    fn conv2d_workspace(&self, g: &ConvGeom) -> usize {
+        self.like.conv2d_workspace(g)
+    }
+
+    fn conv2d_forward(
+        &self,
+        _x: &Storage,
+        _w: &Storage,
+        _y: &mut Storage,
+        _ws: &mut Storage,
+        _g: &ConvGeom,
+    ) -> Result<()> {
+        Ok(())
+    }
+
+    fn conv2d_backward_data(
+        &self,
+        _dy: &Storage,
+        _w: &Storage,
+        _dx: &mut Storage,
+        _ws: &mut Storage,
+        _g: &ConvGeom,
+    ) -> Result<()> {
+        Ok(())
+    }
+
+    fn conv2d_backward_filter(
+        &self,
+        _x: &Storage,
+        _dy: &Storage,
+        _dw: &mut Storage,
+        _ws: &mut Storage,
+        _g: &ConvGeom,
+    ) -> Result<()> {
+        Ok(())
+    }
+
+    fn add_channel_bias(&self, _y: &mut Storage, _bias: &Storage, _g: &ChannelGeom) -> Result<()> {
+        Ok(())
+    }
+
+    fn channel_sum(&self, _dy: &Storage, _db: &mut Storage, _g: &ChannelGeom) -> Result<()> {
+        Ok(())
+    }
+
+    fn batchnorm_forward_train(
+        &self,
+        _x: &Storage,
+        _gamma: &Storage,
+        _beta: &Storage,
+        _y: &mut Storage,
+        _mean: &mut Storage,
+        _var: &mut Storage,
+        _eps: f64,
+        _g: &ChannelGeom,
+    ) -> Result<()> {
+        Ok(())
+    }
+
+    fn batchnorm_forward_eval(
+        &self,
+        _x: &Storage,
+        _gamma: &Storage,
+        _beta: &Storage,
+        _mean: &Storage,
+        _var: &Storage,
+        _y: &mut Storage,
+        _eps: f64,
+        _g: &ChannelGeom,
+    ) -> Result<()> {
+        Ok(())
+    }
+
+    fn batchnorm_backward(
+        &self,
+        _x: &Storage,
+        _dy: &Storage,
+        _gamma: &Storage,
+        _mean: &Storage,
+        _var: &Storage,
+        _dx: &mut Storage,
+        _dgamma: &mut Storage,
+        _dbeta: &mut Storage,
+        _eps: f64,
+        _g: &ChannelGeom,
+    ) -> Result<()> {
+        Ok(())
+    }
+
+    fn batchnorm_update_running(
+        &self,
+        _running_mean: &mut Storage,
+        _running_var: &mut Storage,
+        _mean: &Storage,
+        _var: &Storage,
+        _momentum: f64,
+        _count: usize,
+    ) -> Result<()> {
+        Ok(())
+    }
+
+    fn relu_forward(&self, _x: &Storage, _y: &mut Storage) -> Result<()> {
+        Ok(())
+    }
+
+    fn relu_backward(&self, _y: &Storage, _dy: &Storage, _dx: &mut Storage) -> Result<()> {
+        Ok(())
+    }
+
+    fn add(&self, _a: &Storage, _b: &Storage, _y: &mut Storage) -> Result<()> {
+        Ok(())
+    }
+
+    fn add_assign(&self, _y: &mut Storage, _x: &Storage) -> Result<()> {
+        Ok(())
+    }
+
+    fn mul(&self, _x: &Storage, _mask: &Storage, _y: &mut Storage) -> Result<()> {
+        Ok(())
+    }
+
+    fn dropout_mask(&self, _mask: &mut Storage, _p: f64, _seed: u64) -> Result<()> {
+        Ok(())
+    }
+
+    fn max_pool_forward(&self, _x: &Storage, _y: &mut Storage, _g: &PoolGeom) -> Result<()> {
+        Ok(())
+    }
+
+    fn max_pool_backward(
+        &self,
+        _x: &Storage,
+        _dy: &Storage,
+        _dx: &mut Storage,
+        _g: &PoolGeom,
+    ) -> Result<()> {
+        Ok(())
+    }
+
+    fn avg_pool_forward(&self, _x: &Storage, _y: &mut Storage, _g: &PoolGeom) -> Result<()> {
+        Ok(())
+    }
+
+    fn avg_pool_backward(&self, _dy: &Storage, _dx: &mut Storage, _g: &PoolGeom) -> Result<()> {
+        Ok(())
+    }
+
+    fn adaptive_avg_pool_forward(
+        &self,
+        _x: &Storage,
+        _y: &mut Storage,
+        _g: &PoolGeom,
+    ) -> Result<()> {
+        Ok(())
+    }
+
+    fn adaptive_avg_pool_backward(
+        &self,
+        _dy: &Storage,
+        _dx: &mut Storage,
+        _g: &PoolGeom,
+    ) -> Result<()> {
+        Ok(())
+    }
+
+    fn linear_forward(
+        &self,
+        _x: &Storage,
+        _w: &Storage,
+        _y: &mut Storage,
+        _n: usize,
+        _d_in: usize,
+        _d_out: usize,
+    ) -> Result<()> {
+        Ok(())
+    }
+
+    fn linear_backward(
+        &self,
+        _x: &Storage,
+        _w: &Storage,
+        _dy: &Storage,
+        _dx: Option<&mut Storage>,
+        _dw: &mut Storage,
+        _n: usize,
+        _d_in: usize,
+        _d_out: usize,
+    ) -> Result<()> {
+        Ok(())
+    }
+
+    fn copy_channels(
+        &self,
+        _src: &Storage,
+        _dst: &mut Storage,
+        _src_c: (usize, usize),
+        _dst_c: (usize, usize),
+        _count: usize,
+        _n: usize,
+        _hw: usize,
+    ) -> Result<()> {
+        Ok(())
+    }
+
+    fn softmax_cross_entropy(
+        &self,
+        _logits: &Storage,
+        _labels: &[u32],
+        _probs: &mut Storage,
+        _n: usize,
+        _k: usize,
+    ) -> Result<f64> {
+        Ok(0.0)
+    }
+
+    fn softmax_cross_entropy_backward(
+        &self,
+        _probs: &Storage,
+        _labels: &[u32],
+        _dlogits: &mut Storage,
+        _scale: f64,
+        _n: usize,
+        _k: usize,
+    ) -> Result<()> {
+        Ok(())
+    }
+
+    fn sgd_update(
+        &self,
+        _w: &mut Storage,
+        _grad: &Storage,
+        _momentum_buf: &mut Storage,
+        _step: &SgdStep,
+    ) -> Result<()> {
+        Ok(())
+    }
+
+    fn fill(&self, _s: &mut Storage, _value: f64) -> Result<()> {
+        Ok(())
+    }
+}
