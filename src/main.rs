@@ -39,6 +39,9 @@ enum Command {
     Models(ModelsArgs),
     /// Loss and accuracy of a checkpoint on held-out images (weights unchanged, BN in eval mode).
     Eval(EvalArgs),
+    /// Show how a run would be split and scheduled and what each rank's memory holds (takes
+    /// the flags of train).
+    Plan(Box<TrainArgs>),
 }
 
 #[derive(Args)]
@@ -219,6 +222,7 @@ fn main() -> ExitCode {
         Command::Train(a) => train(*a),
         Command::Models(a) => list_models(a),
         Command::Eval(a) => eval(a),
+        Command::Plan(a) => plan(*a),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -376,16 +380,12 @@ fn train(a: TrainArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Training spread over ranks (threads of this process).
-fn train_spread(a: TrainArgs) -> anyhow::Result<()> {
-    if a.checkpoint.is_some() || a.resume.is_some() {
-        anyhow::bail!("--checkpoint and --resume work with --scheme single for now");
-    }
-    let scheme = a.spread.scheme()?;
+/// The run the training flags describe.
+fn run_config(a: &TrainArgs) -> anyhow::Result<RunConfig> {
     let steps = a.steps.unwrap_or(150);
-    let c = RunConfig {
+    Ok(RunConfig {
         train: TrainConfig {
-            model: a.model,
+            model: a.model.clone(),
             image_size: a.image_size,
             classes: a.classes,
             batch_size: a.batch_size,
@@ -405,12 +405,111 @@ fn train_spread(a: TrainArgs) -> anyhow::Result<()> {
             dtype: a.dtype,
             device_memory: a.device_memory,
         },
-        scheme,
+        scheme: a.spread.scheme()?,
         balance: a.spread.balance.clone(),
         max_in_flight: a.spread.max_in_flight,
         return_params: false,
         metered: false,
-    };
+    })
+}
+
+/// The partition, the predicted schedule, and each rank's memory by category against capacity.
+fn plan(a: TrainArgs) -> anyhow::Result<()> {
+    let c = run_config(&a)?;
+    let layout = Layout::new(&c)?;
+    let (g, s) = (&layout.graph, &c.scheme);
+    let micro = c.train.batch_size / s.parts;
+    println!(
+        "plan: {} at {}², {} with P={} m={} η={} D={}, B={} ({micro} per micro-batch), {}",
+        g.name,
+        c.train.image_size,
+        s.kind,
+        s.stages,
+        s.parts,
+        s.replicas,
+        s.dp,
+        c.train.batch_size,
+        c.train.dtype.name()
+    );
+    let costs = gems::plan::cost::node_costs(
+        g,
+        micro,
+        c.train.dtype,
+        &gems::plan::cost::DeviceProfile::CPU,
+    );
+    println!(
+        "{:<6} {:>12} {:>12} {:>20} {:>22}",
+        "stage", "nodes", "parameters", "saved/micro-batch", "fwd+bwd/micro-batch"
+    );
+    for (i, r) in layout.partition.stages.iter().enumerate() {
+        let params: usize = g.nodes[r.clone()]
+            .iter()
+            .flat_map(|n| n.params.clone())
+            .filter(|&p| g.params[p].spec.trainable)
+            .map(|p| g.params[p].spec.shape.numel())
+            .sum();
+        let saved = gems::graph::saved_bytes(g, r.clone(), c.train.dtype) * micro as u64;
+        let secs: f64 = costs[r.clone()].iter().sum();
+        println!(
+            "{i:<6} {:>12} {params:>12} {:>20} {:>20.2} ms",
+            format!("{}..{}", r.start, r.end),
+            human_bytes(saved),
+            1e3 * secs
+        );
+    }
+    let step = layout.schedule.makespan();
+    let images = (s.replicas * c.train.batch_size * s.dp) as f64;
+    println!(
+        "predicted step {:.3} s, {:.1} images/s (CPU profile; rank busy: {})",
+        step,
+        images / step,
+        layout
+            .schedule
+            .busy()
+            .iter()
+            .map(|b| format!("{:.0}%", 100.0 * b / step))
+            .collect::<Vec<_>>()
+            .join(" ")
+    );
+    let mem = gems::plan::memory::per_rank(&RunConfig {
+        train: TrainConfig {
+            device_memory: None,
+            ..c.train.clone()
+        },
+        ..c.clone()
+    })?;
+    println!("memory per rank (a metered run of the same tasks):");
+    for (r, m) in mem.iter().enumerate() {
+        let verdict = match c.train.device_memory {
+            Some(cap) if m.peak > cap => format!(
+                "  exceeds {} by {}",
+                human_bytes(cap),
+                human_bytes(m.peak - cap)
+            ),
+            Some(cap) => format!(
+                "  fits {} ({:.0}%)",
+                human_bytes(cap),
+                100.0 * m.peak as f64 / cap as f64
+            ),
+            None => String::new(),
+        };
+        println!(
+            "  rank {r}: {}: {}{verdict}",
+            human_bytes(m.peak),
+            m.at_peak
+        );
+    }
+    Ok(())
+}
+
+/// Training spread over ranks (threads of this process).
+fn train_spread(a: TrainArgs) -> anyhow::Result<()> {
+    if a.checkpoint.is_some() || a.resume.is_some() {
+        anyhow::bail!("--checkpoint and --resume work with --scheme single for now");
+    }
+    let c = run_config(&a)?;
+    let (scheme, steps) = (c.scheme, c.train.steps);
+    gems::plan::memory::check_fits(&c)?;
     let layout = Layout::new(&c)?;
     let per_step = scheme.replicas * c.train.batch_size * scheme.dp;
     let header = || {

@@ -76,6 +76,20 @@ fn bad_input_gets_one_line_and_a_failure() {
             "adds up to 2",
         ),
         (vec!["train", "--scheme", "warp"], "unknown scheme"),
+        (
+            vec![
+                "train",
+                "--scheme",
+                "mp",
+                "--split",
+                "2",
+                "--batch-size",
+                "64",
+                "--device-memory",
+                "30MiB",
+            ],
+            "the plan does not fit: rank",
+        ),
     ] {
         let (ok, _, err) = gems(&args);
         assert!(!ok, "{args:?} should fail");
@@ -102,6 +116,68 @@ fn models_lists_and_shows_graphs() {
         out.contains("adjacency list") && out.contains("PreActBottleneck"),
         "{out}"
     );
+}
+
+#[test]
+fn plan_shows_stages_and_memory_per_rank() {
+    let (ok, out, err) = gems(&[
+        "plan",
+        "--scheme",
+        "mast",
+        "--split",
+        "2",
+        "--batch-size",
+        "4",
+        "--parts",
+        "2",
+        "--device-memory",
+        "1GiB",
+    ]);
+    assert!(ok, "{err}");
+    for want in [
+        "stage",
+        "saved/micro-batch",
+        "predicted step",
+        "rank 0:",
+        "rank 1:",
+        "fits 1.00 GiB",
+    ] {
+        assert!(out.contains(want), "{want} missing from:\n{out}");
+    }
+    // What the refusal proposes does fit.
+    let (ok, _, err) = gems(&[
+        "train",
+        "--scheme",
+        "mp",
+        "--split",
+        "2",
+        "--batch-size",
+        "64",
+        "--device-memory",
+        "30MiB",
+        "--steps",
+        "1",
+    ]);
+    assert!(!ok);
+    let b = err
+        .split("--batch-size ")
+        .nth(1)
+        .and_then(|r| r.split_whitespace().next())
+        .expect("a batch that fits");
+    let (ok, _, err) = gems(&[
+        "train",
+        "--scheme",
+        "mp",
+        "--split",
+        "2",
+        "--batch-size",
+        b,
+        "--device-memory",
+        "30MiB",
+        "--steps",
+        "1",
+    ]);
+    assert!(ok, "--batch-size {b}: {err}");
 }
 
 #[test]

@@ -103,27 +103,7 @@ impl Graph {
     /// Bytes a training forward pass keeps for backward per sample (each saved tensor once),
     /// not counting per-batch statistics.
     pub fn saved_bytes_per_sample(&self, dtype: DType) -> u64 {
-        let mut saved = vec![false; self.values.len()];
-        let mut own = 0;
-        for n in &self.nodes {
-            let ins: Vec<&Shape> = n.inputs.iter().map(|&v| &self.values[v].shape).collect();
-            let s = n.op.get().saves(&ins);
-            if s.inputs {
-                n.inputs.iter().for_each(|&v| saved[v] = true);
-            }
-            if s.output {
-                saved[n.output] = true;
-            }
-            own += s.per_sample;
-        }
-        let elems: usize = self
-            .values
-            .iter()
-            .zip(&saved)
-            .filter(|(_, &s)| s)
-            .map(|(v, _)| v.shape.numel())
-            .sum();
-        ((elems + own) * dtype.size()) as u64
+        saved_bytes(self, 0..self.nodes.len(), dtype)
     }
 
     /// `layer1.0`: the dotted path of a block (empty for the model).
@@ -203,4 +183,30 @@ impl Graph {
         }
         out
     }
+}
+
+/// Bytes the training forward of `nodes` keeps for backward per sample (each saved tensor
+/// once), not counting per-batch statistics.
+pub fn saved_bytes(g: &Graph, nodes: std::ops::Range<usize>, dtype: DType) -> u64 {
+    let mut saved = vec![false; g.values.len()];
+    let mut own = 0;
+    for n in &g.nodes[nodes] {
+        let ins: Vec<&Shape> = n.inputs.iter().map(|&v| &g.values[v].shape).collect();
+        let s = n.op.get().saves(&ins);
+        if s.inputs {
+            n.inputs.iter().for_each(|&v| saved[v] = true);
+        }
+        if s.output {
+            saved[n.output] = true;
+        }
+        own += s.per_sample;
+    }
+    let elems: usize = g
+        .values
+        .iter()
+        .zip(&saved)
+        .filter(|(_, &s)| s)
+        .map(|(v, _)| v.shape.numel())
+        .sum();
+    ((elems + own) * dtype.size()) as u64
 }

@@ -3,7 +3,7 @@
 //! graph alone: parameters plus what forward saves per image.
 
 use crate::graph::Graph;
-use crate::memory::MemoryStats;
+use crate::memory::{human_bytes, MemoryStats};
 use crate::runtime::executor::{run_local, RunConfig};
 use crate::tensor::DType;
 use crate::Result;
@@ -16,6 +16,61 @@ pub fn per_rank(c: &RunConfig) -> Result<Vec<MemoryStats>> {
     metered.return_params = false;
     metered.train.steps = 1;
     Ok(run_local(&metered)?.into_iter().map(|r| r.memory).collect())
+}
+
+/// Checks every rank's predicted peak against the capacity; the error names the rank that
+/// exceeds it most, by how much, and the largest batch that would fit.
+pub fn check_fits(c: &RunConfig) -> Result<()> {
+    let Some(cap) = c.train.device_memory else {
+        return Ok(());
+    };
+    let unlimited = |c: &RunConfig| RunConfig {
+        train: crate::train::TrainConfig {
+            device_memory: None,
+            ..c.train.clone()
+        },
+        ..c.clone()
+    };
+    let peaks = per_rank(&unlimited(c))?;
+    let Some((rank, worst)) = peaks
+        .iter()
+        .enumerate()
+        .max_by_key(|(_, m)| m.peak)
+        .filter(|(_, m)| m.peak > cap)
+    else {
+        return Ok(());
+    };
+    let fits = |b: usize| -> Result<bool> {
+        let mut t = unlimited(c);
+        t.train.batch_size = b * c.scheme.parts;
+        Ok(per_rank(&t)?.iter().all(|m| m.peak <= cap))
+    };
+    // Largest multiple of m that fits: grow, then bisect.
+    let (mut lo, mut hi) = (0, 1);
+    while hi * c.scheme.parts < c.train.batch_size && fits(hi)? {
+        lo = hi;
+        hi *= 2;
+    }
+    while hi - lo > 1 {
+        let mid = (lo + hi) / 2;
+        if fits(mid)? {
+            lo = mid;
+        } else {
+            hi = mid;
+        }
+    }
+    let what_fits = if lo == 0 {
+        "no batch fits this split: try more stages (--split) or more memory".to_string()
+    } else {
+        format!("--batch-size {} fits", lo * c.scheme.parts)
+    };
+    Err(crate::Error::Config(format!(
+        "the plan does not fit: rank {rank} needs {} ({}), {} over the capacity of {}; {what_fits}",
+        human_bytes(worst.peak),
+        worst.at_peak,
+        human_bytes(worst.peak - cap),
+        human_bytes(cap)
+    )))
 }
 
 /// Bytes that do not depend on the batch: parameter values and BN statistics, gradients and
