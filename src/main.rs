@@ -64,8 +64,9 @@ struct TrainArgs {
     image_size: usize,
     #[arg(long, default_value_t = 10, conflicts_with = "resume")]
     classes: usize,
-    #[arg(long, default_value_t = 32, conflicts_with = "resume")]
-    batch_size: usize,
+    /// Images per replica pass, or `max`: the largest that fits --device-memory.
+    #[arg(long, default_value = "32", conflicts_with = "resume")]
+    batch_size: Choice,
     /// Total optimizer steps [default: 150; when resuming, the checkpoint's total].
     #[arg(long)]
     steps: Option<usize>,
@@ -123,6 +124,26 @@ impl std::fmt::Display for Transport {
     }
 }
 
+/// A number, or a choice left to the planner (`auto`, or `max` for a batch size).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Choice {
+    Auto,
+    Fixed(usize),
+}
+
+impl std::str::FromStr for Choice {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "auto" | "max" => Ok(Choice::Auto),
+            n => n
+                .parse()
+                .map(Choice::Fixed)
+                .map_err(|_| format!("'{s}' is not a number, auto or max")),
+        }
+    }
+}
+
 /// How a run is spread over ranks (see DESIGN.md for the schemes).
 #[derive(Args)]
 struct SchemeArgs {
@@ -135,9 +156,11 @@ struct SchemeArgs {
     /// m: micro-batches per replica pass (--batch-size is split into these).
     #[arg(long, default_value_t = 1)]
     parts: usize,
-    /// η: replicas per step [default: 2 for mast, 1 otherwise; master needs an even η > 2].
+    /// η: replicas per step [default: 2 for mast, 1 otherwise; master needs an even η > 2],
+    /// or `auto`: MAST's pair where --device-memory holds it (overlapped, else one replica's
+    /// activations at a time), else one replica.
     #[arg(long)]
-    replicas: Option<usize>,
+    replicas: Option<Choice>,
     /// D: data-parallel groups.
     #[arg(long, default_value_t = 1)]
     dp: usize,
@@ -160,9 +183,11 @@ struct SchemeArgs {
 
 impl SchemeArgs {
     fn scheme(&self) -> anyhow::Result<Scheme> {
-        let replicas = self
-            .replicas
-            .unwrap_or(if self.scheme == Kind::Mast { 2 } else { 1 });
+        let replicas = match self.replicas {
+            Some(Choice::Fixed(n)) => n,
+            _ if self.scheme == Kind::Mast => 2,
+            _ => 1,
+        };
         let s = Scheme {
             kind: self.scheme,
             stages: self.split,
@@ -255,27 +280,7 @@ fn train(a: TrainArgs) -> anyhow::Result<()> {
             );
             t
         }
-        None => Trainer::new(TrainConfig {
-            model: a.model,
-            image_size: a.image_size,
-            classes: a.classes,
-            batch_size: a.batch_size,
-            steps: a.steps.unwrap_or(150),
-            schedule: LrSchedule {
-                base: a.lr,
-                decay: a.schedule,
-                warmup: a.warmup,
-                total: a.steps.unwrap_or(150),
-            },
-            sgd: SgdConfig {
-                momentum: a.momentum,
-                weight_decay: a.weight_decay,
-                nesterov: a.nesterov,
-            },
-            seed: a.seed,
-            dtype: a.dtype,
-            device_memory: a.device_memory,
-        })?,
+        None => Trainer::new(run_config(&a)?.train)?,
     };
     let total = a.steps.unwrap_or(trainer.config.steps);
     let first = trainer.steps_done();
@@ -380,15 +385,19 @@ fn train(a: TrainArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// The run the training flags describe.
+/// The run the training flags describe, with `auto` and `max` resolved against
+/// --device-memory by metered runs.
 fn run_config(a: &TrainArgs) -> anyhow::Result<RunConfig> {
     let steps = a.steps.unwrap_or(150);
-    Ok(RunConfig {
+    let mut c = RunConfig {
         train: TrainConfig {
             model: a.model.clone(),
             image_size: a.image_size,
             classes: a.classes,
-            batch_size: a.batch_size,
+            batch_size: match a.batch_size {
+                Choice::Fixed(b) => b,
+                Choice::Auto => a.spread.parts,
+            },
             steps,
             schedule: LrSchedule {
                 base: a.lr,
@@ -410,7 +419,30 @@ fn run_config(a: &TrainArgs) -> anyhow::Result<RunConfig> {
         max_in_flight: a.spread.max_in_flight,
         return_params: false,
         metered: false,
-    })
+    };
+    let needs = |what: &str| anyhow::anyhow!("{what} needs --device-memory to choose against");
+    if a.spread.replicas == Some(Choice::Auto) {
+        let cap = a.device_memory.ok_or_else(|| needs("--replicas auto"))?;
+        if a.spread.scheme != Kind::Mast {
+            anyhow::bail!("--replicas auto chooses between MAST's pair and one replica: use it with --scheme mast");
+        }
+        c = gems::plan::memory::choose_replicas(&c, cap)?;
+        let variant = match (c.scheme.replicas, c.max_in_flight) {
+            (1, _) => "one replica (mp)",
+            (_, None) => "the MAST pair, overlapped",
+            _ => "the MAST pair, one replica's activations at a time",
+        };
+        println!("--replicas auto: {variant}");
+    }
+    if a.batch_size == Choice::Auto {
+        let cap = a.device_memory.ok_or_else(|| needs("--batch-size max"))?;
+        c.train.batch_size = match gems::plan::memory::largest_batch(&c, cap, 1 << 20)? {
+            0 => anyhow::bail!("no batch fits {} with this split", human_bytes(cap)),
+            b => b,
+        };
+        println!("--batch-size max: {}", c.train.batch_size);
+    }
+    Ok(c)
 }
 
 /// The partition, the predicted schedule, and each rank's memory by category against capacity.
@@ -677,19 +709,23 @@ fn list_models(a: ModelsArgs) -> anyhow::Result<()> {
     for name in models::LISTED {
         match models::build(name, a.image_size, a.classes) {
             Ok(g) => {
-                let fits = a
-                    .device_memory
-                    .map(|c| match memory::largest_batch(&g, a.dtype, c) {
-                        Some(b) => b.to_string(),
-                        None => "none".into(),
-                    });
+                let fits = match a.device_memory {
+                    Some(cap) => {
+                        let one = memory::single_device(name, a.image_size, a.classes, a.dtype, 1);
+                        match memory::largest_batch(&one, cap, 1 << 20)? {
+                            0 => "none".to_string(),
+                            b => b.to_string(),
+                        }
+                    }
+                    None => String::new(),
+                };
                 println!(
                     "{:<16} {:>12} {:>14.3} {:>18} {:>16}",
                     name,
                     g.parameter_count(),
                     g.flops_per_sample() as f64 / 1e9,
                     human_bytes(g.saved_bytes_per_sample(a.dtype)),
-                    fits.unwrap_or_default()
+                    fits
                 )
             }
             Err(e) => println!("{name:<16} {e}"),

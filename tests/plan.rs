@@ -102,3 +102,61 @@ fn predicted_peak_per_rank_matches_the_allocator() {
         }
     }
 }
+
+#[test]
+fn replicas_auto_follows_the_memory_mast_needs() {
+    let mast = config(
+        "resnet20v2",
+        32,
+        4,
+        scheme(Kind::Mast, 2, 2, 2, 1, Order::GPipe),
+        None,
+    );
+    let need = memory::per_rank(&mast)
+        .unwrap()
+        .iter()
+        .map(|m| m.peak)
+        .max()
+        .unwrap();
+    // Just enough: the overlapped pair.
+    let chosen = memory::choose_replicas(&mast, need).unwrap();
+    assert_eq!((chosen.scheme.replicas, chosen.max_in_flight), (2, None));
+    // Just under: a variant that holds less, and whose real run fits.
+    for cap in [need - 1, need * 3 / 4] {
+        let mut chosen = memory::choose_replicas(&mast, cap).unwrap();
+        assert!(
+            chosen.scheme.replicas == 1 || chosen.max_in_flight.is_some(),
+            "cap {cap}: {:?}",
+            chosen.scheme
+        );
+        chosen.train.device_memory = Some(cap);
+        memory::check_fits(&chosen).unwrap();
+        run_local(&chosen).unwrap_or_else(|e| panic!("cap {cap}: the chosen plan must run: {e}"));
+    }
+}
+
+#[test]
+fn batch_size_max_fits_and_one_more_is_refused() {
+    let mp = config(
+        "resnet20v2",
+        32,
+        2,
+        scheme(Kind::Mp, 2, 2, 1, 1, Order::OneFOneB),
+        None,
+    );
+    let cap = 24 << 20;
+    let b = memory::largest_batch(&mp, cap, 1 << 20).unwrap();
+    assert!(b >= 4 && b.is_multiple_of(2), "{b}");
+    let mut fits = mp.clone();
+    fits.train.batch_size = b;
+    fits.train.device_memory = Some(cap);
+    memory::check_fits(&fits).unwrap();
+    run_local(&fits).unwrap();
+    let mut over = fits.clone();
+    over.train.batch_size = b + 2;
+    let e = memory::check_fits(&over).unwrap_err().to_string();
+    assert!(
+        e.contains("the plan does not fit") && e.contains(&format!("--batch-size {b} fits")),
+        "{e}"
+    );
+}

@@ -1,8 +1,7 @@
-//! What training holds in device memory. Exactly, per rank and category: the run itself on
-//! metering devices (every allocation of the real task lists, no arithmetic). Roughly, from the
-//! graph alone: parameters plus what forward saves per image.
+//! What training holds in device memory, exactly, per rank and category: the run itself on
+//! metering devices (every allocation of the real task lists, no arithmetic), and the choices
+//! that follow from it (the largest batch, MAST's replicas).
 
-use crate::graph::Graph;
 use crate::memory::{human_bytes, MemoryStats};
 use crate::runtime::executor::{run_local, RunConfig};
 use crate::tensor::DType;
@@ -18,18 +17,69 @@ pub fn per_rank(c: &RunConfig) -> Result<Vec<MemoryStats>> {
     Ok(run_local(&metered)?.into_iter().map(|r| r.memory).collect())
 }
 
+/// `c` without a capacity, so that a metered run reports what it would need.
+fn unlimited(c: &RunConfig) -> RunConfig {
+    let mut u = c.clone();
+    u.train.device_memory = None;
+    u
+}
+
+/// Whether every rank of `c` stays within `cap` bytes.
+pub fn fits(c: &RunConfig, cap: u64) -> Result<bool> {
+    Ok(per_rank(&unlimited(c))?.iter().all(|m| m.peak <= cap))
+}
+
+/// The largest batch (a multiple of m, at most `limit`) with which `c` fits `cap`; 0 if none.
+pub fn largest_batch(c: &RunConfig, cap: u64, limit: usize) -> Result<usize> {
+    let m = c.scheme.parts;
+    let with = |b: usize| {
+        let mut t = c.clone();
+        t.train.batch_size = b * m;
+        fits(&t, cap)
+    };
+    // In micro-batch sizes: grow, then bisect.
+    let (mut lo, mut hi) = (0, 1);
+    while hi * m <= limit && with(hi)? {
+        lo = hi;
+        hi *= 2;
+    }
+    hi = hi.min(limit / m + 1);
+    while hi - lo > 1 {
+        let mid = (lo + hi) / 2;
+        if with(mid)? {
+            lo = mid;
+        } else {
+            hi = mid;
+        }
+    }
+    Ok(lo * m)
+}
+
+/// MAST's replicas by memory: the overlapped pair if it fits, else the pair holding one
+/// replica's activations at a time, else one replica (MP-Basic).
+pub fn choose_replicas(c: &RunConfig, cap: u64) -> Result<RunConfig> {
+    let mut pair = c.clone();
+    pair.scheme.kind = crate::schemes::Kind::Mast;
+    pair.scheme.replicas = 2;
+    pair.max_in_flight = None;
+    if fits(&pair, cap)? {
+        return Ok(pair);
+    }
+    pair.max_in_flight = Some(c.scheme.parts);
+    if fits(&pair, cap)? {
+        return Ok(pair);
+    }
+    let mut one = c.clone();
+    one.scheme.kind = crate::schemes::Kind::Mp;
+    one.scheme.replicas = 1;
+    Ok(one)
+}
+
 /// Checks every rank's predicted peak against the capacity; the error names the rank that
 /// exceeds it most, by how much, and the largest batch that would fit.
 pub fn check_fits(c: &RunConfig) -> Result<()> {
     let Some(cap) = c.train.device_memory else {
         return Ok(());
-    };
-    let unlimited = |c: &RunConfig| RunConfig {
-        train: crate::train::TrainConfig {
-            device_memory: None,
-            ..c.train.clone()
-        },
-        ..c.clone()
     };
     let peaks = per_rank(&unlimited(c))?;
     let Some((rank, worst)) = peaks
@@ -40,29 +90,9 @@ pub fn check_fits(c: &RunConfig) -> Result<()> {
     else {
         return Ok(());
     };
-    let fits = |b: usize| -> Result<bool> {
-        let mut t = unlimited(c);
-        t.train.batch_size = b * c.scheme.parts;
-        Ok(per_rank(&t)?.iter().all(|m| m.peak <= cap))
-    };
-    // Largest multiple of m that fits: grow, then bisect.
-    let (mut lo, mut hi) = (0, 1);
-    while hi * c.scheme.parts < c.train.batch_size && fits(hi)? {
-        lo = hi;
-        hi *= 2;
-    }
-    while hi - lo > 1 {
-        let mid = (lo + hi) / 2;
-        if fits(mid)? {
-            lo = mid;
-        } else {
-            hi = mid;
-        }
-    }
-    let what_fits = if lo == 0 {
-        "no batch fits this split: try more stages (--split) or more memory".to_string()
-    } else {
-        format!("--batch-size {} fits", lo * c.scheme.parts)
+    let what_fits = match largest_batch(c, cap, c.train.batch_size)? {
+        0 => "no batch fits this split: try more stages (--split) or more memory".to_string(),
+        b => format!("--batch-size {b} fits"),
     };
     Err(crate::Error::Config(format!(
         "the plan does not fit: rank {rank} needs {} ({}), {} over the capacity of {}; {what_fits}",
@@ -73,33 +103,50 @@ pub fn check_fits(c: &RunConfig) -> Result<()> {
     )))
 }
 
-/// Bytes that do not depend on the batch: parameter values and BN statistics, gradients and
-/// momentum buffers of the trainable ones.
-pub fn fixed_bytes(g: &Graph, dtype: DType) -> u64 {
-    let all: usize = g.params.iter().map(|p| p.spec.shape.numel()).sum();
-    ((all + 2 * g.parameter_count()) * dtype.size()) as u64
-}
-
-/// Bytes per image at the peak of a training step: what forward saves for backward, plus the
-/// largest single output being produced on top of it.
-pub fn per_image_bytes(g: &Graph, dtype: DType) -> u64 {
-    let largest = g
-        .nodes
-        .iter()
-        .map(|n| g.values[n.output].shape.numel())
-        .max()
-        .unwrap_or(0);
-    g.saved_bytes_per_sample(dtype) + (largest * dtype.size()) as u64
-}
-
-/// Predicted peak bytes of one single-device training step with `batch` images.
-pub fn single_device_peak(g: &Graph, batch: usize, dtype: DType) -> u64 {
-    fixed_bytes(g, dtype) + batch as u64 * per_image_bytes(g, dtype)
-}
-
-/// The largest batch whose predicted peak fits `capacity`, if any does.
-pub fn largest_batch(g: &Graph, dtype: DType, capacity: u64) -> Option<usize> {
-    let free = capacity.checked_sub(fixed_bytes(g, dtype))?;
-    let b = (free / per_image_bytes(g, dtype).max(1)) as usize;
-    (b > 0).then_some(b)
+/// A single-device run of `model` with batch `batch` (for questions about one device).
+pub fn single_device(
+    model: &str,
+    image_size: usize,
+    classes: usize,
+    dtype: DType,
+    batch: usize,
+) -> RunConfig {
+    use crate::runtime::optim::SgdConfig;
+    use crate::runtime::schedule::{Decay, LrSchedule};
+    use crate::schemes::{Kind, Order, Scheme};
+    RunConfig {
+        train: crate::train::TrainConfig {
+            model: model.to_string(),
+            image_size,
+            classes,
+            batch_size: batch,
+            steps: 1,
+            schedule: LrSchedule {
+                base: 0.1,
+                decay: Decay::Constant,
+                warmup: 0,
+                total: 1,
+            },
+            sgd: SgdConfig {
+                momentum: 0.9,
+                weight_decay: 0.0,
+                nesterov: false,
+            },
+            seed: 0,
+            dtype,
+            device_memory: None,
+        },
+        scheme: Scheme {
+            kind: Kind::Single,
+            stages: 1,
+            parts: 1,
+            replicas: 1,
+            dp: 1,
+            order: Order::GPipe,
+        },
+        balance: None,
+        max_in_flight: None,
+        return_params: false,
+        metered: true,
+    }
 }
