@@ -42,6 +42,9 @@ enum Command {
     /// Show how a run would be split and scheduled and what each rank's memory holds (takes
     /// the flags of train).
     Plan(Box<TrainArgs>),
+    /// Replay a run's schedule with predicted costs on up to --gpus GPUs of a profile: step
+    /// time, images/s and weak-scaling efficiency (takes the flags of train).
+    Simulate(Box<SimulateArgs>),
 }
 
 #[derive(Args)]
@@ -122,6 +125,18 @@ impl std::fmt::Display for Transport {
             Transport::Mpi => "MPI processes",
         })
     }
+}
+
+#[derive(Args)]
+struct SimulateArgs {
+    #[command(flatten)]
+    train: TrainArgs,
+    /// Largest GPU count to simulate (P, 2P, 4P, … GPUs: D = 1, 2, 4, … groups).
+    #[arg(long, default_value_t = 1024)]
+    gpus: usize,
+    /// Machine: v100-ib (LLNL Lassen), h100-nvlink-ib, or cpu.
+    #[arg(long, default_value = "v100-ib")]
+    profile: gems::plan::simulate::Profile,
 }
 
 /// A number, or a choice left to the planner (`auto`, or `max` for a batch size).
@@ -248,6 +263,7 @@ fn main() -> ExitCode {
         Command::Models(a) => list_models(a),
         Command::Eval(a) => eval(a),
         Command::Plan(a) => plan(*a),
+        Command::Simulate(a) => simulate(*a),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -529,6 +545,68 @@ fn plan(a: TrainArgs) -> anyhow::Result<()> {
             "  rank {r}: {}: {}{verdict}",
             human_bytes(m.peak),
             m.at_peak
+        );
+    }
+    Ok(())
+}
+
+fn simulate(a: SimulateArgs) -> anyhow::Result<()> {
+    use gems::plan::simulate;
+    let c = run_config(&a.train)?;
+    let s = &c.scheme;
+    println!(
+        "simulate: {} at {}², {} with P={} m={} η={}, B={} per replica pass, {} on {}",
+        c.train.model,
+        c.train.image_size,
+        s.kind,
+        s.stages,
+        s.parts,
+        s.replicas,
+        c.train.batch_size,
+        c.train.dtype.name(),
+        a.profile
+    );
+    let points = simulate::weak_scaling(&c, &a.profile, a.gpus)?;
+    let base = points
+        .first()
+        .ok_or_else(|| anyhow::anyhow!("--gpus {} is fewer than P = {}", a.gpus, s.stages))?;
+    println!(
+        "{:>6} {:>7} {:>12} {:>13} {:>11} {:>11}",
+        "gpus", "groups", "pipeline s", "all-reduce s", "images/s", "efficiency"
+    );
+    for p in &points {
+        let eff = p.images_per_s / (base.images_per_s * p.groups as f64);
+        println!(
+            "{:>6} {:>7} {:>12.4} {:>13.4} {:>11.2} {:>10.2}%",
+            p.gpus,
+            p.groups,
+            p.pipeline,
+            p.all_reduce,
+            p.images_per_s,
+            100.0 * eff
+        );
+    }
+    let peak = gems::plan::memory::per_rank(&c)?
+        .iter()
+        .map(|m| m.peak)
+        .max()
+        .unwrap_or(0);
+    println!(
+        "largest rank memory {} (metered, with the CPU backend's workspace)",
+        human_bytes(peak)
+    );
+    if s.replicas >= 2 {
+        let mut mp = c.clone();
+        mp.scheme.kind = Kind::Mp;
+        mp.scheme.replicas = 1;
+        mp.max_in_flight = None;
+        let layout = Layout::new(&mp)?;
+        let one = simulate::step(&mp, &layout, &a.profile, 1)?;
+        println!(
+            "{} over MP-Basic on {} GPUs: {:.2}× images/s",
+            s.kind,
+            s.stages,
+            base.images_per_s / one.images_per_s
         );
     }
     Ok(())

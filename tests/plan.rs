@@ -160,3 +160,63 @@ fn batch_size_max_fits_and_one_more_is_refused() {
         "{e}"
     );
 }
+
+#[test]
+fn simulated_weak_scaling_and_the_mast_gain() {
+    use gems::plan::simulate::{self, Profile};
+    let c = config(
+        "resnet110v2",
+        128,
+        1,
+        scheme(Kind::Master, 4, 1, 4, 1, Order::GPipe),
+        None,
+    );
+    for profile in [Profile::V100_IB, Profile::H100_NVLINK_IB] {
+        let points = simulate::weak_scaling(&c, &profile, 1024).unwrap();
+        assert_eq!(points.len(), 9); // 4, 8, …, 1024 GPUs
+        assert_eq!(points.last().unwrap().gpus, 1024);
+        let eff: Vec<f64> = points
+            .iter()
+            .map(|p| p.images_per_s / (points[0].images_per_s * p.groups as f64))
+            .collect();
+        assert_eq!(eff[0], 1.0);
+        assert!(
+            eff.windows(2).all(|w| w[1] <= w[0] + 1e-12),
+            "{profile}: efficiency rises: {eff:?}"
+        );
+        assert!(eff[8] > 0.5 && eff[8] < 1.0, "{profile}: {eff:?}");
+    }
+    // MAST over MP-Basic with balanced stages approaches 2× (two samples in P(f+b) instead of
+    // 2P(f+b)), less the imbalance of real stage costs.
+    for p in [2, 4, 8] {
+        let mast = config(
+            "resnet110v2",
+            128,
+            1,
+            scheme(Kind::Mast, p, 1, 2, 1, Order::GPipe),
+            None,
+        );
+        let mp = config(
+            "resnet110v2",
+            128,
+            1,
+            scheme(Kind::Mp, p, 1, 1, 1, Order::GPipe),
+            None,
+        );
+        let rate = |c: &RunConfig| {
+            simulate::step(
+                c,
+                &gems::runtime::executor::Layout::new(c).unwrap(),
+                &Profile::V100_IB,
+                1,
+            )
+            .unwrap()
+            .images_per_s
+        };
+        let gain = rate(&mast) / rate(&mp);
+        assert!(
+            gain > 1.5 && gain <= 2.0 + 1e-9,
+            "P = {p}: MAST gain {gain}"
+        );
+    }
+}

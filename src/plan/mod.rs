@@ -3,3 +3,4 @@
 pub mod cost;
 pub mod memory;
 pub mod partition;
+pub mod simulate;

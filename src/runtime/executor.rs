@@ -111,6 +111,7 @@ impl Layout {
         let sc = StageCosts {
             forward: stages.iter().map(|r| stage_cost(r) / 3.0).collect(),
             backward: stages.iter().map(|r| 2.0 * stage_cost(r) / 3.0).collect(),
+            transfer: vec![0.0; stages.len()],
         };
         let schedule = schedule::build(&c.scheme, &sc, c.max_in_flight)?;
         Ok(Layout {

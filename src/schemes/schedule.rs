@@ -22,11 +22,13 @@ pub struct Task {
     pub micro: usize,
 }
 
-/// Predicted seconds of one micro-batch's forward and backward per stage.
+/// Predicted seconds of one micro-batch's forward and backward per stage, and of moving its
+/// boundary tensors (activations forward, their gradients backward) from stage s to s + 1.
 #[derive(Clone, Debug, PartialEq)]
 pub struct StageCosts {
     pub forward: Vec<f64>,
     pub backward: Vec<f64>,
+    pub transfer: Vec<f64>,
 }
 
 impl StageCosts {
@@ -35,6 +37,7 @@ impl StageCosts {
         StageCosts {
             forward: vec![f; stages],
             backward: vec![b; stages],
+            transfer: vec![0.0; stages],
         }
     }
 }
@@ -148,7 +151,7 @@ pub fn build(
                 };
                 let ready = match dep {
                     Some(d) => match done.get(&d) {
-                        Some(&e) => e,
+                        Some(&e) => e + costs.transfer[t.stage.min(d.stage)],
                         None => continue,
                     },
                     None => 0.0,
