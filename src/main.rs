@@ -45,6 +45,9 @@ enum Command {
     /// Replay a run's schedule with predicted costs on up to --gpus GPUs of a profile: step
     /// time, images/s and weak-scaling efficiency (takes the flags of train).
     Simulate(Box<SimulateArgs>),
+    /// Time every op of a model on this device at the run's micro-batch and write the profile
+    /// that --calibration reads (takes the flags of train).
+    Calibrate(Box<CalibrateArgs>),
 }
 
 #[derive(Args)]
@@ -110,6 +113,9 @@ struct TrainArgs {
     resume: Option<PathBuf>,
     #[command(flatten)]
     spread: SchemeArgs,
+    /// A profile from `gems calibrate`: measured op times to split and schedule with.
+    #[arg(long, value_name = "FILE")]
+    calibration: Option<PathBuf>,
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -125,6 +131,18 @@ impl std::fmt::Display for Transport {
             Transport::Mpi => "MPI processes",
         })
     }
+}
+
+#[derive(Args)]
+struct CalibrateArgs {
+    #[command(flatten)]
+    train: TrainArgs,
+    /// Where to write the profile (JSON).
+    #[arg(long)]
+    out: PathBuf,
+    /// Timed runs per op (the median is kept).
+    #[arg(long, default_value_t = 5)]
+    repeats: usize,
 }
 
 #[derive(Args)]
@@ -248,6 +266,14 @@ struct ModelsArgs {
 }
 
 fn main() -> ExitCode {
+    // Like other command-line tools, end quietly when the reader of our output goes away
+    // (`gems models | head`) instead of failing a print.
+    // SAFETY: setting a signal's disposition to the default at startup, before any threads.
+    unsafe {
+        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+    }
+    // Before any thread exists, so that every thread's allocations share one heap.
+    gems::backend::cpu::tune_host_allocator();
     let cli = Cli::parse();
     if let Some(t) = cli.threads {
         if let Err(e) = rayon::ThreadPoolBuilder::new()
@@ -264,6 +290,7 @@ fn main() -> ExitCode {
         Command::Eval(a) => eval(a),
         Command::Plan(a) => plan(*a),
         Command::Simulate(a) => simulate(*a),
+        Command::Calibrate(a) => calibrate(*a),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -435,6 +462,12 @@ fn run_config(a: &TrainArgs) -> anyhow::Result<RunConfig> {
         max_in_flight: a.spread.max_in_flight,
         return_params: false,
         metered: false,
+        calibration: match &a.calibration {
+            Some(p) => Some(std::sync::Arc::new(
+                gems::plan::calibrate::Calibration::load(p)?,
+            )),
+            None => None,
+        },
     };
     let needs = |what: &str| anyhow::anyhow!("{what} needs --device-memory to choose against");
     if a.spread.replicas == Some(Choice::Auto) {
@@ -479,12 +512,7 @@ fn plan(a: TrainArgs) -> anyhow::Result<()> {
         c.train.batch_size,
         c.train.dtype.name()
     );
-    let costs = gems::plan::cost::node_costs(
-        g,
-        micro,
-        c.train.dtype,
-        &gems::plan::cost::DeviceProfile::CPU,
-    );
+    let costs = layout.costs.total();
     println!(
         "{:<6} {:>12} {:>12} {:>20} {:>22}",
         "stage", "nodes", "parameters", "saved/micro-batch", "fwd+bwd/micro-batch"
@@ -505,12 +533,18 @@ fn plan(a: TrainArgs) -> anyhow::Result<()> {
             1e3 * secs
         );
     }
-    let step = layout.schedule.makespan();
+    // Local ranks share this machine.
+    let step = layout.predicted_step(true);
     let images = (s.replicas * c.train.batch_size * s.dp) as f64;
     println!(
-        "predicted step {:.3} s, {:.1} images/s (CPU profile; rank busy: {})",
+        "predicted step {:.3} s, {:.1} images/s ({}; rank busy: {})",
         step,
         images / step,
+        if c.calibration.is_some() {
+            "calibrated"
+        } else {
+            "analytical CPU model"
+        },
         layout
             .schedule
             .busy()
@@ -547,6 +581,32 @@ fn plan(a: TrainArgs) -> anyhow::Result<()> {
             m.at_peak
         );
     }
+    Ok(())
+}
+
+fn calibrate(a: CalibrateArgs) -> anyhow::Result<()> {
+    let c = run_config(&a.train)?;
+    let t = &c.train;
+    let micro = t.batch_size / c.scheme.parts.max(1);
+    let g = models::build(&t.model, t.image_size, t.classes)?;
+    let device = gems::Device::cpu("cpu:0", None);
+    let started = Instant::now();
+    let cal = gems::plan::calibrate::calibrate(
+        &g,
+        &t.model,
+        t.image_size,
+        t.classes,
+        micro,
+        t.dtype,
+        &device,
+        a.repeats.max(1),
+    )?;
+    cal.save(&a.out)?;
+    let (f, b): (f64, f64) = (cal.forward.iter().sum(), cal.backward.iter().sum());
+    println!(
+        "calibrated {} ops of {} at {}², micro-batch {micro}, {} in {:.1} s: forward {:.2} ms, backward {:.2} ms per micro-batch; wrote {}",
+        g.nodes.len(), t.model, t.image_size, t.dtype.name(), started.elapsed().as_secs_f64(), 1e3 * f, 1e3 * b, a.out.display()
+    );
     Ok(())
 }
 

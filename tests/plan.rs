@@ -43,6 +43,7 @@ fn config(
         max_in_flight,
         return_params: false,
         metered: false,
+        calibration: None,
     }
 }
 

@@ -51,6 +51,7 @@ fn run(model: &str, scheme: Scheme, batch: usize, dtype: DType) -> Vec<RankRepor
         max_in_flight: None,
         return_params: true,
         metered: false,
+        calibration: None,
     };
     run_local(&c).unwrap_or_else(|e| panic!("{scheme:?}: {e}"))
 }

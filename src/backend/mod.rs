@@ -293,6 +293,7 @@ impl std::fmt::Debug for Device {
 impl Device {
     /// The CPU backend, with an emulated capacity (`None`: unlimited).
     pub fn cpu(name: &str, capacity: Option<u64>) -> Device {
+        cpu::tune_host_allocator();
         Device {
             inner: Arc::new(DeviceInner {
                 allocator: Allocator::new(name, capacity),

@@ -34,6 +34,42 @@ pub fn node_seconds(g: &Graph, n: &Node, batch: usize, dtype: DType, p: &DeviceP
     3.0 * (flops / p.flops_per_s).max(bytes / p.bytes_per_s)
 }
 
+/// Forward and backward seconds of every node: predicted, or measured by calibration.
+#[derive(Clone, Debug, PartialEq)]
+pub struct NodeCosts {
+    pub forward: Vec<f64>,
+    pub backward: Vec<f64>,
+}
+
+impl NodeCosts {
+    /// The analytical model: backward is two thirds of a node's forward + backward.
+    pub fn analytic(g: &Graph, batch: usize, dtype: DType, p: &DeviceProfile) -> NodeCosts {
+        let total = node_costs(g, batch, dtype, p);
+        NodeCosts {
+            forward: total.iter().map(|t| t / 3.0).collect(),
+            backward: total.iter().map(|t| 2.0 * t / 3.0).collect(),
+        }
+    }
+
+    /// Forward + backward seconds per node.
+    pub fn total(&self) -> Vec<f64> {
+        self.forward
+            .iter()
+            .zip(&self.backward)
+            .map(|(f, b)| f + b)
+            .collect()
+    }
+
+    /// Forward and backward seconds of each node range.
+    pub fn stages(&self, stages: &[std::ops::Range<usize>]) -> (Vec<f64>, Vec<f64>) {
+        let sum = |v: &[f64], r: &std::ops::Range<usize>| v[r.clone()].iter().sum::<f64>();
+        (
+            stages.iter().map(|r| sum(&self.forward, r)).collect(),
+            stages.iter().map(|r| sum(&self.backward, r)).collect(),
+        )
+    }
+}
+
 /// Predicted forward + backward seconds of every node.
 pub fn node_costs(g: &Graph, batch: usize, dtype: DType, p: &DeviceProfile) -> Vec<f64> {
     g.nodes

@@ -148,5 +148,6 @@ pub fn single_device(
         max_in_flight: None,
         return_params: false,
         metered: true,
+        calibration: None,
     }
 }

@@ -1,5 +1,6 @@
 //! Planning: where the graph is cut into stages, and what each op is expected to cost.
 
+pub mod calibrate;
 pub mod cost;
 pub mod memory;
 pub mod partition;

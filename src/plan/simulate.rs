@@ -7,7 +7,7 @@
 use std::fmt;
 use std::str::FromStr;
 
-use super::cost::{self, DeviceProfile};
+use super::cost::{DeviceProfile, NodeCosts};
 use crate::runtime::executor::{Layout, RunConfig};
 use crate::schemes::schedule::{self, StageCosts};
 use crate::{Error, Result};
@@ -127,18 +127,12 @@ pub fn step(c: &RunConfig, layout: &Layout, profile: &Profile, groups: usize) ->
     let (g, s) = (&layout.graph, &c.scheme);
     let micro = c.train.batch_size / s.parts;
     let dtype = c.train.dtype;
-    let costs = cost::node_costs(g, micro, dtype, &profile.device);
     let stages = &layout.partition.stages;
     let node_of = |rank: usize| rank / profile.gpus_per_node;
+    let (forward, backward) = NodeCosts::analytic(g, micro, dtype, &profile.device).stages(stages);
     let sc = StageCosts {
-        forward: stages
-            .iter()
-            .map(|r| costs[r.clone()].iter().sum::<f64>() / 3.0)
-            .collect(),
-        backward: stages
-            .iter()
-            .map(|r| 2.0 * costs[r.clone()].iter().sum::<f64>() / 3.0)
-            .collect(),
+        forward,
+        backward,
         transfer: (0..stages.len())
             .map(|st| {
                 let bytes: usize = layout.outputs[st]

@@ -19,7 +19,7 @@ use crate::data::synthetic::Synthetic;
 use crate::graph::{self, Graph, Output, Params, RunningUpdate, Tape, ValueId};
 use crate::memory::{Category, MemoryStats};
 use crate::ops::{batched, loss};
-use crate::plan::cost::{self, DeviceProfile};
+use crate::plan::cost::{DeviceProfile, NodeCosts};
 use crate::plan::partition::{self, Partition};
 use crate::runtime::optim::Sgd;
 use crate::schemes::schedule::{self, Pass, Schedule, StageCosts, Task};
@@ -42,6 +42,8 @@ pub struct RunConfig {
     pub return_params: bool,
     /// Allocate everything, compute nothing: predicts each rank's memory exactly.
     pub metered: bool,
+    /// Measured node costs to balance and schedule with (the analytical CPU model otherwise).
+    pub calibration: Option<std::sync::Arc<crate::plan::calibrate::Calibration>>,
 }
 
 /// Everything all ranks agree on: the graph, its stages and the schedule.
@@ -54,6 +56,10 @@ pub struct Layout {
     pub outputs: Vec<Vec<ValueId>>,
     /// Loss outputs each stage produces.
     pub losses: Vec<Vec<Output>>,
+    /// What each node costs: measured (a calibration) or predicted (the analytical CPU model).
+    pub costs: NodeCosts,
+    /// Seconds of one optimizer step over the whole model (0 without a calibration).
+    pub optimizer: f64,
     pub schedule: Schedule,
 }
 
@@ -63,7 +69,13 @@ impl Layout {
         c.scheme.validate(t.batch_size)?;
         let graph = models::build(&t.model, t.image_size, t.classes)?;
         let micro = t.batch_size / c.scheme.parts;
-        let costs = cost::node_costs(&graph, micro, t.dtype, &DeviceProfile::CPU);
+        let costs = match &c.calibration {
+            Some(cal) => {
+                cal.check(&t.model, t.image_size, t.classes, micro, t.dtype)?;
+                cal.costs()
+            }
+            None => NodeCosts::analytic(&graph, micro, t.dtype, &DeviceProfile::CPU),
+        };
         let partition = match &c.balance {
             Some(b) if b.len() != c.scheme.stages => {
                 return Err(Error::Config(format!(
@@ -73,7 +85,7 @@ impl Layout {
                 )))
             }
             Some(b) => partition::from_balance(&graph, b)?,
-            None => partition::balanced(&graph, c.scheme.stages, &costs)?,
+            None => partition::balanced(&graph, c.scheme.stages, &costs.total())?,
         };
         let stages = &partition.stages;
         let inputs = stages
@@ -106,11 +118,12 @@ impl Layout {
                     .collect()
             })
             .collect();
-        let stage_cost = |r: &std::ops::Range<usize>| costs[r.clone()].iter().sum::<f64>();
-        // Forward is a third of a node's predicted forward + backward.
+        let (mut forward, backward) = costs.stages(stages);
+        // Stage 0 also makes each micro-batch's images.
+        forward[0] += c.calibration.as_ref().map_or(0.0, |cal| cal.data);
         let sc = StageCosts {
-            forward: stages.iter().map(|r| stage_cost(r) / 3.0).collect(),
-            backward: stages.iter().map(|r| 2.0 * stage_cost(r) / 3.0).collect(),
+            forward,
+            backward,
             transfer: vec![0.0; stages.len()],
         };
         let schedule = schedule::build(&c.scheme, &sc, c.max_in_flight)?;
@@ -120,8 +133,27 @@ impl Layout {
             inputs,
             outputs,
             losses,
+            costs,
+            optimizer: c.calibration.as_ref().map_or(0.0, |cal| cal.optimizer),
             schedule,
         })
+    }
+
+    /// Predicted seconds of a step: the schedule, then the optimizer. When the ranks share one
+    /// device (threads on one CPU), they also share its throughput: the step lasts at least as
+    /// long as all their work done one after another.
+    pub fn predicted_step(&self, shared_device: bool) -> f64 {
+        let busy = self.schedule.busy();
+        if shared_device {
+            self.schedule.makespan().max(busy.iter().sum()) + self.optimizer
+        } else {
+            let total: usize = self.graph.params.len().max(1);
+            let most = (0..self.partition.stages.len())
+                .map(|s| self.param_ids(s).len())
+                .max()
+                .unwrap_or(0);
+            self.schedule.makespan() + self.optimizer * most as f64 / total as f64
+        }
     }
 
     /// The param ids of stage `s`'s nodes.
@@ -162,6 +194,8 @@ pub struct RankReport {
     pub losses: Vec<f64>,
     /// Per step: correct predictions of the first output, and images it scored.
     pub correct: Vec<(usize, usize)>,
+    /// Per step: wall seconds on this rank.
+    pub step_seconds: Vec<f64>,
     /// (param id, values) of every copy, orientation 0 first.
     pub params: Vec<(usize, usize, Vec<f64>)>,
 }
@@ -594,10 +628,13 @@ pub fn run_rank(c: &RunConfig, layout: &Layout, comm: &dyn Comm) -> Result<RankR
         memory: r.device.memory(),
         losses: vec![],
         correct: vec![],
+        step_seconds: vec![],
         params: vec![],
     };
     for step in 0..c.train.steps {
+        let start = Instant::now();
         r.step(step, &mut report)?;
+        report.step_seconds.push(start.elapsed().as_secs_f64());
     }
     report.busy = r.busy;
     report.wall = started.elapsed().as_secs_f64();
@@ -616,6 +653,8 @@ pub fn run_rank(c: &RunConfig, layout: &Layout, comm: &dyn Comm) -> Result<RankR
 
 /// Runs `c` with every rank a thread of this process.
 pub fn run_local(c: &RunConfig) -> Result<Vec<RankReport>> {
+    // Before the rank threads exist (see the function).
+    crate::backend::cpu::tune_host_allocator();
     let layout = Arc::new(Layout::new(c)?);
     crate::comm::local::run(c.scheme.world(), |comm| run_rank(c, &layout, &*comm))
 }
@@ -658,6 +697,7 @@ pub fn gather_reports(comm: &dyn Comm, mine: RankReport) -> Result<Option<Vec<Ra
             },
             losses,
             correct,
+            step_seconds: vec![],
             params: vec![],
         }
     };

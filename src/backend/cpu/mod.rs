@@ -206,6 +206,24 @@ pub(crate) fn gemm<T: Float>(
     }
 }
 
+/// Makes glibc serve every thread from one heap. With a heap per thread, tensors allocated by
+/// one rank's thread and freed by another (boundary messages) make the heaps grow and shrink
+/// by mapping fresh pages: measured here, the first stage of a 2-rank pipeline computed 50%
+/// slower and the run lost a quarter of its throughput. Our allocations are whole tensors, so
+/// one heap's lock costs nothing measurable. It takes effect for threads that have not yet
+/// allocated: call it before starting rank threads.
+pub fn tune_host_allocator() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        #[cfg(all(target_os = "linux", target_env = "gnu"))]
+        // SAFETY: mallopt only changes the allocator's tuning; called once, and glibc applies
+        // it to allocations made from then on.
+        unsafe {
+            libc::mallopt(libc::M_ARENA_MAX, 1);
+        }
+    });
+}
+
 /// The host backend.
 pub struct Cpu;
 

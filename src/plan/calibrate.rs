@@ -1,0 +1,239 @@
+//! Calibration: each op of a model timed once on the actual device, at the micro-batch a run
+//! will use, and kept in a profile file. Plans made with it predict step times from what this
+//! machine does rather than from peak rates.
+
+use std::path::Path;
+use std::time::Instant;
+
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+
+use super::cost::NodeCosts;
+use crate::backend::Device;
+use crate::graph::Graph;
+use crate::memory::Category;
+use crate::ops::{batched, Backward, Ctx};
+use crate::tensor::{DType, Shape, Tensor};
+use crate::{Error, Result};
+
+/// Measured forward and backward seconds of every node of one model configuration.
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct Calibration {
+    pub model: String,
+    pub image_size: usize,
+    pub classes: usize,
+    pub micro_batch: usize,
+    pub dtype: DType,
+    pub device: String,
+    pub forward: Vec<f64>,
+    pub backward: Vec<f64>,
+    /// Seconds to make and upload one micro-batch of synthetic images.
+    pub data: f64,
+    /// Seconds of one optimizer step over every parameter (SGD update and zeroing gradients).
+    pub optimizer: f64,
+}
+
+impl Calibration {
+    pub fn costs(&self) -> NodeCosts {
+        NodeCosts {
+            forward: self.forward.clone(),
+            backward: self.backward.clone(),
+        }
+    }
+
+    /// Refuses a profile taken for another model, image, micro-batch or dtype.
+    pub fn check(
+        &self,
+        model: &str,
+        image_size: usize,
+        classes: usize,
+        micro_batch: usize,
+        dtype: DType,
+    ) -> Result<()> {
+        let want = (model, image_size, classes, micro_batch, dtype);
+        let have = (
+            self.model.as_str(),
+            self.image_size,
+            self.classes,
+            self.micro_batch,
+            self.dtype,
+        );
+        if want != have {
+            return Err(Error::Config(format!(
+                "the calibration is for {} at {}², {} classes, micro-batch {}, {}; this run is {} at {}², {} classes, micro-batch {}, {}",
+                have.0, have.1, have.2, have.3, have.4.name(), want.0, want.1, want.2, want.3, want.4.name()
+            )));
+        }
+        Ok(())
+    }
+
+    pub fn save(&self, path: &Path) -> Result<()> {
+        let text =
+            serde_json::to_string_pretty(self).map_err(|e| Error::Internal(e.to_string()))?;
+        std::fs::write(path, text)
+            .map_err(|e| Error::Config(format!("cannot write {}: {e}", path.display())))
+    }
+
+    pub fn load(path: &Path) -> Result<Calibration> {
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| Error::Config(format!("cannot read {}: {e}", path.display())))?;
+        serde_json::from_str(&text).map_err(|e| {
+            Error::Config(format!(
+                "{} is not a calibration profile: {e}",
+                path.display()
+            ))
+        })
+    }
+}
+
+fn random(
+    device: &Device,
+    shape: Shape,
+    dtype: DType,
+    rng: &mut ChaCha8Rng,
+    positive: bool,
+) -> Result<Tensor> {
+    let data: Vec<f64> = (0..shape.numel())
+        .map(|_| {
+            if positive {
+                rng.random_range(0.5..1.5)
+            } else {
+                rng.random_range(-1.0..1.0)
+            }
+        })
+        .collect();
+    device.upload(shape, &data, dtype, Category::Activations)
+}
+
+/// Times every node of `graph` (forward, then backward) on `device` at `micro` images, the
+/// median of `repeats` runs after one warm-up.
+#[allow(clippy::too_many_arguments)]
+pub fn calibrate(
+    graph: &Graph,
+    model: &str,
+    image_size: usize,
+    classes: usize,
+    micro: usize,
+    dtype: DType,
+    device: &Device,
+    repeats: usize,
+) -> Result<Calibration> {
+    let mut rng = ChaCha8Rng::seed_from_u64(7);
+    let (mut forward, mut backward) = (Vec::new(), Vec::new());
+    let median = |mut v: Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    for node in &graph.nodes {
+        let op = node.op.get();
+        let shapes: Vec<Shape> = node
+            .inputs
+            .iter()
+            .map(|&v| batched(micro, &graph.values[v].shape))
+            .collect();
+        let xs = shapes
+            .iter()
+            .map(|s| random(device, s.clone(), dtype, &mut rng, false))
+            .collect::<Result<Vec<_>>>()?;
+        let specs: Vec<_> = node.params.clone().map(|p| &graph.params[p].spec).collect();
+        let mut params = specs
+            .iter()
+            .map(|s| {
+                random(
+                    device,
+                    s.shape.clone(),
+                    dtype,
+                    &mut rng,
+                    s.suffix == "running_var",
+                )
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let mut grads = specs
+            .iter()
+            .filter(|s| s.trainable)
+            .map(|s| device.zeros(s.shape.clone(), dtype, Category::Gradients))
+            .collect::<Result<Vec<_>>>()?;
+        let dy = random(
+            device,
+            batched(micro, &graph.values[node.output].shape),
+            dtype,
+            &mut rng,
+            false,
+        )?;
+        let need = vec![true; xs.len()];
+        let ctx = Ctx {
+            device,
+            training: true,
+            seed: 1,
+        };
+        let refs: Vec<&Tensor> = xs.iter().collect();
+        let (mut f, mut b) = (Vec::new(), Vec::new());
+        for _ in 0..=repeats {
+            let start = Instant::now();
+            let (y, saved) = op.forward(&ctx, &refs, &mut params)?;
+            f.push(start.elapsed().as_secs_f64());
+            drop(y);
+            let start = Instant::now();
+            op.backward(
+                &ctx,
+                Backward {
+                    saved,
+                    dy: dy.clone(),
+                    inputs: &shapes,
+                    need: &need,
+                },
+                &params,
+                &mut grads,
+            )?;
+            b.push(start.elapsed().as_secs_f64());
+        }
+        // The first run warms caches and the allocator.
+        forward.push(median(f[1..].to_vec()));
+        backward.push(median(b[1..].to_vec()));
+    }
+    // Data and optimizer: what a step does besides its ops.
+    let synthetic = crate::data::synthetic::Synthetic {
+        seed: 1,
+        classes,
+        image_size,
+    };
+    let mut data = Vec::new();
+    for i in 0..=repeats {
+        let start = Instant::now();
+        let (pixels, _) = synthetic.batch((i * micro) as u64, micro);
+        let x = device.upload(
+            batched(micro, graph.input_shape()),
+            &pixels,
+            dtype,
+            Category::Activations,
+        )?;
+        data.push(start.elapsed().as_secs_f64());
+        drop(x);
+    }
+    let mut params = crate::graph::Params::init(graph, device, dtype, 1)?;
+    let sgd_config = crate::runtime::optim::SgdConfig {
+        momentum: 0.9,
+        weight_decay: 5e-4,
+        nesterov: false,
+    };
+    let mut sgd = crate::runtime::optim::Sgd::new(&params, device, sgd_config)?;
+    let mut optimizer = Vec::new();
+    for _ in 0..=repeats {
+        let start = Instant::now();
+        sgd.step(&mut params, device, 0.01)?;
+        params.zero_grads(device)?;
+        optimizer.push(start.elapsed().as_secs_f64());
+    }
+    Ok(Calibration {
+        data: median(data[1..].to_vec()),
+        optimizer: median(optimizer[1..].to_vec()),
+        model: model.to_string(),
+        image_size,
+        classes,
+        micro_batch: micro,
+        dtype,
+        device: device.backend().name(),
+        forward,
+        backward,
+    })
+}
