@@ -113,6 +113,10 @@ struct TrainArgs {
     resume: Option<PathBuf>,
     #[command(flatten)]
     spread: SchemeArgs,
+    /// Draw the schedule as SVG: predicted (plan) or the last step as measured (train, with
+    /// a --scheme).
+    #[arg(long, value_name = "FILE.svg")]
+    timeline: Option<PathBuf>,
     /// A profile from `gems calibrate`: measured op times to split and schedule with.
     #[arg(long, value_name = "FILE")]
     calibration: Option<PathBuf>,
@@ -553,6 +557,26 @@ fn plan(a: TrainArgs) -> anyhow::Result<()> {
             .collect::<Vec<_>>()
             .join(" ")
     );
+    if let Some(path) = &a.timeline {
+        let bytes: Vec<u64> = layout
+            .partition
+            .stages
+            .iter()
+            .map(|r| gems::graph::saved_bytes(g, r.clone(), c.train.dtype) * micro as u64)
+            .collect();
+        let title = format!(
+            "{} {} P={} m={} η={}: predicted",
+            g.name, s.kind, s.stages, s.parts, s.replicas
+        );
+        let svg = gems::plan::timeline::svg(
+            &title,
+            &layout.schedule.ranks,
+            &gems::plan::timeline::held(&layout.schedule.ranks, &bytes),
+        );
+        std::fs::write(path, svg)
+            .map_err(|e| anyhow::anyhow!("cannot write {}: {e}", path.display()))?;
+        println!("timeline: {}", path.display());
+    }
     let mem = gems::plan::memory::per_rank(&RunConfig {
         train: TrainConfig {
             device_memory: None,
@@ -728,6 +752,29 @@ fn train_spread(a: TrainArgs) -> anyhow::Result<()> {
         "  throughput {:.1} images/s",
         (steps * per_step) as f64 / secs
     );
+    if let Some(path) = &a.timeline {
+        let g = &layout.graph;
+        let micro = c.train.batch_size / scheme.parts;
+        let bytes: Vec<u64> = layout
+            .partition
+            .stages
+            .iter()
+            .map(|r| gems::graph::saved_bytes(g, r.clone(), c.train.dtype) * micro as u64)
+            .collect();
+        let mut tasks = vec![Vec::new(); scheme.stages];
+        for r in reports.iter().filter(|r| r.rank < scheme.stages) {
+            tasks[r.rank] = r.timeline.clone();
+        }
+        let title = format!(
+            "{} {} P={} m={} η={}: measured, last step",
+            g.name, scheme.kind, scheme.stages, scheme.parts, scheme.replicas
+        );
+        let svg =
+            gems::plan::timeline::svg(&title, &tasks, &gems::plan::timeline::held(&tasks, &bytes));
+        std::fs::write(path, svg)
+            .map_err(|e| anyhow::anyhow!("cannot write {}: {e}", path.display()))?;
+        println!("  timeline: {}", path.display());
+    }
     if let Some(path) = &a.metrics {
         let mut f = std::io::BufWriter::new(
             std::fs::File::create(path)

@@ -221,3 +221,41 @@ fn simulated_weak_scaling_and_the_mast_gain() {
         );
     }
 }
+
+#[test]
+fn timeline_svg_is_valid_and_shows_every_task() {
+    use gems::plan::timeline;
+    use gems::runtime::executor::Layout;
+    let c = config(
+        "resnet20v2",
+        32,
+        4,
+        scheme(Kind::Mast, 3, 2, 2, 1, Order::GPipe),
+        None,
+    );
+    let layout = Layout::new(&c).unwrap();
+    let tasks = &layout.schedule.ranks;
+    let bytes = vec![1 << 20; 3];
+    let svg = timeline::svg("mast <P=3> & more", tasks, &timeline::held(tasks, &bytes));
+    let doc = roxmltree::Document::parse(&svg).expect("well-formed SVG");
+    let boxes = doc
+        .descendants()
+        .filter(|n| n.attribute("class") == Some("task"))
+        .count();
+    assert_eq!(boxes, tasks.iter().map(Vec::len).sum::<usize>());
+    assert_eq!(boxes, 3 * 2 * 2 * 2); // stages · replicas · micro-batches · (F, B)
+    let curves = doc.descendants().filter(|n| n.has_tag_name("path")).count();
+    assert_eq!(curves, 3, "one memory curve per rank");
+    // The measured timeline of a real run draws the same way.
+    let reports = run_local(&c).unwrap();
+    let measured: Vec<_> = reports.iter().map(|r| r.timeline.clone()).collect();
+    assert!(measured.iter().flatten().all(|t| t.start <= t.end));
+    let svg = timeline::svg("measured", &measured, &timeline::held(&measured, &bytes));
+    let doc = roxmltree::Document::parse(&svg).unwrap();
+    assert_eq!(
+        doc.descendants()
+            .filter(|n| n.attribute("class") == Some("task"))
+            .count(),
+        boxes
+    );
+}

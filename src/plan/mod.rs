@@ -5,3 +5,4 @@ pub mod cost;
 pub mod memory;
 pub mod partition;
 pub mod simulate;
+pub mod timeline;

@@ -196,6 +196,8 @@ pub struct RankReport {
     pub correct: Vec<(usize, usize)>,
     /// Per step: wall seconds on this rank.
     pub step_seconds: Vec<f64>,
+    /// The last step's tasks with their measured start and end (seconds from the step's start).
+    pub timeline: Vec<crate::schemes::schedule::Timed>,
     /// (param id, values) of every copy, orientation 0 first.
     pub params: Vec<(usize, usize, Vec<f64>)>,
 }
@@ -311,7 +313,8 @@ impl<'a> Rank<'a> {
         ((step * self.c.scheme.micro_batches_per_step() + gm) * self.micro_size()) as u64
     }
 
-    fn forward(&mut self, step: usize, t: Task, report: &mut RankReport) -> Result<()> {
+    /// Runs a forward task; returns when its computation started (after its inputs arrived).
+    fn forward(&mut self, step: usize, t: Task, report: &mut RankReport) -> Result<Instant> {
         let (s, layout) = (&self.c.scheme, self.layout);
         let g = &layout.graph;
         let gm = s.global_micro(self.group, t.replica, t.micro);
@@ -401,10 +404,11 @@ impl<'a> Rank<'a> {
         }
         self.pending
             .insert((t.replica, t.micro), Pending { tape, seeds });
-        Ok(())
+        Ok(start)
     }
 
-    fn backward(&mut self, t: Task) -> Result<()> {
+    /// Runs a backward task; returns when its computation started.
+    fn backward(&mut self, t: Task) -> Result<Instant> {
         let (s, layout) = (&self.c.scheme, self.layout);
         let Pending { tape, mut seeds } = self
             .pending
@@ -452,7 +456,7 @@ impl<'a> Rank<'a> {
                 }
             }
         }
-        Ok(())
+        Ok(start)
     }
 
     /// Sums each stage's gradients over its copies, commits BN statistics in reference order,
@@ -597,11 +601,22 @@ impl<'a> Rank<'a> {
             .iter()
             .map(|t| t.task)
             .collect();
+        let step_start = Instant::now();
+        report.timeline.clear();
         for t in tasks {
-            match t.pass {
+            let computing = match t.pass {
                 Pass::Forward => self.forward(step, t, report)?,
                 Pass::Backward => self.backward(t)?,
-            }
+            };
+            let (start, end) = (
+                (computing - step_start).as_secs_f64(),
+                step_start.elapsed().as_secs_f64(),
+            );
+            report.timeline.push(crate::schemes::schedule::Timed {
+                task: t,
+                start,
+                end,
+            });
         }
         self.synchronize(step)
     }
@@ -629,6 +644,7 @@ pub fn run_rank(c: &RunConfig, layout: &Layout, comm: &dyn Comm) -> Result<RankR
         losses: vec![],
         correct: vec![],
         step_seconds: vec![],
+        timeline: vec![],
         params: vec![],
     };
     for step in 0..c.train.steps {
@@ -698,6 +714,7 @@ pub fn gather_reports(comm: &dyn Comm, mine: RankReport) -> Result<Option<Vec<Ra
             losses,
             correct,
             step_seconds: vec![],
+            timeline: vec![],
             params: vec![],
         }
     };

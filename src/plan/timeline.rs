@@ -1,0 +1,141 @@
+//! Timeline pictures: ranks as rows, each task a box coloured by replica and pass (forward
+//! lighter, backward darker), idle time left blank, and under them each rank's activation
+//! memory over time. The same drawing serves the predicted schedule (`gems plan --timeline`)
+//! and the measured one (`gems train --timeline`), so the two can be laid side by side.
+
+use std::fmt::Write;
+
+use crate::schemes::schedule::{Pass, Timed};
+
+/// Colours per replica: (forward, backward).
+const COLOURS: [(&str, &str); 4] = [
+    ("#9ecae1", "#3182bd"),
+    ("#fdae6b", "#e6550d"),
+    ("#a1d99b", "#31a354"),
+    ("#bcbddc", "#756bb1"),
+];
+
+/// `tasks[r]`: rank r's tasks with start and end in seconds. `held[r]`: rank r's bytes of
+/// saved activations after each of its tasks.
+pub fn svg(title: &str, tasks: &[Vec<Timed>], held: &[Vec<(f64, u64)>]) -> String {
+    let end = tasks
+        .iter()
+        .flatten()
+        .map(|t| t.end)
+        .fold(0.0, f64::max)
+        .max(1e-12);
+    let (left, width, row, gap) = (70.0, 900.0, 28.0, 6.0);
+    let ranks = tasks.len();
+    let mem_top = 40.0 + ranks as f64 * (row + gap) + 30.0;
+    let mem_h = 90.0;
+    let height = mem_top + mem_h + 40.0;
+    let x = |t: f64| left + width * t / end;
+    let mut s = String::new();
+    let _ = writeln!(
+        s,
+        r#"<svg xmlns="http://www.w3.org/2000/svg" width="{}" height="{height}" font-family="sans-serif" font-size="11">"#,
+        left + width + 20.0
+    );
+    let _ = writeln!(
+        s,
+        r#"<text x="{left}" y="20" font-size="14">{}</text>"#,
+        escape(title)
+    );
+    for (r, list) in tasks.iter().enumerate() {
+        let y = 40.0 + r as f64 * (row + gap);
+        let _ = writeln!(s, r#"<text x="4" y="{}">rank {r}</text>"#, y + row * 0.65);
+        let _ = writeln!(
+            s,
+            r#"<rect x="{left}" y="{y}" width="{width}" height="{row}" fill="none" stroke="silver"/>"#
+        );
+        for t in list {
+            let (f, b) = COLOURS[t.task.replica % COLOURS.len()];
+            let (fill, letter) = if t.task.pass == Pass::Forward {
+                (f, "F")
+            } else {
+                (b, "B")
+            };
+            let w = (x(t.end) - x(t.start)).max(0.5);
+            let _ = writeln!(
+                s,
+                r#"<rect class="task" x="{:.2}" y="{y}" width="{w:.2}" height="{row}" fill="{fill}" stroke="white" stroke-width="0.5"><title>{letter} replica {} stage {} micro-batch {}: {:.4}–{:.4} s</title></rect>"#,
+                x(t.start),
+                t.task.replica,
+                t.task.stage,
+                t.task.micro,
+                t.start,
+                t.end
+            );
+        }
+    }
+    let most = held
+        .iter()
+        .flatten()
+        .map(|&(_, b)| b)
+        .max()
+        .unwrap_or(0)
+        .max(1);
+    let _ = writeln!(s, r#"<text x="4" y="{}">memory</text>"#, mem_top + 12.0);
+    let _ = writeln!(
+        s,
+        r#"<rect x="{left}" y="{mem_top}" width="{width}" height="{mem_h}" fill="none" stroke="silver"/>"#
+    );
+    for (r, points) in held.iter().enumerate() {
+        let colour = COLOURS[r % COLOURS.len()].1;
+        let mut path = format!("M {left} {}", mem_top + mem_h);
+        let mut prev = 0u64;
+        for &(t, b) in points {
+            let yv = |v: u64| mem_top + mem_h - mem_h * v as f64 / most as f64;
+            let _ = write!(
+                path,
+                " L {:.2} {:.2} L {:.2} {:.2}",
+                x(t),
+                yv(prev),
+                x(t),
+                yv(b)
+            );
+            prev = b;
+        }
+        let _ = writeln!(
+            s,
+            r#"<path d="{path}" fill="none" stroke="{colour}" stroke-width="1.5"><title>rank {r}: activations held, peak {}</title></path>"#,
+            crate::memory::human_bytes(points.iter().map(|p| p.1).max().unwrap_or(0))
+        );
+    }
+    let _ = writeln!(
+        s,
+        r#"<text x="{left}" y="{}">0 s</text><text x="{}" y="{}" text-anchor="end">{end:.4} s</text>"#,
+        height - 12.0,
+        left + width,
+        height - 12.0
+    );
+    s.push_str("</svg>\n");
+    s
+}
+
+fn escape(t: &str) -> String {
+    t.replace('&', "&amp;")
+        .replace('<', "&lt;")
+        .replace('>', "&gt;")
+}
+
+/// Bytes of saved activations each rank holds after each task: forward adds its stage's
+/// per-micro-batch bytes, backward releases them.
+pub fn held(tasks: &[Vec<Timed>], stage_bytes: &[u64]) -> Vec<Vec<(f64, u64)>> {
+    tasks
+        .iter()
+        .map(|list| {
+            let mut now = 0u64;
+            list.iter()
+                .map(|t| {
+                    let b = stage_bytes[t.task.stage];
+                    now = match t.task.pass {
+                        Pass::Forward => now + b,
+                        Pass::Backward => now.saturating_sub(b),
+                    };
+                    (t.end, now)
+                })
+                .collect()
+        })
+        .collect()
+}
