@@ -1,5 +1,8 @@
 //! With a profile calibrated on this machine, the predicted step time of single and mp runs is
-//! within 25% of the measured one. (Its own test binary: timings need the machine to itself.)
+//! within 25% of the measured one. A measurement, not a check of logic: it needs the machine to
+//! itself (a compile running beside it made one run predict 2.6× the measured time), so it is
+//! run by hand — `cargo test --release --test calibration -- --ignored` — and its figures are
+//! in docs/PERFORMANCE.md.
 
 use std::sync::Arc;
 
@@ -12,6 +15,7 @@ use gems::train::TrainConfig;
 use gems::{models, DType, Device};
 
 #[test]
+#[ignore = "timing: needs an otherwise idle machine"]
 fn calibrated_step_time_predictions_hold() {
     let micro = 16;
     let g = models::build("resnet20v2", 32, 10).unwrap();
