@@ -436,43 +436,38 @@ fn train(a: TrainArgs) -> anyhow::Result<()> {
 /// --device-memory by metered runs.
 fn run_config(a: &TrainArgs) -> anyhow::Result<RunConfig> {
     let steps = a.steps.unwrap_or(150);
-    let mut c = RunConfig {
-        train: TrainConfig {
-            model: a.model.clone(),
-            image_size: a.image_size,
-            classes: a.classes,
-            batch_size: match a.batch_size {
-                Choice::Fixed(b) => b,
-                Choice::Auto => a.spread.parts,
-            },
-            steps,
-            schedule: LrSchedule {
-                base: a.lr,
-                decay: a.schedule,
-                warmup: a.warmup,
-                total: steps,
-            },
-            sgd: SgdConfig {
-                momentum: a.momentum,
-                weight_decay: a.weight_decay,
-                nesterov: a.nesterov,
-            },
-            seed: a.seed,
-            dtype: a.dtype,
-            device_memory: a.device_memory,
+    let train = TrainConfig {
+        model: a.model.clone(),
+        image_size: a.image_size,
+        classes: a.classes,
+        batch_size: match a.batch_size {
+            Choice::Fixed(b) => b,
+            Choice::Auto => a.spread.parts,
         },
-        scheme: a.spread.scheme()?,
-        balance: a.spread.balance.clone(),
-        max_in_flight: a.spread.max_in_flight,
-        return_params: false,
-        metered: false,
-        calibration: match &a.calibration {
-            Some(p) => Some(std::sync::Arc::new(
-                gems::plan::calibrate::Calibration::load(p)?,
-            )),
-            None => None,
+        steps,
+        schedule: LrSchedule {
+            base: a.lr,
+            decay: a.schedule,
+            warmup: a.warmup,
+            total: steps,
         },
+        sgd: SgdConfig {
+            momentum: a.momentum,
+            weight_decay: a.weight_decay,
+            nesterov: a.nesterov,
+        },
+        seed: a.seed,
+        dtype: a.dtype,
+        device_memory: a.device_memory,
     };
+    let mut c = RunConfig::new(train, a.spread.scheme()?);
+    c.balance = a.spread.balance.clone();
+    c.max_in_flight = a.spread.max_in_flight;
+    if let Some(p) = &a.calibration {
+        c.calibration = Some(std::sync::Arc::new(
+            gems::plan::calibrate::Calibration::load(p)?,
+        ));
+    }
     let needs = |what: &str| anyhow::anyhow!("{what} needs --device-memory to choose against");
     if a.spread.replicas == Some(Choice::Auto) {
         let cap = a.device_memory.ok_or_else(|| needs("--replicas auto"))?;

@@ -30,6 +30,41 @@ pub struct TrainConfig {
     pub device_memory: Option<u64>,
 }
 
+impl TrainConfig {
+    /// `model` on `image_size`² images of `classes` classes, `batch_size` images per step for
+    /// `steps` steps; SGD with momentum 0.9 and weight decay 5e-4 at a constant 0.05; seed 0,
+    /// f32, no capacity. Change the fields for anything else.
+    pub fn new(
+        model: &str,
+        image_size: usize,
+        classes: usize,
+        batch_size: usize,
+        steps: usize,
+    ) -> TrainConfig {
+        TrainConfig {
+            model: model.to_string(),
+            image_size,
+            classes,
+            batch_size,
+            steps,
+            schedule: LrSchedule {
+                base: 0.05,
+                decay: crate::runtime::schedule::Decay::Constant,
+                warmup: 0,
+                total: steps,
+            },
+            sgd: SgdConfig {
+                momentum: 0.9,
+                weight_decay: 5e-4,
+                nesterov: false,
+            },
+            seed: 0,
+            dtype: DType::F32,
+            device_memory: None,
+        }
+    }
+}
+
 /// What one optimizer step did.
 #[derive(Clone, Debug, serde::Serialize)]
 pub struct StepReport {

@@ -8,8 +8,6 @@ use std::sync::Arc;
 
 use gems::plan::calibrate::calibrate;
 use gems::runtime::executor::{run_local, Layout, RunConfig};
-use gems::runtime::optim::SgdConfig;
-use gems::runtime::schedule::{Decay, LrSchedule};
 use gems::schemes::{Kind, Order, Scheme};
 use gems::train::TrainConfig;
 use gems::{models, DType, Device};
@@ -26,42 +24,22 @@ fn calibrated_step_time_predictions_hold() {
         let cal =
             Arc::new(calibrate(&g, "resnet20v2", 32, 10, micro, DType::F32, &device, 5).unwrap());
         let kind = if stages == 1 { Kind::Single } else { Kind::Mp };
-        let c = RunConfig {
-            train: TrainConfig {
-                model: "resnet20v2".into(),
-                image_size: 32,
-                classes: 10,
-                batch_size: micro * parts,
-                steps: 13,
-                schedule: LrSchedule {
-                    base: 0.05,
-                    decay: Decay::Constant,
-                    warmup: 0,
-                    total: 7,
-                },
-                sgd: SgdConfig {
-                    momentum: 0.9,
-                    weight_decay: 5e-4,
-                    nesterov: false,
-                },
-                seed: 1,
-                dtype: DType::F32,
-                device_memory: None,
-            },
-            scheme: Scheme {
-                kind,
-                stages,
-                parts,
-                replicas: 1,
-                dp: 1,
-                order: Order::GPipe,
-            },
-            balance: None,
-            max_in_flight: None,
-            return_params: false,
-            metered: false,
-            calibration: Some(cal),
+        let scheme = Scheme {
+            kind,
+            stages,
+            parts,
+            replicas: 1,
+            dp: 1,
+            order: Order::GPipe,
         };
+        let mut c = RunConfig::new(
+            TrainConfig {
+                seed: 1,
+                ..TrainConfig::new("resnet20v2", 32, 10, micro * parts, 13)
+            },
+            scheme,
+        );
+        c.calibration = Some(cal);
         let predicted = Layout::new(&c).unwrap().predicted_step(true);
         let reports = run_local(&c).unwrap();
         let mut steps: Vec<f64> = reports[0].step_seconds[1..].to_vec();

@@ -3,11 +3,8 @@
 
 use gems::plan::memory;
 use gems::runtime::executor::{run_local, RunConfig};
-use gems::runtime::optim::SgdConfig;
-use gems::runtime::schedule::{Decay, LrSchedule};
 use gems::schemes::{Kind, Order, Scheme};
 use gems::train::TrainConfig;
-use gems::DType;
 
 fn config(
     model: &str,
@@ -16,35 +13,15 @@ fn config(
     scheme: Scheme,
     max_in_flight: Option<usize>,
 ) -> RunConfig {
-    RunConfig {
-        train: TrainConfig {
-            model: model.into(),
-            image_size: image,
-            classes: 4,
-            batch_size: batch,
-            steps: 2,
-            schedule: LrSchedule {
-                base: 0.05,
-                decay: Decay::Constant,
-                warmup: 0,
-                total: 2,
-            },
-            sgd: SgdConfig {
-                momentum: 0.9,
-                weight_decay: 1e-4,
-                nesterov: false,
-            },
+    let mut c = RunConfig::new(
+        TrainConfig {
             seed: 5,
-            dtype: DType::F32,
-            device_memory: None,
+            ..TrainConfig::new(model, image, 4, batch, 2)
         },
         scheme,
-        balance: None,
-        max_in_flight,
-        return_params: false,
-        metered: false,
-        calibration: None,
-    }
+    );
+    c.max_in_flight = max_in_flight;
+    c
 }
 
 fn scheme(

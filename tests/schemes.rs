@@ -14,18 +14,14 @@ use gems::DType;
 const STEPS: usize = 3;
 
 fn train(model: &str, batch: usize, dtype: DType) -> TrainConfig {
+    // AmoebaNet at 32² ends at 1×1 maps, where BN over a micro-batch of two values is so
+    // ill-conditioned that rounding differences grow past 1e-9 in three steps; 64² is not.
+    let image = if model.starts_with("amoebanet") {
+        64
+    } else {
+        32
+    };
     TrainConfig {
-        model: model.into(),
-        // AmoebaNet at 32² ends at 1×1 maps, where BN over a micro-batch of two values is so
-        // ill-conditioned that rounding differences grow past 1e-9 in three steps; 64² is not.
-        image_size: if model.starts_with("amoebanet") {
-            64
-        } else {
-            32
-        },
-        classes: 4,
-        batch_size: batch,
-        steps: STEPS,
         schedule: LrSchedule {
             base: 0.05,
             decay: Decay::Cosine,
@@ -39,20 +35,13 @@ fn train(model: &str, batch: usize, dtype: DType) -> TrainConfig {
         },
         seed: 11,
         dtype,
-        device_memory: None,
+        ..TrainConfig::new(model, image, 4, batch, STEPS)
     }
 }
 
 fn run(model: &str, scheme: Scheme, batch: usize, dtype: DType) -> Vec<RankReport> {
-    let c = RunConfig {
-        train: train(model, batch, dtype),
-        scheme,
-        balance: None,
-        max_in_flight: None,
-        return_params: true,
-        metered: false,
-        calibration: None,
-    };
+    let mut c = RunConfig::new(train(model, batch, dtype), scheme);
+    c.return_params = true;
     run_local(&c).unwrap_or_else(|e| panic!("{scheme:?}: {e}"))
 }
 

@@ -103,7 +103,7 @@ pub fn check_fits(c: &RunConfig) -> Result<()> {
     )))
 }
 
-/// A single-device run of `model` with batch `batch` (for questions about one device).
+/// A metered single-device run of `model` with batch `batch` (for questions about one device).
 pub fn single_device(
     model: &str,
     image_size: usize,
@@ -111,32 +111,14 @@ pub fn single_device(
     dtype: DType,
     batch: usize,
 ) -> RunConfig {
-    use crate::runtime::optim::SgdConfig;
-    use crate::runtime::schedule::{Decay, LrSchedule};
     use crate::schemes::{Kind, Order, Scheme};
-    RunConfig {
-        train: crate::train::TrainConfig {
-            model: model.to_string(),
-            image_size,
-            classes,
-            batch_size: batch,
-            steps: 1,
-            schedule: LrSchedule {
-                base: 0.1,
-                decay: Decay::Constant,
-                warmup: 0,
-                total: 1,
-            },
-            sgd: SgdConfig {
-                momentum: 0.9,
-                weight_decay: 0.0,
-                nesterov: false,
-            },
-            seed: 0,
-            dtype,
-            device_memory: None,
-        },
-        scheme: Scheme {
+    let train = crate::train::TrainConfig {
+        dtype,
+        ..crate::train::TrainConfig::new(model, image_size, classes, batch, 1)
+    };
+    let mut c = RunConfig::new(
+        train,
+        Scheme {
             kind: Kind::Single,
             stages: 1,
             parts: 1,
@@ -144,10 +126,7 @@ pub fn single_device(
             dp: 1,
             order: Order::GPipe,
         },
-        balance: None,
-        max_in_flight: None,
-        return_params: false,
-        metered: true,
-        calibration: None,
-    }
+    );
+    c.metered = true;
+    c
 }

@@ -46,6 +46,22 @@ pub struct RunConfig {
     pub calibration: Option<std::sync::Arc<crate::plan::calibrate::Calibration>>,
 }
 
+impl RunConfig {
+    /// `train` spread by `scheme`: split balanced by cost, no bound on activations held, a
+    /// real (not metered) run without calibration.
+    pub fn new(train: TrainConfig, scheme: Scheme) -> RunConfig {
+        RunConfig {
+            train,
+            scheme,
+            balance: None,
+            max_in_flight: None,
+            return_params: false,
+            metered: false,
+            calibration: None,
+        }
+    }
+}
+
 /// Everything all ranks agree on: the graph, its stages and the schedule.
 pub struct Layout {
     pub graph: Graph,
