@@ -187,9 +187,9 @@ struct SchemeArgs {
     /// single, dp, mp, mast or master.
     #[arg(long, default_value = "single")]
     scheme: Kind,
-    /// P: pipeline stages.
-    #[arg(long, default_value_t = 1)]
-    split: usize,
+    /// P: pipeline stages, or `auto`: the fewest whose plan fits --device-memory.
+    #[arg(long, default_value = "1")]
+    split: Choice,
     /// m: micro-batches per replica pass (--batch-size is split into these).
     #[arg(long, default_value_t = 1)]
     parts: usize,
@@ -227,7 +227,10 @@ impl SchemeArgs {
         };
         let s = Scheme {
             kind: self.scheme,
-            stages: self.split,
+            stages: match self.split {
+                Choice::Fixed(p) => p,
+                Choice::Auto => 1,
+            },
             parts: self.parts,
             replicas,
             dp: self.dp,
@@ -248,7 +251,7 @@ impl SchemeArgs {
 
     /// Whether this is plain one-device training.
     fn is_single(&self) -> bool {
-        self.scheme == Kind::Single && self.parts == 1
+        self.scheme == Kind::Single && self.parts == 1 && self.split == Choice::Fixed(1)
     }
 }
 
@@ -469,6 +472,11 @@ fn run_config(a: &TrainArgs) -> anyhow::Result<RunConfig> {
         ));
     }
     let needs = |what: &str| anyhow::anyhow!("{what} needs --device-memory to choose against");
+    if a.spread.split == Choice::Auto {
+        let cap = a.device_memory.ok_or_else(|| needs("--split auto"))?;
+        c = gems::plan::memory::choose_split(&c, cap)?;
+        println!("--split auto: {} stages", c.scheme.stages);
+    }
     if a.spread.replicas == Some(Choice::Auto) {
         let cap = a.device_memory.ok_or_else(|| needs("--replicas auto"))?;
         if a.spread.scheme != Kind::Mast {

@@ -236,3 +236,40 @@ fn timeline_svg_is_valid_and_shows_every_task() {
         boxes
     );
 }
+
+#[test]
+fn split_auto_picks_the_fewest_stages_that_fit() {
+    let single = config(
+        "resnet20v2",
+        32,
+        16,
+        scheme(Kind::Single, 1, 1, 1, 1, Order::GPipe),
+        None,
+    );
+    let need = memory::per_rank(&single).unwrap()[0].peak;
+    let cap = need * 2 / 3;
+    let mut chosen = memory::choose_split(&single, cap).unwrap();
+    let p = chosen.scheme.stages;
+    assert!(
+        p >= 2 && chosen.scheme.kind == Kind::Mp,
+        "{:?}",
+        chosen.scheme
+    );
+    let mut fewer = chosen.clone();
+    fewer.scheme.stages = p - 1;
+    if p - 1 == 1 {
+        fewer.scheme.kind = Kind::Single;
+    }
+    assert!(
+        !memory::fits(&fewer, cap).unwrap(),
+        "{} stages would have fit",
+        p - 1
+    );
+    chosen.train.device_memory = Some(cap);
+    run_local(&chosen).unwrap();
+    // A capacity nothing fits is refused with the rank and the excess.
+    let e = memory::choose_split(&single, 1 << 20)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("the plan does not fit: rank"), "{e}");
+}

@@ -75,6 +75,27 @@ pub fn choose_replicas(c: &RunConfig, cap: u64) -> Result<RunConfig> {
     Ok(one)
 }
 
+/// The fewest pipeline stages (balanced by cost) whose plan fits `cap`, the scheme becoming
+/// MP-Basic where it was single; an error with the closest miss when even the most cut points
+/// allow does not fit.
+pub fn choose_split(c: &RunConfig, cap: u64) -> Result<RunConfig> {
+    let graph = crate::models::build(&c.train.model, c.train.image_size, c.train.classes)?;
+    let most = crate::plan::partition::cut_points(&graph).len() + 1;
+    let mut t = c.clone();
+    t.balance = None;
+    for p in 1..=most {
+        t.scheme.stages = p;
+        if p > 1 && t.scheme.kind == crate::schemes::Kind::Single {
+            t.scheme.kind = crate::schemes::Kind::Mp;
+        }
+        if fits(&t, cap)? {
+            return Ok(t);
+        }
+    }
+    t.train.device_memory = Some(cap);
+    check_fits(&t).map(|_| t)
+}
+
 /// Checks every rank's predicted peak against the capacity; the error names the rank that
 /// exceeds it most, by how much, and the largest batch that would fit.
 pub fn check_fits(c: &RunConfig) -> Result<()> {
