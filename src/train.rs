@@ -208,8 +208,9 @@ impl Trainer {
         Ok(t)
     }
 
-    /// Loss and accuracy of the first output over `samples` held-out images, with BN in eval
-    /// mode and no dropout; changes nothing.
+    /// Loss and accuracy of the first output used outside training over `samples` held-out
+    /// images, with BN in eval mode and no dropout (an auxiliary classifier is not computed);
+    /// changes nothing.
     pub fn evaluate(&mut self, samples: usize, batch_size: usize) -> Result<Evaluation> {
         if samples == 0 || batch_size == 0 {
             return Err(Error::Config(
@@ -222,7 +223,12 @@ impl Trainer {
             ..self.data
         };
         let g = &self.graph;
-        let out = g.outputs[0].value;
+        let out = g
+            .outputs
+            .iter()
+            .find(|o| !o.training_only)
+            .ok_or_else(|| Error::Config(format!("{} has no output to evaluate", g.name)))?
+            .value;
         let (mut loss, mut correct, mut done) = (0.0, 0, 0);
         while done < samples {
             let b = batch_size.min(samples - done);

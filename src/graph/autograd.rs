@@ -110,9 +110,9 @@ fn node_seed(seed: u64, node: usize) -> u64 {
     splitmix64(seed ^ splitmix64(node as u64 + 1))
 }
 
-/// Runs `nodes` of `graph` from `feeds`, returning the values in `keep`. With `training`, the
-/// tape holds what backward needs; `input_grads` makes the fed values want gradients (a
-/// pipeline stage sends them upstream).
+/// Runs the nodes of `nodes` that `keep` depends on, from `feeds`, returning the values in
+/// `keep`. With `training`, the tape holds what backward needs; `input_grads` makes the fed
+/// values want gradients (a pipeline stage sends them upstream).
 #[allow(clippy::too_many_arguments)]
 pub fn forward(
     graph: &Graph,
@@ -129,8 +129,19 @@ pub fn forward(
     let mut values: Vec<Option<Tensor>> = vec![None; nv];
     let mut uses = vec![0usize; nv];
     let mut requires_grad = vec![false; nv];
-    for n in &graph.nodes[nodes.clone()] {
-        n.inputs.iter().for_each(|&v| uses[v] += 1);
+    // Only the nodes `keep` depends on run (eval skips an auxiliary classifier).
+    let mut wanted = vec![false; nv];
+    keep.iter().for_each(|&v| wanted[v] = true);
+    let mut needed = vec![false; graph.nodes.len()];
+    for id in nodes.clone().rev() {
+        let n = &graph.nodes[id];
+        if wanted[n.output] {
+            needed[id] = true;
+            n.inputs.iter().for_each(|&v| {
+                wanted[v] = true;
+                uses[v] += 1;
+            });
+        }
     }
     for (v, t) in feeds {
         requires_grad[v] = input_grads;
@@ -146,6 +157,13 @@ pub fn forward(
     };
     for id in nodes {
         let node = &graph.nodes[id];
+        if !needed[id] {
+            if training {
+                tape.input_shapes.push(Vec::new());
+                tape.saved.push(None);
+            }
+            continue;
+        }
         let ins: Vec<&Tensor> = node
             .inputs
             .iter()
