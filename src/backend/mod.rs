@@ -326,10 +326,6 @@ impl Device {
         self.inner.allocator.stats()
     }
 
-    pub fn reset_peak(&self) {
-        self.inner.allocator.reset_peak()
-    }
-
     /// A zero-filled tensor whose bytes count as `category`.
     pub fn zeros(&self, shape: Shape, dtype: DType, category: Category) -> Result<Tensor> {
         let n = shape.numel();

@@ -167,13 +167,6 @@ impl Allocator {
             at_peak: s.at_peak,
         }
     }
-
-    /// Starts a new peak measurement from what is live now.
-    pub fn reset_peak(&self) {
-        let mut s = self.state();
-        s.peak = s.live.total();
-        s.at_peak = s.live;
-    }
 }
 
 /// Bytes held from an allocator; returned on drop.
@@ -187,9 +180,6 @@ pub struct Lease {
 impl Lease {
     pub fn bytes(&self) -> u64 {
         self.bytes
-    }
-    pub fn category(&self) -> Category {
-        self.category
     }
 }
 

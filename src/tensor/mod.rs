@@ -65,12 +65,6 @@ impl Shape {
         assert_eq!(self.rank(), 4, "expected an NCHW shape, got {self}");
         (self.0[0], self.0[1], self.0[2], self.0[3])
     }
-    /// The same shape with another outermost (batch) dimension.
-    pub fn with_batch(&self, n: usize) -> Shape {
-        let mut d = self.0.clone();
-        d[0] = n;
-        Shape(d)
-    }
 }
 
 impl fmt::Display for Shape {
