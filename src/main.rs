@@ -225,17 +225,19 @@ impl SchemeArgs {
             _ if self.scheme == Kind::Mast => 2,
             _ => 1,
         };
-        let s = Scheme {
-            kind: self.scheme,
-            stages: match self.split {
-                Choice::Fixed(p) => p,
-                Choice::Auto => 1,
-            },
-            parts: self.parts,
-            replicas,
-            dp: self.dp,
-            order: self.order,
+        // `auto` is resolved against memory later, from one stage up.
+        let stages = match self.split {
+            Choice::Fixed(p) => p,
+            Choice::Auto => 1,
         };
+        let s = Scheme::new(
+            self.scheme,
+            stages,
+            self.parts,
+            replicas,
+            self.dp,
+            self.order,
+        );
         if let Some(n) = self.ranks {
             if n != s.world() {
                 anyhow::bail!(
@@ -524,14 +526,10 @@ fn plan(a: TrainArgs) -> anyhow::Result<()> {
         "{:<6} {:>12} {:>12} {:>20} {:>22}",
         "stage", "nodes", "parameters", "saved/micro-batch", "fwd+bwd/micro-batch"
     );
+    let saved = layout.saved_per_micro_batch(c.train.dtype, micro);
     for (i, r) in layout.partition.stages.iter().enumerate() {
-        let params: usize = g.nodes[r.clone()]
-            .iter()
-            .flat_map(|n| n.params.clone())
-            .filter(|&p| g.params[p].spec.trainable)
-            .map(|p| g.params[p].spec.shape.numel())
-            .sum();
-        let saved = gems::graph::saved_bytes(g, r.clone(), c.train.dtype) * micro as u64;
+        let params = g.trainable_in(r.clone());
+        let saved = saved[i];
         let secs: f64 = costs[r.clone()].iter().sum();
         println!(
             "{i:<6} {:>12} {params:>12} {:>20} {:>20.2} ms",
@@ -561,12 +559,7 @@ fn plan(a: TrainArgs) -> anyhow::Result<()> {
             .join(" ")
     );
     if let Some(path) = &a.timeline {
-        let bytes: Vec<u64> = layout
-            .partition
-            .stages
-            .iter()
-            .map(|r| gems::graph::saved_bytes(g, r.clone(), c.train.dtype) * micro as u64)
-            .collect();
+        let bytes = layout.saved_per_micro_batch(c.train.dtype, micro);
         let title = format!(
             "{} {} P={} m={} η={}: predicted",
             g.name, s.kind, s.stages, s.parts, s.replicas
@@ -758,12 +751,7 @@ fn train_spread(a: TrainArgs) -> anyhow::Result<()> {
     if let Some(path) = &a.timeline {
         let g = &layout.graph;
         let micro = c.train.batch_size / scheme.parts;
-        let bytes: Vec<u64> = layout
-            .partition
-            .stages
-            .iter()
-            .map(|r| gems::graph::saved_bytes(g, r.clone(), c.train.dtype) * micro as u64)
-            .collect();
+        let bytes = layout.saved_per_micro_batch(c.train.dtype, micro);
         let mut tasks = vec![Vec::new(); scheme.stages];
         for r in reports.iter().filter(|r| r.rank < scheme.stages) {
             tasks[r.rank] = r.timeline.clone();

@@ -24,14 +24,7 @@ fn calibrated_step_time_predictions_hold() {
         let cal =
             Arc::new(calibrate(&g, "resnet20v2", 32, 10, micro, DType::F32, &device, 5).unwrap());
         let kind = if stages == 1 { Kind::Single } else { Kind::Mp };
-        let scheme = Scheme {
-            kind,
-            stages,
-            parts,
-            replicas: 1,
-            dp: 1,
-            order: Order::GPipe,
-        };
+        let scheme = Scheme::new(kind, stages, parts, 1, 1, Order::GPipe);
         let mut c = RunConfig::new(
             TrainConfig {
                 seed: 1,

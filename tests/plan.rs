@@ -24,36 +24,18 @@ fn config(
     c
 }
 
-fn scheme(
-    kind: Kind,
-    stages: usize,
-    parts: usize,
-    replicas: usize,
-    dp: usize,
-    order: Order,
-) -> Scheme {
-    Scheme {
-        kind,
-        stages,
-        parts,
-        replicas,
-        dp,
-        order,
-    }
-}
-
 #[test]
 fn predicted_peak_per_rank_matches_the_allocator() {
     let cases = [
-        (scheme(Kind::Single, 1, 1, 1, 1, Order::GPipe), None),
-        (scheme(Kind::Single, 1, 2, 1, 1, Order::GPipe), None),
-        (scheme(Kind::Mp, 3, 3, 1, 1, Order::GPipe), None),
-        (scheme(Kind::Mp, 3, 3, 1, 1, Order::OneFOneB), None),
-        (scheme(Kind::Mast, 2, 2, 2, 1, Order::GPipe), None),
-        (scheme(Kind::Mast, 2, 2, 2, 1, Order::GPipe), Some(2)),
-        (scheme(Kind::Mast, 3, 1, 2, 1, Order::GPipe), None),
-        (scheme(Kind::Master, 2, 1, 4, 1, Order::GPipe), None),
-        (scheme(Kind::Mast, 2, 1, 2, 2, Order::GPipe), None),
+        (Scheme::new(Kind::Single, 1, 1, 1, 1, Order::GPipe), None),
+        (Scheme::new(Kind::Single, 1, 2, 1, 1, Order::GPipe), None),
+        (Scheme::new(Kind::Mp, 3, 3, 1, 1, Order::GPipe), None),
+        (Scheme::new(Kind::Mp, 3, 3, 1, 1, Order::OneFOneB), None),
+        (Scheme::new(Kind::Mast, 2, 2, 2, 1, Order::GPipe), None),
+        (Scheme::new(Kind::Mast, 2, 2, 2, 1, Order::GPipe), Some(2)),
+        (Scheme::new(Kind::Mast, 3, 1, 2, 1, Order::GPipe), None),
+        (Scheme::new(Kind::Master, 2, 1, 4, 1, Order::GPipe), None),
+        (Scheme::new(Kind::Mast, 2, 1, 2, 2, Order::GPipe), None),
     ];
     for (model, image) in [("resnet20v2", 32), ("amoebanet_d_3x8", 64)] {
         for (s, bound) in cases {
@@ -87,7 +69,7 @@ fn replicas_auto_follows_the_memory_mast_needs() {
         "resnet20v2",
         32,
         4,
-        scheme(Kind::Mast, 2, 2, 2, 1, Order::GPipe),
+        Scheme::new(Kind::Mast, 2, 2, 2, 1, Order::GPipe),
         None,
     );
     let need = memory::per_rank(&mast)
@@ -119,7 +101,7 @@ fn batch_size_max_fits_and_one_more_is_refused() {
         "resnet20v2",
         32,
         2,
-        scheme(Kind::Mp, 2, 2, 1, 1, Order::OneFOneB),
+        Scheme::new(Kind::Mp, 2, 2, 1, 1, Order::OneFOneB),
         None,
     );
     let cap = 24 << 20;
@@ -146,7 +128,7 @@ fn simulated_weak_scaling_and_the_mast_gain() {
         "resnet110v2",
         128,
         1,
-        scheme(Kind::Master, 4, 1, 4, 1, Order::GPipe),
+        Scheme::new(Kind::Master, 4, 1, 4, 1, Order::GPipe),
         None,
     );
     for profile in [Profile::V100_IB, Profile::H100_NVLINK_IB] {
@@ -171,14 +153,14 @@ fn simulated_weak_scaling_and_the_mast_gain() {
             "resnet110v2",
             128,
             1,
-            scheme(Kind::Mast, p, 1, 2, 1, Order::GPipe),
+            Scheme::new(Kind::Mast, p, 1, 2, 1, Order::GPipe),
             None,
         );
         let mp = config(
             "resnet110v2",
             128,
             1,
-            scheme(Kind::Mp, p, 1, 1, 1, Order::GPipe),
+            Scheme::new(Kind::Mp, p, 1, 1, 1, Order::GPipe),
             None,
         );
         let rate = |c: &RunConfig| {
@@ -207,7 +189,7 @@ fn timeline_svg_is_valid_and_shows_every_task() {
         "resnet20v2",
         32,
         4,
-        scheme(Kind::Mast, 3, 2, 2, 1, Order::GPipe),
+        Scheme::new(Kind::Mast, 3, 2, 2, 1, Order::GPipe),
         None,
     );
     let layout = Layout::new(&c).unwrap();
@@ -243,7 +225,7 @@ fn split_auto_picks_the_fewest_stages_that_fit() {
         "resnet20v2",
         32,
         16,
-        scheme(Kind::Single, 1, 1, 1, 1, Order::GPipe),
+        Scheme::new(Kind::Single, 1, 1, 1, 1, Order::GPipe),
         None,
     );
     let need = memory::per_rank(&single).unwrap()[0].peak;

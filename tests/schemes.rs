@@ -48,14 +48,7 @@ fn run(model: &str, scheme: Scheme, batch: usize, dtype: DType) -> Vec<RankRepor
 /// The reference: one rank, the same M micro-batches in order.
 fn reference(model: &str, s: &Scheme, batch: usize, dtype: DType) -> HashMap<usize, Vec<f64>> {
     let m = s.micro_batches_per_step();
-    let single = Scheme {
-        kind: Kind::Single,
-        stages: 1,
-        parts: m,
-        replicas: 1,
-        dp: 1,
-        order: Order::GPipe,
-    };
+    let single = Scheme::single(m);
     let r = run(model, single, m * batch / s.parts, dtype);
     r[0].params
         .iter()
@@ -102,34 +95,20 @@ fn check(model: &str, s: Scheme, batch: usize) {
     assert!(got.iter().all(|r| r.losses.len() == STEPS));
 }
 
-fn scheme(
-    kind: Kind,
-    stages: usize,
-    parts: usize,
-    replicas: usize,
-    dp: usize,
-    order: Order,
-) -> Scheme {
-    Scheme {
-        kind,
-        stages,
-        parts,
-        replicas,
-        dp,
-        order,
-    }
-}
-
 /// Every scheme of the issue, on `model`.
 fn every_scheme(model: &str) {
-    check(model, scheme(Kind::Mp, 2, 2, 1, 1, Order::GPipe), 4);
-    check(model, scheme(Kind::Mp, 3, 3, 1, 1, Order::OneFOneB), 3);
-    check(model, scheme(Kind::Mast, 2, 2, 2, 1, Order::GPipe), 4);
-    check(model, scheme(Kind::Mast, 3, 1, 2, 1, Order::GPipe), 2);
-    check(model, scheme(Kind::Master, 2, 1, 4, 1, Order::GPipe), 2);
-    check(model, scheme(Kind::Mp, 2, 2, 1, 2, Order::OneFOneB), 2);
-    check(model, scheme(Kind::Mast, 2, 1, 2, 2, Order::GPipe), 2);
-    check(model, scheme(Kind::Dp, 1, 1, 1, 2, Order::GPipe), 2);
+    check(model, Scheme::new(Kind::Mp, 2, 2, 1, 1, Order::GPipe), 4);
+    check(model, Scheme::new(Kind::Mp, 3, 3, 1, 1, Order::OneFOneB), 3);
+    check(model, Scheme::new(Kind::Mast, 2, 2, 2, 1, Order::GPipe), 4);
+    check(model, Scheme::new(Kind::Mast, 3, 1, 2, 1, Order::GPipe), 2);
+    check(
+        model,
+        Scheme::new(Kind::Master, 2, 1, 4, 1, Order::GPipe),
+        2,
+    );
+    check(model, Scheme::new(Kind::Mp, 2, 2, 1, 2, Order::OneFOneB), 2);
+    check(model, Scheme::new(Kind::Mast, 2, 1, 2, 2, Order::GPipe), 2);
+    check(model, Scheme::new(Kind::Dp, 1, 1, 1, 2, Order::GPipe), 2);
 }
 
 #[test]
@@ -147,7 +126,7 @@ fn every_scheme_matches_single_on_amoebanet_d() {
 fn single_scheme_equals_the_trainer_bit_for_bit() {
     let r = run(
         "resnet20v2",
-        scheme(Kind::Single, 1, 1, 1, 1, Order::GPipe),
+        Scheme::new(Kind::Single, 1, 1, 1, 1, Order::GPipe),
         4,
         DType::F32,
     );

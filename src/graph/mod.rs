@@ -81,6 +81,16 @@ impl Graph {
         &self.values[self.input].shape
     }
 
+    /// Trainable parameters of the nodes in `nodes`.
+    pub fn trainable_in(&self, nodes: std::ops::Range<usize>) -> usize {
+        self.nodes[nodes]
+            .iter()
+            .flat_map(|n| n.params.clone())
+            .filter(|&p| self.params[p].spec.trainable)
+            .map(|p| self.params[p].spec.shape.numel())
+            .sum()
+    }
+
     /// Trainable parameter count.
     pub fn parameter_count(&self) -> usize {
         self.params

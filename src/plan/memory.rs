@@ -132,22 +132,12 @@ pub fn single_device(
     dtype: DType,
     batch: usize,
 ) -> RunConfig {
-    use crate::schemes::{Kind, Order, Scheme};
+    use crate::schemes::Scheme;
     let train = crate::train::TrainConfig {
         dtype,
         ..crate::train::TrainConfig::new(model, image_size, classes, batch, 1)
     };
-    let mut c = RunConfig::new(
-        train,
-        Scheme {
-            kind: Kind::Single,
-            stages: 1,
-            parts: 1,
-            replicas: 1,
-            dp: 1,
-            order: Order::GPipe,
-        },
-    );
+    let mut c = RunConfig::new(train, Scheme::single(1));
     c.metered = true;
     c
 }

@@ -154,12 +154,7 @@ pub fn step(c: &RunConfig, layout: &Layout, profile: &Profile, groups: usize) ->
     let all_reduce = stages
         .iter()
         .map(|r| {
-            let params: usize = g.nodes[r.clone()]
-                .iter()
-                .flat_map(|n| n.params.clone())
-                .filter(|&p| g.params[p].spec.trainable)
-                .map(|p| g.params[p].spec.shape.numel())
-                .sum();
+            let params = g.trainable_in(r.clone());
             profile.all_reduce((params * dtype.size()) as f64, holders, one_node)
         })
         .fold(0.0, f64::max);

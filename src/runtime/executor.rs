@@ -172,6 +172,15 @@ impl Layout {
         }
     }
 
+    /// Bytes each stage saves for backward per micro-batch of `micro` images.
+    pub fn saved_per_micro_batch(&self, dtype: crate::tensor::DType, micro: usize) -> Vec<u64> {
+        self.partition
+            .stages
+            .iter()
+            .map(|r| crate::graph::saved_bytes(&self.graph, r.clone(), dtype) * micro as u64)
+            .collect()
+    }
+
     /// The param ids of stage `s`'s nodes.
     fn param_ids(&self, s: usize) -> std::ops::Range<usize> {
         let r = &self.partition.stages[s];

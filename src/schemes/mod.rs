@@ -87,6 +87,28 @@ pub struct Scheme {
 }
 
 impl Scheme {
+    pub fn new(
+        kind: Kind,
+        stages: usize,
+        parts: usize,
+        replicas: usize,
+        dp: usize,
+        order: Order,
+    ) -> Scheme {
+        Scheme {
+            kind,
+            stages,
+            parts,
+            replicas,
+            dp,
+            order,
+        }
+    }
+
+    /// One rank running `parts` micro-batches per step: the reference every scheme matches.
+    pub fn single(parts: usize) -> Scheme {
+        Scheme::new(Kind::Single, 1, parts, 1, 1, Order::GPipe)
+    }
     /// Checks the sizes against each other and against a batch of `batch` images per replica
     /// pass, before any work starts.
     pub fn validate(&self, batch: usize) -> Result<()> {

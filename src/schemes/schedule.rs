@@ -207,14 +207,7 @@ mod tests {
     use crate::schemes::Kind;
 
     fn scheme(kind: Kind, stages: usize, parts: usize, replicas: usize, order: Order) -> Scheme {
-        Scheme {
-            kind,
-            stages,
-            parts,
-            replicas,
-            dp: 1,
-            order,
-        }
+        Scheme::new(kind, stages, parts, replicas, 1, order)
     }
 
     const F: f64 = 1.0;
