@@ -33,6 +33,9 @@ pub enum Error {
     Config(String),
     #[error("communication: {0}")]
     Comm(String),
+    /// A sample that cannot be read; the message names the file (and tile).
+    #[error("{0}")]
+    Data(String),
     #[error("internal error: {0}")]
     Internal(String),
     #[error(transparent)]

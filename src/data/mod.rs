@@ -1,3 +1,52 @@
-//! Training data. Synthetic for now: deterministic images generated on the fly.
+//! Training data: sources of labelled images addressed by index (synthetic, image folders,
+//! tiled whole-slide images), the epoch order and its sharding across data-parallel groups,
+//! augmentation, and a loader that prepares batches ahead on worker threads.
 
 pub mod synthetic;
+
+use crate::Result;
+
+/// Colour planes of every image the sources yield.
+pub const CHANNELS: usize = 3;
+
+/// A decoded image: `CHANNELS` planes of `height × width` values (CHW), in [0, 1] for
+/// decoded files.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Image {
+    pub height: usize,
+    pub width: usize,
+    pub pixels: Vec<f32>,
+}
+
+impl Image {
+    /// Interleaved 8-bit RGB (HWC) to planes in [0, 1].
+    pub fn from_rgb8(width: usize, height: usize, rgb: &[u8]) -> Image {
+        let plane = width * height;
+        let mut pixels = vec![0.0; CHANNELS * plane];
+        for (i, px) in rgb.chunks_exact(CHANNELS).enumerate() {
+            for (c, &v) in px.iter().enumerate() {
+                pixels[c * plane + i] = v as f32 / 255.0;
+            }
+        }
+        Image {
+            height,
+            width,
+            pixels,
+        }
+    }
+}
+
+/// Labelled images addressed by index. Implementations are cheap to share between threads;
+/// `read` may be called concurrently for different indices.
+pub trait Source: Send + Sync {
+    /// How many samples there are; `None` for an unbounded stream (synthetic data).
+    fn len(&self) -> Option<usize>;
+    /// Class names, in label order.
+    fn classes(&self) -> &[String];
+    /// The label of sample `index`, without decoding it.
+    fn label(&self, index: usize) -> Result<u32>;
+    /// Decodes sample `index`. Errors are [`crate::Error::Data`] naming the file.
+    fn read(&self, index: usize) -> Result<Image>;
+    /// Where sample `index` comes from, for messages (a file name, a slide and tile position).
+    fn describe(&self, index: usize) -> String;
+}
