@@ -59,6 +59,10 @@ fn metadata(c: &TrainConfig, step: usize) -> HashMap<String, String> {
         ("momentum", c.sgd.momentum.to_string()),
         ("weight_decay", c.sgd.weight_decay.to_string()),
         ("nesterov", c.sgd.nesterov.to_string()),
+        (
+            "data",
+            serde_json::to_string(&c.data).expect("a data configuration serializes"),
+        ),
     ]
     .into_iter()
     .map(|(k, v)| (k.to_string(), v))
@@ -216,6 +220,12 @@ impl Checkpoint {
                 .parse()
                 .map_err(Error::Config)?,
             device_memory: None,
+            data: match self.meta.get("data") {
+                Some(json) => serde_json::from_str(json).map_err(|e| {
+                    Error::Config(format!("the checkpoint's data configuration: {e}"))
+                })?,
+                None => crate::data::DataConfig::default(),
+            },
         })
     }
 

@@ -8,6 +8,7 @@ use std::time::Instant;
 use clap::{Args, Parser, Subcommand};
 use indicatif::{ProgressBar, ProgressStyle};
 
+use gems::data::{DataConfig, SourceSpec};
 use gems::memory::{human_bytes, parse_bytes, Category};
 use gems::plan::memory;
 use gems::runtime::executor::{run_rank, Layout, RankReport, RunConfig};
@@ -55,10 +56,57 @@ struct EvalArgs {
     /// The checkpoint to evaluate.
     #[arg(long)]
     checkpoint: PathBuf,
-    #[arg(long, default_value_t = 1000)]
-    samples: usize,
+    /// Evaluate on every sample of this data (synthetic, folder:DIR) instead of the
+    /// checkpoint's held-out split.
+    #[arg(long)]
+    data: Option<SourceSpec>,
+    /// At most this many samples [default: all; 1000 of synthetic data].
+    #[arg(long)]
+    samples: Option<usize>,
     #[arg(long, default_value_t = 50)]
     batch_size: usize,
+    /// Leave unreadable samples out with a warning instead of stopping.
+    #[arg(long)]
+    skip_bad: bool,
+}
+
+/// Where training images come from and how they are read.
+#[derive(Args)]
+struct DataArgs {
+    /// synthetic, or folder:DIR (one sub-folder of PNG/JPEG/TIFF images per class).
+    #[arg(long, default_value = "synthetic", conflicts_with = "resume")]
+    data: SourceSpec,
+    /// Random crops and horizontal/vertical flips of training images.
+    #[arg(long, conflicts_with = "resume")]
+    augment: bool,
+    /// Hold out this fraction of the samples and report loss and accuracy on them at the end
+    /// (and every --val-every steps).
+    #[arg(long, default_value_t = 0.0, conflicts_with = "resume")]
+    val: f64,
+    #[arg(long, value_name = "N")]
+    val_every: Option<usize>,
+    /// Leave unreadable samples out with a warning (counted in the summary) instead of stopping.
+    #[arg(long)]
+    skip_bad: bool,
+    /// Loader threads preparing batches ahead of training.
+    #[arg(long, default_value_t = 2)]
+    workers: usize,
+    /// Batches prepared ahead at most.
+    #[arg(long, default_value_t = 4)]
+    prefetch: usize,
+}
+
+impl DataArgs {
+    fn config(&self) -> DataConfig {
+        DataConfig {
+            source: self.data.clone(),
+            augment: self.augment,
+            val: self.val,
+            skip_bad: self.skip_bad,
+            workers: self.workers,
+            prefetch: self.prefetch,
+        }
+    }
 }
 
 #[derive(Args)]
@@ -68,8 +116,9 @@ struct TrainArgs {
     /// Image side in pixels (square RGB images).
     #[arg(long, default_value_t = 32, conflicts_with = "resume")]
     image_size: usize,
-    #[arg(long, default_value_t = 10, conflicts_with = "resume")]
-    classes: usize,
+    /// Classes [default: the data's; 10 for synthetic data].
+    #[arg(long, conflicts_with = "resume")]
+    classes: Option<usize>,
     /// Images per replica pass, or `max`: the largest that fits --device-memory.
     #[arg(long, default_value = "32", conflicts_with = "resume")]
     batch_size: Choice,
@@ -111,6 +160,8 @@ struct TrainArgs {
     /// Continue from a checkpoint: model, data, optimizer and schedule come from it.
     #[arg(long, value_name = "FILE")]
     resume: Option<PathBuf>,
+    #[command(flatten)]
+    input: DataArgs,
     #[command(flatten)]
     spread: SchemeArgs,
     /// Draw the schedule as SVG: predicted (plan) or the last step as measured (train, with
@@ -324,7 +375,12 @@ fn train(a: TrainArgs) -> anyhow::Result<()> {
     }
     let mut trainer = match &a.resume {
         Some(file) => {
-            let t = Trainer::resume(file, a.device_memory)?;
+            let t = Trainer::resume(file, |c| {
+                c.device_memory = a.device_memory;
+                c.data.skip_bad = a.input.skip_bad;
+                c.data.workers = a.input.workers;
+                c.data.prefetch = a.input.prefetch;
+            })?;
             println!(
                 "resuming from {} at step {}",
                 file.display(),
@@ -368,10 +424,31 @@ fn train(a: TrainArgs) -> anyhow::Result<()> {
     } else {
         None
     };
+    report_skipped(&trainer.data.skipped);
+    if a.input.val_every == Some(0) {
+        anyhow::bail!("--val-every must be at least 1");
+    }
     let started = Instant::now();
     let mut history: Vec<StepReport> = Vec::with_capacity(total - first);
     for _ in first..total {
         let r = trainer.step()?;
+        let done = trainer.steps_done();
+        if a.input.val > 0.0
+            && a.input
+                .val_every
+                .is_some_and(|n| done % n == 0 && done < total)
+        {
+            let e = trainer.evaluate(None, config.batch_size)?;
+            let line = format!(
+                "step {done:>5}/{total}  validation loss {:.4}, accuracy {:.1}%",
+                e.loss,
+                100.0 * e.accuracy
+            );
+            match &bar {
+                Some(b) => b.println(line),
+                None => println!("{line}"),
+            }
+        }
         if let Some(dir) = &a.checkpoint {
             let done = trainer.steps_done();
             if done == total || a.checkpoint_every.is_some_and(|n| done % n == 0) {
@@ -425,6 +502,27 @@ fn train(a: TrainArgs) -> anyhow::Result<()> {
         100.0 / config.classes as f64
     );
     println!("  throughput {:.1} images/s", images as f64 / secs);
+    let waited: f64 = history.iter().map(|r| r.data_wait).sum();
+    println!(
+        "  waited for data {waited:.2} s ({:.1}% of the loop)",
+        100.0 * waited / secs
+    );
+    let (bad, last) = trainer.data.train.bad();
+    if bad > 0 {
+        println!(
+            "  {bad} unreadable samples skipped (blank inputs), the last {}",
+            last.unwrap_or_default()
+        );
+    }
+    if a.input.val > 0.0 || trainer.config.data.val > 0.0 {
+        let e = trainer.evaluate(None, config.batch_size)?;
+        println!(
+            "  validation: loss {:.4}, accuracy {:.1}% on {} held-out samples",
+            e.loss,
+            100.0 * e.accuracy,
+            e.samples
+        );
+    }
     println!("  peak memory {}: {}", human_bytes(mem.peak), mem.at_peak);
     if let Some(cap) = mem.capacity {
         println!(
@@ -441,10 +539,20 @@ fn train(a: TrainArgs) -> anyhow::Result<()> {
 /// --device-memory by metered runs.
 fn run_config(a: &TrainArgs) -> anyhow::Result<RunConfig> {
     let steps = a.steps.unwrap_or(150);
+    let data = a.input.config();
+    let classes = match (gems::data::pipeline::class_names(&data.source)?, a.classes) {
+        (None, given) => given.unwrap_or(10),
+        (Some(names), Some(given)) if given != names.len() => anyhow::bail!(
+            "--classes {given}, but the data has {} classes ({})",
+            names.len(),
+            names.join(", ")
+        ),
+        (Some(names), _) => names.len(),
+    };
     let train = TrainConfig {
         model: a.model.clone(),
         image_size: a.image_size,
-        classes: a.classes,
+        classes,
         batch_size: match a.batch_size {
             Choice::Fixed(b) => b,
             Choice::Auto => a.spread.parts,
@@ -464,6 +572,7 @@ fn run_config(a: &TrainArgs) -> anyhow::Result<RunConfig> {
         seed: a.seed,
         dtype: a.dtype,
         device_memory: a.device_memory,
+        data,
     };
     let mut c = RunConfig::new(train, a.spread.scheme()?);
     c.balance = a.spread.balance.clone();
@@ -840,17 +949,71 @@ fn window_stats<'a>(rs: impl Iterator<Item = &'a StepReport>) -> (f64, f64) {
 }
 
 fn eval(a: EvalArgs) -> anyhow::Result<()> {
-    let mut t = Trainer::resume(&a.checkpoint, None)?;
-    let e = t.evaluate(a.samples, a.batch_size)?;
+    let mut t = Trainer::resume(&a.checkpoint, |c| c.data.skip_bad = a.skip_bad)?;
+    let (e, what) = match &a.data {
+        Some(source) => {
+            let c = &t.config;
+            let config = DataConfig {
+                source: source.clone(),
+                augment: false,
+                val: 0.0,
+                ..c.data.clone()
+            };
+            let data = gems::data::open(&config, c.image_size, c.classes, c.seed)?;
+            report_skipped(&data.skipped);
+            // The first epoch of the (shuffled) training order holds every sample once.
+            let e = match data.train.len() {
+                Some(_) => t.evaluate_on(&data.train, a.samples, a.batch_size)?,
+                None => t.evaluate(Some(a.samples.unwrap_or(1000)), a.batch_size)?,
+            };
+            (e, "samples")
+        }
+        None => {
+            let samples = match t.config.data.source {
+                SourceSpec::Synthetic => Some(a.samples.unwrap_or(1000)),
+                _ => a.samples,
+            };
+            (t.evaluate(samples, a.batch_size)?, "held-out samples")
+        }
+    };
     println!(
-        "{} at step {}: loss {:.4}, accuracy {:.1}% on {} held-out images",
+        "{} at step {}: loss {:.4}, accuracy {:.1}% on {} {what}",
         t.config.model,
         t.steps_done(),
         e.loss,
         100.0 * e.accuracy,
         e.samples
     );
+    let width = e.classes.iter().map(|c| c.len()).max().unwrap_or(0).max(6);
+    println!("confusion matrix (rows: true class, columns: predicted):");
+    print!("{:>width$} {:>8}", "class", "samples");
+    for i in 0..e.classes.len() {
+        print!(" {i:>6}");
+    }
+    println!("  recall");
+    for (i, (row, n)) in e.confusion.iter().zip(e.per_class()).enumerate() {
+        print!("{:>width$} {n:>8}", format!("{i} {}", e.classes[i]));
+        for v in row {
+            print!(" {v:>6}");
+        }
+        let recall = if n > 0 {
+            100.0 * row[i] as f64 / n as f64
+        } else {
+            0.0
+        };
+        println!("  {recall:5.1}%");
+    }
     Ok(())
+}
+
+/// Warns of samples left out when the data was opened.
+fn report_skipped(skipped: &[(String, String)]) {
+    for (what, why) in skipped {
+        eprintln!("warning: skipping {what}: {why}");
+    }
+    if !skipped.is_empty() {
+        println!("{} unreadable samples left out", skipped.len());
+    }
 }
 
 fn list_models(a: ModelsArgs) -> anyhow::Result<()> {

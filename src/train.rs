@@ -6,7 +6,8 @@ use std::time::Instant;
 use crate::backend::cpu::splitmix64;
 use crate::backend::Device;
 use crate::checkpoint::Checkpoint;
-use crate::data::synthetic::Synthetic;
+use crate::data::loader::{Batch, Loader};
+use crate::data::{DataConfig, Dataset, Pipeline, SourceSpec};
 use crate::graph::{self, Graph, Params};
 use crate::memory::{Category, MemoryStats};
 use crate::ops::{batched, loss};
@@ -28,12 +29,13 @@ pub struct TrainConfig {
     pub dtype: DType,
     /// Emulated device capacity in bytes (`None`: unlimited).
     pub device_memory: Option<u64>,
+    pub data: DataConfig,
 }
 
 impl TrainConfig {
     /// `model` on `image_size`² images of `classes` classes, `batch_size` images per step for
     /// `steps` steps; SGD with momentum 0.9 and weight decay 5e-4 at a constant 0.05; seed 0,
-    /// f32, no capacity. Change the fields for anything else.
+    /// f32, no capacity, synthetic data. Change the fields for anything else.
     pub fn new(
         model: &str,
         image_size: usize,
@@ -61,6 +63,7 @@ impl TrainConfig {
             seed: 0,
             dtype: DType::F32,
             device_memory: None,
+            data: DataConfig::default(),
         }
     }
 }
@@ -75,18 +78,27 @@ pub struct StepReport {
     pub batch: usize,
     pub lr: f64,
     pub seconds: f64,
+    /// Of which the step waited for its batch.
+    pub data_wait: f64,
 }
 
 /// The result of [`Trainer::evaluate`].
-#[derive(Clone, Copy, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct Evaluation {
     pub samples: usize,
     pub loss: f64,
     pub accuracy: f64,
+    pub classes: Vec<String>,
+    /// `confusion[true][predicted]` counts.
+    pub confusion: Vec<Vec<usize>>,
 }
 
-/// Salt of the held-out data stream.
-const EVAL_STREAM: u64 = 0x4556_414c;
+impl Evaluation {
+    /// Samples of each true class.
+    pub fn per_class(&self) -> Vec<usize> {
+        self.confusion.iter().map(|row| row.iter().sum()).collect()
+    }
+}
 
 /// A model, its parameters and optimizer on one device, and its data.
 pub struct Trainer {
@@ -95,7 +107,9 @@ pub struct Trainer {
     pub device: Device,
     pub sgd: Sgd,
     pub config: TrainConfig,
-    data: Synthetic,
+    pub data: Dataset,
+    /// Prepares the coming steps' batches.
+    loader: Option<Loader>,
     step: usize,
 }
 
@@ -105,15 +119,12 @@ impl Trainer {
         if config.batch_size == 0 {
             return Err(Error::Config("the batch size must be at least 1".into()));
         }
+        let data = crate::data::open(&config.data, config.image_size, config.classes, config.seed)?;
+        check_classes(&config, &data.classes)?;
         let graph = models::build(&config.model, config.image_size, config.classes)?;
         let device = Device::cpu("cpu:0", config.device_memory);
         let params = Params::init(&graph, &device, config.dtype, config.seed)?;
         let sgd = Sgd::new(&params, &device, config.sgd)?;
-        let data = Synthetic {
-            seed: config.seed,
-            classes: config.classes,
-            image_size: config.image_size,
-        };
         Ok(Trainer {
             graph,
             params,
@@ -121,15 +132,40 @@ impl Trainer {
             sgd,
             config,
             data,
+            loader: None,
             step: 0,
         })
+    }
+
+    /// Step `self.step`'s batch, from a loader preparing the batches up to the last step.
+    fn next_batch(&mut self) -> Result<(Batch, f64)> {
+        let b = self.config.batch_size;
+        let first = (self.step * b) as u64;
+        let loader = match &mut self.loader {
+            Some(l) if l.upcoming() == Some(first) => l,
+            _ => {
+                let d = &self.config.data;
+                let requests = (self.step..self.config.steps.max(self.step + 1))
+                    .map(|s| ((s * b) as u64, b))
+                    .collect();
+                self.loader.insert(Loader::new(
+                    self.data.train.clone(),
+                    requests,
+                    d.workers,
+                    d.prefetch,
+                ))
+            }
+        };
+        let before = loader.waited();
+        let batch = loader.next_batch()?;
+        Ok((batch, (loader.waited() - before).as_secs_f64()))
     }
 
     /// Runs one optimizer step on the next batch.
     pub fn step(&mut self) -> Result<StepReport> {
         let start = Instant::now();
         let b = self.config.batch_size;
-        let (pixels, labels) = self.data.batch((self.step * b) as u64, b);
+        let (Batch { pixels, labels }, data_wait) = self.next_batch()?;
         let x_shape = batched(b, self.graph.input_shape());
         let x = self
             .device
@@ -179,6 +215,7 @@ impl Trainer {
             batch: b,
             lr,
             seconds: start.elapsed().as_secs_f64(),
+            data_wait,
         };
         self.step += 1;
         Ok(report)
@@ -198,30 +235,52 @@ impl Trainer {
         self.step = step;
     }
 
-    /// A trainer restored from a checkpoint, with its configuration, at its step.
-    pub fn resume(path: &std::path::Path, device_memory: Option<u64>) -> Result<Trainer> {
+    /// A trainer restored from a checkpoint, with its configuration (changed by `adjust`:
+    /// the capacity, the loader's settings), at its step.
+    pub fn resume(
+        path: &std::path::Path,
+        adjust: impl FnOnce(&mut TrainConfig),
+    ) -> Result<Trainer> {
         let ckpt = Checkpoint::read(path)?;
         let mut config = ckpt.config()?;
-        config.device_memory = device_memory;
+        adjust(&mut config);
         let mut t = Trainer::new(config)?;
         ckpt.restore(&mut t)?;
         Ok(t)
     }
 
-    /// Loss and accuracy of the first output used outside training over `samples` held-out
-    /// images, with BN in eval mode and no dropout (an auxiliary classifier is not computed);
-    /// changes nothing.
-    pub fn evaluate(&mut self, samples: usize, batch_size: usize) -> Result<Evaluation> {
+    /// Loss, accuracy and confusion matrix of the first output used outside training over
+    /// the held-out samples (all of a validation split, or `samples` of synthetic data's
+    /// held-out stream), with BN in eval mode and no dropout; changes nothing.
+    pub fn evaluate(&mut self, samples: Option<usize>, batch_size: usize) -> Result<Evaluation> {
+        let val = self.data.val.clone().ok_or_else(|| {
+            Error::Config("nothing is held out: train with --val to hold out a split".into())
+        })?;
+        self.evaluate_on(&val, samples, batch_size)
+    }
+
+    /// [`Trainer::evaluate`] over the first `samples` (default: all) of `data`'s epoch order.
+    pub fn evaluate_on(
+        &mut self,
+        data: &std::sync::Arc<Pipeline>,
+        samples: Option<usize>,
+        batch_size: usize,
+    ) -> Result<Evaluation> {
+        let samples = match (samples, data.len()) {
+            (Some(n), Some(len)) => n.min(len),
+            (Some(n), None) | (None, Some(n)) => n,
+            (None, None) => {
+                return Err(Error::Config(
+                    "say how many samples to evaluate of an endless stream".into(),
+                ))
+            }
+        };
         if samples == 0 || batch_size == 0 {
             return Err(Error::Config(
                 "evaluation needs at least one sample and a batch of at least 1".into(),
             ));
         }
-        // Held-out images: another seed's stream, never used for training.
-        let held_out = Synthetic {
-            seed: splitmix64(self.config.seed ^ EVAL_STREAM),
-            ..self.data
-        };
+        check_classes(&self.config, data.classes())?;
         let g = &self.graph;
         let out = g
             .outputs
@@ -229,10 +288,18 @@ impl Trainer {
             .find(|o| !o.training_only)
             .ok_or_else(|| Error::Config(format!("{} has no output to evaluate", g.name)))?
             .value;
-        let (mut loss, mut correct, mut done) = (0.0, 0, 0);
-        while done < samples {
-            let b = batch_size.min(samples - done);
-            let (pixels, labels) = held_out.batch(done as u64, b);
+        let k = self.config.classes;
+        let mut confusion = vec![vec![0; k]; k];
+        let requests = (0..samples)
+            .step_by(batch_size)
+            .map(|first| (first as u64, batch_size.min(samples - first)))
+            .collect();
+        let d = &self.config.data;
+        let mut loader = Loader::new(data.clone(), requests, d.workers, d.prefetch);
+        let mut loss = 0.0;
+        for _ in (0..samples).step_by(batch_size) {
+            let Batch { pixels, labels } = loader.next_batch()?;
+            let b = labels.len();
             let x = self.device.upload(
                 batched(b, g.input_shape()),
                 &pixels,
@@ -252,13 +319,33 @@ impl Trainer {
             )?;
             let (l, probs) = loss::softmax_cross_entropy(&self.device, &logits[0], &labels)?;
             loss += l * b as f64;
-            correct += loss::correct(&probs, &labels);
-            done += b;
+            for (&t, p) in labels.iter().zip(loss::predictions(&probs)) {
+                confusion[t as usize][p as usize] += 1;
+            }
         }
+        let correct: usize = (0..k).map(|c| confusion[c][c]).sum();
         Ok(Evaluation {
             samples,
             loss: loss / samples as f64,
             accuracy: correct as f64 / samples as f64,
+            classes: data.classes().to_vec(),
+            confusion,
         })
     }
+}
+
+/// The model's classes must be the data's.
+fn check_classes(config: &TrainConfig, names: &[String]) -> Result<()> {
+    if names.len() == config.classes {
+        return Ok(());
+    }
+    let what = match &config.data.source {
+        SourceSpec::Synthetic => "synthetic data".to_string(),
+        SourceSpec::Folder(dir) => dir.display().to_string(),
+    };
+    Err(Error::Config(format!(
+        "{what} has {} classes but the model has {} outputs",
+        names.len(),
+        config.classes
+    )))
 }

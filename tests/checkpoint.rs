@@ -9,7 +9,7 @@ use gems::checkpoint::{self, Checkpoint};
 use gems::runtime::optim::SgdConfig;
 use gems::runtime::schedule::{Decay, LrSchedule};
 use gems::train::{TrainConfig, Trainer};
-use gems::DType;
+
 use safetensors::tensor::TensorView;
 use safetensors::SafeTensors;
 
@@ -121,8 +121,7 @@ fn small_trainer() -> Trainer {
             nesterov: true,
         },
         seed: 1,
-        dtype: DType::F32,
-        device_memory: None,
+        ..TrainConfig::new("resnet20v2", 32, 10, 4, 3)
     })
     .unwrap()
 }
@@ -270,8 +269,8 @@ fn evaluation_changes_nothing_and_reports() {
         t.step().unwrap();
     }
     let before: Vec<Vec<f64>> = t.params.values.iter().map(|v| v.to_f64_vec()).collect();
-    let a = t.evaluate(20, 8).unwrap();
-    let b = t.evaluate(20, 8).unwrap();
+    let a = t.evaluate(Some(20), 8).unwrap();
+    let b = t.evaluate(Some(20), 8).unwrap();
     assert_eq!(a, b);
     assert_eq!(a.samples, 20);
     assert!(a.loss.is_finite() && (0.0..=1.0).contains(&a.accuracy));

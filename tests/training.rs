@@ -23,9 +23,7 @@ fn config(steps: usize) -> TrainConfig {
             weight_decay: 5e-4,
             nesterov: false,
         },
-        seed: 0,
-        dtype: DType::F32,
-        device_memory: None,
+        ..TrainConfig::new("resnet20v2", 32, 10, 32, steps)
     }
 }
 

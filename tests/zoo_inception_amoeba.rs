@@ -5,11 +5,11 @@
 mod common;
 
 use common::{check_model_gradients, Spot};
+use gems::models;
 use gems::ops::Op;
 use gems::runtime::optim::SgdConfig;
 use gems::runtime::schedule::{Decay, LrSchedule};
 use gems::train::{TrainConfig, Trainer};
-use gems::{models, DType};
 
 #[test]
 fn inception_v3_parameter_counts() {
@@ -203,8 +203,7 @@ fn training_steps_use_the_auxiliary_output() {
             nesterov: false,
         },
         seed: 5,
-        dtype: DType::F32,
-        device_memory: None,
+        ..TrainConfig::new("inception_v3", 299, 2, 2, 1)
     })
     .unwrap();
     let idx = |name: &str| t.graph.params.iter().position(|p| p.name == name).unwrap();

@@ -2,7 +2,14 @@
 //! tiled whole-slide images), the epoch order and its sharding across data-parallel groups,
 //! augmentation, and a loader that prepares batches ahead on worker threads.
 
+pub mod folder;
+pub mod loader;
+pub mod order;
+pub mod pipeline;
 pub mod synthetic;
+pub mod transform;
+
+pub use pipeline::{open, DataConfig, Dataset, Pipeline, SourceSpec};
 
 use crate::Result;
 

@@ -7,9 +7,9 @@ use rand_chacha::ChaCha8Rng;
 use rand_distr::{Distribution, StandardNormal};
 use rayon::prelude::*;
 
+use super::{Image, Source, CHANNELS};
 use crate::backend::cpu::splitmix64;
-
-pub const CHANNELS: usize = 3;
+use crate::Result;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Synthetic {
@@ -63,6 +63,48 @@ impl Synthetic {
             .map(|(i, img)| self.sample(first + i as u64, img))
             .collect();
         (pixels, labels)
+    }
+}
+
+/// Synthetic data as an unbounded [`Source`], classes named by their number.
+pub struct Stream {
+    pub data: Synthetic,
+    names: Vec<String>,
+}
+
+impl Stream {
+    pub fn new(data: Synthetic) -> Stream {
+        let names = (0..data.classes).map(|c| c.to_string()).collect();
+        Stream { data, names }
+    }
+}
+
+impl Source for Stream {
+    fn len(&self) -> Option<usize> {
+        None
+    }
+
+    fn classes(&self) -> &[String] {
+        &self.names
+    }
+
+    fn label(&self, index: usize) -> Result<u32> {
+        Ok(self.data.label(index as u64))
+    }
+
+    fn read(&self, index: usize) -> Result<Image> {
+        let s = self.data.image_size;
+        let mut planes = vec![0.0; CHANNELS * s * s];
+        self.data.sample(index as u64, &mut planes);
+        Ok(Image {
+            height: s,
+            width: s,
+            pixels: planes.iter().map(|&v| v as f32).collect(),
+        })
+    }
+
+    fn describe(&self, index: usize) -> String {
+        format!("synthetic image {index}")
     }
 }
 

@@ -72,15 +72,19 @@ pub fn softmax_cross_entropy_backward(
 
 /// How many rows have their largest probability at the label.
 pub fn correct(probs: &Tensor, labels: &[u32]) -> usize {
-    let k = probs.shape().dim(1);
-    let p = probs.to_f64_vec();
-    labels
+    predictions(probs)
         .iter()
-        .enumerate()
-        .filter(|&(i, &l)| {
-            let row = &p[i * k..(i + 1) * k];
-            let best = (0..k).fold(0, |b, j| if row[j] > row[b] { j } else { b });
-            best == l as usize
-        })
+        .zip(labels)
+        .filter(|(p, l)| p == l)
         .count()
+}
+
+/// The most probable class of each row (the first of equals).
+pub fn predictions(probs: &Tensor) -> Vec<u32> {
+    let k = probs.shape().dim(1);
+    probs
+        .to_f64_vec()
+        .chunks(k)
+        .map(|row| (0..k).fold(0, |b, j| if row[j] > row[b] { j } else { b }) as u32)
+        .collect()
 }

@@ -4,7 +4,7 @@
 
 mod conv;
 mod elementwise;
-pub use elementwise::splitmix64;
+pub use elementwise::{splitmix64, uniform};
 mod norm;
 mod pool;
 

@@ -1,0 +1,156 @@
+//! Prepares a known sequence of batches ahead of the training loop on worker threads, at most
+//! `depth` batches ahead of the one the loop is waiting for, handed out in order. The loop's
+//! time blocked on data is measured, so a run reports whether its loader kept up.
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use super::pipeline::Pipeline;
+use crate::{Error, Result};
+
+/// A prepared batch: NCHW pixels and labels.
+pub struct Batch {
+    pub pixels: Vec<f64>,
+    pub labels: Vec<u32>,
+}
+
+struct State {
+    /// Requests handed to workers so far.
+    claimed: usize,
+    /// The request the loop takes next.
+    next: usize,
+    ready: BTreeMap<usize, Result<Batch>>,
+    stop: bool,
+}
+
+struct Shared {
+    pipeline: Arc<Pipeline>,
+    /// (first position, images) of every batch, in the order the loop takes them.
+    requests: Vec<(u64, usize)>,
+    depth: usize,
+    state: Mutex<State>,
+    changed: Condvar,
+}
+
+impl Shared {
+    fn lock(&self) -> MutexGuard<'_, State> {
+        // A worker that panicked while holding the lock left nothing half-written.
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn work(&self) {
+        loop {
+            let mut s = self.lock();
+            while !s.stop && s.claimed < self.requests.len() && s.claimed >= s.next + self.depth {
+                s = self.changed.wait(s).unwrap_or_else(|p| p.into_inner());
+            }
+            if s.stop || s.claimed == self.requests.len() {
+                return;
+            }
+            let i = s.claimed;
+            s.claimed += 1;
+            drop(s);
+            let (first, n) = self.requests[i];
+            let batch = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                self.pipeline.batch(first, n)
+            }))
+            .unwrap_or_else(|_| {
+                Err(Error::Data(format!(
+                    "decoding positions {first}..{} failed unexpectedly",
+                    first + n as u64
+                )))
+            })
+            .map(|(pixels, labels)| Batch { pixels, labels });
+            self.lock().ready.insert(i, batch);
+            self.changed.notify_all();
+        }
+    }
+}
+
+pub struct Loader {
+    shared: Arc<Shared>,
+    workers: Vec<JoinHandle<()>>,
+    waited: Duration,
+}
+
+impl Loader {
+    /// Starts `workers` threads preparing `requests` ((first position, images) per batch) of
+    /// `pipeline`, at most `depth` batches ahead.
+    pub fn new(
+        pipeline: Arc<Pipeline>,
+        requests: Vec<(u64, usize)>,
+        workers: usize,
+        depth: usize,
+    ) -> Loader {
+        let shared = Arc::new(Shared {
+            pipeline,
+            requests,
+            depth: depth.max(1),
+            state: Mutex::new(State {
+                claimed: 0,
+                next: 0,
+                ready: BTreeMap::new(),
+                stop: false,
+            }),
+            changed: Condvar::new(),
+        });
+        let workers = (0..workers.max(1))
+            .map(|_| {
+                let s = shared.clone();
+                std::thread::spawn(move || s.work())
+            })
+            .collect();
+        Loader {
+            shared,
+            workers,
+            waited: Duration::ZERO,
+        }
+    }
+
+    /// The next batch in request order, waiting for it if need be.
+    pub fn next_batch(&mut self) -> Result<Batch> {
+        let start = Instant::now();
+        let sh = &self.shared;
+        let mut s = sh.lock();
+        let i = s.next;
+        if i == sh.requests.len() {
+            return Err(Error::Internal(
+                "the loader has handed out every batch".into(),
+            ));
+        }
+        let batch = loop {
+            if let Some(b) = s.ready.remove(&i) {
+                break b;
+            }
+            s = sh.changed.wait(s).unwrap_or_else(|p| p.into_inner());
+        };
+        s.next += 1;
+        drop(s);
+        sh.changed.notify_all();
+        self.waited += start.elapsed();
+        batch
+    }
+
+    /// The first position of the batch [`Loader::next_batch`] returns next, if any is left.
+    pub fn upcoming(&self) -> Option<u64> {
+        let next = self.shared.lock().next;
+        self.shared.requests.get(next).map(|r| r.0)
+    }
+
+    /// Time spent waiting in [`Loader::next_batch`] so far.
+    pub fn waited(&self) -> Duration {
+        self.waited
+    }
+}
+
+impl Drop for Loader {
+    fn drop(&mut self) {
+        self.shared.lock().stop = true;
+        self.shared.changed.notify_all();
+        for w in self.workers.drain(..) {
+            let _ = w.join();
+        }
+    }
+}

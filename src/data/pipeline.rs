@@ -1,0 +1,286 @@
+//! A run's data: the source its flags name, split into training and held-out samples, and
+//! the pipeline that turns a position of the epoch order into a prepared, labelled input.
+
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+
+use rand::SeedableRng;
+use rand_chacha::ChaCha8Rng;
+
+use super::folder::Folder;
+use super::order::Epochs;
+use super::synthetic::{Stream, Synthetic};
+use super::transform::Transform;
+use super::{Source, CHANNELS};
+use crate::backend::cpu::{splitmix64, uniform};
+use crate::{Error, Result};
+
+/// Salts of the independent random streams drawn from the run's seed.
+const HELD_OUT_STREAM: u64 = 0x4556_414c;
+const SPLIT_STREAM: u64 = 0x5350_4c54;
+const AUGMENT_STREAM: u64 = 0x4155_474d;
+
+/// Where the images come from (`--data`).
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+pub enum SourceSpec {
+    /// Generated on the fly (see [`Synthetic`]).
+    Synthetic,
+    /// `folder:DIR`, one sub-folder per class.
+    Folder(PathBuf),
+}
+
+impl std::str::FromStr for SourceSpec {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<SourceSpec, String> {
+        match s.split_once(':') {
+            _ if s == "synthetic" => Ok(SourceSpec::Synthetic),
+            Some(("folder", dir)) if !dir.is_empty() => Ok(SourceSpec::Folder(dir.into())),
+            _ => Err(format!(
+                "unknown data source {s:?}: use synthetic or folder:DIR"
+            )),
+        }
+    }
+}
+
+/// How a run reads its data.
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct DataConfig {
+    pub source: SourceSpec,
+    /// Random crops and flips while training.
+    pub augment: bool,
+    /// Fraction of the samples held out for validation (0: none).
+    pub val: f64,
+    /// Leave unreadable samples out with a warning instead of stopping.
+    pub skip_bad: bool,
+    /// Loader threads preparing batches ahead of training.
+    pub workers: usize,
+    /// Batches prepared ahead at most.
+    pub prefetch: usize,
+}
+
+impl Default for DataConfig {
+    /// Synthetic data, no augmentation, nothing held out, two workers four batches ahead.
+    fn default() -> DataConfig {
+        DataConfig {
+            source: SourceSpec::Synthetic,
+            augment: false,
+            val: 0.0,
+            skip_bad: false,
+            workers: 2,
+            prefetch: 4,
+        }
+    }
+}
+
+/// The classes of a source that names its own (`None` for synthetic data, whose count the
+/// run chooses), without listing its samples.
+pub fn class_names(source: &SourceSpec) -> Result<Option<Vec<String>>> {
+    match source {
+        SourceSpec::Synthetic => Ok(None),
+        SourceSpec::Folder(dir) => Folder::class_names(dir).map(Some),
+    }
+}
+
+/// What the training loop and evaluation draw from.
+pub struct Dataset {
+    pub train: Arc<Pipeline>,
+    /// Held-out samples: the validation split, or for synthetic data another seed's stream.
+    pub val: Option<Arc<Pipeline>>,
+    pub classes: Vec<String>,
+    /// Samples left out at opening (with `skip_bad`): where, and why.
+    pub skipped: Vec<(String, String)>,
+}
+
+/// Opens `c`'s source for a model of `image_size`² inputs. Synthetic data has `classes`
+/// classes; other sources name theirs.
+pub fn open(c: &DataConfig, image_size: usize, classes: usize, seed: u64) -> Result<Dataset> {
+    if !(0.0..1.0).contains(&c.val) {
+        return Err(Error::Config(format!(
+            "--val is the fraction held out, in [0, 1), not {}",
+            c.val
+        )));
+    }
+    if c.workers == 0 || c.prefetch == 0 {
+        return Err(Error::Config(
+            "the loader needs at least one worker and one batch of prefetch".into(),
+        ));
+    }
+    // Training shuffles each epoch and may augment; held-out samples go in order, as they are.
+    let pipeline = |source: Arc<dyn Source>, subset, normalize, training: bool| {
+        Arc::new(
+            Pipeline {
+                subset,
+                order: None,
+                image_size,
+                transform: Transform {
+                    augment: training && c.augment,
+                    normalize,
+                },
+                seed,
+                skip_bad: c.skip_bad,
+                bad: AtomicUsize::new(0),
+                last_bad: Mutex::new(None),
+                source,
+            }
+            .ordered(!training),
+        )
+    };
+    let (source, skipped): (Arc<dyn Source>, Vec<(String, String)>) = match &c.source {
+        SourceSpec::Synthetic => {
+            let stream = |seed| {
+                Arc::new(Stream::new(Synthetic {
+                    seed,
+                    classes,
+                    image_size,
+                }))
+            };
+            let held_out = stream(splitmix64(seed ^ HELD_OUT_STREAM));
+            let train = stream(seed);
+            return Ok(Dataset {
+                classes: train.classes().to_vec(),
+                train: pipeline(train, None, false, true),
+                val: Some(pipeline(held_out, None, false, false)),
+                skipped: vec![],
+            });
+        }
+        SourceSpec::Folder(dir) => {
+            let f = Folder::open(dir, c.skip_bad)?;
+            let skipped = f
+                .skipped
+                .iter()
+                .map(|(p, why)| (p.display().to_string(), why.clone()))
+                .collect();
+            (Arc::new(f), skipped)
+        }
+    };
+    let n = source.len().expect("files and slides are finite");
+    let (train, val) = split(n, c.val, seed);
+    if train.is_empty() || (c.val > 0.0 && val.is_empty()) {
+        return Err(Error::Config(format!(
+            "--val {} of {n} samples leaves {} for training and {} held out: both need some",
+            c.val,
+            train.len(),
+            val.len()
+        )));
+    }
+    Ok(Dataset {
+        classes: source.classes().to_vec(),
+        train: pipeline(source.clone(), Some(train), true, true),
+        val: (c.val > 0.0).then(|| pipeline(source, Some(val), true, false)),
+        skipped,
+    })
+}
+
+/// Samples 0..n divided into (training, held out): each held out with probability `val`, by
+/// a hash of (seed, index), so the split is the same on every rank and in every run.
+fn split(n: usize, val: f64, seed: u64) -> (Vec<usize>, Vec<usize>) {
+    (0..n).partition(|&i| uniform(seed ^ SPLIT_STREAM, i as u64) >= val)
+}
+
+/// Positions of the epoch order to prepared, labelled inputs, for one split of a source.
+pub struct Pipeline {
+    source: Arc<dyn Source>,
+    /// The split's samples (all the source's when `None`).
+    subset: Option<Vec<usize>>,
+    /// Shuffled epochs over the split (training) or its samples in order; `None` for an
+    /// unbounded source, whose positions are its indices.
+    order: Option<Epochs>,
+    image_size: usize,
+    transform: Transform,
+    seed: u64,
+    skip_bad: bool,
+    bad: AtomicUsize,
+    /// Where the last unreadable sample was, for the summary.
+    last_bad: Mutex<Option<String>>,
+}
+
+impl Pipeline {
+    /// Sets the epoch order over the split: in order (`sequential`) or shuffled per epoch.
+    fn ordered(mut self, sequential: bool) -> Pipeline {
+        let len = self.subset.as_ref().map(|s| s.len()).or(self.source.len());
+        self.order = len.map(|len| Epochs {
+            len,
+            seed: self.seed,
+            sequential,
+        });
+        self
+    }
+
+    /// Samples in one epoch; `None` for an unbounded stream.
+    pub fn len(&self) -> Option<usize> {
+        self.order.map(|o| o.len)
+    }
+
+    pub fn classes(&self) -> &[String] {
+        self.source.classes()
+    }
+
+    /// Values of one prepared input.
+    pub fn sample_len(&self) -> usize {
+        CHANNELS * self.image_size * self.image_size
+    }
+
+    /// The source index at position `pos`.
+    pub fn index(&self, pos: u64) -> usize {
+        let i = self.order.map_or(pos as usize, |o| o.sample(pos));
+        self.subset.as_ref().map_or(i, |s| s[i])
+    }
+
+    pub fn label(&self, pos: u64) -> Result<u32> {
+        self.source.label(self.index(pos))
+    }
+
+    /// Labels of positions first..first+n.
+    pub fn labels(&self, first: u64, n: usize) -> Result<Vec<u32>> {
+        (first..first + n as u64).map(|p| self.label(p)).collect()
+    }
+
+    /// Prepares the input at position `pos` into `out` and returns its label. An unreadable
+    /// sample is an error, or with `skip_bad` a warning, a count, and a blank (mean) input.
+    pub fn sample(&self, pos: u64, out: &mut [f64]) -> Result<u32> {
+        let index = self.index(pos);
+        let label = self.source.label(index)?;
+        match self.source.read(index) {
+            Ok(img) => {
+                // Augmentation differs per position, so per epoch too.
+                let mut rng = ChaCha8Rng::seed_from_u64(splitmix64(
+                    self.seed ^ AUGMENT_STREAM ^ splitmix64(pos),
+                ));
+                self.transform.apply(&img, self.image_size, &mut rng, out);
+            }
+            Err(e) if self.skip_bad => {
+                self.bad.fetch_add(1, Ordering::Relaxed);
+                eprintln!("warning: skipping a bad sample: {e}");
+                *self.last_bad.lock().unwrap_or_else(|p| p.into_inner()) =
+                    Some(self.source.describe(index));
+                out.fill(0.0);
+            }
+            Err(e) => return Err(e),
+        }
+        Ok(label)
+    }
+
+    /// Positions first..first+n as one NCHW batch and its labels.
+    pub fn batch(&self, first: u64, n: usize) -> Result<(Vec<f64>, Vec<u32>)> {
+        let len = self.sample_len();
+        let mut pixels = vec![0.0; n * len];
+        let labels = pixels
+            .chunks_mut(len)
+            .zip(first..)
+            .map(|(out, pos)| self.sample(pos, out))
+            .collect::<Result<_>>()?;
+        Ok((pixels, labels))
+    }
+
+    /// Unreadable samples met so far (with `skip_bad`), and the last of them.
+    pub fn bad(&self) -> (usize, Option<String>) {
+        (
+            self.bad.load(Ordering::Relaxed),
+            self.last_bad
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .clone(),
+        )
+    }
+}
