@@ -1,0 +1,1120 @@
+//! Whole-slide images: pyramidal tiled TIFF or BigTIFF files of 8-bit RGB pixels, read one
+//! TIFF tile at a time so that a 100,000² slide never sits in memory; a writer of synthetic
+//! slides with labelled tissue regions (for tests and demos); and [`Slides`], a [`Source`] of
+//! fixed-size tiles cut from a directory of slides at one pyramid level, labelled from a CSV.
+//!
+//! Levels: the first image of the file is level 0; every later *tiled* image smaller than the
+//! level before it is the next level. Other images (a striped thumbnail, a same-size page) are
+//! not levels and are passed over, as OpenSlide does for generic tiled TIFF.
+
+use std::collections::HashMap;
+use std::f64::consts::{PI, TAU};
+use std::fs::File;
+use std::io::{BufReader, BufWriter, Read, Seek, SeekFrom, Write};
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+
+use rayon::prelude::*;
+use tiff::decoder::{ChunkType, Decoder, DecodingResult};
+use tiff::encoder::{TiffEncoder, TiffKind};
+use tiff::tags::{CompressionMethod, PhotometricInterpretation, PlanarConfiguration, Tag};
+use tiff::{ColorType, TiffError, TiffFormatError, TiffResult};
+
+use super::{Image, Source, CHANNELS};
+use crate::backend::cpu::splitmix64;
+use crate::{Error, Result};
+
+/// One pyramid level: its size and the size of the TIFF tiles it is stored in.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Level {
+    pub width: u32,
+    pub height: u32,
+    pub tile_width: u32,
+    pub tile_height: u32,
+}
+
+impl Level {
+    fn tiles_across(&self) -> u32 {
+        self.width.div_ceil(self.tile_width)
+    }
+    fn tiles_down(&self) -> u32 {
+        self.height.div_ceil(self.tile_height)
+    }
+}
+
+// ------------------------------------------------------------------------------------------
+// The synthetic slide writer.
+
+/// Options of [`make_slide`]. Sizes are in level-0 pixels.
+#[derive(Clone, Debug, PartialEq)]
+pub struct MakeSlide {
+    pub width: u32,
+    pub height: u32,
+    /// Side of the square TIFF tiles (a multiple of 16, as TIFF requires).
+    pub tile: u32,
+    /// Level 0 plus `levels - 1` levels, each half the size of the one before.
+    pub levels: usize,
+    pub classes: usize,
+    /// Decides which class each region gets, the gratings' phases and the noise.
+    pub seed: u64,
+    /// Side of the grid cells; each cell holds one tissue region inset by `region / 8`, with
+    /// near-white background between regions.
+    pub region: u32,
+    /// Amplitude of the uniform per-pixel noise in tissue (half of it on background), in
+    /// [0, 1] units; 0 makes slides that compress well.
+    pub noise: f32,
+    /// Write BigTIFF even when a classic TIFF would do (it is chosen anyway past 4 GiB).
+    pub bigtiff: bool,
+}
+
+impl MakeSlide {
+    /// Defaults: 256² tiles, levels halving until the smallest fits one tile, 4 classes, seed 0,
+    /// 1024-pixel regions, noise 0.06, classic TIFF when it fits.
+    pub fn new(width: u32, height: u32) -> MakeSlide {
+        let mut levels = 1;
+        while (width.max(height) >> (levels - 1)) > 256 && (width.min(height) >> levels) >= 1 {
+            levels += 1;
+        }
+        MakeSlide {
+            width,
+            height,
+            tile: 256,
+            levels,
+            classes: 4,
+            seed: 0,
+            region: 1024,
+            noise: 0.06,
+            bigtiff: false,
+        }
+    }
+
+    /// The size of each level: level k is level 0 divided by 2^k, rounded down.
+    pub fn level_sizes(&self) -> Vec<(u32, u32)> {
+        (0..self.levels)
+            .map(|k| (self.width >> k, self.height >> k))
+            .collect()
+    }
+
+    /// Whether the file needs BigTIFF's 64-bit offsets. Judged on the uncompressed tile bytes
+    /// of every level (noise can leave tiles nearly incompressible, and deflate never grows
+    /// data by more than a fraction of a percent), with room for the directories.
+    pub fn needs_bigtiff(&self) -> bool {
+        let tile_bytes = self.tile as u64 * self.tile as u64 * CHANNELS as u64;
+        let bytes: u64 = self
+            .level_sizes()
+            .iter()
+            .map(|&(w, h)| w.div_ceil(self.tile) as u64 * h.div_ceil(self.tile) as u64 * tile_bytes)
+            .sum();
+        bytes + bytes / 64 + (1 << 20) > u32::MAX as u64
+    }
+
+    fn check(&self) -> Result<()> {
+        let bad = |why: String| Err(Error::Config(format!("make-slide: {why}")));
+        if self.width == 0 || self.height == 0 {
+            return bad(format!("size {}×{} is empty", self.width, self.height));
+        }
+        if self.tile < 16 || !self.tile.is_multiple_of(16) {
+            return bad(format!("tile size {} is not a multiple of 16", self.tile));
+        }
+        let shift = self.levels.saturating_sub(1).min(31);
+        if self.levels == 0 || self.levels > 32 || (self.width.min(self.height) >> shift) == 0 {
+            return bad(format!(
+                "{} levels do not fit {}×{} (each level halves the size; at least 1 level)",
+                self.levels, self.width, self.height
+            ));
+        }
+        if self.classes == 0 {
+            return bad("at least 1 class".into());
+        }
+        if !(0.0..=1.0).contains(&self.noise) {
+            return bad(format!("noise {} is outside [0, 1]", self.noise));
+        }
+        if self.region < 8 {
+            return bad(format!("region size {} is under 8 pixels", self.region));
+        }
+        Ok(())
+    }
+}
+
+/// A rectangle of level-0 pixels and its class.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Region {
+    pub x: u32,
+    pub y: u32,
+    pub w: u32,
+    pub h: u32,
+    pub class: usize,
+}
+
+/// What [`make_slide`] wrote.
+#[derive(Clone, Debug, PartialEq)]
+pub struct MadeSlide {
+    pub levels: Vec<Level>,
+    /// The tissue regions; every level-0 pixel whose centre lies outside them is background.
+    pub regions: Vec<Region>,
+    pub classes: usize,
+    pub bigtiff: bool,
+    /// The file's size.
+    pub bytes: u64,
+}
+
+impl MadeSlide {
+    /// The regions as label rows `slide,x,y,w,h,label` for [`Slides::open`], one per line.
+    pub fn label_rows(&self, slide: &str) -> String {
+        self.regions
+            .iter()
+            .map(|r| {
+                let label = class_name(r.class, self.classes);
+                format!("{slide},{},{},{},{},{label}\n", r.x, r.y, r.w, r.h)
+            })
+            .collect()
+    }
+}
+
+/// The label of synthetic class `class` out of `classes`: `class0`, `class1`, … zero-padded
+/// so that sorting the names keeps the class order.
+pub fn class_name(class: usize, classes: usize) -> String {
+    let digits = (classes.max(2) - 1).to_string().len();
+    format!("class{class:0digits$}")
+}
+
+/// Writes a synthetic pyramidal tiled TIFF of 8-bit RGB, deflate-compressed tiles: a grid of
+/// tissue regions, each textured by its class's oriented sinusoidal grating and colour (so a
+/// small CNN tells them apart) plus noise, with near-white background between them. Levels
+/// after the first are marked reduced-resolution (NewSubfileType 1). Pixels are computed per
+/// tile (level k as the exact box average of the level-0 grating over each 2^k × 2^k block, so
+/// textures fade at low resolution as a scanner's would), and a few tiles at a time are held,
+/// whatever the slide's size.
+pub fn make_slide(path: &Path, opts: &MakeSlide) -> Result<MadeSlide> {
+    opts.check()?;
+    let bigtiff = opts.bigtiff || opts.needs_bigtiff();
+    let levels: Vec<Level> = opts
+        .level_sizes()
+        .into_iter()
+        .map(|(width, height)| Level {
+            width,
+            height,
+            tile_width: opts.tile,
+            tile_height: opts.tile,
+        })
+        .collect();
+    let file = File::create(path)
+        .map_err(|e| Error::Data(format!("cannot create {}: {e}", path.display())))?;
+    let mut out = BufWriter::with_capacity(1 << 20, file);
+    let written = if bigtiff {
+        TiffEncoder::new_big(&mut out).and_then(|t| write_pyramid(t, opts, &levels))
+    } else {
+        TiffEncoder::new(&mut out).and_then(|t| write_pyramid(t, opts, &levels))
+    };
+    written.map_err(|e| Error::Data(format!("writing {}: {e}", path.display())))?;
+    out.flush()
+        .map_err(|e| Error::Data(format!("writing {}: {e}", path.display())))?;
+    let bytes = std::fs::metadata(path)?.len();
+    Ok(MadeSlide {
+        levels,
+        regions: regions(opts),
+        classes: opts.classes,
+        bigtiff,
+        bytes,
+    })
+}
+
+/// Tiles are made and compressed this many at a time, in parallel, then written in order.
+const WRITE_BATCH: u32 = 64;
+
+fn write_pyramid<W: Write + Seek, K: TiffKind>(
+    mut tiff: TiffEncoder<W, K>,
+    opts: &MakeSlide,
+    levels: &[Level],
+) -> TiffResult<()> {
+    for (k, level) in levels.iter().enumerate() {
+        let painter = Painter::new(opts, k);
+        let mut dir = tiff.image_directory()?;
+        let count = level.tiles_across() * level.tiles_down();
+        let mut offsets = Vec::with_capacity(count as usize);
+        let mut sizes = Vec::with_capacity(count as usize);
+        for first in (0..count).step_by(WRITE_BATCH as usize) {
+            let packed = (first..count.min(first + WRITE_BATCH))
+                .into_par_iter()
+                .map(|t| {
+                    let raw =
+                        painter.tile(level, t % level.tiles_across(), t / level.tiles_across());
+                    let mut z =
+                        flate2::write::ZlibEncoder::new(Vec::new(), flate2::Compression::fast());
+                    z.write_all(&raw)?;
+                    z.finish()
+                })
+                .collect::<std::io::Result<Vec<Vec<u8>>>>()?;
+            for bytes in packed {
+                offsets.push(K::convert_offset(dir.write_data(bytes.as_slice())?)?);
+                sizes.push(K::convert_offset(bytes.len() as u64)?);
+            }
+        }
+        dir.write_tag(Tag::NewSubfileType, u32::from(k > 0))?;
+        dir.write_tag(Tag::ImageWidth, level.width)?;
+        dir.write_tag(Tag::ImageLength, level.height)?;
+        dir.write_tag(Tag::BitsPerSample, &[8u16; CHANNELS][..])?;
+        dir.write_tag(Tag::Compression, CompressionMethod::Deflate.to_u16())?;
+        dir.write_tag(
+            Tag::PhotometricInterpretation,
+            PhotometricInterpretation::RGB.to_u16(),
+        )?;
+        dir.write_tag(Tag::SamplesPerPixel, CHANNELS as u16)?;
+        dir.write_tag(
+            Tag::PlanarConfiguration,
+            PlanarConfiguration::Chunky.to_u16(),
+        )?;
+        dir.write_tag(Tag::TileWidth, level.tile_width)?;
+        dir.write_tag(Tag::TileLength, level.tile_height)?;
+        if k == 0 {
+            let about = format!(
+                "gems synthetic slide: {} classes, seed {}, {}-pixel regions",
+                opts.classes, opts.seed, opts.region
+            );
+            dir.write_tag(Tag::ImageDescription, about.as_str())?;
+        }
+        dir.write_tag(Tag::TileOffsets, K::convert_slice(&offsets))?;
+        dir.write_tag(Tag::TileByteCounts, K::convert_slice(&sizes))?;
+        dir.finish()?;
+    }
+    Ok(())
+}
+
+/// The tissue regions of a synthetic slide: one per grid cell, inset by a margin, clipped to
+/// the slide.
+fn regions(opts: &MakeSlide) -> Vec<Region> {
+    let margin = opts.region / 8;
+    let mut out = Vec::new();
+    for j in 0..opts.height.div_ceil(opts.region) {
+        for i in 0..opts.width.div_ceil(opts.region) {
+            let (x, y) = (i * opts.region + margin, j * opts.region + margin);
+            let x1 = ((i + 1) * opts.region - margin).min(opts.width);
+            let y1 = ((j + 1) * opts.region - margin).min(opts.height);
+            if x < x1 && y < y1 {
+                let (class, _) = cell(opts, i, j);
+                out.push(Region {
+                    x,
+                    y,
+                    w: x1 - x,
+                    h: y1 - y,
+                    class,
+                });
+            }
+        }
+    }
+    out
+}
+
+/// The class and grating phase of grid cell (i, j).
+fn cell(opts: &MakeSlide, i: u32, j: u32) -> (usize, f64) {
+    let h = splitmix64(opts.seed ^ splitmix64(((j as u64) << 32) | i as u64));
+    let class = (h % opts.classes as u64) as usize;
+    (class, (h >> 32) as f64 / (1u64 << 32) as f64 * TAU)
+}
+
+/// Period of every class's grating, in level-0 pixels.
+const PERIOD: f64 = 24.0;
+
+/// Entries of the sine table (a power of two): steps of 2π/4096 move a pixel by under 1/3000,
+/// far below one 8-bit level.
+const SINE_STEPS: usize = 4096;
+
+/// Computes the pixels of one level of a synthetic slide.
+struct Painter<'a> {
+    opts: &'a MakeSlide,
+    /// Level-0 pixels per pixel of this level (2^k).
+    scale: f64,
+    level_seed: u64,
+    /// Per class: wave vector (x, y) in table steps per level-0 pixel, amplitude after box
+    /// averaging at this level, colour.
+    gratings: Vec<([f64; 2], f64, [f64; CHANNELS])>,
+    sine: Vec<f64>,
+}
+
+impl<'a> Painter<'a> {
+    fn new(opts: &'a MakeSlide, level: usize) -> Painter<'a> {
+        let scale = (1u64 << level) as f64;
+        let sinc = |u: f64| if u.abs() < 1e-9 { 1.0 } else { u.sin() / u };
+        let gratings = (0..opts.classes)
+            .map(|c| {
+                // Orientation and colour depend on the class only, so every slide agrees.
+                let angle = PI * c as f64 / opts.classes as f64;
+                let k = [TAU * angle.cos() / PERIOD, TAU * angle.sin() / PERIOD];
+                let amplitude = sinc(k[0] * scale / 2.0) * sinc(k[1] * scale / 2.0);
+                let steps = SINE_STEPS as f64 / TAU;
+                let hue = TAU * c as f64 / opts.classes as f64;
+                let colour = [
+                    0.6 + 0.2 * hue.cos(),
+                    0.45 + 0.2 * (hue - TAU / 3.0).cos(),
+                    0.6 + 0.2 * (hue - 2.0 * TAU / 3.0).cos(),
+                ];
+                ([k[0] * steps, k[1] * steps], amplitude, colour)
+            })
+            .collect();
+        Painter {
+            opts,
+            scale,
+            level_seed: splitmix64(opts.seed ^ splitmix64(level as u64 + 1)),
+            gratings,
+            sine: (0..SINE_STEPS)
+                .map(|i| (TAU * i as f64 / SINE_STEPS as f64).sin())
+                .collect(),
+        }
+    }
+
+    /// Row y of this level from column x0, `out.len() / 3` pixels, interleaved RGB.
+    fn row(&self, x0: u32, y: u32, out: &mut [u8]) {
+        let region = self.opts.region as f64;
+        let margin = (self.opts.region / 8) as f64;
+        let inside = |local: f64| local >= margin && local < region - margin;
+        // Pixel centres in level-0 pixels: each pixel is the box average of its block.
+        let cy = (y as f64 + 0.5) * self.scale;
+        let j = (cy / region) as u32;
+        let tissue_row = inside(cy - j as f64 * region);
+        let noise = self.opts.noise as f64;
+        let mut last_cell = (u32::MAX, 0, 0.0);
+        for (n, px) in out.chunks_exact_mut(CHANNELS).enumerate() {
+            let x = x0 + n as u32;
+            let hash = splitmix64(self.level_seed ^ (((y as u64) << 32) | x as u64));
+            let jitter = |c: usize| ((hash >> (16 * c)) & 0xffff) as f64 / 65535.0 - 0.5;
+            let cx = (x as f64 + 0.5) * self.scale;
+            let i = (cx / region) as u32;
+            if tissue_row && inside(cx - i as f64 * region) {
+                if last_cell.0 != i {
+                    let (class, phase) = cell(self.opts, i, j);
+                    last_cell = (i, class, phase * SINE_STEPS as f64 / TAU);
+                }
+                let (k, amplitude, colour) = &self.gratings[last_cell.1];
+                let step = (k[0] * cx + k[1] * cy + last_cell.2) as i64;
+                let wave = amplitude * self.sine[step as usize & (SINE_STEPS - 1)];
+                for (c, v) in px.iter_mut().enumerate() {
+                    *v = to_u8(colour[c] + 0.2 * wave + noise * jitter(c));
+                }
+            } else {
+                for (c, v) in px.iter_mut().enumerate() {
+                    *v = to_u8(0.92 + 0.5 * noise * jitter(c));
+                }
+            }
+        }
+    }
+
+    /// TIFF tile (tx, ty) of `level`, interleaved RGB, zero past the level's edges.
+    fn tile(&self, level: &Level, tx: u32, ty: u32) -> Vec<u8> {
+        let (tw, th) = (level.tile_width as usize, level.tile_height as usize);
+        let mut out = vec![0u8; tw * th * CHANNELS];
+        let (x0, y0) = (tx * level.tile_width, ty * level.tile_height);
+        let cols = (level.width - x0).min(level.tile_width) as usize;
+        let rows = (level.height - y0).min(level.tile_height);
+        for r in 0..rows {
+            let at = r as usize * tw * CHANNELS;
+            self.row(x0, y0 + r, &mut out[at..at + cols * CHANNELS]);
+        }
+        out
+    }
+}
+
+/// [0, 1] to 0..=255, rounding (the cast saturates out-of-range values).
+fn to_u8(v: f64) -> u8 {
+    (v * 255.0 + 0.5) as u8
+}
+
+// ------------------------------------------------------------------------------------------
+// The reader.
+
+/// A file read at explicit positions (`pread`), so decoders on several threads share one
+/// open file without sharing a cursor.
+struct At {
+    file: Arc<File>,
+    pos: u64,
+}
+
+impl Read for At {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        let n = self.file.read_at(buf, self.pos)?;
+        self.pos += n as u64;
+        Ok(n)
+    }
+}
+
+impl Seek for At {
+    fn seek(&mut self, to: SeekFrom) -> std::io::Result<u64> {
+        let (base, delta) = match to {
+            SeekFrom::Start(n) => (n, 0),
+            SeekFrom::Current(d) => (self.pos, d),
+            SeekFrom::End(d) => (self.file.metadata()?.len(), d),
+        };
+        self.pos = base.checked_add_signed(delta).ok_or_else(|| {
+            std::io::Error::new(std::io::ErrorKind::InvalidInput, "seek before the start")
+        })?;
+        Ok(self.pos)
+    }
+}
+
+type TiffDecoder = Decoder<BufReader<At>>;
+
+/// Decoders kept between reads, per slide: each holds its level's tile offsets, so keeping
+/// more would cost memory on large levels; a read that finds none opens another (cheap).
+const IDLE_DECODERS: usize = 2;
+
+/// An open whole-slide image. Reads decode only the TIFF tiles they overlap, and may run on
+/// several threads at once (one open file; a decoder per concurrent read).
+pub struct Slide {
+    path: PathBuf,
+    file: Arc<File>,
+    levels: Vec<Level>,
+    /// The index of each level's image in the file.
+    images: Vec<usize>,
+    /// Idle decoders and the image each is on.
+    idle: Mutex<Vec<(usize, TiffDecoder)>>,
+}
+
+impl Slide {
+    /// Opens a pyramidal tiled TIFF and lists its levels. Refuses, naming the file: a file
+    /// that is not a TIFF, a damaged or truncated one, a striped (not tiled) one, and levels
+    /// that are not 8-bit RGB with interleaved samples.
+    pub fn open(path: &Path) -> Result<Slide> {
+        let file = File::open(path)
+            .map_err(|e| Error::Data(format!("cannot open {}: {e}", path.display())))?;
+        let file = Arc::new(file);
+        let mut decoder = Decoder::new(BufReader::new(At {
+            file: file.clone(),
+            pos: 0,
+        }))
+        .map_err(|e| structure_error(path, e))?;
+        let mut levels: Vec<Level> = Vec::new();
+        let mut images = Vec::new();
+        let mut image = 0;
+        loop {
+            let tiled = decoder.get_chunk_type() == ChunkType::Tile;
+            let (width, height) = decoder.dimensions().map_err(|e| structure_error(path, e))?;
+            if image == 0 && !tiled {
+                return Err(Error::Data(format!(
+                    "{} is a striped TIFF, not a tiled one: slides must be stored in tiles to be \
+                     read a region at a time (e.g. `vips tiffsave in.tif out.tif --tile --pyramid`)",
+                    path.display()
+                )));
+            }
+            let smaller = levels
+                .last()
+                .is_none_or(|l| width < l.width && height <= l.height);
+            if tiled && smaller {
+                check_layout(path, levels.len(), &mut decoder)?;
+                let (tile_width, tile_height) = decoder.chunk_dimensions();
+                levels.push(Level {
+                    width,
+                    height,
+                    tile_width,
+                    tile_height,
+                });
+                images.push(image);
+            }
+            if !decoder.more_images() {
+                break;
+            }
+            decoder.next_image().map_err(|e| structure_error(path, e))?;
+            image += 1;
+        }
+        Ok(Slide {
+            path: path.to_path_buf(),
+            file,
+            levels,
+            images,
+            idle: Mutex::new(vec![(image, decoder)]),
+        })
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// The pyramid, level 0 (full resolution) first.
+    pub fn levels(&self) -> &[Level] {
+        &self.levels
+    }
+
+    /// Level `level`, or an error naming the file and how many levels it has.
+    pub fn level(&self, level: usize) -> Result<&Level> {
+        self.levels.get(level).ok_or_else(|| {
+            Error::Data(format!(
+                "{} has {} level{} (0 to {}); there is no level {level}",
+                self.path.display(),
+                self.levels.len(),
+                if self.levels.len() == 1 { "" } else { "s" },
+                self.levels.len() - 1
+            ))
+        })
+    }
+
+    /// The `w × h` pixels at (x, y) of `level`, as an [`Image`] in [0, 1].
+    pub fn read_region(&self, level: usize, x: u32, y: u32, w: u32, h: u32) -> Result<Image> {
+        let rgb = self.read_rgb8(level, x, y, w, h)?;
+        Ok(Image::from_rgb8(w as usize, h as usize, &rgb))
+    }
+
+    /// The `w × h` pixels at (x, y) of `level`, as interleaved 8-bit RGB rows. Decodes only
+    /// the TIFF tiles the region overlaps.
+    pub fn read_rgb8(&self, level: usize, x: u32, y: u32, w: u32, h: u32) -> Result<Vec<u8>> {
+        let l = *self.level(level)?;
+        if w == 0
+            || h == 0
+            || x as u64 + w as u64 > l.width as u64
+            || y as u64 + h as u64 > l.height as u64
+        {
+            return Err(Error::Data(format!(
+                "{}: region {w}×{h} at ({x}, {y}) is not inside level {level} ({}×{})",
+                self.path.display(),
+                l.width,
+                l.height
+            )));
+        }
+        let mut decoder = self.decoder(level)?;
+        let mut out = vec![0u8; w as usize * h as usize * CHANNELS];
+        for ty in y / l.tile_height..=(y + h - 1) / l.tile_height {
+            for tx in x / l.tile_width..=(x + w - 1) / l.tile_width {
+                let index = ty * l.tiles_across() + tx;
+                let tile_error = |why: String| {
+                    Error::Data(format!(
+                        "{}: level {level} tile {index} (column {tx}, row {ty}) is unreadable: {why}",
+                        self.path.display()
+                    ))
+                };
+                let pixels = match decoder.read_chunk(index) {
+                    Ok(DecodingResult::U8(p)) => p,
+                    Ok(_) => return Err(tile_error("not 8-bit samples".into())),
+                    Err(e) => return Err(tile_error(e.to_string())),
+                };
+                // The tile's pixels inside the level (edge tiles come cropped).
+                let (x0, y0) = (tx * l.tile_width, ty * l.tile_height);
+                let cols = (l.width - x0).min(l.tile_width) as usize;
+                let rows = (l.height - y0).min(l.tile_height);
+                if pixels.len() < cols * rows as usize * CHANNELS {
+                    return Err(tile_error(format!("{} bytes decoded", pixels.len())));
+                }
+                let (left, right) = (x.max(x0), (x + w).min(x0 + cols as u32));
+                let span = (right - left) as usize * CHANNELS;
+                for row in y.max(y0)..(y + h).min(y0 + rows) {
+                    let src = ((row - y0) as usize * cols + (left - x0) as usize) * CHANNELS;
+                    let dst = ((row - y) as usize * w as usize + (left - x) as usize) * CHANNELS;
+                    out[dst..dst + span].copy_from_slice(&pixels[src..src + span]);
+                }
+            }
+        }
+        // A decoder that failed is dropped rather than reused: its state is unknown.
+        let mut idle = self.idle.lock().unwrap_or_else(|p| p.into_inner());
+        if idle.len() < IDLE_DECODERS {
+            idle.push((self.images[level], decoder));
+        }
+        Ok(out)
+    }
+
+    /// A decoder on `level`'s image: an idle one if there is one, else a new one.
+    fn decoder(&self, level: usize) -> Result<TiffDecoder> {
+        let image = self.images[level];
+        let taken = {
+            let mut idle = self.idle.lock().unwrap_or_else(|p| p.into_inner());
+            let same = idle.iter().position(|(i, _)| *i == image);
+            same.or(idle.len().checked_sub(1))
+                .map(|at| idle.swap_remove(at))
+        };
+        let (on, mut decoder) = match taken {
+            Some(d) => d,
+            None => {
+                let reader = BufReader::new(At {
+                    file: self.file.clone(),
+                    pos: 0,
+                });
+                (
+                    0,
+                    Decoder::new(reader).map_err(|e| structure_error(&self.path, e))?,
+                )
+            }
+        };
+        if on != image {
+            decoder
+                .seek_to_image(image)
+                .map_err(|e| structure_error(&self.path, e))?;
+        }
+        Ok(decoder)
+    }
+}
+
+/// Refuses levels this reader cannot turn into RGB images.
+fn check_layout(path: &Path, level: usize, decoder: &mut TiffDecoder) -> Result<()> {
+    let refuse = |what: String| {
+        Err(Error::Data(format!(
+            "{}: level {level} is {what}; only 8-bit RGB slides can be read",
+            path.display()
+        )))
+    };
+    match decoder.colortype() {
+        Ok(ColorType::RGB(8)) => {}
+        Ok(other) => return refuse(format!("{other:?}")),
+        Err(e) => return refuse(format!("in an unsupported layout ({e})")),
+    }
+    let planar = decoder
+        .find_tag_unsigned::<u16>(Tag::PlanarConfiguration)
+        .map_err(|e| structure_error(path, e))?;
+    if planar == Some(PlanarConfiguration::Planar.to_u16()) {
+        return refuse("stored as separate colour planes".into());
+    }
+    Ok(())
+}
+
+/// A TIFF structure that does not read, as an error naming the file.
+fn structure_error(path: &Path, e: TiffError) -> Error {
+    let path = path.display();
+    Error::Data(match e {
+        TiffError::FormatError(
+            TiffFormatError::TiffSignatureNotFound | TiffFormatError::TiffSignatureInvalid,
+        ) => format!("{path} is not a TIFF file"),
+        TiffError::IoError(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => {
+            format!("{path} is truncated: its TIFF structure ends early ({e})")
+        }
+        e => format!("{path} is not a readable TIFF: {e}"),
+    })
+}
+
+// ------------------------------------------------------------------------------------------
+// Tiles of a directory of slides, as a Source.
+
+/// How [`Slides`] cuts slides into tiles.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct TileConfig {
+    /// The pyramid level tiles are cut from (0 = full resolution).
+    pub level: usize,
+    /// Side of the square tiles, in pixels of that level.
+    pub tile: u32,
+    /// Distance between neighbouring tiles' corners (less than `tile` for overlapping tiles).
+    pub stride: u32,
+    /// Leave out tiles whose mean brightness (mean of R, G, B in [0, 1]) is above this:
+    /// near-white background without tissue. Around 0.8 suits bright-field slides.
+    pub tissue_threshold: Option<f32>,
+}
+
+/// One tile of [`Slides`]: a slide (index into [`Slides::slides`]), the tile's top-left corner
+/// in pixels of the configured level, and its label.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Tile {
+    pub slide: usize,
+    pub x: u32,
+    pub y: u32,
+    pub label: u32,
+}
+
+/// Labelled square tiles cut from every `.tif`/`.tiff` slide of a directory at one level.
+///
+/// Tiles are whole tiles inside the level, in row-major order per slide, slides sorted by file
+/// name. Labels come from a CSV file of rows
+/// - `slide,label`: every tile of the slide gets `label`;
+/// - `slide,x,y,w,h,label`: a rectangle in level-0 pixels; a tile gets the label of the first
+///   such row (in file order) whose rectangle holds the tile's centre, and a tile whose centre
+///   is in none is left out.
+///
+/// `slide` is the file name (`a.tiff`) or its stem (`a`). A slide has either one whole-slide
+/// row or region rows. A first line whose first field is `slide`, or whose numbers do not
+/// parse, is a header. Fields are trimmed; quoting is not supported. Class names are the
+/// sorted distinct labels of *every* row, so directories labelled from one CSV file (training
+/// and validation) agree on label numbers; rows naming slides not in the directory are
+/// otherwise ignored. A slide without a row is an error.
+///
+/// The tissue filter reads each tile once at opening, from the coarsest level on which the
+/// tile still spans [`TISSUE_FOOTPRINT`] pixels (so opening costs a small fraction of reading
+/// the tiles), decoding each TIFF tile of that level at most once.
+pub struct Slides {
+    slides: Vec<Slide>,
+    classes: Vec<String>,
+    tiles: Vec<Tile>,
+    config: TileConfig,
+}
+
+/// The tissue filter judges a tile on the coarsest level where it still spans this many
+/// pixels each way (or on the tile's own level when no coarser one does).
+pub const TISSUE_FOOTPRINT: u32 = 8;
+
+impl Slides {
+    /// Opens every slide in `dir`, reads the labels in `labels` and lists the tiles.
+    pub fn open(dir: &Path, labels: &Path, config: &TileConfig) -> Result<Slides> {
+        if config.stride == 0 {
+            return Err(Error::Config("tile stride must be at least 1 pixel".into()));
+        }
+        let rows = read_labels(labels)?;
+        let mut paths = Vec::new();
+        let entries = std::fs::read_dir(dir)
+            .map_err(|e| Error::Data(format!("cannot read {}: {e}", dir.display())))?;
+        for entry in entries {
+            let path = entry
+                .map_err(|e| Error::Data(format!("cannot read {}: {e}", dir.display())))?
+                .path();
+            let ext = path
+                .extension()
+                .map(|e| e.to_string_lossy().to_ascii_lowercase());
+            if path.is_file() && matches!(ext.as_deref(), Some("tif" | "tiff")) {
+                paths.push(path);
+            }
+        }
+        paths.sort();
+        if paths.is_empty() {
+            return Err(Error::Data(format!(
+                "{} holds no .tif or .tiff slides",
+                dir.display()
+            )));
+        }
+        let mut slides = Vec::new();
+        let mut tiles = Vec::new();
+        for path in paths {
+            let slide = Slide::open(&path)?;
+            let labelled = rows.for_slide(&path).ok_or_else(|| {
+                Error::Data(format!(
+                    "{} has no row for slide {}: add `{},<label>` or region rows `{},x,y,w,h,<label>`",
+                    labels.display(),
+                    path.display(),
+                    file_name(&path),
+                    file_name(&path)
+                ))
+            })?;
+            tiles.extend(slide_tiles(
+                &slide,
+                slides.len(),
+                labelled,
+                &rows.classes,
+                config,
+            )?);
+            slides.push(slide);
+        }
+        Ok(Slides {
+            slides,
+            classes: rows.classes,
+            tiles,
+            config: *config,
+        })
+    }
+
+    /// Every tile, in sample order.
+    pub fn tiles(&self) -> &[Tile] {
+        &self.tiles
+    }
+
+    /// The slides, in file-name order ([`Tile::slide`] indexes this).
+    pub fn slides(&self) -> &[Slide] {
+        &self.slides
+    }
+
+    pub fn config(&self) -> &TileConfig {
+        &self.config
+    }
+
+    fn tile(&self, index: usize) -> Result<&Tile> {
+        self.tiles.get(index).ok_or_else(|| {
+            Error::Internal(format!("tile {index} asked of {} tiles", self.tiles.len()))
+        })
+    }
+}
+
+impl Source for Slides {
+    fn len(&self) -> Option<usize> {
+        Some(self.tiles.len())
+    }
+
+    fn classes(&self) -> &[String] {
+        &self.classes
+    }
+
+    fn label(&self, index: usize) -> Result<u32> {
+        Ok(self.tile(index)?.label)
+    }
+
+    fn read(&self, index: usize) -> Result<Image> {
+        let t = self.tile(index)?;
+        let size = self.config.tile;
+        self.slides[t.slide].read_region(self.config.level, t.x, t.y, size, size)
+    }
+
+    /// `a.tiff level 1 tile at (2048, 1024)`, the corner in pixels of that level.
+    fn describe(&self, index: usize) -> String {
+        match self.tiles.get(index) {
+            Some(t) => format!(
+                "{} level {} tile at ({}, {})",
+                file_name(self.slides[t.slide].path()),
+                self.config.level,
+                t.x,
+                t.y
+            ),
+            None => format!("tile {index} (out of range)"),
+        }
+    }
+}
+
+fn file_name(path: &Path) -> String {
+    path.file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_else(|| path.display().to_string())
+}
+
+/// The rows of a labels CSV that concern one slide.
+#[derive(Debug)]
+enum SlideLabels {
+    Whole(String),
+    /// (x, y, w, h) in level-0 pixels, and the label.
+    Regions(Vec<([u32; 4], String)>),
+}
+
+struct Labels {
+    by_slide: HashMap<String, SlideLabels>,
+    classes: Vec<String>,
+}
+
+impl Labels {
+    /// The rows for the slide at `path`, by file name, else by stem.
+    fn for_slide(&self, path: &Path) -> Option<&SlideLabels> {
+        let stem = path.file_stem().map(|s| s.to_string_lossy().into_owned());
+        self.by_slide
+            .get(&file_name(path))
+            .or_else(|| stem.and_then(|s| self.by_slide.get(&s)))
+    }
+}
+
+fn read_labels(path: &Path) -> Result<Labels> {
+    let text = std::fs::read_to_string(path)
+        .map_err(|e| Error::Data(format!("cannot read labels {}: {e}", path.display())))?;
+    let mut by_slide: HashMap<String, SlideLabels> = HashMap::new();
+    for (n, line) in text.lines().enumerate() {
+        let fields: Vec<&str> = line.split(',').map(str::trim).collect();
+        if line.trim().is_empty() {
+            continue;
+        }
+        let bad = |why: &str| {
+            Error::Data(format!(
+                "{} line {}: {why} (rows are `slide,label` or `slide,x,y,w,h,label`)",
+                path.display(),
+                n + 1
+            ))
+        };
+        let numbers: Option<Vec<u32>> = match fields.len() {
+            6 => fields[1..5].iter().map(|f| f.parse().ok()).collect(),
+            _ => Some(Vec::new()),
+        };
+        if n == 0 && (fields[0].eq_ignore_ascii_case("slide") || numbers.is_none()) {
+            continue;
+        }
+        let (slide, label) = (fields[0].to_string(), fields[fields.len() - 1].to_string());
+        if slide.is_empty() || label.is_empty() {
+            return Err(bad("empty slide or label"));
+        }
+        match (fields.len(), numbers) {
+            (2, _) => {
+                if by_slide.contains_key(&slide) {
+                    return Err(bad(&format!("slide {slide} already has a row")));
+                }
+                by_slide.insert(slide, SlideLabels::Whole(label));
+            }
+            (6, Some(r)) => {
+                if r[2] == 0 || r[3] == 0 {
+                    return Err(bad("empty region"));
+                }
+                let rect = [r[0], r[1], r[2], r[3]];
+                match by_slide
+                    .entry(slide)
+                    .or_insert_with(|| SlideLabels::Regions(Vec::new()))
+                {
+                    SlideLabels::Regions(list) => list.push((rect, label)),
+                    SlideLabels::Whole(_) => {
+                        return Err(bad(
+                            "a slide has a whole-slide row or region rows, not both",
+                        ))
+                    }
+                }
+            }
+            (6, None) => return Err(bad("x, y, w, h must be whole numbers")),
+            _ => return Err(bad(&format!("{} fields", fields.len()))),
+        }
+    }
+    let mut classes: Vec<String> = by_slide
+        .values()
+        .flat_map(|rows| match rows {
+            SlideLabels::Whole(l) => vec![l.clone()],
+            SlideLabels::Regions(list) => list.iter().map(|(_, l)| l.clone()).collect(),
+        })
+        .collect();
+    classes.sort();
+    classes.dedup();
+    if classes.is_empty() {
+        return Err(Error::Data(format!("{} has no label rows", path.display())));
+    }
+    Ok(Labels { by_slide, classes })
+}
+
+/// The labelled tiles of one slide.
+fn slide_tiles(
+    slide: &Slide,
+    index: usize,
+    labels: &SlideLabels,
+    classes: &[String],
+    config: &TileConfig,
+) -> Result<Vec<Tile>> {
+    let level = *slide.level(config.level)?;
+    let size = config.tile;
+    if size == 0 || size > level.width || size > level.height {
+        return Err(Error::Data(format!(
+            "{}: a {size}-pixel tile does not fit level {} ({}×{}); tiles must be 1 to {} pixels",
+            slide.path().display(),
+            config.level,
+            level.width,
+            level.height,
+            level.width.min(level.height)
+        )));
+    }
+    let cols = (level.width - size) / config.stride + 1;
+    let rows = (level.height - size) / config.stride + 1;
+    let brightness = match config.tissue_threshold {
+        Some(_) => Some(tile_brightness(slide, config, cols, rows)?),
+        None => None,
+    };
+    let number = |label: &String| classes.binary_search(label).unwrap_or_default() as u32;
+    let base = slide.levels()[0];
+    let (sx, sy) = (
+        base.width as f64 / level.width as f64,
+        base.height as f64 / level.height as f64,
+    );
+    let mut tiles = Vec::new();
+    for r in 0..rows {
+        for c in 0..cols {
+            let (x, y) = (c * config.stride, r * config.stride);
+            if let (Some(b), Some(limit)) = (&brightness, config.tissue_threshold) {
+                if b[(r * cols + c) as usize] > limit {
+                    continue;
+                }
+            }
+            let label = match labels {
+                SlideLabels::Whole(l) => Some(number(l)),
+                SlideLabels::Regions(list) => {
+                    // The tile's centre in level-0 pixels.
+                    let cx = (x as f64 + size as f64 / 2.0) * sx;
+                    let cy = (y as f64 + size as f64 / 2.0) * sy;
+                    list.iter()
+                        .find(|([rx, ry, rw, rh], _)| {
+                            let (rx, ry) = (*rx as f64, *ry as f64);
+                            cx >= rx && cx < rx + *rw as f64 && cy >= ry && cy < ry + *rh as f64
+                        })
+                        .map(|(_, l)| number(l))
+                }
+            };
+            if let Some(label) = label {
+                tiles.push(Tile {
+                    slide: index,
+                    x,
+                    y,
+                    label,
+                });
+            }
+        }
+    }
+    Ok(tiles)
+}
+
+/// Mean brightness of each tile of the `cols × rows` grid (row-major), measured on the coarsest
+/// level where a tile spans [`TISSUE_FOOTPRINT`] pixels: each tile's footprint there is
+/// summed from the TIFF tiles it overlaps, each TIFF tile decoded once.
+fn tile_brightness(slide: &Slide, config: &TileConfig, cols: u32, rows: u32) -> Result<Vec<f32>> {
+    let own = slide.levels()[config.level];
+    let spans = |l: &Level| {
+        config.tile as u64 * l.width as u64 >= TISSUE_FOOTPRINT as u64 * own.width as u64
+            && config.tile as u64 * l.height as u64 >= TISSUE_FOOTPRINT as u64 * own.height as u64
+    };
+    let coarse = (config.level..slide.levels().len())
+        .rev()
+        .find(|&k| spans(&slide.levels()[k]))
+        .unwrap_or(config.level);
+    let low = slide.levels()[coarse];
+    // Footprints of the grid's columns and rows on the coarse level: [start, end) pixels.
+    let footprint = |n: u32, coarse_len: u32, own_len: u32| -> Vec<(u32, u32)> {
+        let scale = coarse_len as f64 / own_len as f64;
+        (0..n)
+            .map(|i| {
+                let at = (i * config.stride) as f64;
+                let start = ((at * scale).floor() as u32).min(coarse_len - 1);
+                let end = (((at + config.tile as f64) * scale).ceil() as u32)
+                    .clamp(start + 1, coarse_len);
+                (start, end)
+            })
+            .collect()
+    };
+    let xs = footprint(cols, low.width, own.width);
+    let ys = footprint(rows, low.height, own.height);
+    let overlapping = |spans: &[(u32, u32)], from: u32, to: u32| -> Vec<u32> {
+        (0..spans.len() as u32)
+            .filter(|&i| spans[i as usize].0 < to && spans[i as usize].1 > from)
+            .collect()
+    };
+    let tiff_tiles: Vec<(u32, u32)> = (0..low.tiles_down())
+        .flat_map(|ty| (0..low.tiles_across()).map(move |tx| (tx, ty)))
+        .collect();
+    // Per TIFF tile: (grid index, sum of brightness, pixels) for each footprint it meets.
+    let parts = tiff_tiles
+        .par_iter()
+        .map(|&(tx, ty)| -> Result<Vec<(usize, f64, u64)>> {
+            let (x0, y0) = (tx * low.tile_width, ty * low.tile_height);
+            let (x1, y1) = (
+                (x0 + low.tile_width).min(low.width),
+                (y0 + low.tile_height).min(low.height),
+            );
+            let (cs, rs) = (overlapping(&xs, x0, x1), overlapping(&ys, y0, y1));
+            if cs.is_empty() || rs.is_empty() {
+                return Ok(Vec::new());
+            }
+            let rgb = slide.read_rgb8(coarse, x0, y0, x1 - x0, y1 - y0)?;
+            let table = SummedArea::of_brightness(&rgb, (x1 - x0) as usize, (y1 - y0) as usize);
+            let mut out = Vec::with_capacity(cs.len() * rs.len());
+            for &r in &rs {
+                let (a, b) = ys[r as usize];
+                let (a, b) = (a.max(y0) - y0, b.min(y1) - y0);
+                for &c in &cs {
+                    let (l, rt) = xs[c as usize];
+                    let (l, rt) = (l.max(x0) - x0, rt.min(x1) - x0);
+                    let pixels = (rt - l) as u64 * (b - a) as u64;
+                    out.push(((r * cols + c) as usize, table.sum(l, a, rt, b), pixels));
+                }
+            }
+            Ok(out)
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let mut sums = vec![(0.0f64, 0u64); (cols * rows) as usize];
+    for (i, s, n) in parts.into_iter().flatten() {
+        sums[i].0 += s;
+        sums[i].1 += n;
+    }
+    Ok(sums
+        .into_iter()
+        .map(|(s, n)| (s / n.max(1) as f64) as f32)
+        .collect())
+}
+
+/// Sums of brightness over rectangles of one decoded tile in O(1) each.
+struct SummedArea {
+    width: usize,
+    /// (width + 1) × (height + 1); entry (x, y) sums the pixels above and left of (x, y).
+    table: Vec<f64>,
+}
+
+impl SummedArea {
+    fn of_brightness(rgb: &[u8], width: usize, height: usize) -> SummedArea {
+        let stride = width + 1;
+        let mut table = vec![0.0; stride * (height + 1)];
+        for y in 0..height {
+            let mut row = 0.0;
+            for x in 0..width {
+                let px = &rgb[(y * width + x) * CHANNELS..][..CHANNELS];
+                row += px.iter().map(|&v| v as f64).sum::<f64>() / (CHANNELS as f64 * 255.0);
+                table[(y + 1) * stride + x + 1] = table[y * stride + x + 1] + row;
+            }
+        }
+        SummedArea { width, table }
+    }
+
+    /// The sum over columns [x0, x1) and rows [y0, y1).
+    fn sum(&self, x0: u32, y0: u32, x1: u32, y1: u32) -> f64 {
+        let s = self.width + 1;
+        let at = |x: u32, y: u32| self.table[y as usize * s + x as usize];
+        at(x1, y1) - at(x0, y1) - at(x1, y0) + at(x0, y0)
+    }
+}

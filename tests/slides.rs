@@ -1,0 +1,435 @@
+//! Whole-slide images: synthetic pyramidal TIFFs written tile by tile, read back region by
+//! region, cut into labelled tiles; memory stays bounded on a slide far larger than the bound;
+//! bad files are refused by name.
+
+use std::path::{Path, PathBuf};
+
+use gems::data::slide::{
+    class_name, make_slide, MadeSlide, MakeSlide, Slide, Slides, TileConfig, TISSUE_FOOTPRINT,
+};
+use gems::data::{Image, Source};
+use rayon::prelude::*;
+
+fn temp_dir(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("gems-slides-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+/// A 700×500 slide with 64² TIFF tiles (edge tiles cut off on both axes) and 3 levels.
+fn small(seed: u64) -> MakeSlide {
+    MakeSlide {
+        tile: 64,
+        levels: 3,
+        classes: 3,
+        seed,
+        region: 128,
+        ..MakeSlide::new(700, 500)
+    }
+}
+
+/// The whole of `level`, decoded by the `tiff` crate on its own (not through `Slide`).
+fn whole_level(path: &Path, level: usize) -> (u32, u32, Vec<u8>) {
+    let mut d = tiff::decoder::Decoder::new(std::fs::File::open(path).unwrap()).unwrap();
+    d.seek_to_image(level).unwrap();
+    let (w, h) = d.dimensions().unwrap();
+    match d.read_image().unwrap() {
+        tiff::decoder::DecodingResult::U8(v) => (w, h, v),
+        _ => panic!("not 8-bit"),
+    }
+}
+
+fn crop(whole: &(u32, u32, Vec<u8>), x: u32, y: u32, size: u32) -> Image {
+    let (w, _, px) = whole;
+    let mut rgb = Vec::new();
+    for row in y..y + size {
+        let at = ((row * w + x) * 3) as usize;
+        rgb.extend_from_slice(&px[at..at + size as usize * 3]);
+    }
+    Image::from_rgb8(size as usize, size as usize, &rgb)
+}
+
+fn config(level: usize, tile: u32, stride: u32) -> TileConfig {
+    TileConfig {
+        level,
+        tile,
+        stride,
+        tissue_threshold: None,
+    }
+}
+
+/// Reads every tile on two threads and checks it against the whole-level decode.
+fn check_tiles(tiles: &Slides, path: &Path, cfg: &TileConfig, cols: u32, rows: u32) {
+    let whole = whole_level(path, cfg.level);
+    assert_eq!(tiles.len(), Some((cols * rows) as usize));
+    let expected: Vec<(u32, u32)> = (0..rows)
+        .flat_map(|r| (0..cols).map(move |c| (c * cfg.stride, r * cfg.stride)))
+        .collect();
+    let got: Vec<(u32, u32)> = tiles.tiles().iter().map(|t| (t.x, t.y)).collect();
+    assert_eq!(got, expected, "tile corners, row-major");
+    assert!(
+        whole.0 < cols * cfg.stride + cfg.tile,
+        "the last column is the last whole tile"
+    );
+    (0..cols * rows).into_par_iter().for_each(|i| {
+        let t = tiles.tiles()[i as usize];
+        let image = tiles.read(i as usize).unwrap();
+        assert!(
+            image == crop(&whole, t.x, t.y, cfg.tile),
+            "{} differs from the whole-level decode",
+            tiles.describe(i as usize)
+        );
+    });
+}
+
+#[test]
+fn tiles_equal_the_whole_level_decode_at_two_levels() {
+    let dir = temp_dir("tiles");
+    let path = dir.join("a.tiff");
+    let made = make_slide(&path, &small(1)).unwrap();
+    assert!(!made.bigtiff);
+    let sizes: Vec<(u32, u32)> = made.levels.iter().map(|l| (l.width, l.height)).collect();
+    assert_eq!(sizes, [(700, 500), (350, 250), (175, 125)]);
+    let labels = dir.join("labels.csv");
+    std::fs::write(&labels, "slide,label\na.tiff,tumour\n").unwrap();
+
+    let slide = Slide::open(&path).unwrap();
+    assert_eq!(slide.levels(), &made.levels[..]);
+
+    // Level 0, tiles of 96 at stride 96 (not TIFF-tile aligned): 7 × 5 whole tiles.
+    let cfg = config(0, 96, 96);
+    let tiles = Slides::open(&dir, &labels, &cfg).unwrap();
+    assert_eq!(tiles.classes(), ["tumour"]);
+    assert_eq!(tiles.describe(8), "a.tiff level 0 tile at (96, 96)");
+    check_tiles(&tiles, &path, &cfg, 7, 5);
+
+    // Level 1 (350×250), overlapping tiles of 64 at stride 40: 8 × 5.
+    let cfg = config(1, 64, 40);
+    let tiles = Slides::open(&dir, &labels, &cfg).unwrap();
+    assert_eq!(tiles.describe(9), "a.tiff level 1 tile at (40, 40)");
+    check_tiles(&tiles, &path, &cfg, 8, 5);
+
+    // A region across TIFF tile edges at the right and bottom edges of level 2.
+    let whole = whole_level(&path, 2);
+    let got = slide.read_rgb8(2, 60, 50, 115, 75).unwrap();
+    let want: Vec<u8> = (50..125)
+        .flat_map(|y| {
+            whole.2[((y * 175 + 60) * 3) as usize..((y * 175 + 175) * 3) as usize].to_vec()
+        })
+        .collect();
+    assert!(got == want);
+
+    // The same slide as BigTIFF reads the same.
+    let big = dir.join("big.tif");
+    let made_big = make_slide(
+        &big,
+        &MakeSlide {
+            bigtiff: true,
+            ..small(1)
+        },
+    )
+    .unwrap();
+    assert!(made_big.bigtiff);
+    assert_eq!(
+        &std::fs::read(&big).unwrap()[..4],
+        b"II+\0",
+        "a BigTIFF header"
+    );
+    let big = Slide::open(&big).unwrap();
+    for level in 0..3 {
+        let l = made.levels[level];
+        assert!(
+            big.read_rgb8(level, 0, 0, l.width, l.height).unwrap() == whole_level(&path, level).2,
+            "level {level}"
+        );
+    }
+    // BigTIFF is chosen by itself past 4 GiB of tiles.
+    assert!(!small(1).needs_bigtiff());
+    assert!(MakeSlide::new(40_000, 40_000).needs_bigtiff());
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// Whether the rectangle [x, x+size)² (level 0) meets `r`.
+fn meets(r: &gems::data::slide::Region, x: u32, y: u32, size: u32) -> bool {
+    x < r.x + r.w && r.x < x + size && y < r.y + r.h && r.y < y + size
+}
+
+fn inside(r: &gems::data::slide::Region, x: u32, y: u32, size: u32) -> bool {
+    x >= r.x && x + size <= r.x + r.w && y >= r.y && y + size <= r.y + r.h
+}
+
+#[test]
+fn labels_from_region_rows_and_whole_slide_rows() {
+    let dir = temp_dir("labels");
+    let a: MadeSlide = make_slide(&dir.join("a.tiff"), &small(2)).unwrap();
+    make_slide(&dir.join("b.tif"), &small(3)).unwrap();
+    // A region row per tissue region for a (named by file name), one row for b (by stem),
+    // and a row for a slide that is not in the directory (its label still counts as a class).
+    let csv = format!(
+        "slide,x,y,w,h,label\n{}b,normal\nelsewhere.tiff,zzz\n",
+        a.label_rows("a.tiff")
+    );
+    let labels = dir.join("labels.csv");
+    std::fs::write(&labels, csv).unwrap();
+
+    let size = 32;
+    let tiles = Slides::open(&dir, &labels, &config(0, size, size)).unwrap();
+    let mut want = ["normal", "zzz"].map(String::from).to_vec();
+    want.extend((0..3).map(|c| class_name(c, 3)));
+    want.sort();
+    assert_eq!(tiles.classes(), want);
+    assert_eq!(want[..3], ["class0", "class1", "class2"]);
+
+    // a: a tile is there iff its centre is in a region, with that region's class.
+    let mut expected = Vec::new();
+    for y in (0..=500 - size).step_by(size as usize) {
+        for x in (0..=700 - size).step_by(size as usize) {
+            let (cx, cy) = (x + size / 2, y + size / 2);
+            let hit = a
+                .regions
+                .iter()
+                .find(|r| cx >= r.x && cx < r.x + r.w && cy >= r.y && cy < r.y + r.h);
+            if let Some(r) = hit {
+                expected.push((x, y, r.class as u32));
+            }
+        }
+    }
+    let of_a: Vec<(u32, u32, u32)> = tiles
+        .tiles()
+        .iter()
+        .filter(|t| t.slide == 0)
+        .map(|t| (t.x, t.y, t.label))
+        .collect();
+    assert_eq!(of_a, expected);
+    assert!(expected.len() < 21 * 15 && !expected.is_empty());
+    // b: every tile, labelled `normal`.
+    let normal = tiles.classes().iter().position(|c| c == "normal").unwrap() as u32;
+    let of_b: Vec<u32> = tiles
+        .tiles()
+        .iter()
+        .filter(|t| t.slide == 1)
+        .map(|t| t.label)
+        .collect();
+    assert_eq!(of_b, vec![normal; 21 * 15]);
+    assert!(tiles
+        .describe(tiles.tiles().len() - 1)
+        .starts_with("b.tif level 0 tile at"));
+
+    // The tissue filter, judged on level 2 (a 32-pixel tile spans 8 pixels there): tiles
+    // inside a region stay, tiles that meet no region go.
+    assert_eq!(32 >> 2, TISSUE_FOOTPRINT);
+    std::fs::write(&labels, "a,tissue\nb,tissue\n").unwrap();
+    let filtered = TileConfig {
+        tissue_threshold: Some(0.8),
+        ..config(0, size, 16)
+    };
+    let kept = Slides::open(&dir, &labels, &filtered).unwrap();
+    let all = Slides::open(&dir, &labels, &config(0, size, 16)).unwrap();
+    let kept_a: Vec<(u32, u32)> = kept
+        .tiles()
+        .iter()
+        .filter(|t| t.slide == 0)
+        .map(|t| (t.x, t.y))
+        .collect();
+    let (mut tissue, mut background) = (0, 0);
+    for t in all.tiles().iter().filter(|t| t.slide == 0) {
+        let here = kept_a.contains(&(t.x, t.y));
+        if a.regions.iter().any(|r| inside(r, t.x, t.y, size)) {
+            assert!(here, "tissue tile at ({}, {}) was dropped", t.x, t.y);
+            tissue += 1;
+        }
+        if !a.regions.iter().any(|r| meets(r, t.x, t.y, size)) {
+            assert!(!here, "background tile at ({}, {}) was kept", t.x, t.y);
+            background += 1;
+        }
+    }
+    assert!(
+        tissue > 50 && background > 50,
+        "{tissue} tissue, {background} background tiles"
+    );
+    assert!(kept.tiles().len() < all.tiles().len());
+
+    // Every slide needs a row; a slide cannot have both kinds of rows.
+    std::fs::write(&labels, "a,tissue\n").unwrap();
+    let e = Slides::open(&dir, &labels, &config(0, 32, 32))
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(e.contains("b.tif") && e.contains("no row"), "{e}");
+    std::fs::write(&labels, "a,tissue\nb,x\na,0,0,10,10,y\n").unwrap();
+    let e = Slides::open(&dir, &labels, &config(0, 32, 32))
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(e.contains("line 3") && e.contains("not both"), "{e}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+fn error_of<T>(r: gems::Result<T>) -> String {
+    match r {
+        Ok(_) => panic!("expected an error"),
+        Err(e) => e.to_string(),
+    }
+}
+
+#[test]
+fn bad_slides_are_refused_by_name() {
+    let dir = temp_dir("bad");
+    let good = dir.join("good.tiff");
+    make_slide(&good, &small(4)).unwrap();
+    let labels = dir.join("labels.csv");
+    std::fs::write(&labels, "good,x\n").unwrap();
+    let name = good.display().to_string();
+
+    // A level out of range, a tile larger than the level, a zero tile.
+    let e = error_of(Slides::open(&dir, &labels, &config(3, 32, 32)));
+    assert!(e.contains(&name) && e.contains("has 3 levels"), "{e}");
+    let e = error_of(Slides::open(&dir, &labels, &config(1, 251, 251)));
+    assert!(
+        e.contains(&name) && e.contains("does not fit level 1 (350×250)"),
+        "{e}"
+    );
+    let e = error_of(Slides::open(&dir, &labels, &config(0, 0, 8)));
+    assert!(e.contains(&name), "{e}");
+    let slide = Slide::open(&good).unwrap();
+    let e = error_of(slide.read_region(2, 100, 0, 76, 10));
+    assert!(e.contains(&name) && e.contains("not inside level 2"), "{e}");
+
+    // Not a TIFF.
+    let junk = dir.join("junk.tiff");
+    std::fs::write(&junk, "slide,label\n").unwrap();
+    let e = error_of(Slide::open(&junk));
+    assert!(
+        e.contains(&junk.display().to_string()) && e.contains("not a TIFF"),
+        "{e}"
+    );
+
+    // A striped TIFF (what most writers produce by default).
+    let striped = dir.join("striped.tif");
+    let mut file = std::fs::File::create(&striped).unwrap();
+    let mut tiff = tiff::encoder::TiffEncoder::new(&mut file).unwrap();
+    tiff.write_image::<tiff::encoder::colortype::RGB8>(64, 48, &vec![200u8; 64 * 48 * 3])
+        .unwrap();
+    let e = error_of(Slide::open(&striped));
+    assert!(
+        e.contains(&striped.display().to_string()) && e.contains("striped"),
+        "{e}"
+    );
+
+    // Cut in half: the directories (written after each level's tiles) are gone.
+    let bytes = std::fs::read(&good).unwrap();
+    let cut = dir.join("cut.tiff");
+    std::fs::write(&cut, &bytes[..bytes.len() / 2]).unwrap();
+    let e = error_of(Slide::open(&cut));
+    assert!(
+        e.contains(&cut.display().to_string()) && e.contains("truncated"),
+        "{e}"
+    );
+
+    // Damaged tile data: the structure reads, the tile does not.
+    let mut damaged = bytes.clone();
+    for b in &mut damaged[1000..3000] {
+        *b = 0x5a;
+    }
+    let broken = dir.join("broken.tiff");
+    std::fs::write(&broken, &damaged).unwrap();
+    let slide = Slide::open(&broken).unwrap();
+    let e = error_of(slide.read_region(0, 0, 0, 700, 500));
+    assert!(
+        e.contains(&broken.display().to_string()) && e.contains("level 0 tile"),
+        "{e}"
+    );
+
+    // Through the source too: the directory now holds the bad files.
+    let e = error_of(Slides::open(&dir, &labels, &config(0, 32, 32)));
+    assert!(e.contains("broken.tiff") || e.contains("cut.tiff"), "{e}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// Set in the child process of `memory_stays_bounded`: the slide directory to read.
+const CHILD: &str = "GEMS_SLIDES_MEMORY_CHILD";
+
+/// Peak resident memory of this process so far, in bytes.
+fn peak_rss() -> u64 {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap();
+    let line = status.lines().find(|l| l.starts_with("VmHWM:")).unwrap();
+    line.split_whitespace()
+        .nth(1)
+        .unwrap()
+        .parse::<u64>()
+        .unwrap()
+        * 1024
+}
+
+#[test]
+fn memory_stays_bounded() {
+    let dir = temp_dir("memory");
+    // 9472² RGB: 257 MiB at level 0 (1 GiB as f32 tiles).
+    let made = make_slide(
+        &dir.join("big.tiff"),
+        &MakeSlide {
+            noise: 0.0,
+            ..MakeSlide::new(9472, 9472)
+        },
+    )
+    .unwrap();
+    let level0 = 9472u64 * 9472 * 3;
+    assert!(level0 >= 256 << 20);
+    std::fs::write(dir.join("labels.csv"), "big,tissue\n").unwrap();
+    // Read in a fresh process, so that its peak memory is the reading's alone.
+    let out = std::process::Command::new(std::env::current_exe().unwrap())
+        .args([
+            "memory_child",
+            "--exact",
+            "--ignored",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env(CHILD, &dir)
+        .output()
+        .unwrap();
+    let text =
+        String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "child failed:\n{text}");
+    assert!(text.contains("1 passed"), "the child did not run:\n{text}");
+    eprintln!(
+        "{} MiB file; {}",
+        made.bytes >> 20,
+        text.lines().find(|l| l.contains("peak")).unwrap_or("")
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+#[ignore = "the child process of memory_stays_bounded (run alone, it runs that test)"]
+fn memory_child() {
+    let Some(dir) = std::env::var_os(CHILD) else {
+        return memory_stays_bounded();
+    };
+    let dir = PathBuf::from(dir);
+    let before = peak_rss();
+    let tiles = Slides::open(&dir, &dir.join("labels.csv"), &config(0, 512, 512)).unwrap();
+    assert_eq!(tiles.len(), Some(18 * 18));
+    // Every tile, on two threads, as a loader would.
+    let sum: f64 = (0..18 * 18)
+        .into_par_iter()
+        .map(|i| {
+            tiles
+                .read(i)
+                .unwrap()
+                .pixels
+                .iter()
+                .map(|&v| v as f64)
+                .sum::<f64>()
+        })
+        .sum();
+    let mean = sum / (18.0 * 18.0 * 512.0 * 512.0 * 3.0);
+    let grown = peak_rss().saturating_sub(before);
+    println!(
+        "mean {mean:.3}; peak memory grew {} MiB reading 257 MiB of pixels",
+        grown >> 20
+    );
+    assert!(mean > 0.4 && mean < 0.95, "mean {mean}");
+    assert!(grown < 48 << 20, "peak memory grew {} MiB", grown >> 20);
+}
