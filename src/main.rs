@@ -806,6 +806,9 @@ fn train_spread(a: TrainArgs) -> anyhow::Result<()> {
     if a.checkpoint.is_some() || a.resume.is_some() {
         anyhow::bail!("--checkpoint and --resume work with --scheme single for now");
     }
+    if a.input.val > 0.0 {
+        anyhow::bail!("--val works with --scheme single for now (evaluation needs the whole model on one device)");
+    }
     let c = run_config(&a)?;
     let (scheme, steps) = (c.scheme, c.train.steps);
     gems::plan::memory::check_fits(&c)?;
@@ -893,13 +896,14 @@ fn train_spread(a: TrainArgs) -> anyhow::Result<()> {
         }
         f.flush()?;
     }
-    println!("  rank   busy s   idle s   peak memory");
+    println!("  rank   busy s   idle s   data wait s   peak memory");
     for r in &reports {
         println!(
-            "  {:>4} {:>8.2} {:>8.2}   {}: {}",
+            "  {:>4} {:>8.2} {:>8.2} {:>13.2}   {}: {}",
             r.rank,
             r.busy,
             (r.wall - r.busy).max(0.0),
+            r.data_wait,
             human_bytes(r.memory.peak),
             r.memory.at_peak
         );
@@ -962,7 +966,7 @@ fn eval(a: EvalArgs) -> anyhow::Result<()> {
             let data = gems::data::open(&config, c.image_size, c.classes, c.seed)?;
             report_skipped(&data.skipped);
             // The first epoch of the (shuffled) training order holds every sample once.
-            let e = match data.train.len() {
+            let e = match data.train.samples() {
                 Some(_) => t.evaluate_on(&data.train, a.samples, a.batch_size)?,
                 None => t.evaluate(Some(a.samples.unwrap_or(1000)), a.batch_size)?,
             };

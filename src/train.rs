@@ -266,7 +266,7 @@ impl Trainer {
         samples: Option<usize>,
         batch_size: usize,
     ) -> Result<Evaluation> {
-        let samples = match (samples, data.len()) {
+        let samples = match (samples, data.samples()) {
             (Some(n), Some(len)) => n.min(len),
             (Some(n), None) | (None, Some(n)) => n,
             (None, None) => {
@@ -335,7 +335,7 @@ impl Trainer {
 }
 
 /// The model's classes must be the data's.
-fn check_classes(config: &TrainConfig, names: &[String]) -> Result<()> {
+pub(crate) fn check_classes(config: &TrainConfig, names: &[String]) -> Result<()> {
     if names.len() == config.classes {
         return Ok(());
     }

@@ -103,7 +103,7 @@ fn header(path: &Path) -> Result<(u32, u32)> {
 }
 
 impl Source for Folder {
-    fn len(&self) -> Option<usize> {
+    fn samples(&self) -> Option<usize> {
         Some(self.files.len())
     }
 

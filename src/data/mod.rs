@@ -6,7 +6,6 @@ pub mod folder;
 pub mod loader;
 pub mod order;
 pub mod pipeline;
-pub mod slide;
 pub mod synthetic;
 pub mod transform;
 
@@ -48,7 +47,7 @@ impl Image {
 /// `read` may be called concurrently for different indices.
 pub trait Source: Send + Sync {
     /// How many samples there are; `None` for an unbounded stream (synthetic data).
-    fn len(&self) -> Option<usize>;
+    fn samples(&self) -> Option<usize>;
     /// Class names, in label order.
     fn classes(&self) -> &[String];
     /// The label of sample `index`, without decoding it.

@@ -108,23 +108,15 @@ pub fn open(c: &DataConfig, image_size: usize, classes: usize, seed: u64) -> Res
     }
     // Training shuffles each epoch and may augment; held-out samples go in order, as they are.
     let pipeline = |source: Arc<dyn Source>, subset, normalize, training: bool| {
-        Arc::new(
-            Pipeline {
-                subset,
-                order: None,
-                image_size,
-                transform: Transform {
-                    augment: training && c.augment,
-                    normalize,
-                },
-                seed,
-                skip_bad: c.skip_bad,
-                bad: AtomicUsize::new(0),
-                last_bad: Mutex::new(None),
-                source,
-            }
-            .ordered(!training),
-        )
+        let transform = Transform {
+            augment: training && c.augment,
+            normalize,
+        };
+        let p = Pipeline::new(source, image_size, transform, seed, c.skip_bad, training);
+        Ok::<_, Error>(Arc::new(match subset {
+            Some(s) => p.subset(s)?,
+            None => p,
+        }))
     };
     let (source, skipped): (Arc<dyn Source>, Vec<(String, String)>) = match &c.source {
         SourceSpec::Synthetic => {
@@ -139,8 +131,8 @@ pub fn open(c: &DataConfig, image_size: usize, classes: usize, seed: u64) -> Res
             let train = stream(seed);
             return Ok(Dataset {
                 classes: train.classes().to_vec(),
-                train: pipeline(train, None, false, true),
-                val: Some(pipeline(held_out, None, false, false)),
+                train: pipeline(train, None, false, true)?,
+                val: Some(pipeline(held_out, None, false, false)?),
                 skipped: vec![],
             });
         }
@@ -154,7 +146,9 @@ pub fn open(c: &DataConfig, image_size: usize, classes: usize, seed: u64) -> Res
             (Arc::new(f), skipped)
         }
     };
-    let n = source.len().expect("files and slides are finite");
+    let n = source
+        .samples()
+        .ok_or_else(|| Error::Internal("a file source without a sample count".into()))?;
     let (train, val) = split(n, c.val, seed);
     if train.is_empty() || (c.val > 0.0 && val.is_empty()) {
         return Err(Error::Config(format!(
@@ -166,8 +160,11 @@ pub fn open(c: &DataConfig, image_size: usize, classes: usize, seed: u64) -> Res
     }
     Ok(Dataset {
         classes: source.classes().to_vec(),
-        train: pipeline(source.clone(), Some(train), true, true),
-        val: (c.val > 0.0).then(|| pipeline(source, Some(val), true, false)),
+        train: pipeline(source.clone(), Some(train), true, true)?,
+        val: match c.val > 0.0 {
+            true => Some(pipeline(source, Some(val), true, false)?),
+            false => None,
+        },
         skipped,
     })
 }
@@ -196,19 +193,47 @@ pub struct Pipeline {
 }
 
 impl Pipeline {
-    /// Sets the epoch order over the split: in order (`sequential`) or shuffled per epoch.
-    fn ordered(mut self, sequential: bool) -> Pipeline {
-        let len = self.subset.as_ref().map(|s| s.len()).or(self.source.len());
-        self.order = len.map(|len| Epochs {
+    /// All of `source` as `image_size`² inputs, in shuffled epochs (`shuffle`) or in order.
+    pub fn new(
+        source: Arc<dyn Source>,
+        image_size: usize,
+        transform: Transform,
+        seed: u64,
+        skip_bad: bool,
+        shuffle: bool,
+    ) -> Pipeline {
+        let order = source.samples().map(|len| Epochs {
             len,
-            seed: self.seed,
-            sequential,
+            seed,
+            sequential: !shuffle,
         });
-        self
+        Pipeline {
+            source,
+            subset: None,
+            order,
+            image_size,
+            transform,
+            seed,
+            skip_bad,
+            bad: AtomicUsize::new(0),
+            last_bad: Mutex::new(None),
+        }
+    }
+
+    /// The same over the source's samples `indices` only (at least one).
+    pub fn subset(mut self, indices: Vec<usize>) -> Result<Pipeline> {
+        if indices.is_empty() {
+            return Err(Error::Config("a split needs at least one sample".into()));
+        }
+        if let Some(o) = &mut self.order {
+            o.len = indices.len();
+        }
+        self.subset = Some(indices);
+        Ok(self)
     }
 
     /// Samples in one epoch; `None` for an unbounded stream.
-    pub fn len(&self) -> Option<usize> {
+    pub fn samples(&self) -> Option<usize> {
         self.order.map(|o| o.len)
     }
 

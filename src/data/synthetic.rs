@@ -80,7 +80,7 @@ impl Stream {
 }
 
 impl Source for Stream {
-    fn len(&self) -> Option<usize> {
+    fn samples(&self) -> Option<usize> {
         None
     }
 

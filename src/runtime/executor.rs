@@ -15,14 +15,15 @@ use std::time::Instant;
 use crate::backend::cpu::splitmix64;
 use crate::backend::Device;
 use crate::comm::{Comm, Message};
-use crate::data::synthetic::Synthetic;
+use crate::data::loader::Loader;
+use crate::data::Pipeline;
 use crate::graph::{self, Graph, Output, Params, RunningUpdate, Tape, ValueId};
 use crate::memory::{Category, MemoryStats};
 use crate::ops::{batched, loss};
 use crate::plan::cost::{DeviceProfile, NodeCosts};
 use crate::plan::partition::{self, Partition};
 use crate::runtime::optim::Sgd;
-use crate::schemes::schedule::{self, Pass, Schedule, StageCosts, Task};
+use crate::schemes::schedule::{self, Pass, Schedule, StageCosts, Task, Timed};
 use crate::schemes::Scheme;
 use crate::tensor::{Shape, Storage, Tensor};
 use crate::train::TrainConfig;
@@ -214,6 +215,8 @@ pub struct RankReport {
     /// Seconds computing (forward, backward, loss, optimizer), summed over steps.
     pub busy: f64,
     pub wall: f64,
+    /// Seconds stage-0 tasks waited for their images.
+    pub data_wait: f64,
     pub memory: MemoryStats,
     /// Per step: this rank's share of the loss (Σ weight·loss / M over its loss outputs).
     pub losses: Vec<f64>,
@@ -222,7 +225,7 @@ pub struct RankReport {
     /// Per step: wall seconds on this rank.
     pub step_seconds: Vec<f64>,
     /// The last step's tasks with their measured start and end (seconds from the step's start).
-    pub timeline: Vec<crate::schemes::schedule::Timed>,
+    pub timeline: Vec<Timed>,
     /// (param id, values) of every copy, orientation 0 first.
     pub params: Vec<(usize, usize, Vec<f64>)>,
 }
@@ -237,9 +240,20 @@ struct Rank<'a> {
     group: usize,
     local: usize,
     copies: Vec<Copy>,
-    data: Synthetic,
+    /// The training data, where this rank makes images (stage 0) or scores a loss.
+    data: Option<Arc<Pipeline>>,
+    /// Prepares this rank's stage-0 micro-batches in the order its tasks take them.
+    loader: Option<Loader>,
     pending: HashMap<(usize, usize), Pending>,
     busy: f64,
+}
+
+/// Position (in the data's epoch order) of the first image of global micro-batch `gm` of
+/// step `step`: consecutive micro-batches take consecutive runs of positions, so the groups
+/// of a data-parallel run share out each epoch's samples, each used once.
+fn first_image(c: &RunConfig, step: usize, gm: usize) -> u64 {
+    let micro = c.train.batch_size / c.scheme.parts;
+    ((step * c.scheme.micro_batches_per_step() + gm) * micro) as u64
 }
 
 /// Tag of value `vi` of (pass, replica, stage, micro).
@@ -305,10 +319,42 @@ impl<'a> Rank<'a> {
                 running: Vec::new(),
             });
         }
-        let data = Synthetic {
-            seed: c.train.seed,
-            classes: c.train.classes,
-            image_size: c.train.image_size,
+        // Only ranks that make images or score losses read data (never a metered run).
+        let tasks = &layout.schedule.ranks[local];
+        let first_stage: Vec<&Timed> = tasks
+            .iter()
+            .filter(|t| t.task.pass == Pass::Forward && t.task.stage == 0)
+            .collect();
+        let scores = tasks
+            .iter()
+            .any(|t| !layout.losses[t.task.stage].is_empty());
+        let data = if c.metered || (first_stage.is_empty() && !scores) {
+            None
+        } else {
+            let t = &c.train;
+            let d = crate::data::open(&t.data, t.image_size, t.classes, t.seed)?;
+            crate::train::check_classes(t, &d.classes)?;
+            Some(d.train)
+        };
+        let mb = c.train.batch_size / s.parts;
+        let loader = match &data {
+            Some(d) if !first_stage.is_empty() => {
+                let requests = (0..c.train.steps)
+                    .flat_map(|step| {
+                        first_stage.iter().map(move |t| {
+                            let gm = s.global_micro(group, t.task.replica, t.task.micro);
+                            (first_image(c, step, gm), mb)
+                        })
+                    })
+                    .collect();
+                Some(Loader::new(
+                    d.clone(),
+                    requests,
+                    c.train.data.workers,
+                    c.train.data.prefetch,
+                ))
+            }
+            _ => None,
         };
         Ok(Rank {
             c,
@@ -320,6 +366,7 @@ impl<'a> Rank<'a> {
             local,
             copies,
             data,
+            loader,
             pending: HashMap::new(),
             busy: 0.0,
         })
@@ -331,11 +378,6 @@ impl<'a> Rank<'a> {
 
     fn micro_size(&self) -> usize {
         self.c.train.batch_size / self.c.scheme.parts
-    }
-
-    /// First image of global micro-batch `gm` in step `step`.
-    fn first_image(&self, step: usize, gm: usize) -> u64 {
-        ((step * self.c.scheme.micro_batches_per_step() + gm) * self.micro_size()) as u64
     }
 
     /// Runs a forward task; returns when its computation started (after its inputs arrived).
@@ -350,9 +392,18 @@ impl<'a> Rank<'a> {
                 self.device
                     .zeros(shape, self.c.train.dtype, Category::Activations)?
             } else {
-                let (pixels, _) = self.data.batch(self.first_image(step, gm), mb);
-                self.device
-                    .upload(shape, &pixels, self.c.train.dtype, Category::Activations)?
+                let loader = self.loader.as_mut().ok_or_else(|| {
+                    Error::Internal("a stage-0 task on a rank without a loader".into())
+                })?;
+                let before = loader.waited();
+                let batch = loader.next_batch()?;
+                report.data_wait += (loader.waited() - before).as_secs_f64();
+                self.device.upload(
+                    shape,
+                    &batch.pixels,
+                    self.c.train.dtype,
+                    Category::Activations,
+                )?
             };
             vec![(g.input, x)]
         } else {
@@ -394,8 +445,11 @@ impl<'a> Rank<'a> {
         let mut seeds = Vec::new();
         let n_out = layout.outputs[t.stage].len();
         if !losses.is_empty() {
-            let first = self.first_image(step, gm);
-            let labels: Vec<u32> = (0..mb as u64).map(|i| self.data.label(first + i)).collect();
+            let labels = match &self.data {
+                Some(d) => d.labels(first_image(self.c, step, gm), mb)?,
+                // A metered run computes nothing: any labels do.
+                None => vec![0; mb],
+            };
             let m_total = s.micro_batches_per_step() as f64;
             for (o, logits) in losses.iter().zip(&outs[n_out..]) {
                 let (l, probs) = loss::softmax_cross_entropy(&self.device, logits, &labels)?;
@@ -637,7 +691,7 @@ impl<'a> Rank<'a> {
                 (computing - step_start).as_secs_f64(),
                 step_start.elapsed().as_secs_f64(),
             );
-            report.timeline.push(crate::schemes::schedule::Timed {
+            report.timeline.push(Timed {
                 task: t,
                 start,
                 end,
@@ -665,6 +719,7 @@ pub fn run_rank(c: &RunConfig, layout: &Layout, comm: &dyn Comm) -> Result<RankR
         rank,
         busy: 0.0,
         wall: 0.0,
+        data_wait: 0.0,
         memory: r.device.memory(),
         losses: vec![],
         correct: vec![],
@@ -709,6 +764,7 @@ pub fn gather_reports(comm: &dyn Comm, mine: RankReport) -> Result<Option<Vec<Ra
             r.rank as f64,
             r.busy,
             r.wall,
+            r.data_wait,
             m.peak as f64,
             m.capacity.map_or(-1.0, |c| c as f64),
         ];
@@ -720,9 +776,9 @@ pub fn gather_reports(comm: &dyn Comm, mine: RankReport) -> Result<Option<Vec<Ra
     };
     let decode = |v: &[f64]| -> RankReport {
         let bytes = |s: &[f64]| crate::memory::ByCategory(std::array::from_fn(|i| s[i] as u64));
-        let steps = v[17] as usize;
-        let losses = v[18..18 + steps].to_vec();
-        let correct = v[18 + steps..]
+        let steps = v[18] as usize;
+        let losses = v[19..19 + steps].to_vec();
+        let correct = v[19 + steps..]
             .chunks(2)
             .map(|c| (c[0] as usize, c[1] as usize))
             .collect();
@@ -730,11 +786,12 @@ pub fn gather_reports(comm: &dyn Comm, mine: RankReport) -> Result<Option<Vec<Ra
             rank: v[0] as usize,
             busy: v[1],
             wall: v[2],
+            data_wait: v[3],
             memory: MemoryStats {
-                peak: v[3] as u64,
-                capacity: (v[4] >= 0.0).then_some(v[4] as u64),
-                at_peak: bytes(&v[5..11]),
-                live: bytes(&v[11..17]),
+                peak: v[4] as u64,
+                capacity: (v[5] >= 0.0).then_some(v[5] as u64),
+                at_peak: bytes(&v[6..12]),
+                live: bytes(&v[12..18]),
             },
             losses,
             correct,

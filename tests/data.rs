@@ -1,0 +1,344 @@
+//! Data: image folders, bad files, the epoch order and its sharding, the loader, and
+//! training plus evaluation on a folder of images from the command line.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+
+use gems::data::loader::Loader;
+use gems::data::transform::{Transform, MEAN, STD};
+use gems::data::{DataConfig, Image, Pipeline, Source, SourceSpec};
+use gems::schemes::{Kind, Order, Scheme};
+
+fn temp(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("gems-data-{name}-{}", std::process::id()));
+    std::fs::remove_dir_all(&d).ok();
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+/// A w×h image of one colour.
+fn solid(path: &Path, w: u32, h: u32, rgb: [u8; 3]) {
+    image::RgbImage::from_pixel(w, h, image::Rgb(rgb))
+        .save(path)
+        .unwrap();
+}
+
+fn folder(dir: &Path, skip_bad: bool, val: f64) -> DataConfig {
+    DataConfig {
+        source: SourceSpec::Folder(dir.into()),
+        skip_bad,
+        val,
+        ..DataConfig::default()
+    }
+}
+
+#[test]
+fn folder_classes_labels_and_pixels() {
+    let d = temp("folder");
+    for class in ["cat", "dog"] {
+        std::fs::create_dir_all(d.join(class).join("deeper")).unwrap();
+    }
+    solid(&d.join("cat/a.png"), 8, 8, [255, 0, 0]);
+    solid(&d.join("cat/deeper/b.tiff"), 8, 12, [0, 255, 0]);
+    solid(&d.join("dog/c.png"), 16, 16, [0, 0, 255]);
+    solid(&d.join("dog/d.jpg"), 8, 8, [128, 128, 128]);
+    std::fs::write(d.join("README.txt"), "not a sample").unwrap();
+    let data = gems::data::open(&folder(&d, false, 0.0), 8, 0, 1).unwrap();
+    assert_eq!(data.classes, ["cat", "dog"]);
+    let p = &data.train;
+    assert_eq!(p.samples(), Some(4));
+    let mut seen = Vec::new();
+    for pos in 0..4 {
+        let mut out = vec![0.0; p.sample_len()];
+        let label = p.sample(pos, &mut out).unwrap();
+        let index = p.index(pos);
+        seen.push(index);
+        assert_eq!(label, [0, 0, 1, 1][index]);
+        // Every pixel is the file's colour, normalized (JPEG within its rounding).
+        let rgb = [[255, 0, 0], [0, 255, 0], [0, 0, 255], [128, 128, 128]][index];
+        for c in 0..3 {
+            let want = (rgb[c] as f32 / 255.0 - MEAN[c]) / STD[c];
+            let tol = if index == 3 { 0.05 } else { 1e-5 };
+            assert!(
+                out[c * 64..(c + 1) * 64]
+                    .iter()
+                    .all(|&v| (v - want as f64).abs() < tol),
+                "sample {index} channel {c}"
+            );
+        }
+    }
+    seen.sort();
+    assert_eq!(seen, [0, 1, 2, 3]);
+    // The data names its classes: a model with another count is refused.
+    let mut config = gems::train::TrainConfig::new("resnet20v2", 32, 3, 2, 1);
+    config.data = folder(&d, false, 0.0);
+    let err = gems::train::Trainer::new(config).err().unwrap().to_string();
+    assert!(
+        err.contains("2 classes") && err.contains("3 outputs"),
+        "{err}"
+    );
+    std::fs::remove_dir_all(d).ok();
+}
+
+#[test]
+fn bad_files_fail_by_name_or_are_skipped_and_counted() {
+    let d = temp("bad");
+    std::fs::create_dir_all(d.join("a")).unwrap();
+    std::fs::create_dir_all(d.join("b")).unwrap();
+    solid(&d.join("a/good.png"), 8, 8, [10, 20, 30]);
+    solid(&d.join("b/good.png"), 8, 8, [30, 20, 10]);
+    // A PNG cut after its header: readable header, unreadable pixels.
+    solid(&d.join("b/full.png"), 64, 64, [1, 2, 3]);
+    let full = std::fs::read(d.join("b/full.png")).unwrap();
+    std::fs::write(d.join("b/truncated.png"), &full[..full.len() / 2]).unwrap();
+    std::fs::remove_file(d.join("b/full.png")).unwrap();
+    std::fs::write(d.join("a/notes.jpg"), "this is text, not a JPEG").unwrap();
+    std::fs::write(d.join("a/empty.png"), "").unwrap();
+
+    // Without --skip-bad the first bad file stops the run, by name.
+    let data = gems::data::open(&folder(&d, false, 0.0), 8, 0, 0).unwrap();
+    let p = &data.train;
+    let n = p.samples().unwrap();
+    assert_eq!(n, 5);
+    let mut failures = Vec::new();
+    for pos in 0..n as u64 {
+        let mut out = vec![0.0; p.sample_len()];
+        if let Err(e) = p.sample(pos, &mut out) {
+            failures.push(e.to_string());
+        }
+    }
+    assert_eq!(failures.len(), 3, "{failures:?}");
+    for name in ["notes.jpg", "empty.png", "truncated.png"] {
+        assert!(
+            failures.iter().any(|f| f.contains(name)),
+            "no error names {name}: {failures:?}"
+        );
+    }
+
+    // With --skip-bad files whose header does not read are left out when opening, and a
+    // file that fails later is counted and given a blank input.
+    let data = gems::data::open(&folder(&d, true, 0.0), 8, 0, 0).unwrap();
+    let skipped: Vec<&str> = data.skipped.iter().map(|(f, _)| f.as_str()).collect();
+    assert_eq!(skipped.len(), 2, "{skipped:?}");
+    assert!(skipped.iter().any(|f| f.ends_with("notes.jpg")));
+    assert!(skipped.iter().any(|f| f.ends_with("empty.png")));
+    let p = &data.train;
+    assert_eq!(p.samples(), Some(3));
+    let (pixels, labels) = p.batch(0, 3).unwrap();
+    assert_eq!(labels.len(), 3);
+    let (bad, last) = p.bad();
+    assert_eq!(bad, 1);
+    assert!(last.unwrap().ends_with("truncated.png"));
+    assert_eq!(pixels.iter().filter(|&&v| v == 0.0).count(), 3 * 64);
+    std::fs::remove_dir_all(d).ok();
+}
+
+#[test]
+fn sharding_uses_every_sample_once_per_epoch() {
+    // A source of n samples; D groups of a hybrid run take positions micro-batch by
+    // micro-batch (as the executor does).
+    let d = temp("shard");
+    let n = 60;
+    for c in 0..3 {
+        std::fs::create_dir_all(d.join(format!("c{c}"))).unwrap();
+    }
+    for i in 0..n {
+        solid(
+            &d.join(format!("c{}/{i:03}.png", i % 3)),
+            4,
+            4,
+            [i as u8; 3],
+        );
+    }
+    let data = gems::data::open(&folder(&d, false, 0.0), 4, 0, 9).unwrap();
+    for groups in [1, 2, 3] {
+        let s = Scheme::new(Kind::Mp, 2, 2, 1, groups, Order::GPipe);
+        let (micro, per_step) = (5, s.micro_batches_per_step());
+        let steps_per_epoch = n / (micro * per_step);
+        let epoch = |e: usize| -> Vec<Vec<usize>> {
+            let mut by_group = vec![Vec::new(); groups];
+            for step in e * steps_per_epoch..(e + 1) * steps_per_epoch {
+                for (g, samples) in by_group.iter_mut().enumerate() {
+                    for m in 0..s.parts {
+                        let gm = s.global_micro(g, 0, m);
+                        let first = ((step * per_step + gm) * micro) as u64;
+                        samples.extend((first..first + micro as u64).map(|p| data.train.index(p)));
+                    }
+                }
+            }
+            by_group
+        };
+        let first = epoch(0);
+        let mut all: Vec<usize> = first.concat();
+        all.sort();
+        assert_eq!(all, (0..n).collect::<Vec<_>>(), "D={groups}");
+        assert_eq!(first, epoch(0));
+        assert_ne!(first, epoch(1));
+        let mut second = epoch(1).concat();
+        second.sort();
+        assert_eq!(second, all);
+    }
+    // Another seed, another order.
+    let other = gems::data::open(&folder(&d, false, 0.0), 4, 0, 10).unwrap();
+    let order = |p: &Pipeline| (0..n as u64).map(|i| p.index(i)).collect::<Vec<_>>();
+    assert_ne!(order(&data.train), order(&other.train));
+    std::fs::remove_dir_all(d).ok();
+}
+
+/// Counts reads in flight and at most at once; each read takes a while.
+struct Slow {
+    classes: Vec<String>,
+    reads: AtomicUsize,
+}
+
+impl Source for Slow {
+    fn samples(&self) -> Option<usize> {
+        Some(1000)
+    }
+    fn classes(&self) -> &[String] {
+        &self.classes
+    }
+    fn label(&self, index: usize) -> gems::Result<u32> {
+        Ok((index % 2) as u32)
+    }
+    fn read(&self, index: usize) -> gems::Result<Image> {
+        self.reads.fetch_add(1, Ordering::SeqCst);
+        std::thread::sleep(std::time::Duration::from_millis(2));
+        Ok(Image {
+            height: 2,
+            width: 2,
+            pixels: vec![index as f32; 12],
+        })
+    }
+    fn describe(&self, index: usize) -> String {
+        format!("slow {index}")
+    }
+}
+
+#[test]
+fn loader_hands_out_batches_in_order_and_stays_bounded() {
+    let source = Arc::new(Slow {
+        classes: vec!["even".into(), "odd".into()],
+        reads: AtomicUsize::new(0),
+    });
+    let transform = Transform {
+        augment: false,
+        normalize: false,
+    };
+    let p = Arc::new(Pipeline::new(source.clone(), 2, transform, 0, false, false));
+    let requests: Vec<(u64, usize)> = (0..20).map(|i| (i * 3, 3)).collect();
+    let (workers, depth) = (3, 2);
+    let mut loader = Loader::new(p.clone(), requests.clone(), workers, depth);
+    // Nobody takes anything: the workers stop `depth` batches ahead.
+    std::thread::sleep(std::time::Duration::from_millis(100));
+    assert_eq!(source.reads.load(Ordering::SeqCst), depth * 3);
+    for &(first, n) in &requests {
+        let b = loader.next_batch().unwrap();
+        let (pixels, labels) = p.batch(first, n).unwrap();
+        assert_eq!(b.pixels, pixels);
+        assert_eq!(b.labels, labels);
+    }
+    assert!(loader.next_batch().is_err());
+    assert!(loader.waited().as_secs_f64() > 0.0);
+}
+
+fn gems(args: &[&str]) -> (bool, String, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_gems"))
+        .args(args)
+        .output()
+        .unwrap();
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).into(),
+        String::from_utf8_lossy(&out.stderr).into(),
+    )
+}
+
+#[test]
+fn cli_trains_on_a_folder_validates_and_evaluates() {
+    // Two classes told apart by the direction of their stripes, in colours and phases that
+    // vary; some images larger than the model's input, so they are resized.
+    let root = temp("cli");
+    let d = root.join("images");
+    for (c, class) in ["horizontal", "vertical"].iter().enumerate() {
+        std::fs::create_dir_all(d.join(class)).unwrap();
+        for i in 0..48u32 {
+            let side = if i % 3 == 0 { 48 } else { 32 };
+            let period = 4 + i % 5;
+            let img = image::RgbImage::from_fn(side, side, |x, y| {
+                let t = if c == 0 { y } else { x } + i;
+                let on = (t / period) % 2 == 0;
+                let base = [(i * 37) % 200, (i * 91) % 200, (i * 53) % 200];
+                image::Rgb(base.map(|b| (b + if on { 55 } else { 0 }) as u8))
+            });
+            img.save(d.join(class).join(format!("{i}.png"))).unwrap();
+        }
+    }
+    let spec = format!("folder:{}", d.display());
+    let ckpt = root.join("ckpt");
+    let (ok, out, err) = gems(&[
+        "train",
+        "--data",
+        &spec,
+        "--val",
+        "0.25",
+        "--val-every",
+        "20",
+        "--augment",
+        "--batch-size",
+        "16",
+        "--steps",
+        "40",
+        "--lr",
+        "0.05",
+        "--checkpoint",
+        ckpt.to_str().unwrap(),
+    ]);
+    assert!(ok, "{out}\n{err}");
+    assert!(out.contains("2 classes"), "{out}");
+    assert!(out.contains("step    20/40  validation"), "{out}");
+    assert!(out.contains("waited for data"), "{out}");
+    let val_acc: f64 = out
+        .lines()
+        .find_map(|l| l.trim().strip_prefix("validation: loss "))
+        .and_then(|l| l.split("accuracy ").nth(1))
+        .and_then(|l| l.split('%').next())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("no validation line in {out}"));
+    assert!(val_acc >= 80.0, "validation accuracy {val_acc}%:\n{out}");
+    let ckpt_file = ckpt.join("step-000040.safetensors");
+    // Eval on the held-out split the checkpoint remembers, then on the whole folder.
+    let (ok, held, err) = gems(&["eval", "--checkpoint", ckpt_file.to_str().unwrap()]);
+    assert!(ok, "{err}");
+    assert!(
+        held.contains("held-out samples") && held.contains("confusion matrix"),
+        "{held}"
+    );
+    let (ok, all, err) = gems(&[
+        "eval",
+        "--checkpoint",
+        ckpt_file.to_str().unwrap(),
+        "--data",
+        &spec,
+    ]);
+    assert!(ok, "{err}");
+    assert!(all.contains("on 96 samples"), "{all}");
+    let rows: Vec<&str> = all
+        .lines()
+        .filter(|l| l.contains("horizontal") || l.contains("vertical"))
+        .collect();
+    assert_eq!(rows.len(), 2, "{all}");
+    assert!(
+        rows.iter()
+            .all(|r| r.split_whitespace().nth(2) == Some("48")),
+        "{all}"
+    );
+    // A missing folder and a model with the wrong class count are refused plainly.
+    let (ok, _, err) = gems(&["train", "--data", "folder:/no/such/dir", "--steps", "1"]);
+    assert!(!ok && err.contains("/no/such/dir"), "{err}");
+    let (ok, _, err) = gems(&["train", "--data", &spec, "--classes", "5", "--steps", "1"]);
+    assert!(!ok && err.contains("2 classes"), "{err}");
+    std::fs::remove_dir_all(root).ok();
+}
