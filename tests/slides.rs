@@ -62,7 +62,7 @@ fn config(level: usize, tile: u32, stride: u32) -> TileConfig {
 /// Reads every tile on two threads and checks it against the whole-level decode.
 fn check_tiles(tiles: &Slides, path: &Path, cfg: &TileConfig, cols: u32, rows: u32) {
     let whole = whole_level(path, cfg.level);
-    assert_eq!(tiles.len(), Some((cols * rows) as usize));
+    assert_eq!(tiles.samples(), Some((cols * rows) as usize));
     let expected: Vec<(u32, u32)> = (0..rows)
         .flat_map(|r| (0..cols).map(move |c| (c * cfg.stride, r * cfg.stride)))
         .collect();
@@ -410,7 +410,7 @@ fn memory_child() {
     let dir = PathBuf::from(dir);
     let before = peak_rss();
     let tiles = Slides::open(&dir, &dir.join("labels.csv"), &config(0, 512, 512)).unwrap();
-    assert_eq!(tiles.len(), Some(18 * 18));
+    assert_eq!(tiles.samples(), Some(18 * 18));
     // Every tile, on two threads, as a loader would.
     let sum: f64 = (0..18 * 18)
         .into_par_iter()

@@ -6,6 +6,7 @@ pub mod folder;
 pub mod loader;
 pub mod order;
 pub mod pipeline;
+pub mod slide;
 pub mod synthetic;
 pub mod transform;
 

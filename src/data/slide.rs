@@ -812,7 +812,7 @@ impl Slides {
 }
 
 impl Source for Slides {
-    fn len(&self) -> Option<usize> {
+    fn samples(&self) -> Option<usize> {
         Some(self.tiles.len())
     }
 
