@@ -46,9 +46,31 @@ impl Transform {
                 false,
             )
         };
+        let plane = img.height * img.width;
+        let norm = |c: usize| match self.normalize {
+            true => (MEAN[c], STD[c]),
+            false => (0.0, 1.0),
+        };
+        if side == size {
+            // Nothing to resample (a tile cut at the model's side): copy, flip, normalize.
+            for c in 0..CHANNELS {
+                let (mean, std) = norm(c);
+                let src = &img.pixels[c * plane..(c + 1) * plane];
+                let dst = &mut out[c * size * size..(c + 1) * size * size];
+                for y in 0..size {
+                    let row = &src[(y0 + y) * img.width + x0..][..size];
+                    let ty = if flip_y { size - 1 - y } else { y };
+                    let target = &mut dst[ty * size..(ty + 1) * size];
+                    for (x, &v) in row.iter().enumerate() {
+                        let tx = if flip_x { size - 1 - x } else { x };
+                        target[tx] = ((v - mean) / std) as f64;
+                    }
+                }
+            }
+            return;
+        }
         let rows = filter(y0, side, size);
         let cols = filter(x0, side, size);
-        let plane = img.height * img.width;
         // Columns first into a size-wide strip of every source row the window needs.
         let mut strip = vec![0.0f32; img.height * size];
         for c in 0..CHANNELS {
@@ -59,11 +81,7 @@ impl Transform {
                     strip[y * size + o] = dot(&row[*start..*start + w.len()], w);
                 }
             }
-            let (mean, std) = if self.normalize {
-                (MEAN[c], STD[c])
-            } else {
-                (0.0, 1.0)
-            };
+            let (mean, std) = norm(c);
             let dst = &mut out[c * size * size..(c + 1) * size * size];
             for (oy, (start, w)) in rows.iter().enumerate() {
                 let ty = if flip_y { size - 1 - oy } else { oy };
