@@ -83,16 +83,19 @@ impl Transform {
             }
             let (mean, std) = norm(c);
             let dst = &mut out[c * size * size..(c + 1) * size * size];
+            let mut acc = vec![0.0f32; size];
             for (oy, (start, w)) in rows.iter().enumerate() {
+                // Row by row, so the inner loop runs over contiguous memory.
+                acc.fill(0.0);
+                for (k, &wk) in w.iter().enumerate() {
+                    let src = &strip[(start + k) * size..(start + k + 1) * size];
+                    acc.iter_mut().zip(src).for_each(|(a, &v)| *a += wk * v);
+                }
                 let ty = if flip_y { size - 1 - oy } else { oy };
-                for ox in 0..size {
-                    let v: f32 = w
-                        .iter()
-                        .enumerate()
-                        .map(|(k, wk)| wk * strip[(start + k) * size + ox])
-                        .sum();
+                let target = &mut dst[ty * size..(ty + 1) * size];
+                for (ox, &v) in acc.iter().enumerate() {
                     let tx = if flip_x { size - 1 - ox } else { ox };
-                    dst[ty * size + tx] = ((v - mean) / std) as f64;
+                    target[tx] = ((v - mean) / std) as f64;
                 }
             }
         }
