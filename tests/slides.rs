@@ -110,6 +110,24 @@ fn tiles_equal_the_whole_level_decode_at_two_levels() {
     assert_eq!(tiles.describe(9), "a.tiff level 1 tile at (40, 40)");
     check_tiles(&tiles, &path, &cfg, 8, 5);
 
+    // Tiles exported as PNG read back as the same pixels, in an image folder.
+    let out = dir.join("png");
+    let pngs: Vec<PathBuf> = [0, 39]
+        .iter()
+        .map(|&i| tiles.export_png(i, &out).unwrap())
+        .collect();
+    assert_eq!(pngs[1], out.join("tumour/a_level1_280_160.png"));
+    for (path, i) in pngs.iter().zip([0, 39]) {
+        let png = image::open(path).unwrap().into_rgb8();
+        let t = tiles.tiles()[i];
+        assert!(png.as_raw() == &slide.read_rgb8(1, t.x, t.y, 64, 64).unwrap());
+    }
+    let folder = gems::data::folder::Folder::open(&out, false).unwrap();
+    assert_eq!(
+        (folder.classes(), folder.samples()),
+        (&["tumour".to_string()][..], Some(2))
+    );
+
     // A region across TIFF tile edges at the right and bottom edges of level 2.
     let whole = whole_level(&path, 2);
     let got = slide.read_rgb8(2, 60, 50, 115, 75).unwrap();
@@ -314,6 +332,38 @@ fn bad_slides_are_refused_by_name() {
     let e = error_of(Slide::open(&striped));
     assert!(
         e.contains(&striped.display().to_string()) && e.contains("striped"),
+        "{e}"
+    );
+
+    // A tiled TIFF of grey pixels.
+    let gray = dir.join("gray.tiff");
+    let mut file = std::fs::File::create(&gray).unwrap();
+    let mut tiff = tiff::encoder::TiffEncoder::new(&mut file).unwrap();
+    let mut d = tiff.image_directory().unwrap();
+    let at = d.write_data(&[128u8; 16 * 16][..]).unwrap() as u32;
+    use tiff::tags::Tag;
+    for (tag, v) in [
+        (Tag::ImageWidth, 16),
+        (Tag::ImageLength, 16),
+        (Tag::TileWidth, 16),
+        (Tag::TileLength, 16),
+    ] {
+        d.write_tag(tag, v as u32).unwrap();
+    }
+    for (tag, v) in [
+        (Tag::BitsPerSample, 8),
+        (Tag::Compression, 1),
+        (Tag::PhotometricInterpretation, 1),
+        (Tag::SamplesPerPixel, 1),
+    ] {
+        d.write_tag(tag, v as u16).unwrap();
+    }
+    d.write_tag(Tag::TileOffsets, &[at][..]).unwrap();
+    d.write_tag(Tag::TileByteCounts, &[256u32][..]).unwrap();
+    d.finish().unwrap();
+    let e = error_of(Slide::open(&gray));
+    assert!(
+        e.contains(&gray.display().to_string()) && e.contains("only 8-bit RGB"),
         "{e}"
     );
 

@@ -804,6 +804,35 @@ impl Slides {
         &self.config
     }
 
+    /// Writes tile `index` as a PNG in the image-folder layout, `dir/<class>/<slide
+    /// stem>_level<L>_<x>_<y>.png` (so [`super::folder::Folder`] reads exported tiles back),
+    /// and returns its path.
+    pub fn export_png(&self, index: usize, dir: &Path) -> Result<PathBuf> {
+        let t = *self.tile(index)?;
+        let slide = &self.slides[t.slide];
+        let (level, size) = (self.config.level, self.config.tile);
+        let rgb = slide.read_rgb8(level, t.x, t.y, size, size)?;
+        let folder = dir.join(&self.classes[t.label as usize]);
+        let stem = slide
+            .path()
+            .file_stem()
+            .unwrap_or_default()
+            .to_string_lossy();
+        let path = folder.join(format!("{stem}_level{level}_{}_{}.png", t.x, t.y));
+        let fail = |e: String| Error::Data(format!("cannot write {}: {e}", path.display()));
+        std::fs::create_dir_all(&folder).map_err(|e| fail(e.to_string()))?;
+        image::save_buffer_with_format(
+            &path,
+            &rgb,
+            size,
+            size,
+            image::ExtendedColorType::Rgb8,
+            image::ImageFormat::Png,
+        )
+        .map_err(|e| fail(e.to_string()))?;
+        Ok(path)
+    }
+
     fn tile(&self, index: usize) -> Result<&Tile> {
         self.tiles.get(index).ok_or_else(|| {
             Error::Internal(format!("tile {index} asked of {} tiles", self.tiles.len()))
