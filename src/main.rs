@@ -8,6 +8,7 @@ use std::time::Instant;
 use clap::{Args, Parser, Subcommand};
 use indicatif::{ProgressBar, ProgressStyle};
 
+use gems::data::slide::TileConfig;
 use gems::data::{DataConfig, SourceSpec};
 use gems::memory::{human_bytes, parse_bytes, Category};
 use gems::plan::memory;
@@ -49,6 +50,71 @@ enum Command {
     /// Time every op of a model on this device at the run's micro-batch and write the profile
     /// that --calibration reads (takes the flags of train).
     Calibrate(Box<CalibrateArgs>),
+    /// Make and inspect data: a synthetic whole-slide image, the tiles slides yield.
+    #[command(subcommand)]
+    Data(DataCommand),
+}
+
+#[derive(Subcommand)]
+enum DataCommand {
+    /// Write a synthetic pyramidal tiled TIFF slide with labelled tissue regions, and add its
+    /// regions to a labels CSV file.
+    MakeSlide(MakeSlideArgs),
+    /// List the labelled tiles that slides:DIR yields (or export them as PNG).
+    Tiles(TilesArgs),
+}
+
+#[derive(Args)]
+struct MakeSlideArgs {
+    /// The slide file to write (.tiff).
+    #[arg(long)]
+    out: PathBuf,
+    /// Level-0 width in pixels.
+    #[arg(long, default_value_t = 8192)]
+    width: u32,
+    /// Level-0 height [default: the width].
+    #[arg(long)]
+    height: Option<u32>,
+    /// TIFF tile side (a multiple of 16).
+    #[arg(long, default_value_t = 256)]
+    tile: u32,
+    /// Pyramid levels [default: halving until one tile holds the level].
+    #[arg(long)]
+    levels: Option<usize>,
+    #[arg(long, default_value_t = 4)]
+    classes: usize,
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Side of the grid cells holding one tissue region each, in level-0 pixels.
+    #[arg(long, default_value_t = 1024)]
+    region: u32,
+    /// Per-pixel noise amplitude in [0, 1] (0 compresses best).
+    #[arg(long, default_value_t = 0.06)]
+    noise: f32,
+    /// Write BigTIFF even when classic TIFF would do.
+    #[arg(long)]
+    bigtiff: bool,
+    /// The labels CSV to add the slide's region rows to [default: labels.csv beside the slide].
+    #[arg(long)]
+    labels: Option<PathBuf>,
+}
+
+#[derive(Args)]
+struct TilesArgs {
+    /// slides:DIR
+    #[arg(long)]
+    data: DataSource,
+    #[command(flatten)]
+    slides: SlideArgs,
+    /// The default tile side.
+    #[arg(long, default_value_t = 256)]
+    image_size: usize,
+    /// Write every tile as DIR/<class>/<slide>_level<L>_<x>_<y>.png (a folder:DIR dataset).
+    #[arg(long, value_name = "DIR")]
+    export: Option<PathBuf>,
+    /// List at most this many tiles (all are counted).
+    #[arg(long, default_value_t = 20)]
+    limit: usize,
 }
 
 #[derive(Args)]
@@ -56,10 +122,12 @@ struct EvalArgs {
     /// The checkpoint to evaluate.
     #[arg(long)]
     checkpoint: PathBuf,
-    /// Evaluate on every sample of this data (synthetic, folder:DIR) instead of the
-    /// checkpoint's held-out split.
+    /// Evaluate on every sample of this data (synthetic, folder:DIR or slides:DIR) instead
+    /// of the checkpoint's held-out split.
     #[arg(long)]
-    data: Option<SourceSpec>,
+    data: Option<DataSource>,
+    #[command(flatten)]
+    slides: SlideArgs,
     /// At most this many samples [default: all; 1000 of synthetic data].
     #[arg(long)]
     samples: Option<usize>,
@@ -70,12 +138,86 @@ struct EvalArgs {
     skip_bad: bool,
 }
 
+/// `--data`: synthetic, folder:DIR or slides:DIR.
+#[derive(Clone, Debug)]
+enum DataSource {
+    Synthetic,
+    Folder(PathBuf),
+    Slides(PathBuf),
+}
+
+impl std::str::FromStr for DataSource {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s.split_once(':') {
+            _ if s == "synthetic" => Ok(DataSource::Synthetic),
+            Some(("folder", dir)) if !dir.is_empty() => Ok(DataSource::Folder(dir.into())),
+            Some(("slides", dir)) if !dir.is_empty() => Ok(DataSource::Slides(dir.into())),
+            _ => Err(format!(
+                "unknown data source {s:?}: use synthetic, folder:DIR or slides:DIR"
+            )),
+        }
+    }
+}
+
+/// How slides:DIR is cut into labelled tiles.
+#[derive(Args)]
+struct SlideArgs {
+    /// Labels for slides:DIR: rows `slide,label` (whole slides) or `slide,x,y,w,h,label`
+    /// (regions in level-0 pixels; a tile takes the region holding its centre).
+    #[arg(long, value_name = "FILE.csv")]
+    labels: Option<PathBuf>,
+    /// Pyramid level to cut tiles from (0: full resolution).
+    #[arg(long, default_value_t = 0)]
+    level: usize,
+    /// Tile side in pixels of that level [default: --image-size].
+    #[arg(long)]
+    tile_size: Option<u32>,
+    /// Distance between neighbouring tiles [default: the tile side].
+    #[arg(long)]
+    stride: Option<u32>,
+    /// Leave out near-white tiles whose mean brightness (0 to 1) is above this; 0.8 suits
+    /// bright-field slides.
+    #[arg(long, value_name = "BRIGHTNESS")]
+    tissue: Option<f32>,
+}
+
+impl SlideArgs {
+    /// The source `data` names, cut into tiles of `image_size` unless told otherwise.
+    fn spec(&self, data: &DataSource, image_size: usize) -> anyhow::Result<SourceSpec> {
+        Ok(match data {
+            DataSource::Synthetic => SourceSpec::Synthetic,
+            DataSource::Folder(dir) => SourceSpec::Folder(dir.clone()),
+            DataSource::Slides(dir) => {
+                let labels = self
+                    .labels
+                    .clone()
+                    .ok_or_else(|| anyhow::anyhow!("slides:DIR needs --labels FILE.csv"))?;
+                let tile = self.tile_size.unwrap_or(image_size as u32);
+                SourceSpec::Slides {
+                    dir: dir.clone(),
+                    labels,
+                    tiles: TileConfig {
+                        level: self.level,
+                        tile,
+                        stride: self.stride.unwrap_or(tile),
+                        tissue_threshold: self.tissue,
+                    },
+                }
+            }
+        })
+    }
+}
+
 /// Where training images come from and how they are read.
 #[derive(Args)]
 struct DataArgs {
-    /// synthetic, or folder:DIR (one sub-folder of PNG/JPEG/TIFF images per class).
+    /// synthetic, folder:DIR (one sub-folder of PNG/JPEG/TIFF images per class), or
+    /// slides:DIR (tiled TIFF slides, with --labels).
     #[arg(long, default_value = "synthetic", conflicts_with = "resume")]
-    data: SourceSpec,
+    data: DataSource,
+    #[command(flatten)]
+    slides: SlideArgs,
     /// Random crops and horizontal/vertical flips of training images.
     #[arg(long, conflicts_with = "resume")]
     augment: bool,
@@ -97,15 +239,15 @@ struct DataArgs {
 }
 
 impl DataArgs {
-    fn config(&self) -> DataConfig {
-        DataConfig {
-            source: self.data.clone(),
+    fn config(&self, image_size: usize) -> anyhow::Result<DataConfig> {
+        Ok(DataConfig {
+            source: self.slides.spec(&self.data, image_size)?,
             augment: self.augment,
             val: self.val,
             skip_bad: self.skip_bad,
             workers: self.workers,
             prefetch: self.prefetch,
-        }
+        })
     }
 }
 
@@ -351,6 +493,8 @@ fn main() -> ExitCode {
         Command::Plan(a) => plan(*a),
         Command::Simulate(a) => simulate(*a),
         Command::Calibrate(a) => calibrate(*a),
+        Command::Data(DataCommand::MakeSlide(a)) => make_slide(a),
+        Command::Data(DataCommand::Tiles(a)) => tiles(a),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -539,7 +683,7 @@ fn train(a: TrainArgs) -> anyhow::Result<()> {
 /// --device-memory by metered runs.
 fn run_config(a: &TrainArgs) -> anyhow::Result<RunConfig> {
     let steps = a.steps.unwrap_or(150);
-    let data = a.input.config();
+    let data = a.input.config(a.image_size)?;
     let classes = match (gems::data::pipeline::class_names(&data.source)?, a.classes) {
         (None, given) => given.unwrap_or(10),
         (Some(names), Some(given)) if given != names.len() => anyhow::bail!(
@@ -958,7 +1102,7 @@ fn eval(a: EvalArgs) -> anyhow::Result<()> {
         Some(source) => {
             let c = &t.config;
             let config = DataConfig {
-                source: source.clone(),
+                source: a.slides.spec(source, c.image_size)?,
                 augment: false,
                 val: 0.0,
                 ..c.data.clone()
@@ -988,24 +1132,132 @@ fn eval(a: EvalArgs) -> anyhow::Result<()> {
         100.0 * e.accuracy,
         e.samples
     );
-    let width = e.classes.iter().map(|c| c.len()).max().unwrap_or(0).max(6);
+    let names: Vec<String> = e
+        .classes
+        .iter()
+        .enumerate()
+        .map(|(i, c)| format!("{i} {c}"))
+        .collect();
+    let width = names
+        .iter()
+        .map(|n| n.chars().count())
+        .max()
+        .unwrap_or(0)
+        .max(5);
     println!("confusion matrix (rows: true class, columns: predicted):");
-    print!("{:>width$} {:>8}", "class", "samples");
-    for i in 0..e.classes.len() {
+    print!("{:<width$} {:>8}", "class", "samples");
+    for i in 0..names.len() {
         print!(" {i:>6}");
     }
     println!("  recall");
-    for (i, (row, n)) in e.confusion.iter().zip(e.per_class()).enumerate() {
-        print!("{:>width$} {n:>8}", format!("{i} {}", e.classes[i]));
+    for (i, ((name, row), n)) in names
+        .iter()
+        .zip(&e.confusion)
+        .zip(e.per_class())
+        .enumerate()
+    {
+        print!("{name:<width$} {n:>8}");
         for v in row {
             print!(" {v:>6}");
         }
-        let recall = if n > 0 {
-            100.0 * row[i] as f64 / n as f64
-        } else {
-            0.0
+        let recall = match n {
+            0 => 0.0,
+            n => 100.0 * row[i] as f64 / n as f64,
         };
         println!("  {recall:5.1}%");
+    }
+    Ok(())
+}
+
+fn make_slide(a: MakeSlideArgs) -> anyhow::Result<()> {
+    use gems::data::slide::MakeSlide;
+    let mut opts = MakeSlide::new(a.width, a.height.unwrap_or(a.width));
+    opts.tile = a.tile;
+    opts.levels = a.levels.unwrap_or(opts.levels);
+    opts.classes = a.classes;
+    opts.seed = a.seed;
+    opts.region = a.region;
+    opts.noise = a.noise;
+    opts.bigtiff = a.bigtiff;
+    let started = Instant::now();
+    let made = gems::data::slide::make_slide(&a.out, &opts)?;
+    let name = a
+        .out
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    let labels = a
+        .labels
+        .unwrap_or_else(|| a.out.with_file_name("labels.csv"));
+    // Rows of other slides stay; this slide's are replaced.
+    let kept: String = match std::fs::read_to_string(&labels) {
+        Ok(old) => old
+            .lines()
+            .filter(|l| l.split(',').next().map(str::trim) != Some(name.as_str()))
+            .map(|l| format!("{l}\n"))
+            .collect(),
+        Err(_) => "slide,x,y,w,h,label\n".to_string(),
+    };
+    std::fs::write(&labels, kept + &made.label_rows(&name))
+        .map_err(|e| anyhow::anyhow!("cannot write {}: {e}", labels.display()))?;
+    println!(
+        "wrote {} ({}, {}) in {:.1} s: {} levels ({}), {} tissue regions of {} classes; labels in {}",
+        a.out.display(),
+        if made.bigtiff { "BigTIFF" } else { "TIFF" },
+        human_bytes(made.bytes),
+        started.elapsed().as_secs_f64(),
+        made.levels.len(),
+        made.levels
+            .iter()
+            .map(|l| format!("{}×{}", l.width, l.height))
+            .collect::<Vec<_>>()
+            .join(", "),
+        made.regions.len(),
+        made.classes,
+        labels.display()
+    );
+    Ok(())
+}
+
+fn tiles(a: TilesArgs) -> anyhow::Result<()> {
+    let SourceSpec::Slides { dir, labels, tiles } = a.slides.spec(&a.data, a.image_size)? else {
+        anyhow::bail!("gems data tiles lists the tiles of --data slides:DIR");
+    };
+    let slides = gems::data::slide::Slides::open(&dir, &labels, &tiles)?;
+    let all = slides.tiles();
+    let classes = gems::data::Source::classes(&slides);
+    println!(
+        "{} tiles of {}² at level {} (stride {}) from {} slides in {}",
+        all.len(),
+        tiles.tile,
+        tiles.level,
+        tiles.stride,
+        slides.slides().len(),
+        dir.display()
+    );
+    for (c, name) in classes.iter().enumerate() {
+        let n = all.iter().filter(|t| t.label as usize == c).count();
+        println!("  class {c} {name}: {n} tiles");
+    }
+    for (i, t) in all.iter().enumerate().take(a.limit) {
+        let slide = slides.slides()[t.slide].path().display();
+        println!(
+            "  {i:>6}  {slide}  x {:>6}  y {:>6}  {}",
+            t.x, t.y, classes[t.label as usize]
+        );
+    }
+    if all.len() > a.limit {
+        println!("  … {} more (--limit)", all.len() - a.limit);
+    }
+    if let Some(out) = &a.export {
+        for i in 0..all.len() {
+            slides.export_png(i, out)?;
+        }
+        let out = out.display();
+        println!(
+            "exported {} tiles to {out} (train on them with --data folder:{out})",
+            all.len()
+        );
     }
     Ok(())
 }

@@ -7,7 +7,7 @@ use crate::backend::cpu::splitmix64;
 use crate::backend::Device;
 use crate::checkpoint::Checkpoint;
 use crate::data::loader::{Batch, Loader};
-use crate::data::{DataConfig, Dataset, Pipeline, SourceSpec};
+use crate::data::{DataConfig, Dataset, Pipeline};
 use crate::graph::{self, Graph, Params};
 use crate::memory::{Category, MemoryStats};
 use crate::ops::{batched, loss};
@@ -339,12 +339,9 @@ pub(crate) fn check_classes(config: &TrainConfig, names: &[String]) -> Result<()
     if names.len() == config.classes {
         return Ok(());
     }
-    let what = match &config.data.source {
-        SourceSpec::Synthetic => "synthetic data".to_string(),
-        SourceSpec::Folder(dir) => dir.display().to_string(),
-    };
     Err(Error::Config(format!(
-        "{what} has {} classes but the model has {} outputs",
+        "{} has {} classes but the model has {} outputs",
+        config.data.source,
         names.len(),
         config.classes
     )))

@@ -342,3 +342,85 @@ fn cli_trains_on_a_folder_validates_and_evaluates() {
     assert!(!ok && err.contains("2 classes"), "{err}");
     std::fs::remove_dir_all(root).ok();
 }
+
+#[test]
+fn cli_learns_a_generated_slide_and_eval_reports_it() {
+    let d = temp("slide-cli");
+    let slides = d.join("slides");
+    std::fs::create_dir_all(&slides).unwrap();
+    let (ok, out, err) = gems(&[
+        "data",
+        "make-slide",
+        "--out",
+        slides.join("a.tiff").to_str().unwrap(),
+        "--width",
+        "2048",
+        "--classes",
+        "2",
+        "--region",
+        "512",
+        "--seed",
+        "3",
+    ]);
+    assert!(ok, "{err}");
+    assert!(
+        out.contains("4 levels") && out.contains("16 tissue regions"),
+        "{out}"
+    );
+    let labels = slides.join("labels.csv");
+    let spec = format!("slides:{}", slides.display());
+    let slide_flags = [
+        "--data",
+        &spec,
+        "--labels",
+        labels.to_str().unwrap(),
+        "--level",
+        "1",
+        "--tissue",
+        "0.8",
+    ];
+    let (ok, listed, err) =
+        gems(&[&["data", "tiles", "--image-size", "32"][..], &slide_flags].concat());
+    assert!(ok, "{err}");
+    assert!(listed.contains("tiles of 32² at level 1"), "{listed}");
+    let ckpt = d.join("ckpt");
+    let args = [
+        &[
+            "train",
+            "--val",
+            "0.2",
+            "--augment",
+            "--batch-size",
+            "16",
+            "--steps",
+            "40",
+        ][..],
+        &["--lr", "0.05", "--checkpoint", ckpt.to_str().unwrap()],
+        &slide_flags,
+    ]
+    .concat();
+    let (ok, out, err) = gems(&args);
+    assert!(ok, "{out}\n{err}");
+    assert!(out.contains("2 classes"), "{out}");
+    let (ok, eval, err) = gems(&[
+        "eval",
+        "--checkpoint",
+        ckpt.join("step-000040.safetensors").to_str().unwrap(),
+    ]);
+    assert!(ok, "{err}");
+    let acc: f64 = eval
+        .split("accuracy ")
+        .nth(1)
+        .and_then(|l| l.split('%').next())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("no accuracy in {eval}"));
+    assert!(
+        acc >= 90.0,
+        "held-out accuracy {acc}% (chance 50%):\n{eval}"
+    );
+    assert!(
+        eval.contains("0 class0") && eval.contains("1 class1"),
+        "{eval}"
+    );
+    std::fs::remove_dir_all(d).ok();
+}

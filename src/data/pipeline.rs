@@ -10,6 +10,7 @@ use rand_chacha::ChaCha8Rng;
 
 use super::folder::Folder;
 use super::order::Epochs;
+use super::slide::{self, Slides, TileConfig};
 use super::synthetic::{Stream, Synthetic};
 use super::transform::Transform;
 use super::{Source, CHANNELS};
@@ -26,19 +27,24 @@ const AUGMENT_STREAM: u64 = 0x4155_474d;
 pub enum SourceSpec {
     /// Generated on the fly (see [`Synthetic`]).
     Synthetic,
-    /// `folder:DIR`, one sub-folder per class.
+    /// One sub-folder per class (see [`Folder`]).
     Folder(PathBuf),
+    /// Tiles of the slides in `dir`, labelled by the CSV file `labels` (see [`Slides`]).
+    Slides {
+        dir: PathBuf,
+        labels: PathBuf,
+        tiles: TileConfig,
+    },
 }
 
-impl std::str::FromStr for SourceSpec {
-    type Err = String;
-    fn from_str(s: &str) -> std::result::Result<SourceSpec, String> {
-        match s.split_once(':') {
-            _ if s == "synthetic" => Ok(SourceSpec::Synthetic),
-            Some(("folder", dir)) if !dir.is_empty() => Ok(SourceSpec::Folder(dir.into())),
-            _ => Err(format!(
-                "unknown data source {s:?}: use synthetic or folder:DIR"
-            )),
+impl std::fmt::Display for SourceSpec {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            SourceSpec::Synthetic => write!(f, "synthetic data"),
+            SourceSpec::Folder(dir) => write!(f, "{}", dir.display()),
+            SourceSpec::Slides { dir, labels, .. } => {
+                write!(f, "{} (labels {})", dir.display(), labels.display())
+            }
         }
     }
 }
@@ -79,6 +85,7 @@ pub fn class_names(source: &SourceSpec) -> Result<Option<Vec<String>>> {
     match source {
         SourceSpec::Synthetic => Ok(None),
         SourceSpec::Folder(dir) => Folder::class_names(dir).map(Some),
+        SourceSpec::Slides { labels, .. } => slide::label_classes(labels).map(Some),
     }
 }
 
@@ -144,6 +151,9 @@ pub fn open(c: &DataConfig, image_size: usize, classes: usize, seed: u64) -> Res
                 .map(|(p, why)| (p.display().to_string(), why.clone()))
                 .collect();
             (Arc::new(f), skipped)
+        }
+        SourceSpec::Slides { dir, labels, tiles } => {
+            (Arc::new(Slides::open(dir, labels, tiles)?), vec![])
         }
     };
     let n = source

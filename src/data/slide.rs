@@ -679,7 +679,7 @@ fn structure_error(path: &Path, e: TiffError) -> Error {
 // Tiles of a directory of slides, as a Source.
 
 /// How [`Slides`] cuts slides into tiles.
-#[derive(Clone, Copy, Debug, PartialEq)]
+#[derive(Clone, Copy, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct TileConfig {
     /// The pyramid level tiles are cut from (0 = full resolution).
     pub level: usize,
@@ -901,6 +901,11 @@ impl Labels {
             .get(&file_name(path))
             .or_else(|| stem.and_then(|s| self.by_slide.get(&s)))
     }
+}
+
+/// The class names a labels file gives (see [`Slides`]), without opening any slide.
+pub fn label_classes(labels: &Path) -> Result<Vec<String>> {
+    Ok(read_labels(labels)?.classes)
 }
 
 fn read_labels(path: &Path) -> Result<Labels> {
