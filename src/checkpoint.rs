@@ -194,7 +194,8 @@ impl Checkpoint {
         self.get("step")
     }
 
-    /// The training configuration the checkpoint was written with (capacity not included).
+    /// The training configuration the checkpoint was written with (capacities and the
+    /// saved-tensor policy, which do not change results, not included).
     pub fn config(&self) -> Result<TrainConfig> {
         let decay: String = self.get("schedule")?;
         Ok(TrainConfig {
@@ -220,6 +221,8 @@ impl Checkpoint {
                 .parse()
                 .map_err(Error::Config)?,
             device_memory: None,
+            host_memory: None,
+            saves: crate::graph::policy::SavePolicy::keep_all(),
             data: match self.meta.get("data") {
                 Some(json) => serde_json::from_str(json).map_err(|e| {
                     Error::Config(format!("the checkpoint's data configuration: {e}"))

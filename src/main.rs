@@ -10,8 +10,10 @@ use indicatif::{ProgressBar, ProgressStyle};
 
 use gems::data::slide::TileConfig;
 use gems::data::{DataConfig, SourceSpec};
+use gems::graph::policy::{Keep, SavePolicy};
 use gems::memory::{human_bytes, parse_bytes, Category};
 use gems::plan::memory;
+use gems::plan::offload::HostLink;
 use gems::runtime::executor::{run_rank, Layout, RankReport, RunConfig};
 use gems::runtime::optim::SgdConfig;
 use gems::runtime::schedule::{Decay, LrSchedule};
@@ -136,6 +138,29 @@ struct EvalArgs {
     /// Leave unreadable samples out with a warning instead of stopping.
     #[arg(long)]
     skip_bad: bool,
+}
+
+/// `--offload`.
+#[derive(Clone, Debug, PartialEq)]
+enum Offload {
+    None,
+    All,
+    Recompute,
+    Auto,
+    File(PathBuf),
+}
+
+impl std::str::FromStr for Offload {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        Ok(match s {
+            "none" => Offload::None,
+            "all" => Offload::All,
+            "recompute" => Offload::Recompute,
+            "auto" => Offload::Auto,
+            file => Offload::File(file.into()),
+        })
+    }
 }
 
 /// `--data`: synthetic, folder:DIR or slides:DIR.
@@ -302,6 +327,17 @@ struct TrainArgs {
     /// Continue from a checkpoint: model, data, optimizer and schedule come from it.
     #[arg(long, value_name = "FILE")]
     resume: Option<PathBuf>,
+    /// Where saved activations wait for backward: none (on the device), all (in the host
+    /// tier), recompute (checkpointing: runs of √nodes recomputed in backward), auto (the planner's choice to fit
+    /// --device-memory with the least exposed time), or a policy file (JSON).
+    #[arg(long, default_value = "none")]
+    offload: Offload,
+    /// Nodes ahead of backward that offloaded activations are brought back.
+    #[arg(long, default_value_t = 2, value_name = "N")]
+    offload_ahead: usize,
+    /// Capacity of the host tier offloaded activations wait in, e.g. 64GiB (default unlimited).
+    #[arg(long, value_parser = parse_bytes)]
+    host_memory: Option<u64>,
     #[command(flatten)]
     input: DataArgs,
     #[command(flatten)]
@@ -675,6 +711,16 @@ fn train(a: TrainArgs) -> anyhow::Result<()> {
             100.0 * mem.peak as f64 / cap as f64
         );
     }
+    let host = trainer.device.host_memory();
+    if host.peak > 0 {
+        println!(
+            "  host tier peak {}{}",
+            human_bytes(host.peak),
+            host.capacity
+                .map(|c| format!(" of {}", human_bytes(c)))
+                .unwrap_or_default()
+        );
+    }
     debug_assert_eq!(mem.live.get(Category::Activations), 0);
     Ok(())
 }
@@ -716,6 +762,8 @@ fn run_config(a: &TrainArgs) -> anyhow::Result<RunConfig> {
         seed: a.seed,
         dtype: a.dtype,
         device_memory: a.device_memory,
+        host_memory: a.host_memory,
+        saves: SavePolicy::keep_all(),
         data,
     };
     let mut c = RunConfig::new(train, a.spread.scheme()?);
@@ -753,6 +801,26 @@ fn run_config(a: &TrainArgs) -> anyhow::Result<RunConfig> {
         };
         println!("--batch-size max: {}", c.train.batch_size);
     }
+    let nodes = || {
+        models::build(&c.train.model, c.train.image_size, c.train.classes).map(|g| g.nodes.len())
+    };
+    c.train.saves = match &a.offload {
+        Offload::None => SavePolicy::keep_all(),
+        Offload::All => SavePolicy::all(nodes()?, Keep::Host, a.offload_ahead),
+        Offload::Recompute => SavePolicy::checkpointed(nodes()?),
+        Offload::File(path) => SavePolicy::load(path, nodes()?)?,
+        Offload::Auto => {
+            let cap = a.device_memory.ok_or_else(|| needs("--offload auto"))?;
+            let chosen = gems::plan::offload::choose(&c, cap, &HostLink::CPU, a.offload_ahead)?;
+            let (_, host, recompute) = chosen.policy.counts();
+            println!(
+                "--offload auto: {host} nodes offloaded, {recompute} recomputed ({} per micro-batch off the device, {:.3} s per step predicted exposed)",
+                human_bytes(chosen.bytes),
+                chosen.exposed
+            );
+            chosen.policy
+        }
+    };
     Ok(c)
 }
 

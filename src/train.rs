@@ -8,6 +8,7 @@ use crate::backend::Device;
 use crate::checkpoint::Checkpoint;
 use crate::data::loader::{Batch, Loader};
 use crate::data::{DataConfig, Dataset, Pipeline};
+use crate::graph::policy::SavePolicy;
 use crate::graph::{self, Graph, Params};
 use crate::memory::{Category, MemoryStats};
 use crate::ops::{batched, loss};
@@ -29,6 +30,10 @@ pub struct TrainConfig {
     pub dtype: DType,
     /// Emulated device capacity in bytes (`None`: unlimited).
     pub device_memory: Option<u64>,
+    /// Capacity of the host tier that offloaded activations wait in (`None`: unlimited).
+    pub host_memory: Option<u64>,
+    /// Where each node's saved tensors wait for backward.
+    pub saves: SavePolicy,
     pub data: DataConfig,
 }
 
@@ -63,6 +68,8 @@ impl TrainConfig {
             seed: 0,
             dtype: DType::F32,
             device_memory: None,
+            host_memory: None,
+            saves: SavePolicy::keep_all(),
             data: DataConfig::default(),
         }
     }
@@ -122,7 +129,8 @@ impl Trainer {
         let data = crate::data::open(&config.data, config.image_size, config.classes, config.seed)?;
         check_classes(&config, &data.classes)?;
         let graph = models::build(&config.model, config.image_size, config.classes)?;
-        let device = Device::cpu("cpu:0", config.device_memory);
+        let device =
+            Device::cpu("cpu:0", config.device_memory).with_host_memory(config.host_memory)?;
         let params = Params::init(&graph, &device, config.dtype, config.seed)?;
         let sgd = Sgd::new(&params, &device, config.sgd)?;
         Ok(Trainer {
@@ -183,7 +191,7 @@ impl Trainer {
             vec![(g.input, x)],
             0..g.nodes.len(),
             &keep,
-            true,
+            Some(&self.config.saves),
             false,
             seed,
         )?;
@@ -313,7 +321,7 @@ impl Trainer {
                 vec![(g.input, x)],
                 0..g.nodes.len(),
                 &[out],
-                false,
+                None,
                 false,
                 0,
             )?;

@@ -275,6 +275,8 @@ pub trait Backend: Send + Sync {
 
 struct DeviceInner {
     allocator: Arc<Allocator>,
+    /// The host tier: where offloaded tensors wait for backward (pinned memory on a GPU).
+    host: Arc<Allocator>,
     backend: Box<dyn Backend>,
 }
 
@@ -297,6 +299,7 @@ impl Device {
         Device {
             inner: Arc::new(DeviceInner {
                 allocator: Allocator::new(name, capacity),
+                host: Allocator::new(format!("{name} host"), None),
                 backend: Box::new(cpu::Cpu),
             }),
         }
@@ -307,6 +310,7 @@ impl Device {
         Device {
             inner: Arc::new(DeviceInner {
                 allocator: Allocator::new(name, capacity),
+                host: Allocator::new(format!("{name} host"), None),
                 backend: Box::new(meter::Meter {
                     like: Box::new(cpu::Cpu),
                 }),
@@ -324,6 +328,41 @@ impl Device {
 
     pub fn memory(&self) -> MemoryStats {
         self.inner.allocator.stats()
+    }
+
+    /// The same device with a host tier of `capacity` bytes (`None`: unlimited); set before
+    /// the device is shared.
+    pub fn with_host_memory(mut self, capacity: Option<u64>) -> Result<Device> {
+        let name = format!("{} host", self.name());
+        let inner = Arc::get_mut(&mut self.inner).ok_or_else(|| {
+            crate::Error::Internal("the host tier is set before a device is shared".into())
+        })?;
+        inner.host = Allocator::new(name, capacity);
+        Ok(self)
+    }
+
+    /// The host tier's memory.
+    pub fn host_memory(&self) -> MemoryStats {
+        self.inner.host.stats()
+    }
+
+    /// A copy of `t` in the host tier, counted as activations there.
+    pub fn to_host(&self, t: &Tensor) -> Result<Tensor> {
+        let lease = self.inner.host.lease(t.bytes(), Category::Activations)?;
+        Ok(Tensor::from_buffer(
+            t.shape().clone(),
+            t.storage().clone(),
+            lease,
+        ))
+    }
+
+    /// A device copy of host-tier tensor `t`, counted as activations.
+    pub fn from_host(&self, t: &Tensor) -> Result<Tensor> {
+        self.adopt(
+            t.shape().clone(),
+            t.storage().clone(),
+            Category::Activations,
+        )
     }
 
     /// A zero-filled tensor whose bytes count as `category`.

@@ -8,13 +8,16 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use rand_distr::{Distribution, Normal};
 
+use std::collections::HashMap;
+
+use super::policy::{Keep, SavePolicy};
 use super::{Graph, ValueId};
 use crate::backend::cpu::splitmix64;
 use crate::backend::Device;
 use crate::memory::Category;
 use crate::ops::norm::{BatchNorm, BatchStats};
 use crate::ops::{Backward, Ctx, Init, Op, Saved};
-use crate::tensor::{DType, Shape, Tensor};
+use crate::tensor::{DType, Shape, Tensor, WeakTensor};
 use crate::{Error, Result};
 
 /// Parameter values (trainable ones and buffers) and gradients of a contiguous range of
@@ -98,11 +101,49 @@ pub struct Tape {
     /// Batch statistics to commit to BN running statistics, in node order.
     pub running: Vec<RunningUpdate>,
     nodes: Range<usize>,
+    /// Per node of the range: what it saved, on the device, or in the host tier where
+    /// `keep` says so; `None` for a node that did not run or is recomputed.
     saved: Vec<Option<Saved>>,
+    keep: Vec<Keep>,
+    /// Whether each node ran (recomputation runs the same ones).
+    ran: Vec<bool>,
+    /// The inputs of each run of recomputed nodes, by the run's first node (range index).
+    checkpoints: HashMap<usize, Vec<(ValueId, Tensor)>>,
+    /// Offloaded bundles are brought back this many nodes ahead of their backward.
+    prefetch: usize,
     /// Input shapes (batch included) of each node.
     input_shapes: Vec<Vec<Shape>>,
     requires_grad: Vec<bool>,
     seed: u64,
+}
+
+/// Copies between the device and its host tier, each buffer once however many bundles (or
+/// views) share it.
+#[derive(Default)]
+struct Copies {
+    /// Source buffer → (source, which keeps the key unique, and its copy, which may be gone).
+    done: HashMap<usize, (WeakTensor, WeakTensor)>,
+}
+
+impl Copies {
+    fn copy(&mut self, t: &Tensor, make: impl Fn(&Tensor) -> Result<Tensor>) -> Result<Tensor> {
+        let key = t.buffer_key();
+        if let Some(copy) = self.done.get(&key).and_then(|(_, c)| c.upgrade()) {
+            return copy.reshape(t.shape().clone());
+        }
+        let copy = make(t)?;
+        self.done.insert(key, (t.downgrade(), copy.downgrade()));
+        Ok(copy)
+    }
+
+    fn bundle(&mut self, saved: Saved, make: impl Fn(&Tensor) -> Result<Tensor>) -> Result<Saved> {
+        let moved = saved
+            .0
+            .iter()
+            .map(|t| self.copy(t, &make))
+            .collect::<Result<_>>()?;
+        Ok(Saved(moved))
+    }
 }
 
 /// The seed of node `node`'s randomness in the pass seeded `seed`.
@@ -111,8 +152,9 @@ fn node_seed(seed: u64, node: usize) -> u64 {
 }
 
 /// Runs the nodes of `nodes` that `keep` depends on, from `feeds`, returning the values in
-/// `keep`. With `training`, the tape holds what backward needs; `input_grads` makes the fed
-/// values want gradients (a pipeline stage sends them upstream).
+/// `keep`. When `training` (with the policy saying where saved tensors wait), the tape holds
+/// what backward needs; `input_grads` makes the fed values want gradients (a pipeline stage
+/// sends them upstream).
 #[allow(clippy::too_many_arguments)]
 pub fn forward(
     graph: &Graph,
@@ -121,10 +163,12 @@ pub fn forward(
     feeds: Vec<(ValueId, Tensor)>,
     nodes: Range<usize>,
     keep: &[ValueId],
-    training: bool,
+    training: Option<&SavePolicy>,
     input_grads: bool,
     seed: u64,
 ) -> Result<(Vec<Tensor>, Tape)> {
+    let policy = training;
+    let training = policy.is_some();
     let nv = graph.values.len();
     let mut values: Vec<Option<Tensor>> = vec![None; nv];
     let mut uses = vec![0usize; nv];
@@ -147,16 +191,48 @@ pub fn forward(
         requires_grad[v] = input_grads;
         values[v] = Some(t);
     }
+    let keep_of = |id: usize| policy.map_or(Keep::Device, |p| p.of(id));
     let mut tape = Tape {
         running: Vec::new(),
         nodes: nodes.clone(),
         saved: Vec::with_capacity(nodes.len()),
+        keep: nodes.clone().map(keep_of).collect(),
+        ran: nodes.clone().map(|id| needed[id]).collect(),
+        checkpoints: HashMap::new(),
+        prefetch: policy.map_or(0, |p| p.prefetch),
         input_shapes: Vec::with_capacity(nodes.len()),
         requires_grad: Vec::new(),
         seed,
     };
-    for id in nodes {
+    let mut offloaded = Copies::default();
+    for (i, id) in nodes.clone().enumerate() {
         let node = &graph.nodes[id];
+        if training
+            && tape.keep[i] == Keep::Recompute
+            && (i == 0 || tape.keep[i - 1] != Keep::Recompute)
+        {
+            // A run of recomputed nodes starts: keep what flows into it from before.
+            let end = (i..tape.keep.len())
+                .find(|&j| tape.keep[j] != Keep::Recompute)
+                .unwrap_or(tape.keep.len());
+            let mut inputs: Vec<ValueId> = (i..end)
+                .filter(|&j| tape.ran[j])
+                .flat_map(|j| graph.nodes[nodes.start + j].inputs.iter().copied())
+                .filter(|&v| graph.values[v].producer.is_none_or(|p| p < id))
+                .collect();
+            inputs.sort_unstable();
+            inputs.dedup();
+            let kept = inputs
+                .into_iter()
+                .map(|v| {
+                    let t = values[v].clone().ok_or_else(|| {
+                        Error::Internal(format!("{}: input %{v} is not available", node.name))
+                    })?;
+                    Ok((v, t))
+                })
+                .collect::<Result<_>>()?;
+            tape.checkpoints.insert(i, kept);
+        }
         if !needed[id] {
             if training {
                 tape.input_shapes.push(Vec::new());
@@ -191,7 +267,11 @@ pub fn forward(
         if training {
             tape.input_shapes
                 .push(ins.iter().map(|t| t.shape().clone()).collect());
-            tape.saved.push(Some(saved));
+            tape.saved.push(match tape.keep[i] {
+                Keep::Device => Some(saved),
+                Keep::Host => Some(offloaded.bundle(saved, |t| device.to_host(t))?),
+                Keep::Recompute => None,
+            });
         }
         let has_trainable = node.params.clone().any(|p| graph.params[p].spec.trainable);
         requires_grad[node.output] = has_trainable || node.inputs.iter().any(|&v| requires_grad[v]);
@@ -255,6 +335,45 @@ fn accumulate(device: &Device, slot: &mut Option<Tensor>, g: Tensor) -> Result<(
     Ok(())
 }
 
+/// Re-runs the run of recomputed nodes that ends at range index `last` from its kept inputs,
+/// putting what each node saves back on the tape (the same bits: same inputs, same seeds).
+fn recompute(
+    graph: &Graph,
+    params: &mut Params,
+    device: &Device,
+    tape: &mut Tape,
+    last: usize,
+) -> Result<()> {
+    let first = (0..=last)
+        .rev()
+        .find(|&j| j == 0 || tape.keep[j - 1] != Keep::Recompute)
+        .unwrap_or(0);
+    let feeds = tape
+        .checkpoints
+        .remove(&first)
+        .ok_or_else(|| Error::Internal(format!("no kept inputs to recompute from node {first}")))?;
+    let start = tape.nodes.start;
+    let outputs: Vec<ValueId> = (first..=last)
+        .filter(|&j| tape.ran[j])
+        .map(|j| graph.nodes[start + j].output)
+        .collect();
+    let (_, mut again) = forward(
+        graph,
+        params,
+        device,
+        feeds,
+        start + first..start + last + 1,
+        &outputs,
+        Some(&SavePolicy::keep_all()),
+        false,
+        tape.seed,
+    )?;
+    for (k, saved) in again.saved.drain(..).enumerate() {
+        tape.saved[first + k] = saved;
+    }
+    Ok(())
+}
+
 /// Back-propagates `seeds` (gradients of values the forward produced) through the tape,
 /// adding parameter gradients into `params.grads`; returns the gradients of `want`.
 pub fn backward(
@@ -269,8 +388,22 @@ pub fn backward(
     for (v, g) in seeds {
         accumulate(device, &mut grads[v], g)?;
     }
+    let mut fetched = Copies::default();
     for (i, id) in tape.nodes.clone().enumerate().rev() {
         let node = &graph.nodes[id];
+        // Offloaded bundles come back `prefetch` nodes ahead; a run of recomputed nodes is
+        // recomputed when backward reaches its last node.
+        for j in i.saturating_sub(tape.prefetch)..=i {
+            if tape.keep[j] == Keep::Host {
+                if let Some(host) = tape.saved[j].take() {
+                    tape.saved[j] = Some(fetched.bundle(host, |t| device.from_host(t))?);
+                    tape.keep[j] = Keep::Device;
+                }
+            }
+        }
+        if tape.keep[i] == Keep::Recompute && tape.ran[i] && tape.saved[i].is_none() {
+            recompute(graph, params, device, &mut tape, i)?;
+        }
         let saved = tape.saved[i].take().unwrap_or_default();
         let Some(dy) = grads[node.output].take() else {
             continue;

@@ -4,6 +4,7 @@
 
 mod autograd;
 mod builder;
+pub mod policy;
 
 use std::fmt::Write;
 

@@ -3,6 +3,7 @@
 pub mod calibrate;
 pub mod cost;
 pub mod memory;
+pub mod offload;
 pub mod partition;
 pub mod simulate;
 pub mod timeline;

@@ -292,7 +292,8 @@ impl<'a> Rank<'a> {
             Device::cpu_meter(&name, c.train.device_memory)
         } else {
             Device::cpu(&name, c.train.device_memory)
-        };
+        }
+        .with_host_memory(c.train.host_memory)?;
         let mirrored = s.replicas >= 2;
         let color = if mirrored {
             local.min(s.stages - 1 - local)
@@ -437,7 +438,7 @@ impl<'a> Rank<'a> {
             feeds,
             range,
             &keep,
-            true,
+            Some(&self.c.train.saves),
             t.stage > 0,
             seed,
         )?;

@@ -141,6 +141,23 @@ pub(crate) struct Buffer {
     pub(crate) _lease: Lease,
 }
 
+/// A [`Tensor`] that does not keep its buffer alive; it keeps its [`Tensor::buffer_key`] from
+/// being reused.
+#[derive(Clone, Debug)]
+pub struct WeakTensor {
+    shape: Shape,
+    buf: std::sync::Weak<Buffer>,
+}
+
+impl WeakTensor {
+    pub fn upgrade(&self) -> Option<Tensor> {
+        self.buf.upgrade().map(|buf| Tensor {
+            shape: self.shape.clone(),
+            buf,
+        })
+    }
+}
+
 /// A shape and a shared buffer. Cloning shares the buffer (no copy); writing needs the only
 /// handle, which the runtime guarantees for outputs, gradients and parameters.
 #[derive(Clone, Debug)]
@@ -193,6 +210,18 @@ impl Tensor {
             shape,
             buf: Arc::clone(&self.buf),
         })
+    }
+    /// A handle that does not keep the buffer's memory alive.
+    pub fn downgrade(&self) -> WeakTensor {
+        WeakTensor {
+            shape: self.shape.clone(),
+            buf: Arc::downgrade(&self.buf),
+        }
+    }
+    /// Identifies the buffer (views of one buffer share it) while any handle to it, strong or
+    /// weak, exists.
+    pub fn buffer_key(&self) -> usize {
+        Arc::as_ptr(&self.buf) as usize
     }
     /// Elements as f64 (a copy to the host); for tests, checks and reports.
     pub fn to_f64_vec(&self) -> Vec<f64> {

@@ -44,7 +44,7 @@ fn run(
         vec![(g.input, xt)],
         0..g.nodes.len(),
         &keep,
-        true,
+        Some(&gems::graph::policy::SavePolicy::keep_all()),
         false,
         9,
     )

@@ -1,0 +1,164 @@
+//! Choosing where saved tensors wait (`--offload auto`): per node keep, offload or recompute,
+//! so that every rank fits a device-memory cap with the least predicted exposed time.
+//!
+//! Exposed time is what a choice adds to the step: for an offloaded bundle, the copy out and
+//! the copy back, less the compute they overlap with (the next `prefetch` nodes' forward, the
+//! coming nodes' backward) when the link copies asynchronously; for a recomputed node, its
+//! forward. Nodes are taken cheapest exposed time per byte first, each with its cheaper
+//! choice, and the shortest such prefix that fits is found by bisection on metered runs, so
+//! what is chosen is checked against the exact memory model, not an estimate.
+
+use crate::graph::policy::{Keep, SavePolicy};
+use crate::graph::{saved_bytes, Graph};
+use crate::plan::cost::NodeCosts;
+use crate::plan::memory;
+use crate::runtime::executor::{Layout, RunConfig};
+use crate::{Error, Result};
+
+/// The link between a device and its host tier.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct HostLink {
+    pub bytes_per_s: f64,
+    /// Copies run beside compute (a GPU's copy engines); on the CPU they are compute.
+    pub overlaps: bool,
+}
+
+impl HostLink {
+    /// Memory copies on this machine's cores.
+    pub const CPU: HostLink = HostLink {
+        bytes_per_s: 10e9,
+        overlaps: false,
+    };
+    /// PCIe 4.0 x16 with pinned memory (about 25 GB/s each way).
+    pub const PCIE4: HostLink = HostLink {
+        bytes_per_s: 25e9,
+        overlaps: true,
+    };
+}
+
+/// One node's cheapest way to leave the device, and what it costs.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Choice {
+    pub node: usize,
+    pub keep: Keep,
+    /// Bytes per micro-batch the node saves.
+    pub bytes: u64,
+    /// Predicted seconds it adds per micro-batch.
+    pub exposed: f64,
+}
+
+/// Every node that saves something, with its cheaper of offload and recompute, cheapest
+/// exposed time per byte first.
+pub fn candidates(
+    g: &Graph,
+    costs: &NodeCosts,
+    micro: usize,
+    dtype: crate::DType,
+    link: &HostLink,
+    prefetch: usize,
+) -> Vec<Choice> {
+    let n = g.nodes.len();
+    let window = |times: &[f64], from: usize, to: usize| -> f64 {
+        times[from.min(n)..to.min(n)].iter().sum()
+    };
+    let mut out: Vec<Choice> = (0..n)
+        .filter_map(|i| {
+            let bytes = saved_bytes(g, i..i + 1, dtype) * micro as u64;
+            if bytes == 0 {
+                return None;
+            }
+            let copy = bytes as f64 / link.bytes_per_s;
+            let offload = if link.overlaps {
+                // Out behind the next nodes' forward, back behind the later nodes' backward.
+                let hide_out = window(&costs.forward, i + 1, i + 1 + prefetch.max(1));
+                let hide_in = window(&costs.backward, i + 1, i + 1 + prefetch.max(1));
+                (copy - hide_out).max(0.0) + (copy - hide_in).max(0.0)
+            } else {
+                2.0 * copy
+            };
+            let recompute = costs.forward[i];
+            let (keep, exposed) = if recompute < offload {
+                (Keep::Recompute, recompute)
+            } else {
+                (Keep::Host, offload)
+            };
+            Some(Choice {
+                node: i,
+                keep,
+                bytes,
+                exposed,
+            })
+        })
+        .collect();
+    out.sort_by(|a, b| {
+        let per_byte = |c: &Choice| c.exposed / c.bytes as f64;
+        per_byte(a).total_cmp(&per_byte(b))
+    });
+    out
+}
+
+/// The policy of the first `k` choices.
+fn take(nodes: usize, choices: &[Choice], k: usize, prefetch: usize) -> SavePolicy {
+    let mut p = SavePolicy::all(nodes, Keep::Device, prefetch);
+    for c in &choices[..k] {
+        p.nodes[c.node] = c.keep;
+    }
+    p
+}
+
+/// What `--offload auto` chose, and its predicted cost.
+pub struct Chosen {
+    pub policy: SavePolicy,
+    /// Predicted seconds added per step.
+    pub exposed: f64,
+    /// Bytes per micro-batch moved off the device.
+    pub bytes: u64,
+}
+
+/// The policy with the least predicted exposed time under which every rank of `c` fits
+/// `cap`: nothing moves if the run fits as it is; an error if even moving every node does not
+/// fit.
+pub fn choose(c: &RunConfig, cap: u64, link: &HostLink, prefetch: usize) -> Result<Chosen> {
+    let layout = Layout::new(c)?;
+    let g = &layout.graph;
+    let micro = c.train.batch_size / c.scheme.parts;
+    let choices = candidates(g, &layout.costs, micro, c.train.dtype, link, prefetch);
+    let with = |k: usize| {
+        let mut t = c.clone();
+        t.train.saves = take(g.nodes.len(), &choices, k, prefetch);
+        memory::fits(&t, cap)
+    };
+    if !with(choices.len())? {
+        let mut t = c.clone();
+        t.train.saves = take(g.nodes.len(), &choices, choices.len(), prefetch);
+        let peak = memory::per_rank(&t)?
+            .iter()
+            .map(|m| m.peak)
+            .max()
+            .unwrap_or(0);
+        return Err(Error::Config(format!(
+            "even with every saved tensor offloaded or recomputed a rank needs {}, over the {} cap: use more stages or a smaller batch",
+            crate::memory::human_bytes(peak),
+            crate::memory::human_bytes(cap)
+        )));
+    }
+    // The least k that fits.
+    let (mut lo, mut hi) = (0, choices.len());
+    if with(0)? {
+        hi = 0;
+    }
+    while hi - lo > 1 {
+        let mid = (lo + hi) / 2;
+        if with(mid)? {
+            hi = mid;
+        } else {
+            lo = mid;
+        }
+    }
+    let steps_micro = c.scheme.micro_batches_per_step() as f64;
+    Ok(Chosen {
+        policy: take(g.nodes.len(), &choices, hi, prefetch),
+        exposed: choices[..hi].iter().map(|c| c.exposed).sum::<f64>() * steps_micro,
+        bytes: choices[..hi].iter().map(|c| c.bytes).sum(),
+    })
+}
