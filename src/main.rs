@@ -879,6 +879,33 @@ fn plan(a: TrainArgs) -> anyhow::Result<()> {
             .collect::<Vec<_>>()
             .join(" ")
     );
+    let saves = &c.train.saves;
+    let (_, host, recompute) = saves.counts();
+    if host + recompute > 0 {
+        let (bytes, exposed) = gems::plan::offload::cost_of(
+            g,
+            &layout.costs,
+            micro,
+            c.train.dtype,
+            &HostLink::CPU,
+            saves,
+        );
+        println!(
+            "saved tensors: {host} nodes offloaded to the host tier (fetched {} nodes ahead), {recompute} recomputed; {} per micro-batch off the device, {:.3} s per micro-batch predicted exposed (CPU memory copies)",
+            saves.prefetch,
+            human_bytes(bytes),
+            exposed
+        );
+        for (i, r) in layout.partition.stages.iter().enumerate() {
+            let count = |k| r.clone().filter(|&n| saves.of(n) == k).count();
+            println!(
+                "  stage {i}: {} on the device, {} offloaded, {} recomputed",
+                count(Keep::Device),
+                count(Keep::Host),
+                count(Keep::Recompute)
+            );
+        }
+    }
     if let Some(path) = &a.timeline {
         let bytes = layout.saved_per_micro_batch(c.train.dtype, micro);
         let title = format!(

@@ -47,6 +47,34 @@ pub struct Choice {
     pub exposed: f64,
 }
 
+/// Predicted seconds per micro-batch that offloading (`Keep::Host`) or recomputing node `i`
+/// adds, for the `bytes` it saves.
+fn node_exposed(
+    costs: &NodeCosts,
+    i: usize,
+    bytes: u64,
+    keep: Keep,
+    link: &HostLink,
+    prefetch: usize,
+) -> f64 {
+    let n = costs.forward.len();
+    let window = |times: &[f64]| -> f64 {
+        times[(i + 1).min(n)..(i + 1 + prefetch.max(1)).min(n)]
+            .iter()
+            .sum()
+    };
+    let copy = bytes as f64 / link.bytes_per_s;
+    match keep {
+        Keep::Device => 0.0,
+        Keep::Recompute => costs.forward[i],
+        // Out behind the next nodes' forward, back behind the later nodes' backward.
+        Keep::Host if link.overlaps => {
+            (copy - window(&costs.forward)).max(0.0) + (copy - window(&costs.backward)).max(0.0)
+        }
+        Keep::Host => 2.0 * copy,
+    }
+}
+
 /// Every node that saves something, with its cheaper of offload and recompute, cheapest
 /// exposed time per byte first.
 pub fn candidates(
@@ -57,31 +85,18 @@ pub fn candidates(
     link: &HostLink,
     prefetch: usize,
 ) -> Vec<Choice> {
-    let n = g.nodes.len();
-    let window = |times: &[f64], from: usize, to: usize| -> f64 {
-        times[from.min(n)..to.min(n)].iter().sum()
-    };
-    let mut out: Vec<Choice> = (0..n)
+    let mut out: Vec<Choice> = (0..g.nodes.len())
         .filter_map(|i| {
             let bytes = saved_bytes(g, i..i + 1, dtype) * micro as u64;
             if bytes == 0 {
                 return None;
             }
-            let copy = bytes as f64 / link.bytes_per_s;
-            let offload = if link.overlaps {
-                // Out behind the next nodes' forward, back behind the later nodes' backward.
-                let hide_out = window(&costs.forward, i + 1, i + 1 + prefetch.max(1));
-                let hide_in = window(&costs.backward, i + 1, i + 1 + prefetch.max(1));
-                (copy - hide_out).max(0.0) + (copy - hide_in).max(0.0)
-            } else {
-                2.0 * copy
-            };
-            let recompute = costs.forward[i];
-            let (keep, exposed) = if recompute < offload {
-                (Keep::Recompute, recompute)
-            } else {
-                (Keep::Host, offload)
-            };
+            let cost = |k| node_exposed(costs, i, bytes, k, link, prefetch);
+            let (keep, exposed) = [Keep::Host, Keep::Recompute]
+                .into_iter()
+                .map(|k| (k, cost(k)))
+                .min_by(|a, b| a.1.total_cmp(&b.1))
+                .expect("two choices");
             Some(Choice {
                 node: i,
                 keep,
@@ -95,6 +110,28 @@ pub fn candidates(
         per_byte(a).total_cmp(&per_byte(b))
     });
     out
+}
+
+/// What `policy` moves off the device per micro-batch (bytes), and the seconds it adds per
+/// micro-batch (predicted).
+pub fn cost_of(
+    g: &Graph,
+    costs: &NodeCosts,
+    micro: usize,
+    dtype: crate::DType,
+    link: &HostLink,
+    policy: &SavePolicy,
+) -> (u64, f64) {
+    (0..g.nodes.len())
+        .filter(|&i| policy.of(i) != Keep::Device)
+        .map(|i| {
+            let bytes = saved_bytes(g, i..i + 1, dtype) * micro as u64;
+            (
+                bytes,
+                node_exposed(costs, i, bytes, policy.of(i), link, policy.prefetch),
+            )
+        })
+        .fold((0, 0.0), |(b, t), (nb, nt)| (b + nb, t + nt))
 }
 
 /// The policy of the first `k` choices.

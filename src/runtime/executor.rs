@@ -218,6 +218,8 @@ pub struct RankReport {
     /// Seconds stage-0 tasks waited for their images.
     pub data_wait: f64,
     pub memory: MemoryStats,
+    /// The host tier's high-water mark (offloaded activations).
+    pub host_peak: u64,
     /// Per step: this rank's share of the loss (Σ weight·loss / M over its loss outputs).
     pub losses: Vec<f64>,
     /// Per step: correct predictions of the first output, and images it scored.
@@ -722,6 +724,7 @@ pub fn run_rank(c: &RunConfig, layout: &Layout, comm: &dyn Comm) -> Result<RankR
         wall: 0.0,
         data_wait: 0.0,
         memory: r.device.memory(),
+        host_peak: 0,
         losses: vec![],
         correct: vec![],
         step_seconds: vec![],
@@ -736,6 +739,7 @@ pub fn run_rank(c: &RunConfig, layout: &Layout, comm: &dyn Comm) -> Result<RankR
     report.busy = r.busy;
     report.wall = started.elapsed().as_secs_f64();
     report.memory = r.device.memory();
+    report.host_peak = r.device.host_memory().peak;
     if c.return_params {
         for copy in &r.copies {
             for (i, v) in copy.params.values.iter().enumerate() {
@@ -766,6 +770,7 @@ pub fn gather_reports(comm: &dyn Comm, mine: RankReport) -> Result<Option<Vec<Ra
             r.busy,
             r.wall,
             r.data_wait,
+            r.host_peak as f64,
             m.peak as f64,
             m.capacity.map_or(-1.0, |c| c as f64),
         ];
@@ -777,9 +782,9 @@ pub fn gather_reports(comm: &dyn Comm, mine: RankReport) -> Result<Option<Vec<Ra
     };
     let decode = |v: &[f64]| -> RankReport {
         let bytes = |s: &[f64]| crate::memory::ByCategory(std::array::from_fn(|i| s[i] as u64));
-        let steps = v[18] as usize;
-        let losses = v[19..19 + steps].to_vec();
-        let correct = v[19 + steps..]
+        let steps = v[19] as usize;
+        let losses = v[20..20 + steps].to_vec();
+        let correct = v[20 + steps..]
             .chunks(2)
             .map(|c| (c[0] as usize, c[1] as usize))
             .collect();
@@ -788,11 +793,12 @@ pub fn gather_reports(comm: &dyn Comm, mine: RankReport) -> Result<Option<Vec<Ra
             busy: v[1],
             wall: v[2],
             data_wait: v[3],
+            host_peak: v[4] as u64,
             memory: MemoryStats {
-                peak: v[4] as u64,
-                capacity: (v[5] >= 0.0).then_some(v[5] as u64),
-                at_peak: bytes(&v[6..12]),
-                live: bytes(&v[12..18]),
+                peak: v[5] as u64,
+                capacity: (v[6] >= 0.0).then_some(v[6] as u64),
+                at_peak: bytes(&v[7..13]),
+                live: bytes(&v[13..19]),
             },
             losses,
             correct,
