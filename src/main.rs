@@ -921,13 +921,7 @@ fn plan(a: TrainArgs) -> anyhow::Result<()> {
             .map_err(|e| anyhow::anyhow!("cannot write {}: {e}", path.display()))?;
         println!("timeline: {}", path.display());
     }
-    let mem = gems::plan::memory::per_rank(&RunConfig {
-        train: TrainConfig {
-            device_memory: None,
-            ..c.train.clone()
-        },
-        ..c.clone()
-    })?;
+    let mem = gems::plan::memory::per_rank(&c)?;
     println!("memory per rank (a metered run of the same tasks):");
     for (r, m) in mem.iter().enumerate() {
         let verdict = match c.train.device_memory {

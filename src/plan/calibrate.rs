@@ -38,6 +38,7 @@ impl Calibration {
         NodeCosts {
             forward: self.forward.clone(),
             backward: self.backward.clone(),
+            data: self.data,
         }
     }
 

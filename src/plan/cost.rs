@@ -2,6 +2,7 @@
 //! memory traffic on a device (Paleo's max), forward plus backward.
 
 use crate::graph::{Graph, Node};
+use crate::schemes::schedule::StageCosts;
 use crate::tensor::DType;
 
 /// What a device can do per second.
@@ -39,6 +40,8 @@ pub fn node_seconds(g: &Graph, n: &Node, batch: usize, dtype: DType, p: &DeviceP
 pub struct NodeCosts {
     pub forward: Vec<f64>,
     pub backward: Vec<f64>,
+    /// Seconds stage 0 spends making a micro-batch's images (0 in the analytical model).
+    pub data: f64,
 }
 
 impl NodeCosts {
@@ -48,6 +51,7 @@ impl NodeCosts {
         NodeCosts {
             forward: total.iter().map(|t| t / 3.0).collect(),
             backward: total.iter().map(|t| 2.0 * t / 3.0).collect(),
+            data: 0.0,
         }
     }
 
@@ -67,6 +71,19 @@ impl NodeCosts {
             stages.iter().map(|r| sum(&self.forward, r)).collect(),
             stages.iter().map(|r| sum(&self.backward, r)).collect(),
         )
+    }
+}
+
+impl NodeCosts {
+    /// What the schedule builder weighs the stages `stages` by, per micro-batch.
+    pub fn stage_costs(&self, stages: &[std::ops::Range<usize>]) -> StageCosts {
+        let (mut forward, backward) = self.stages(stages);
+        forward[0] += self.data;
+        StageCosts {
+            forward,
+            backward,
+            transfer: vec![0.0; stages.len()],
+        }
     }
 }
 

@@ -2,6 +2,7 @@
 
 pub mod calibrate;
 pub mod cost;
+pub mod footprint;
 pub mod memory;
 pub mod offload;
 pub mod partition;

@@ -23,7 +23,7 @@ use crate::ops::{batched, loss};
 use crate::plan::cost::{DeviceProfile, NodeCosts};
 use crate::plan::partition::{self, Partition};
 use crate::runtime::optim::Sgd;
-use crate::schemes::schedule::{self, Pass, Schedule, StageCosts, Task, Timed};
+use crate::schemes::schedule::{self, Pass, Schedule, Task, Timed};
 use crate::schemes::Scheme;
 use crate::tensor::{Shape, Storage, Tensor};
 use crate::train::TrainConfig;
@@ -35,7 +35,8 @@ pub struct RunConfig {
     /// `batch_size` is B: images per replica pass.
     pub train: TrainConfig,
     pub scheme: Scheme,
-    /// Segments per stage; balanced by predicted cost when absent.
+    /// Segments per stage; when absent, balanced by predicted cost among the splits that fit
+    /// `train.device_memory`.
     pub balance: Option<Vec<usize>>,
     /// Forward passes whose activations a rank may hold at once (`None`: no bound).
     pub max_in_flight: Option<usize>,
@@ -102,7 +103,7 @@ impl Layout {
                 )))
             }
             Some(b) => partition::from_balance(&graph, b)?,
-            None => partition::balanced(&graph, c.scheme.stages, &costs.total())?,
+            None => crate::plan::memory::split(c, &graph, &costs)?,
         };
         let stages = &partition.stages;
         let inputs = stages
@@ -135,15 +136,7 @@ impl Layout {
                     .collect()
             })
             .collect();
-        let (mut forward, backward) = costs.stages(stages);
-        // Stage 0 also makes each micro-batch's images.
-        forward[0] += c.calibration.as_ref().map_or(0.0, |cal| cal.data);
-        let sc = StageCosts {
-            forward,
-            backward,
-            transfer: vec![0.0; stages.len()],
-        };
-        let schedule = schedule::build(&c.scheme, &sc, c.max_in_flight)?;
+        let schedule = schedule::build(&c.scheme, &costs.stage_costs(stages), c.max_in_flight)?;
         Ok(Layout {
             graph,
             partition,
