@@ -2,6 +2,7 @@
 //! allocator its bytes are leased from.
 
 pub mod cpu;
+pub mod cuda;
 pub mod meter;
 
 use std::sync::Arc;

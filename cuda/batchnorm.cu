@@ -1,0 +1,168 @@
+/*
+ * batchnorm.cu: batch normalization over (N, H, W) per channel, training and eval, and the
+ * fused BN+ReLU.
+ *
+ *   batchnorm_stats_f32             mean[c] and biased var[c] in a single pass: each thread
+ *                                   accumulates sum and sum of squares in double (so
+ *                                   E[x^2] - E[x]^2 does not cancel catastrophically for f32
+ *                                   data), then a block reduction. One block per channel
+ *                                   (gridDim.x = c, blockDim.x = 512); threads stride each
+ *                                   (n, c) plane, which is contiguous: coalesced reads.
+ *   batchnorm_apply_f32             y = x scale[c] + shift[c], scale = gamma / sqrt(var + eps),
+ *                                   shift = beta - mean scale: the training forward (after
+ *                                   stats) and the eval forward (running statistics).
+ *   batchnorm_apply_relu_f32        the same, then max(., 0): the fused BN+ReLU forward.
+ *   batchnorm_backward_reduce_f32   per channel sdy = sum dy and sdyx = sum dy xhat (double
+ *                                   accumulation, one block per channel as stats); adds them
+ *                                   to dbeta[c] and dgamma[c] and keeps them in sums[2c],
+ *                                   sums[2c + 1] for the dx pass.
+ *   batchnorm_backward_reduce_relu_f32   the same with dy masked by y > 0 (y: the fused
+ *                                   output), so the ReLU's gradient never goes to memory.
+ *   batchnorm_backward_dx_f32       dx = gamma invstd / M (M dy - sdy - xhat sdyx),
+ *                                   M = n hw, as the CPU backend (src/backend/cpu/norm.rs).
+ *   batchnorm_backward_dx_relu_f32  the same with dy masked by y > 0.
+ *   batchnorm_update_running_f32    running = (1 - momentum) running + momentum batch, the
+ *                                   variance unbiased by count / (count - 1); one thread per
+ *                                   channel.
+ *
+ * The element-wise passes (apply, dx) are 1-d grid-stride loops, blockDim.x = 256,
+ * gridDim.x = min(ceil(n c hw / 256), 32 x SMs); the channel of element i is (i / hw) % c.
+ */
+#include "gems_device.h"
+
+extern "C" __global__ void batchnorm_stats_f32(const float* x, float* mean, float* var,
+                                               GemsBatchNorm bn) {
+    __shared__ double scratch[32];
+    const GemsChannelGeom g = bn.geom;
+    const int c = blockIdx.x;
+    double s = 0.0, ss = 0.0;
+    for (int n = 0; n < g.n; n++) {
+        const float* plane = x + ((int64_t)n * g.c + c) * g.hw;
+        for (int j = threadIdx.x; j < g.hw; j += blockDim.x) {
+            double v = plane[j];
+            s += v;
+            ss += v * v;
+        }
+    }
+    s = block_sum(s, scratch);
+    ss = block_sum(ss, scratch);
+    if (threadIdx.x == 0) {
+        double m = (double)g.n * g.hw;
+        double mu = s / m;
+        double v = ss / m - mu * mu;
+        mean[c] = (float)mu;
+        var[c] = (float)(v > 0.0 ? v : 0.0);
+    }
+}
+
+template <bool RELU>
+__device__ void apply(const float* x, const float* gamma, const float* beta, const float* mean,
+                      const float* var, float* y, GemsBatchNorm bn) {
+    const GemsChannelGeom g = bn.geom;
+    const float eps = (float)bn.eps;
+    GEMS_FOR(i, (int64_t)g.n * g.c * g.hw) {
+        int c = (int)((i / g.hw) % g.c);
+        float scale = gamma[c] / sqrtf(var[c] + eps);
+        float v = x[i] * scale + (beta[c] - mean[c] * scale);
+        y[i] = RELU ? fmaxf(v, 0.0f) : v;
+    }
+}
+
+extern "C" __global__ void batchnorm_apply_f32(const float* x, const float* gamma,
+                                               const float* beta, const float* mean,
+                                               const float* var, float* y, GemsBatchNorm bn) {
+    apply<false>(x, gamma, beta, mean, var, y, bn);
+}
+
+extern "C" __global__ void batchnorm_apply_relu_f32(const float* x, const float* gamma,
+                                                    const float* beta, const float* mean,
+                                                    const float* var, float* y,
+                                                    GemsBatchNorm bn) {
+    apply<true>(x, gamma, beta, mean, var, y, bn);
+}
+
+/* y is read only when RELU (the fused output); dy is masked where y <= 0. */
+template <bool RELU>
+__device__ void backward_reduce(const float* x, const float* y, const float* dy,
+                                const float* mean, const float* var, float* dgamma,
+                                float* dbeta, float* sums, GemsBatchNorm bn) {
+    __shared__ double scratch[32];
+    const GemsChannelGeom g = bn.geom;
+    const int c = blockIdx.x;
+    const float mu = mean[c];
+    const float invstd = 1.0f / sqrtf(var[c] + (float)bn.eps);
+    double sdy = 0.0, sdyx = 0.0;
+    for (int n = 0; n < g.n; n++) {
+        const int64_t base = ((int64_t)n * g.c + c) * g.hw;
+        for (int j = threadIdx.x; j < g.hw; j += blockDim.x) {
+            float d = dy[base + j];
+            if (RELU && !(y[base + j] > 0.0f)) d = 0.0f;
+            sdy += d;
+            sdyx += (double)d * ((x[base + j] - mu) * invstd);
+        }
+    }
+    sdy = block_sum(sdy, scratch);
+    sdyx = block_sum(sdyx, scratch);
+    if (threadIdx.x == 0) {
+        dbeta[c] += (float)sdy;
+        dgamma[c] += (float)sdyx;
+        sums[2 * c] = (float)sdy;
+        sums[2 * c + 1] = (float)sdyx;
+    }
+}
+
+extern "C" __global__ void batchnorm_backward_reduce_f32(const float* x, const float* dy,
+                                                         const float* mean, const float* var,
+                                                         float* dgamma, float* dbeta,
+                                                         float* sums, GemsBatchNorm bn) {
+    backward_reduce<false>(x, nullptr, dy, mean, var, dgamma, dbeta, sums, bn);
+}
+
+extern "C" __global__ void batchnorm_backward_reduce_relu_f32(
+    const float* x, const float* y, const float* dy, const float* mean, const float* var,
+    float* dgamma, float* dbeta, float* sums, GemsBatchNorm bn) {
+    backward_reduce<true>(x, y, dy, mean, var, dgamma, dbeta, sums, bn);
+}
+
+template <bool RELU>
+__device__ void backward_dx(const float* x, const float* y, const float* dy, const float* gamma,
+                            const float* mean, const float* var, const float* sums, float* dx,
+                            GemsBatchNorm bn) {
+    const GemsChannelGeom g = bn.geom;
+    const float m = (float)((double)g.n * g.hw);
+    GEMS_FOR(i, (int64_t)g.n * g.c * g.hw) {
+        int c = (int)((i / g.hw) % g.c);
+        float invstd = 1.0f / sqrtf(var[c] + (float)bn.eps);
+        float d = dy[i];
+        if (RELU && !(y[i] > 0.0f)) d = 0.0f;
+        float xhat = (x[i] - mean[c]) * invstd;
+        dx[i] = gamma[c] * invstd / m * (m * d - sums[2 * c] - xhat * sums[2 * c + 1]);
+    }
+}
+
+extern "C" __global__ void batchnorm_backward_dx_f32(const float* x, const float* dy,
+                                                     const float* gamma, const float* mean,
+                                                     const float* var, const float* sums,
+                                                     float* dx, GemsBatchNorm bn) {
+    backward_dx<false>(x, nullptr, dy, gamma, mean, var, sums, dx, bn);
+}
+
+extern "C" __global__ void batchnorm_backward_dx_relu_f32(const float* x, const float* y,
+                                                          const float* dy, const float* gamma,
+                                                          const float* mean, const float* var,
+                                                          const float* sums, float* dx,
+                                                          GemsBatchNorm bn) {
+    backward_dx<true>(x, y, dy, gamma, mean, var, sums, dx, bn);
+}
+
+extern "C" __global__ void batchnorm_update_running_f32(float* running_mean, float* running_var,
+                                                        const float* mean, const float* var,
+                                                        GemsBnRunning r) {
+    int c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (c >= r.c) return;
+    const float mo = (float)r.momentum;
+    const int64_t count = r.count > 2 ? r.count : 2;
+    const float unbias = (float)((double)r.count / (double)(count - 1));
+    running_mean[c] = (1.0f - mo) * running_mean[c] + mo * mean[c];
+    running_var[c] = (1.0f - mo) * running_var[c] + mo * var[c] * unbias;
+}

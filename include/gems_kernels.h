@@ -1,0 +1,133 @@
+/*
+ * gems_kernels.h: the parameter structs of the handwritten CUDA kernels in the cuda/ directory (one .cu file per op family).
+ *
+ * Kernels take these structs by value. The Rust side (src/backend/cuda/params.rs) is bindgen's
+ * output for this header, committed and checked current by tests/cuda_kernels.rs.
+ *
+ * The geometry structs mirror the CPU backend's (src/backend/mod.rs: ConvGeom, PoolGeom,
+ * ChannelGeom, SgdStep) field for field, with tuples split into _h/_w. Dimensions are 32-bit
+ * (each one is < 2^31); kernels compute flat offsets in 64 bits, since a batch of 100,000^2
+ * images has far more than 2^31 elements. Hyper-parameters are double, as on the CPU side;
+ * an f32 kernel rounds them to float first, as the CPU backend's T::of does, so both compute
+ * with the same constants.
+ *
+ * Plain C99, usable from NVRTC, which has no system headers.
+ */
+#ifndef GEMS_KERNELS_H
+#define GEMS_KERNELS_H
+
+#ifdef __CUDACC_RTC__
+typedef signed char int8_t;
+typedef unsigned char uint8_t;
+typedef int int32_t;
+typedef unsigned int uint32_t;
+typedef long long int64_t;
+typedef unsigned long long uint64_t;
+#else
+#include <stdint.h>
+#endif
+
+/* 2-d convolution over an NCHW batch; weights c_out x (c_in / groups) x kh x kw. */
+typedef struct GemsConvGeom {
+    int32_t n;
+    int32_t c_in;
+    int32_t h;
+    int32_t w;
+    int32_t c_out;
+    int32_t kh;
+    int32_t kw;
+    int32_t stride_h;
+    int32_t stride_w;
+    int32_t pad_h;
+    int32_t pad_w;
+    int32_t dilation_h;
+    int32_t dilation_w;
+    int32_t groups;
+    int32_t h_out;
+    int32_t w_out;
+} GemsConvGeom;
+
+/* 2-d pooling window over an NCHW batch (adaptive pools use only n, c, h, w, h_out, w_out). */
+typedef struct GemsPoolGeom {
+    int32_t n;
+    int32_t c;
+    int32_t h;
+    int32_t w;
+    int32_t kh;
+    int32_t kw;
+    int32_t stride_h;
+    int32_t stride_w;
+    int32_t pad_h;
+    int32_t pad_w;
+    int32_t h_out;
+    int32_t w_out;
+} GemsPoolGeom;
+
+/* A batch seen per channel: n x c x hw. */
+typedef struct GemsChannelGeom {
+    int32_t n;
+    int32_t c;
+    int32_t hw;
+} GemsChannelGeom;
+
+/* Batch normalization: geometry and epsilon (added to the biased batch variance). */
+typedef struct GemsBatchNorm {
+    GemsChannelGeom geom;
+    double eps;
+} GemsBatchNorm;
+
+/* Running statistics update: running = (1 - momentum) running + momentum batch, with the
+ * batch variance unbiased by count / (count - 1) (count = n * hw). */
+typedef struct GemsBnRunning {
+    int32_t c;
+    int64_t count;
+    double momentum;
+} GemsBnRunning;
+
+/* One SGD step as PyTorch defines it:
+ *   g = grad + weight_decay w
+ *   buf = g                                        on the first step (first_step != 0)
+ *   buf = momentum buf + (1 - dampening) g         afterwards
+ *   w -= lr (nesterov ? g + momentum buf : buf)
+ * The CPU backend has no dampening and starts from a zero buffer, which is this formula with
+ * dampening = 0 and first_step = 0. */
+typedef struct GemsSgdStep {
+    int64_t numel;
+    double lr;
+    double momentum;
+    double weight_decay;
+    double dampening;
+    int32_t nesterov;
+    int32_t first_step;
+} GemsSgdStep;
+
+/* Dropout: mask[i] = 0 with probability p, else 1 / (1 - p); element i's draw is
+ * uniform(seed, i), the CPU backend's counter-based splitmix64 generator. */
+typedef struct GemsDropout {
+    int64_t numel;
+    double p;
+    uint64_t seed;
+} GemsDropout;
+
+/* Softmax cross-entropy over n rows of k logits; scale multiplies the gradient
+ * (1 / n for the mean loss). */
+typedef struct GemsLoss {
+    int32_t n;
+    int32_t k;
+    double scale;
+} GemsLoss;
+
+/* Channel concatenation (and its backward, the split): copies channels
+ * [src_off, src_off + count) of src (n x src_c x hw) into channels
+ * [dst_off, dst_off + count) of dst (n x dst_c x hw). */
+typedef struct GemsCopyChannels {
+    int32_t n;
+    int32_t hw;
+    int32_t src_c;
+    int32_t src_off;
+    int32_t dst_c;
+    int32_t dst_off;
+    int32_t count;
+} GemsCopyChannels;
+
+#endif /* GEMS_KERNELS_H */

@@ -1,0 +1,243 @@
+//! The CUDA kernels without a GPU: every source in `cuda/` compiles with NVRTC for sm_80 and
+//! sm_90 and exports the entry points the backend launches, and `src/backend/cuda/params.rs`
+//! is bindgen's current output for `include/gems_kernels.h`.
+//!
+//! NVRTC is found as scripts/test.sh provides it: `libnvrtc.so` on `LD_LIBRARY_PATH`
+//! (the symlink `target/nvrtc/libnvrtc.so`, also named by `GEMS_NVRTC_LIB`). When the library
+//! is not on the path but that symlink (or `GEMS_NVRTC_LIB`) exists, the test runs itself again
+//! with its directory on `LD_LIBRARY_PATH`, so a plain `cargo test` works after one run of
+//! scripts/test.sh. Without NVRTC the test fails; it never passes silently.
+//!
+//! Regenerate the bindings with `GEMS_BLESS_BINDINGS=1 cargo test --release --test cuda_kernels`.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use gems::backend::cuda::kernels::{self, ARCHS, SOURCES};
+
+/// Entry points each kernel family must export.
+const ENTRIES: &[(&str, &[&str])] = &[
+    (
+        "conv",
+        &[
+            "conv2d_forward_f32",
+            "conv2d_backward_data_f32",
+            "conv2d_backward_filter_f32",
+            "conv2d_forward_tf32",
+            "conv2d_backward_data_tf32",
+            "conv2d_backward_filter_tf32",
+            "conv2d_forward_bf16",
+            "conv2d_backward_data_bf16",
+            "conv2d_backward_filter_bf16",
+        ],
+    ),
+    (
+        "batchnorm",
+        &[
+            "batchnorm_stats_f32",
+            "batchnorm_apply_f32",
+            "batchnorm_apply_relu_f32",
+            "batchnorm_backward_reduce_f32",
+            "batchnorm_backward_reduce_relu_f32",
+            "batchnorm_backward_dx_f32",
+            "batchnorm_backward_dx_relu_f32",
+            "batchnorm_update_running_f32",
+        ],
+    ),
+    (
+        "activation",
+        &[
+            "relu_forward_f32",
+            "relu_backward_f32",
+            "relu_forward_bf16",
+            "relu_backward_bf16",
+        ],
+    ),
+    (
+        "pool",
+        &[
+            "max_pool_forward_f32",
+            "max_pool_backward_f32",
+            "avg_pool_forward_f32",
+            "avg_pool_backward_f32",
+            "adaptive_avg_pool_forward_f32",
+            "adaptive_avg_pool_backward_f32",
+            "global_avg_pool_forward_f32",
+            "global_avg_pool_backward_f32",
+        ],
+    ),
+    (
+        "loss",
+        &[
+            "softmax_cross_entropy_f32",
+            "softmax_cross_entropy_backward_f32",
+        ],
+    ),
+    ("optim", &["sgd_f32"]),
+    (
+        "elementwise",
+        &[
+            "add_f32",
+            "add_bf16",
+            "add_assign_f32",
+            "add_assign_bf16",
+            "mul_f32",
+            "mul_bf16",
+            "fill_f32",
+            "fill_bf16",
+            "copy_channels_f32",
+            "copy_channels_bf16",
+            "dropout_mask_f32",
+            "dropout_mask_bf16",
+            "add_channel_bias_f32",
+            "channel_sum_f32",
+        ],
+    ),
+];
+
+const REEXEC: &str = "GEMS_NVRTC_REEXEC";
+
+/// Where scripts/test.sh puts NVRTC: the directory of `GEMS_NVRTC_LIB`, else `target/nvrtc`.
+fn nvrtc_dir() -> Option<PathBuf> {
+    let lib = std::env::var_os("GEMS_NVRTC_LIB")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("target/nvrtc/libnvrtc.so"));
+    lib.exists().then(|| lib.parent().map(Path::to_path_buf)).flatten()
+}
+
+/// Runs `body` where NVRTC can be loaded: here, or in a copy of this test process with
+/// NVRTC's directory on `LD_LIBRARY_PATH` (the loader reads it only at start-up).
+fn with_nvrtc(test: &str, body: impl FnOnce()) {
+    if kernels::nvrtc_available() {
+        return body();
+    }
+    let how = "NVRTC (libnvrtc.so) cannot be loaded. Run scripts/test.sh, which installs it \
+               (libnvrtc11.2 / libnvrtc12) and links it as target/nvrtc/libnvrtc.so, or put a \
+               libnvrtc.so on LD_LIBRARY_PATH";
+    let dir = match nvrtc_dir() {
+        Some(dir) if std::env::var_os(REEXEC).is_none() => dir,
+        Some(dir) => panic!("{how} (tried {})", dir.display()),
+        None => panic!("{how}"),
+    };
+    let mut path = std::ffi::OsString::from(dir.as_os_str());
+    if let Some(old) = std::env::var_os("LD_LIBRARY_PATH") {
+        path.push(":");
+        path.push(old);
+    }
+    let exe = std::env::current_exe().expect("the test binary's path");
+    let out = Command::new(exe)
+        .args([test, "--exact", "--nocapture", "--test-threads=1"])
+        .env("LD_LIBRARY_PATH", path)
+        .env(REEXEC, "1")
+        .output()
+        .expect("running the test again with NVRTC on LD_LIBRARY_PATH");
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    println!("(run again with LD_LIBRARY_PATH={})\n{text}", dir.display());
+    assert!(out.status.success(), "{test} failed with NVRTC from {}", dir.display());
+    assert!(
+        text.contains("1 passed"),
+        "{test} did not run in the copy with NVRTC"
+    );
+}
+
+#[test]
+fn every_kernel_compiles_for_sm80_and_sm90() {
+    with_nvrtc("every_kernel_compiles_for_sm80_and_sm90", || {
+        let names: Vec<&str> = SOURCES.iter().map(|(n, _)| *n).collect();
+        let expected: Vec<&str> = ENTRIES.iter().map(|(n, _)| *n).collect();
+        assert_eq!(names, expected, "every source has its list of entry points");
+
+        let include = kernels::include_dir();
+        let started = std::time::Instant::now();
+        let results: Vec<(String, &str, Result<String, String>)> = std::thread::scope(|s| {
+            let jobs: Vec<_> = SOURCES
+                .iter()
+                .flat_map(|(name, _)| ARCHS.iter().map(move |arch| (*name, *arch)))
+                .map(|(name, arch)| {
+                    let include = &include;
+                    s.spawn(move || {
+                        let ptx =
+                            kernels::compile(name, arch, include).map_err(|e| e.to_string());
+                        (name.to_string(), arch, ptx)
+                    })
+                })
+                .collect();
+            jobs.into_iter().map(|j| j.join().unwrap()).collect()
+        });
+        let mut failures = Vec::new();
+        for (name, arch, ptx) in &results {
+            match ptx {
+                Err(e) => failures.push(e.clone()),
+                Ok(ptx) => {
+                    let got = kernels::entries(ptx);
+                    let want = ENTRIES.iter().find(|(n, _)| n == name).unwrap().1;
+                    for w in want {
+                        if !got.iter().any(|g| g == w) {
+                            failures.push(format!("cuda/{name}.cu ({arch}): no entry {w}"));
+                        }
+                    }
+                    for g in &got {
+                        if !want.contains(&g.as_str()) {
+                            failures.push(format!("cuda/{name}.cu ({arch}): unlisted entry {g}"));
+                        }
+                    }
+                    println!("cuda/{name}.cu {arch}: {} entries", got.len());
+                }
+            }
+        }
+        println!(
+            "{} compilations in {:.1} s",
+            results.len(),
+            started.elapsed().as_secs_f64()
+        );
+        assert!(failures.is_empty(), "{}", failures.join("\n"));
+    });
+}
+
+/// bindgen's output for include/gems_kernels.h, as committed in src/backend/cuda/params.rs.
+fn bindings() -> String {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let header = root.join("include/gems_kernels.h");
+    let out = bindgen::Builder::default()
+        .header(header.to_str().unwrap())
+        .allowlist_type("Gems.*")
+        .derive_default(true)
+        .derive_copy(true)
+        .derive_debug(true)
+        .derive_partialeq(true)
+        .layout_tests(true)
+        .generate_comments(false)
+        .formatter(bindgen::Formatter::Prettyplease)
+        .raw_line(
+            "//! Parameter structs of the CUDA kernels: bindgen's output for \
+             include/gems_kernels.h. GENERATED: do not edit.",
+        )
+        .raw_line(
+            "//! Regenerate with `GEMS_BLESS_BINDINGS=1 cargo test --release --test \
+             cuda_kernels`; tests/cuda_kernels.rs checks that this file is current.",
+        )
+        .generate()
+        .expect("bindgen on include/gems_kernels.h (needs libclang: scripts/test.sh installs it)");
+    out.to_string()
+}
+
+#[test]
+fn bindgen_output_is_current() {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("src/backend/cuda/params.rs");
+    let fresh = bindings();
+    if std::env::var_os("GEMS_BLESS_BINDINGS").is_some() {
+        std::fs::write(&path, &fresh).unwrap();
+        return;
+    }
+    let committed = std::fs::read_to_string(&path).unwrap_or_default();
+    assert!(
+        committed == fresh,
+        "{} is not bindgen's current output for include/gems_kernels.h; regenerate it with \
+         GEMS_BLESS_BINDINGS=1 cargo test --release --test cuda_kernels",
+        path.display()
+    );
+}
