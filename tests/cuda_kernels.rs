@@ -102,7 +102,9 @@ fn nvrtc_dir() -> Option<PathBuf> {
     let lib = std::env::var_os("GEMS_NVRTC_LIB")
         .map(PathBuf::from)
         .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("target/nvrtc/libnvrtc.so"));
-    lib.exists().then(|| lib.parent().map(Path::to_path_buf)).flatten()
+    lib.exists()
+        .then(|| lib.parent().map(Path::to_path_buf))
+        .flatten()
 }
 
 /// Runs `body` where NVRTC can be loaded: here, or in a copy of this test process with
@@ -137,7 +139,11 @@ fn with_nvrtc(test: &str, body: impl FnOnce()) {
         String::from_utf8_lossy(&out.stderr)
     );
     println!("(run again with LD_LIBRARY_PATH={})\n{text}", dir.display());
-    assert!(out.status.success(), "{test} failed with NVRTC from {}", dir.display());
+    assert!(
+        out.status.success(),
+        "{test} failed with NVRTC from {}",
+        dir.display()
+    );
     assert!(
         text.contains("1 passed"),
         "{test} did not run in the copy with NVRTC"
@@ -160,8 +166,7 @@ fn every_kernel_compiles_for_sm80_and_sm90() {
                 .map(|(name, arch)| {
                     let include = &include;
                     s.spawn(move || {
-                        let ptx =
-                            kernels::compile(name, arch, include).map_err(|e| e.to_string());
+                        let ptx = kernels::compile(name, arch, include).map_err(|e| e.to_string());
                         (name.to_string(), arch, ptx)
                     })
                 })

@@ -81,8 +81,8 @@ pub fn compile(name: &str, arch: &'static str, include: &Path) -> Result<String,
         ..Default::default()
     };
     // cudarc panics when a symbol is missing from the loaded library (an NVRTC too old for it).
-    let result = std::panic::catch_unwind(|| nvrtc::compile_ptx_with_opts(src, opts))
-        .map_err(|p| {
+    let result =
+        std::panic::catch_unwind(|| nvrtc::compile_ptx_with_opts(src, opts)).map_err(|p| {
             let msg = p
                 .downcast_ref::<String>()
                 .cloned()
@@ -98,9 +98,10 @@ pub fn compile(name: &str, arch: &'static str, include: &Path) -> Result<String,
     };
     match result {
         Ok(ptx) => Ok(ptx.to_src()),
-        Err(CompileError::CompileError { nvrtc, log, .. }) => {
-            Err(fail(format!("{nvrtc:?}"), log.to_string_lossy().into_owned()))
-        }
+        Err(CompileError::CompileError { nvrtc, log, .. }) => Err(fail(
+            format!("{nvrtc:?}"),
+            log.to_string_lossy().into_owned(),
+        )),
         Err(e) => Err(fail(format!("{e:?}"), String::new())),
     }
 }
