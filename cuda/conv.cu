@@ -18,7 +18,8 @@
  *                                                         accumulation and f32 dw (the master
  *                                                         gradient); tensor cores (mma.sync
  *                                                         m16n8k16, sm_80+)
- * The tensor cores are reached by inline PTX: NVRTC without a CUDA toolkit has no mma.h.
+ * The tensor cores are reached by inline PTX (mma_tf32, mma_bf16 in gems_device.h): NVRTC
+ * without a CUDA toolkit has no mma.h.
  *
  * Launch (all nine): blockDim.x = 256 (8 warps), gridDim = (ceil(N / 64), ceil(M / 64), G S).
  * A block computes one 64 x 64 tile of C for group blockIdx.z % G over slice
@@ -127,17 +128,6 @@ __device__ __forceinline__ void store_c(TO* out, const GemsConvGeom& g, int grp,
     }
 }
 
-__device__ __forceinline__ uint32_t to_tf32(float f) {
-    uint32_t r;
-    asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(f));
-    return r;
-}
-
-/* Two floats that hold bf16 values, packed as bf16x2 (the lower K index in the low half). */
-__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
-    return (uint32_t)f32_to_bf16(lo) | ((uint32_t)f32_to_bf16(hi) << 16);
-}
-
 template <int MODE, int MATH, typename T, typename TO>
 __device__ void conv_gemm(const T* asrc, const T* bsrc, TO* out, const GemsConvGeom& g) {
     __shared__ float As[BK][BM + PAD];
@@ -211,13 +201,7 @@ __device__ void conv_gemm(const T* asrc, const T* bsrc, TO* out, const GemsConvG
                         const int c = wn * 16 + ni * 8 + gid;
                         const uint32_t b0 = to_tf32(Bs[ks + tig][c]);
                         const uint32_t b1 = to_tf32(Bs[ks + tig + 4][c]);
-                        float* cf = acc[mi * 2 + ni];
-                        asm volatile(
-                            "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 "
-                            "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-                            "{%0, %1, %2, %3};"
-                            : "+f"(cf[0]), "+f"(cf[1]), "+f"(cf[2]), "+f"(cf[3])
-                            : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+                        mma_tf32(acc[mi * 2 + ni], a0, a1, a2, a3, b0, b1);
                     }
                 }
             }
@@ -234,13 +218,7 @@ __device__ void conv_gemm(const T* asrc, const T* bsrc, TO* out, const GemsConvG
                     const int c = wn * 16 + ni * 8 + gid;
                     const uint32_t b0 = pack_bf16(Bs[k][c], Bs[k + 1][c]);
                     const uint32_t b1 = pack_bf16(Bs[k + 8][c], Bs[k + 9][c]);
-                    float* cf = acc[mi * 2 + ni];
-                    asm volatile(
-                        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
-                        "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-                        "{%0, %1, %2, %3};"
-                        : "+f"(cf[0]), "+f"(cf[1]), "+f"(cf[2]), "+f"(cf[3])
-                        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+                    mma_bf16(acc[mi * 2 + ni], a0, a1, a2, a3, b0, b1);
                 }
             }
         }

@@ -49,6 +49,53 @@ __device__ __forceinline__ double uniform(uint64_t seed, uint64_t i) {
     return (double)(splitmix64(seed ^ splitmix64(i)) >> 11) / 9007199254740992.0;
 }
 
+/* Two floats that hold bf16 values, packed as bf16x2 (the lower K index in the low half). */
+__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
+    return (uint32_t)f32_to_bf16(lo) | ((uint32_t)f32_to_bf16(hi) << 16);
+}
+
+/* Warp-wide D = A B + C on the tensor cores (sm_80+), C and D in c[0..4], fragments in the
+ * PTX ISA's layouts (gid = lane / 4, tig = lane % 4):
+ *   m16n8k8 tf32:  a0 (gid, tig), a1 (gid + 8, tig), a2 (gid, tig + 4), a3 (gid + 8, tig + 4);
+ *                  b0 (k tig, n gid), b1 (k tig + 4, n gid)
+ *   m16n8k16 bf16: a0 (gid, 2 tig ..+1), a1 (gid + 8, 2 tig ..+1), a2 (gid, 2 tig + 8 ..+9),
+ *                  a3 (gid + 8, 2 tig + 8 ..+9); b0 (k 2 tig ..+1, n gid), b1 (k 2 tig + 8 ..+9)
+ *   c0 (gid, 2 tig), c1 (gid, 2 tig + 1), c2 (gid + 8, 2 tig), c3 (gid + 8, 2 tig + 1). */
+#ifndef GEMS_CPU_EMULATION
+/* f32 -> tf32 (round to nearest, ties away), as the tensor cores take it. */
+__device__ __forceinline__ uint32_t to_tf32(float f) {
+    uint32_t r;
+    asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(f));
+    return r;
+}
+
+__device__ __forceinline__ void mma_tf32(float* c, uint32_t a0, uint32_t a1, uint32_t a2,
+                                         uint32_t a3, uint32_t b0, uint32_t b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 "
+        "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ void mma_bf16(float* c, uint32_t a0, uint32_t a1, uint32_t a2,
+                                         uint32_t a3, uint32_t b0, uint32_t b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+        "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+#else
+/* A CPU emulation of the kernels (for host-side checks of their indexing) supplies these. */
+__device__ uint32_t to_tf32(float f);
+__device__ void mma_tf32(float* c, uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0,
+                         uint32_t b1);
+__device__ void mma_bf16(float* c, uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0,
+                         uint32_t b1);
+#endif
+
 /* Sum over a block of up to 1024 threads (blockDim.x a multiple of 32); every thread gets
  * the total. `scratch` holds 32 values. */
 template <typename T>
