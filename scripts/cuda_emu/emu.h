@@ -1,0 +1,85 @@
+// A CPU emulation of the CUDA subset cuda/*.cu uses, to check the kernels' indexing on a machine
+// without a GPU (scripts/cuda_emu/run.sh). Tensor-core mma is emulated from the fragment
+// layouts written in include/gems_device.h, so it checks the kernels against those layouts,
+// not against the hardware.
+// CPU emulation of the CUDA subset the kernels use: a block = blockDim.x std::threads with
+// barriers; blocks run one after another (so __shared__ can be static).
+#pragma once
+#define GEMS_CPU_EMULATION 1
+#include <atomic>
+#include <barrier>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <thread>
+#include <vector>
+using std::uint32_t;
+struct uint3 { unsigned x = 0, y = 0, z = 0; };
+inline thread_local uint3 threadIdx, blockIdx;
+inline uint3 blockDim, gridDim;
+#define __global__
+#define __device__
+#define __forceinline__ inline
+#define __launch_bounds__(x)
+#define __shared__ static
+inline std::barrier<>* g_bar;
+inline std::barrier<>* g_wbar[32];
+inline double g_wbuf[32][32];
+inline uint32_t g_wfrag[32][32][6];
+inline float g_wc[32][32][4];
+inline void __syncthreads() { g_bar->arrive_and_wait(); }
+template <typename T> T __shfl_xor_sync(unsigned, T v, int o) {
+    int w = threadIdx.x / 32, l = threadIdx.x % 32;
+    g_wbuf[w][l] = (double)v;
+    g_wbar[w]->arrive_and_wait();
+    T r = (T)g_wbuf[w][l ^ o];
+    g_wbar[w]->arrive_and_wait();
+    return r;
+}
+inline float __uint_as_float(unsigned u) { float f; memcpy(&f, &u, 4); return f; }
+inline unsigned __float_as_uint(float f) { unsigned u; memcpy(&u, &f, 4); return u; }
+inline float __int_as_float(int u) { float f; memcpy(&f, &u, 4); return f; }
+inline float __fadd_rn(float a, float b) { return a + b; }
+inline float __fsub_rn(float a, float b) { return a - b; }
+inline float __fmul_rn(float a, float b) { return a * b; }
+inline float atomicAdd(float* p, float v) { static std::mutex m; std::lock_guard<std::mutex> g(m); float o = *p; *p = o + v; return o; }
+inline uint32_t to_tf32(float f) { uint32_t u = __float_as_uint(f); u += 0x1000u; return u & ~0x1fffu; }
+inline float bf(uint32_t v, int hi) { return __uint_as_float((hi ? (v >> 16) : (v & 0xffff)) << 16); }
+// fragments: regs 0..3 = a0..a3, 4..5 = b0, b1
+inline void mma_generic(float* c, uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0, uint32_t b1, bool is_bf16) {
+    int w = threadIdx.x / 32, l = threadIdx.x % 32;
+    uint32_t r[6] = {a0, a1, a2, a3, b0, b1};
+    memcpy(g_wfrag[w][l], r, sizeof r);
+    g_wbar[w]->arrive_and_wait();
+    int gid = l >> 2, tig = l & 3;
+    int K = is_bf16 ? 16 : 8;
+    auto A = [&](int row, int k) -> float {
+        if (!is_bf16) { int lane = (row % 8) * 4 + (k % 4); int reg = (row >= 8) + 2 * (k >= 4); return __uint_as_float(g_wfrag[w][lane][reg]); }
+        int lane = (row % 8) * 4 + (k % 8) / 2; int reg = (row >= 8) + 2 * (k >= 8); return bf(g_wfrag[w][lane][reg], k % 2);
+    };
+    auto B = [&](int k, int n) -> float {
+        if (!is_bf16) { int lane = n * 4 + (k % 4); int reg = 4 + (k >= 4); return __uint_as_float(g_wfrag[w][lane][reg]); }
+        int lane = n * 4 + (k % 8) / 2; int reg = 4 + (k >= 8); return bf(g_wfrag[w][lane][reg], k % 2);
+    };
+    int rows[4] = {gid, gid, gid + 8, gid + 8}, cols[4] = {2 * tig, 2 * tig + 1, 2 * tig, 2 * tig + 1};
+    float out[4];
+    for (int i = 0; i < 4; i++) { float s = c[i]; for (int k = 0; k < K; k++) s += A(rows[i], k) * B(k, cols[i]); out[i] = s; }
+    g_wbar[w]->arrive_and_wait();
+    for (int i = 0; i < 4; i++) c[i] = out[i];
+}
+inline void mma_tf32(float* c, uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0, uint32_t b1) { mma_generic(c, a0, a1, a2, a3, b0, b1, false); }
+inline void mma_bf16(float* c, uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0, uint32_t b1) { mma_generic(c, a0, a1, a2, a3, b0, b1, true); }
+template <typename F> void launch(uint3 grid, unsigned block, F f) {
+    gridDim = grid; blockDim = uint3{block, 1, 1};
+    for (unsigned z = 0; z < grid.z; z++) for (unsigned y = 0; y < grid.y; y++) for (unsigned x = 0; x < grid.x; x++) {
+        std::barrier<> bar(block); g_bar = &bar;
+        std::vector<std::unique_ptr<std::barrier<>>> wb;
+        for (unsigned w = 0; w < block / 32; w++) { wb.emplace_back(new std::barrier<>(32)); g_wbar[w] = wb.back().get(); }
+        std::vector<std::thread> ts;
+        for (unsigned t = 0; t < block; t++) ts.emplace_back([&, t] { threadIdx = uint3{t, 0, 0}; blockIdx = uint3{x, y, z}; f(); });
+        for (auto& t : ts) t.join();
+    }
+}
