@@ -1,8 +1,8 @@
 /*
- * gems_device.h: device-side helpers shared by the kernel files in cuda/ (not part of the Rust interface, so
- * not run through bindgen). NVRTC has no CUDA toolkit headers here (no cuda_bf16.h, no mma.h),
- * so bf16 is carried as its 16 bits and converted by hand, and tensor cores are reached
- * through inline PTX.
+ * gems_device.h: device-side helpers shared by the kernel files in cuda/ (not part of the
+ * Rust interface, so not run through bindgen). NVRTC has no CUDA toolkit headers here (no
+ * cuda_bf16.h, no mma.h), so bf16 is carried as its 16 bits and converted by hand, and the
+ * tensor cores are reached through inline PTX.
  */
 #ifndef GEMS_DEVICE_H
 #define GEMS_DEVICE_H

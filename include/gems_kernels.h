@@ -1,5 +1,6 @@
 /*
- * gems_kernels.h: the parameter structs of the handwritten CUDA kernels in the cuda/ directory (one .cu file per op family).
+ * gems_kernels.h: the parameter structs of the handwritten CUDA kernels in the cuda/
+ * directory (one .cu file per op family).
  *
  * Kernels take these structs by value. The Rust side (src/backend/cuda/params.rs) is bindgen's
  * output for this header, committed and checked current by tests/cuda_kernels.rs.
