@@ -29,12 +29,10 @@ pub struct Image {
 impl Image {
     /// Interleaved 8-bit RGB (HWC) to planes in [0, 1].
     pub fn from_rgb8(width: usize, height: usize, rgb: &[u8]) -> Image {
-        let plane = width * height;
-        let mut pixels = vec![0.0; CHANNELS * plane];
-        for (i, px) in rgb.chunks_exact(CHANNELS).enumerate() {
-            for (c, &v) in px.iter().enumerate() {
-                pixels[c * plane + i] = v as f32 / 255.0;
-            }
+        let mut pixels = Vec::with_capacity(CHANNELS * width * height);
+        // Plane by plane, appended: no zeroed buffer to overwrite.
+        for c in 0..CHANNELS {
+            pixels.extend(rgb.chunks_exact(CHANNELS).map(|px| px[c] as f32 / 255.0));
         }
         Image {
             height,

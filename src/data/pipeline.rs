@@ -13,7 +13,7 @@ use super::order::Epochs;
 use super::slide::{self, Slides, TileConfig};
 use super::synthetic::{Stream, Synthetic};
 use super::transform::Transform;
-use super::{Source, CHANNELS};
+use super::{Image, Source, CHANNELS};
 use crate::backend::cpu::{splitmix64, uniform};
 use crate::{Error, Result};
 
@@ -274,24 +274,12 @@ impl Pipeline {
     /// Prepares the input at position `pos` into `out` and returns its label. An unreadable
     /// sample is an error, or with `skip_bad` a warning, a count, and a blank (mean) input.
     pub fn sample(&self, pos: u64, out: &mut [f64]) -> Result<u32> {
-        let index = self.index(pos);
-        let label = self.source.label(index)?;
-        match self.source.read(index) {
-            Ok(img) => {
-                // Augmentation differs per position, so per epoch too.
-                let mut rng = ChaCha8Rng::seed_from_u64(splitmix64(
-                    self.seed ^ AUGMENT_STREAM ^ splitmix64(pos),
-                ));
-                self.transform.apply(&img, self.image_size, &mut rng, out);
-            }
-            Err(e) if self.skip_bad => {
-                self.bad.fetch_add(1, Ordering::Relaxed);
-                eprintln!("warning: skipping a bad sample: {e}");
-                *self.last_bad.lock().unwrap_or_else(|p| p.into_inner()) =
-                    Some(self.source.describe(index));
-                out.fill(0.0);
-            }
-            Err(e) => return Err(e),
+        let (label, read) = self.read(pos)?;
+        match read {
+            Some(img) => self
+                .transform
+                .apply(&img, self.image_size, &mut self.rng(pos), out),
+            None => out.fill(0.0),
         }
         Ok(label)
     }
@@ -299,13 +287,47 @@ impl Pipeline {
     /// Positions first..first+n as one NCHW batch and its labels.
     pub fn batch(&self, first: u64, n: usize) -> Result<(Vec<f64>, Vec<u32>)> {
         let len = self.sample_len();
-        let mut pixels = vec![0.0; n * len];
-        let labels = pixels
-            .chunks_mut(len)
-            .zip(first..)
-            .map(|(out, pos)| self.sample(pos, out))
+        let mut pixels = Vec::with_capacity(n * len);
+        let labels = (first..first + n as u64)
+            .map(|pos| {
+                let (label, read) = self.read(pos)?;
+                match read {
+                    Some(img) => self.transform.append(
+                        &img,
+                        self.image_size,
+                        &mut self.rng(pos),
+                        &mut pixels,
+                    ),
+                    None => pixels.resize(pixels.len() + len, 0.0),
+                }
+                Ok(label)
+            })
             .collect::<Result<_>>()?;
         Ok((pixels, labels))
+    }
+
+    /// The label of position `pos` and its decoded image; no image when it is unreadable and
+    /// `skip_bad` (warned and counted).
+    fn read(&self, pos: u64) -> Result<(u32, Option<Image>)> {
+        let index = self.index(pos);
+        let label = self.source.label(index)?;
+        match self.source.read(index) {
+            Ok(img) => Ok((label, Some(img))),
+            Err(e) if self.skip_bad => {
+                self.bad.fetch_add(1, Ordering::Relaxed);
+                eprintln!("warning: skipping a bad sample: {e}");
+                *self.last_bad.lock().unwrap_or_else(|p| p.into_inner()) =
+                    Some(self.source.describe(index));
+                Ok((label, None))
+            }
+            Err(e) => Err(e),
+        }
+    }
+
+    /// The random stream that augments position `pos`: it differs per position, so per epoch
+    /// too.
+    fn rng(&self, pos: u64) -> ChaCha8Rng {
+        ChaCha8Rng::seed_from_u64(splitmix64(self.seed ^ AUGMENT_STREAM ^ splitmix64(pos)))
     }
 
     /// Unreadable samples met so far (with `skip_bad`), and the last of them.

@@ -16,7 +16,7 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
 use rayon::prelude::*;
-use tiff::decoder::{ChunkType, Decoder, DecodingResult};
+use tiff::decoder::{ChunkType, Decoder};
 use tiff::encoder::{TiffEncoder, TiffKind};
 use tiff::tags::{CompressionMethod, PhotometricInterpretation, PlanarConfiguration, Tag};
 use tiff::{ColorType, TiffError, TiffFormatError, TiffResult};
@@ -553,7 +553,7 @@ impl Slide {
     }
 
     /// The `w × h` pixels at (x, y) of `level`, as interleaved 8-bit RGB rows. Decodes only
-    /// the TIFF tiles the region overlaps.
+    /// the TIFF tiles the region overlaps, each into one reused buffer.
     pub fn read_rgb8(&self, level: usize, x: u32, y: u32, w: u32, h: u32) -> Result<Vec<u8>> {
         let l = *self.level(level)?;
         if w == 0
@@ -570,27 +570,20 @@ impl Slide {
         }
         let mut decoder = self.decoder(level)?;
         let mut out = vec![0u8; w as usize * h as usize * CHANNELS];
+        let mut pixels = vec![0u8; l.tile_width as usize * l.tile_height as usize * CHANNELS];
         for ty in y / l.tile_height..=(y + h - 1) / l.tile_height {
             for tx in x / l.tile_width..=(x + w - 1) / l.tile_width {
                 let index = ty * l.tiles_across() + tx;
-                let tile_error = |why: String| {
+                decoder.read_chunk_bytes(index, &mut pixels).map_err(|e| {
                     Error::Data(format!(
-                        "{}: level {level} tile {index} (column {tx}, row {ty}) is unreadable: {why}",
+                        "{}: level {level} tile {index} (column {tx}, row {ty}) is unreadable: {e}",
                         self.path.display()
                     ))
-                };
-                let pixels = match decoder.read_chunk(index) {
-                    Ok(DecodingResult::U8(p)) => p,
-                    Ok(_) => return Err(tile_error("not 8-bit samples".into())),
-                    Err(e) => return Err(tile_error(e.to_string())),
-                };
-                // The tile's pixels inside the level (edge tiles come cropped).
+                })?;
+                // The tile's pixels inside the level (edge tiles come cropped, rows `cols` wide).
                 let (x0, y0) = (tx * l.tile_width, ty * l.tile_height);
                 let cols = (l.width - x0).min(l.tile_width) as usize;
                 let rows = (l.height - y0).min(l.tile_height);
-                if pixels.len() < cols * rows as usize * CHANNELS {
-                    return Err(tile_error(format!("{} bytes decoded", pixels.len())));
-                }
                 let (left, right) = (x.max(x0), (x + w).min(x0 + cols as u32));
                 let span = (right - left) as usize * CHANNELS;
                 for row in y.max(y0)..(y + h).min(y0 + rows) {

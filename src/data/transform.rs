@@ -26,6 +26,23 @@ impl Transform {
     /// Writes `img` prepared as a `size`² model input (CHW) into `out`; `rng` draws the
     /// augmentation.
     pub fn apply(&self, img: &Image, size: usize, rng: &mut impl Rng, out: &mut [f64]) {
+        let mut targets = out.chunks_exact_mut(size);
+        self.rows(img, size, rng, |row| {
+            let target = targets.next().expect("room for the prepared input");
+            target.iter_mut().zip(row).for_each(|(t, &v)| *t = v as f64);
+        });
+    }
+
+    /// Appends what [`Transform::apply`] writes to `out` (so a batch needs no zeroed buffer).
+    pub fn append(&self, img: &Image, size: usize, rng: &mut impl Rng, out: &mut Vec<f64>) {
+        out.reserve(CHANNELS * size * size);
+        self.rows(img, size, rng, |row| {
+            out.extend(row.iter().map(|&v| v as f64))
+        });
+    }
+
+    /// Hands `emit` the rows of `img` prepared as a `size`² model input, in CHW order.
+    fn rows(&self, img: &Image, size: usize, rng: &mut impl Rng, mut emit: impl FnMut(&[f32])) {
         let short = img.height.min(img.width);
         let (side, y0, x0, flip_x, flip_y) = if self.augment {
             let side = ((short as f64 * rng.random_range(MIN_CROP..=1.0)).round() as usize)
@@ -47,92 +64,145 @@ impl Transform {
             )
         };
         let plane = img.height * img.width;
-        let norm = |c: usize| match self.normalize {
-            true => (MEAN[c], STD[c]),
-            false => (0.0, 1.0),
+        let mut row = vec![0.0f32; size];
+        // Normalizes and flips a resampled row, then hands it on.
+        let mut finish = |row: &mut [f32], c: usize| {
+            if self.normalize {
+                // A product rather than a division per value: a division costs several.
+                let scale = 1.0 / STD[c];
+                row.iter_mut().for_each(|v| *v = (*v - MEAN[c]) * scale);
+            }
+            if flip_x {
+                row.reverse();
+            }
+            emit(row);
         };
+        // Output rows in order: which window row each comes from.
+        let source_row = |ty: usize| if flip_y { size - 1 - ty } else { ty };
         if side == size {
             // Nothing to resample (a tile cut at the model's side): copy, flip, normalize.
             for c in 0..CHANNELS {
-                let (mean, std) = norm(c);
                 let src = &img.pixels[c * plane..(c + 1) * plane];
-                let dst = &mut out[c * size * size..(c + 1) * size * size];
-                for y in 0..size {
-                    let row = &src[(y0 + y) * img.width + x0..][..size];
-                    let ty = if flip_y { size - 1 - y } else { y };
-                    let target = &mut dst[ty * size..(ty + 1) * size];
-                    for (x, &v) in row.iter().enumerate() {
-                        let tx = if flip_x { size - 1 - x } else { x };
-                        target[tx] = ((v - mean) / std) as f64;
-                    }
+                for ty in 0..size {
+                    let y = y0 + source_row(ty);
+                    row.copy_from_slice(&src[y * img.width + x0..][..size]);
+                    finish(&mut row, c);
                 }
             }
             return;
         }
-        let rows = filter(y0, side, size);
-        let cols = filter(x0, side, size);
-        // Columns first into a size-wide strip of every source row the window needs.
-        let mut strip = vec![0.0f32; img.height * size];
+        let rows = Filter::new(y0, side, size);
+        let cols = Filter::new(x0, side, size);
+        // Columns first, into a size-wide strip of the window's rows.
+        let mut strip = vec![0.0f32; side * size];
         for c in 0..CHANNELS {
             let src = &img.pixels[c * plane..(c + 1) * plane];
-            for y in y0..y0 + side {
-                let row = &src[y * img.width..(y + 1) * img.width];
-                for (o, (start, w)) in cols.iter().enumerate() {
-                    strip[y * size + o] = dot(&row[*start..*start + w.len()], w);
-                }
+            for (y, out) in (y0..).zip(strip.chunks_exact_mut(size)) {
+                cols.resample(&src[y * img.width..][..img.width], out);
             }
-            let (mean, std) = norm(c);
-            let dst = &mut out[c * size * size..(c + 1) * size * size];
-            let mut acc = vec![0.0f32; size];
-            for (oy, (start, w)) in rows.iter().enumerate() {
-                // Row by row, so the inner loop runs over contiguous memory.
-                acc.fill(0.0);
+            for ty in 0..size {
+                let (start, w) = rows.taps(source_row(ty));
+                // Strip rows whole, so the inner loop runs over contiguous memory.
+                row.fill(0.0);
                 for (k, &wk) in w.iter().enumerate() {
-                    let src = &strip[(start + k) * size..(start + k + 1) * size];
-                    acc.iter_mut().zip(src).for_each(|(a, &v)| *a += wk * v);
+                    let src = &strip[(start - y0 + k) * size..][..size];
+                    row.iter_mut().zip(src).for_each(|(a, &v)| *a += wk * v);
                 }
-                let ty = if flip_y { size - 1 - oy } else { oy };
-                let target = &mut dst[ty * size..(ty + 1) * size];
-                for (ox, &v) in acc.iter().enumerate() {
-                    let tx = if flip_x { size - 1 - ox } else { ox };
-                    target[tx] = ((v - mean) / std) as f64;
+                finish(&mut row, c);
+            }
+        }
+    }
+}
+
+/// Resampling weights along one axis: output `o` is the weighted sum of the `taps` source
+/// pixels from `starts[o]`, with weights `weights[o * taps..][..taps]`. Every output has the
+/// same number of taps (zero weights pad the shorter ones), so the loops have one shape.
+struct Filter {
+    taps: usize,
+    starts: Vec<usize>,
+    weights: Vec<f32>,
+}
+
+impl Filter {
+    /// For each of `size` outputs over the source span [`from`, `from + span`): a triangle
+    /// filter as wide as the scale when shrinking, so every source pixel counts; plain linear
+    /// interpolation when enlarging.
+    fn new(from: usize, span: usize, size: usize) -> Filter {
+        let scale = span as f64 / size as f64;
+        let support = scale.max(1.0);
+        let last = (from + span - 1) as f64;
+        let each: Vec<(usize, Vec<f32>)> = (0..size)
+            .map(|o| {
+                let centre = from as f64 + (o as f64 + 0.5) * scale;
+                let lo = ((centre - support).floor().max(from as f64)) as usize;
+                let hi = ((centre + support).ceil().min(last + 1.0)) as usize;
+                let mut w: Vec<f32> = (lo..hi)
+                    .map(|i| (1.0 - ((i as f64 + 0.5 - centre) / support).abs()).max(0.0) as f32)
+                    .collect();
+                let total: f32 = w.iter().sum();
+                if total > 0.0 {
+                    w.iter_mut().for_each(|x| *x /= total);
+                } else {
+                    // The centre falls outside every pixel's reach: take the nearest one.
+                    w.fill(0.0);
+                    let nearest = (centre.floor() as usize).clamp(lo, hi - 1);
+                    w[nearest - lo] = 1.0;
+                }
+                // Zero weights at the ends add nothing (linear interpolation has 2 taps, not 3).
+                let first = w.iter().position(|&x| x != 0.0).unwrap_or(0);
+                let end = w.iter().rposition(|&x| x != 0.0).map_or(w.len(), |i| i + 1);
+                (lo + first, w[first..end].to_vec())
+            })
+            .collect();
+        let taps = each.iter().map(|(_, w)| w.len()).max().unwrap_or(1);
+        let mut starts = Vec::with_capacity(size);
+        let mut weights = vec![0.0; size * taps];
+        for ((lo, w), padded) in each.iter().zip(weights.chunks_exact_mut(taps)) {
+            // Near the span's end the taps start earlier, so they stay inside it.
+            let start = (*lo).min(from + span - taps);
+            padded[lo - start..][..w.len()].copy_from_slice(w);
+            starts.push(start);
+        }
+        Filter {
+            taps,
+            starts,
+            weights,
+        }
+    }
+
+    /// Output `o`'s first source pixel and weights.
+    fn taps(&self, o: usize) -> (usize, &[f32]) {
+        (self.starts[o], &self.weights[o * self.taps..][..self.taps])
+    }
+
+    /// Resamples `src` (indexed as the span's pixels are) into `out`, one value per output.
+    fn resample(&self, src: &[f32], out: &mut [f32]) {
+        // The usual tap counts get loops of a fixed length, which the compiler unrolls.
+        match self.taps {
+            2 => self.resample_fixed::<2>(src, out),
+            3 => self.resample_fixed::<3>(src, out),
+            4 => self.resample_fixed::<4>(src, out),
+            _ => {
+                for (o, out) in out.iter_mut().enumerate() {
+                    let (start, w) = self.taps(o);
+                    *out = dot(&src[start..start + w.len()], w);
                 }
             }
+        }
+    }
+
+    fn resample_fixed<const N: usize>(&self, src: &[f32], out: &mut [f32]) {
+        let weights = self.weights.chunks_exact(N);
+        for ((o, &start), w) in out.iter_mut().zip(&self.starts).zip(weights) {
+            let px: &[f32; N] = src[start..start + N].try_into().unwrap();
+            let w: &[f32; N] = w.try_into().unwrap();
+            *o = dot(px, w);
         }
     }
 }
 
 fn dot(a: &[f32], b: &[f32]) -> f32 {
     a.iter().zip(b).map(|(x, y)| x * y).sum()
-}
-
-/// For each of `size` outputs over the source span [`from`, `from + span`): the first source
-/// index it reads and its weights (a triangle filter as wide as the scale when shrinking, so
-/// every source pixel counts; plain linear interpolation when enlarging).
-fn filter(from: usize, span: usize, size: usize) -> Vec<(usize, Vec<f32>)> {
-    let scale = span as f64 / size as f64;
-    let support = scale.max(1.0);
-    let last = (from + span - 1) as f64;
-    (0..size)
-        .map(|o| {
-            let centre = from as f64 + (o as f64 + 0.5) * scale;
-            let lo = ((centre - support).floor().max(from as f64)) as usize;
-            let hi = ((centre + support).ceil().min(last + 1.0)) as usize;
-            let mut w: Vec<f32> = (lo..hi)
-                .map(|i| (1.0 - ((i as f64 + 0.5 - centre) / support).abs()).max(0.0) as f32)
-                .collect();
-            let total: f32 = w.iter().sum();
-            if total > 0.0 {
-                w.iter_mut().for_each(|x| *x /= total);
-            } else {
-                // The centre falls outside every pixel's reach: take the nearest one.
-                w.fill(0.0);
-                let nearest = (centre.floor() as usize).clamp(lo, hi - 1);
-                w[nearest - lo] = 1.0;
-            }
-            (lo, w)
-        })
-        .collect()
 }
 
 #[cfg(test)]
@@ -224,6 +294,80 @@ mod tests {
             assert!(out[c * 16..(c + 1) * 16]
                 .iter()
                 .all(|v| (v - want).abs() < 1e-6));
+        }
+    }
+
+    /// Source values that are neither smooth nor small integers.
+    fn noise(n: usize) -> Vec<f32> {
+        (0..n as u64)
+            .map(|i| (crate::backend::cpu::splitmix64(i) % 1000) as f32 / 999.0)
+            .collect()
+    }
+
+    #[test]
+    fn filters_compute_their_definition() {
+        // Enlarging (2 taps), shrinking a little (3 or 4) and a lot (the general loop), at
+        // spans that start inside the row and end at its last pixel.
+        let src = noise(400);
+        let cases = [
+            (7, 50, 64, 2),
+            (0, 90, 64, 3),
+            (10, 120, 64, 4),
+            (0, 400, 64, 13),
+        ];
+        for (from, span, size, taps) in cases {
+            let f = Filter::new(from, span, size);
+            assert_eq!(f.taps, taps);
+            let mut got = vec![0.0; size];
+            f.resample(&src, &mut got);
+            let scale = span as f64 / size as f64;
+            let support = scale.max(1.0);
+            for (o, &got) in got.iter().enumerate() {
+                // The triangle over every pixel of the span, in f64.
+                let centre = from as f64 + (o as f64 + 0.5) * scale;
+                let weight =
+                    |i: usize| (1.0 - ((i as f64 + 0.5 - centre) / support).abs()).max(0.0);
+                let pixels = from..from + span;
+                let total: f64 = pixels.clone().map(weight).sum();
+                let want = pixels.map(|i| weight(i) * src[i] as f64).sum::<f64>() / total;
+                assert!(
+                    (got as f64 - want).abs() < 1e-6,
+                    "{from} {span} {size} output {o}"
+                );
+            }
+            // The fixed-length loops agree with the general one.
+            let mut general = vec![0.0; size];
+            for (o, v) in general.iter_mut().enumerate() {
+                let (start, w) = f.taps(o);
+                *v = dot(&src[start..start + w.len()], w);
+            }
+            assert_eq!(got, general, "{} taps", f.taps);
+        }
+    }
+
+    #[test]
+    fn append_writes_what_apply_does() {
+        let img = Image {
+            height: 30,
+            width: 40,
+            pixels: noise(3 * 30 * 40),
+        };
+        let t = Transform {
+            augment: true,
+            normalize: true,
+        };
+        for seed in 0..8 {
+            let mut written = vec![0.0; 3 * 24 * 24];
+            t.apply(&img, 24, &mut ChaCha8Rng::seed_from_u64(seed), &mut written);
+            let mut appended = vec![1.0];
+            t.append(
+                &img,
+                24,
+                &mut ChaCha8Rng::seed_from_u64(seed),
+                &mut appended,
+            );
+            assert_eq!(appended[0], 1.0);
+            assert_eq!(appended[1..], written[..]);
         }
     }
 }
