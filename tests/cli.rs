@@ -1,18 +1,8 @@
 //! The command line: bad input gets one line on stderr and a non-zero exit.
 
-use std::process::Command;
-
-fn gems(args: &[&str]) -> (bool, String, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_gems"))
-        .args(args)
-        .output()
-        .unwrap();
-    (
-        out.status.success(),
-        String::from_utf8_lossy(&out.stdout).into(),
-        String::from_utf8_lossy(&out.stderr).into(),
-    )
-}
+#[path = "common/cli.rs"]
+mod cli;
+use cli::gems;
 
 #[test]
 fn bad_input_gets_one_line_and_a_failure() {

@@ -2,7 +2,9 @@
 //! training plus evaluation on a folder of images from the command line.
 
 use std::path::{Path, PathBuf};
-use std::process::Command;
+#[path = "common/cli.rs"]
+mod cli;
+use cli::gems;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
@@ -242,18 +244,6 @@ fn loader_hands_out_batches_in_order_and_stays_bounded() {
     }
     assert!(loader.next_batch().is_err());
     assert!(loader.waited().as_secs_f64() > 0.0);
-}
-
-fn gems(args: &[&str]) -> (bool, String, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_gems"))
-        .args(args)
-        .output()
-        .unwrap();
-    (
-        out.status.success(),
-        String::from_utf8_lossy(&out.stdout).into(),
-        String::from_utf8_lossy(&out.stderr).into(),
-    )
 }
 
 #[test]
