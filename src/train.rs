@@ -146,7 +146,7 @@ impl Trainer {
     }
 
     /// Step `self.step`'s batch, from a loader preparing the batches up to the last step.
-    fn next_batch(&mut self) -> Result<(Batch, f64)> {
+    fn next_batch(&mut self) -> Result<Batch> {
         let b = self.config.batch_size;
         let first = (self.step * b) as u64;
         let loader = match &mut self.loader {
@@ -164,16 +164,18 @@ impl Trainer {
                 ))
             }
         };
-        let before = loader.waited();
-        let batch = loader.next_batch()?;
-        Ok((batch, (loader.waited() - before).as_secs_f64()))
+        loader.next_batch()
     }
 
     /// Runs one optimizer step on the next batch.
     pub fn step(&mut self) -> Result<StepReport> {
         let start = Instant::now();
         let b = self.config.batch_size;
-        let (Batch { pixels, labels }, data_wait) = self.next_batch()?;
+        let Batch {
+            pixels,
+            labels,
+            waited,
+        } = self.next_batch()?;
         let x_shape = batched(b, self.graph.input_shape());
         let x = self
             .device
@@ -223,7 +225,7 @@ impl Trainer {
             batch: b,
             lr,
             seconds: start.elapsed().as_secs_f64(),
-            data_wait,
+            data_wait: waited.as_secs_f64(),
         };
         self.step += 1;
         Ok(report)
@@ -306,7 +308,7 @@ impl Trainer {
         let mut loader = Loader::new(data.clone(), requests, d.workers, d.prefetch);
         let mut loss = 0.0;
         for _ in (0..samples).step_by(batch_size) {
-            let Batch { pixels, labels } = loader.next_batch()?;
+            let Batch { pixels, labels, .. } = loader.next_batch()?;
             let b = labels.len();
             let x = self.device.upload(
                 batched(b, g.input_shape()),

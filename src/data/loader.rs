@@ -14,6 +14,8 @@ use crate::{Error, Result};
 pub struct Batch {
     pub pixels: Vec<f64>,
     pub labels: Vec<u32>,
+    /// How long [`Loader::next_batch`] waited for it.
+    pub waited: Duration,
 }
 
 struct State {
@@ -62,7 +64,11 @@ impl Shared {
                     first + n as u64
                 )))
             })
-            .map(|(pixels, labels)| Batch { pixels, labels });
+            .map(|(pixels, labels)| Batch {
+                pixels,
+                labels,
+                waited: Duration::ZERO,
+            });
             self.lock().ready.insert(i, batch);
             self.changed.notify_all();
         }
@@ -72,7 +78,6 @@ impl Shared {
 pub struct Loader {
     shared: Arc<Shared>,
     workers: Vec<JoinHandle<()>>,
-    waited: Duration,
 }
 
 impl Loader {
@@ -102,11 +107,7 @@ impl Loader {
                 std::thread::spawn(move || s.work())
             })
             .collect();
-        Loader {
-            shared,
-            workers,
-            waited: Duration::ZERO,
-        }
+        Loader { shared, workers }
     }
 
     /// The next batch in request order, waiting for it if need be.
@@ -129,19 +130,16 @@ impl Loader {
         s.next += 1;
         drop(s);
         sh.changed.notify_all();
-        self.waited += start.elapsed();
-        batch
+        batch.map(|b| Batch {
+            waited: start.elapsed(),
+            ..b
+        })
     }
 
     /// The first position of the batch [`Loader::next_batch`] returns next, if any is left.
     pub fn upcoming(&self) -> Option<u64> {
         let next = self.shared.lock().next;
         self.shared.requests.get(next).map(|r| r.0)
-    }
-
-    /// Time spent waiting in [`Loader::next_batch`] so far.
-    pub fn waited(&self) -> Duration {
-        self.waited
     }
 }
 

@@ -391,9 +391,8 @@ impl<'a> Rank<'a> {
                 let loader = self.loader.as_mut().ok_or_else(|| {
                     Error::Internal("a stage-0 task on a rank without a loader".into())
                 })?;
-                let before = loader.waited();
                 let batch = loader.next_batch()?;
-                report.data_wait += (loader.waited() - before).as_secs_f64();
+                report.data_wait += batch.waited.as_secs_f64();
                 self.device.upload(
                     shape,
                     &batch.pixels,
