@@ -24,9 +24,13 @@
  * Launch (all nine): blockDim.x = 256 (8 warps), gridDim = (ceil(N / 64), ceil(M / 64), G S).
  * A block computes one 64 x 64 tile of C for group blockIdx.z % G over slice
  * blockIdx.z / G of the K dimension in steps of 16. S (splits of K) must be 1 for forward and
- * backward-data (they overwrite); backward-filter may split its long K (every pixel of the
- * batch) over S > 1 blocks that add their partial tiles to dw with atomicAdd (deterministic
- * only with S = 1).
+ * backward-data (they overwrite); backward-filter splits its long K (every pixel of the batch)
+ * over S blocks, each writing its partial tile to its own slice of a workspace
+ * (S x c_out x c_in/G x kh x kw floats), and conv2d_reduce_splits_f32 then adds the S slices
+ * to dw in order: no atomics, so the result is the same bits every run.
+ *
+ *   conv2d_reduce_splits_f32   dw[i] += partial[0][i] + ... + partial[S-1][i]; 1-d grid-stride,
+ *                              blockDim.x = 256 (consecutive threads, consecutive i).
  *
  * Memory access: consecutive threads gather consecutive columns of the B tile (consecutive
  * output pixels of a row, for forward and backward-data), and consecutive K of the A tile
@@ -124,7 +128,7 @@ __device__ __forceinline__ void store_c(TO* out, const GemsConvGeom& g, int grp,
         const int64_t hw = (int64_t)g.h * g.w, n = j / hw, q = j % hw;
         st(out, (n * g.c_in + (int64_t)grp * d.m + m) * hw + q, v);
     } else {
-        atomicAdd((float*)out + ((int64_t)grp * d.m + m) * d.n + j, v);
+        ((float*)out)[((int64_t)grp * d.m + m) * d.n + j] = v;
     }
 }
 
@@ -141,6 +145,8 @@ __device__ void conv_gemm(const T* asrc, const T* bsrc, TO* out, const GemsConvG
     const int64_t ktiles = (d.k + BK - 1) / BK;
     const int64_t per = (ktiles + splits - 1) / splits;
     const int64_t kt0 = split * per, kt1 = kt0 + per < ktiles ? kt0 + per : ktiles;
+    /* Backward-filter: this split's slice of the partial sums. */
+    if (MODE == BWD_FILTER) out += (int64_t)split * g.groups * d.m * d.n;
 
     /* CUDA cores: a 4 x 4 micro-tile per thread at rows ty + 16 i, columns tx + 16 j.
      * Tensor cores: warp (wm, wn) owns rows wm 32 .. + 32 and columns wn 16 .. + 16 as
@@ -264,3 +270,12 @@ __device__ void conv_gemm(const T* asrc, const T* bsrc, TO* out, const GemsConvG
 STAMP(f32, SIMT, float, float)
 STAMP(tf32, TF32, float, float)
 STAMP(bf16, BF16, gems_bf16, float)
+
+extern "C" __global__ void conv2d_reduce_splits_f32(const float* partial, float* dw,
+                                                    int64_t numel, int32_t splits) {
+    GEMS_FOR(i, numel) {
+        float acc = dw[i];
+        for (int s = 0; s < splits; s++) acc += partial[(int64_t)s * numel + i];
+        dw[i] = acc;
+    }
+}

@@ -77,7 +77,7 @@ pub fn save(t: &Trainer, path: &Path) -> Result<()> {
         owned.push((
             p.name.clone(),
             v.shape().dims().to_vec(),
-            v.storage().to_le_bytes(),
+            v.storage().to_le_bytes()?,
             dtype,
         ));
     }
@@ -94,7 +94,7 @@ pub fn save(t: &Trainer, path: &Path) -> Result<()> {
             owned.push((
                 format!("optimizer.{}.momentum_buffer", p.name),
                 b.shape().dims().to_vec(),
-                b.storage().to_le_bytes(),
+                b.storage().to_le_bytes()?,
                 dtype,
             ));
         }
@@ -194,8 +194,8 @@ impl Checkpoint {
         self.get("step")
     }
 
-    /// The training configuration the checkpoint was written with (capacities and the
-    /// saved-tensor policy, which do not change results, not included).
+    /// The training configuration the checkpoint was written with (capacities, the device and
+    /// the saved-tensor policy, which a resumed run chooses afresh, not included).
     pub fn config(&self) -> Result<TrainConfig> {
         let decay: String = self.get("schedule")?;
         Ok(TrainConfig {
@@ -223,6 +223,8 @@ impl Checkpoint {
             device_memory: None,
             host_memory: None,
             saves: crate::graph::policy::SavePolicy::keep_all(),
+            device: crate::backend::DeviceKind::Cpu,
+            precision: crate::backend::cuda::Precision::Fp32,
             data: match self.meta.get("data") {
                 Some(json) => serde_json::from_str(json).map_err(|e| {
                     Error::Config(format!("the checkpoint's data configuration: {e}"))

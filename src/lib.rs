@@ -5,6 +5,7 @@
 //! backward and costs.
 
 pub mod backend;
+pub mod bench;
 pub mod checkpoint;
 pub mod comm;
 pub mod data;
@@ -33,6 +34,9 @@ pub enum Error {
     Config(String),
     #[error("communication: {0}")]
     Comm(String),
+    /// The accelerator or its libraries: missing, or failing.
+    #[error("{0}")]
+    Device(String),
     /// A sample that cannot be read; the message names the file (and tile).
     #[error("{0}")]
     Data(String),

@@ -8,6 +8,8 @@ use std::time::Instant;
 use clap::{Args, Parser, Subcommand};
 use indicatif::{ProgressBar, ProgressStyle};
 
+use gems::backend::cuda::{self, Precision};
+use gems::backend::DeviceKind;
 use gems::data::slide::TileConfig;
 use gems::data::{DataConfig, SourceSpec};
 use gems::graph::policy::{Keep, SavePolicy};
@@ -55,6 +57,41 @@ enum Command {
     /// Make and inspect data: a synthetic whole-slide image, the tiles slides yield.
     #[command(subcommand)]
     Data(DataCommand),
+    /// What this machine offers: the CUDA libraries found (and where), the GPUs, the kernel
+    /// cache, and what --device auto picks.
+    Info,
+    /// Benchmarks on a device.
+    #[command(subcommand)]
+    Bench(BenchCommand),
+}
+
+#[derive(Subcommand)]
+enum BenchCommand {
+    /// Every distinct convolution of a model, forward and both backwards, in TFLOP/s; ReLU and
+    /// batch normalization in GB/s next to the device's copy bandwidth.
+    Kernels(BenchKernelsArgs),
+}
+
+#[derive(Args)]
+struct BenchKernelsArgs {
+    #[arg(long, default_value = "resnet110v2")]
+    model: String,
+    #[arg(long, default_value_t = 1024)]
+    image_size: usize,
+    #[arg(long, default_value_t = 8)]
+    batch: usize,
+    /// auto, cpu, cuda or cuda:N.
+    #[arg(long, default_value = "auto")]
+    device: String,
+    /// fp32 or tf32 (GPU).
+    #[arg(long, default_value = "fp32")]
+    precision: Precision,
+    /// Timed runs per measurement (the median is reported).
+    #[arg(long, default_value_t = 10)]
+    repeats: usize,
+    /// Write the measurements to this file as JSON.
+    #[arg(long, value_name = "FILE")]
+    json: Option<PathBuf>,
 }
 
 #[derive(Subcommand)]
@@ -312,9 +349,17 @@ struct TrainArgs {
     /// f32 or f64.
     #[arg(long, default_value = "f32", conflicts_with = "resume")]
     dtype: DType,
-    /// Device capacity, e.g. 2GiB (emulated on the CPU; default unlimited).
+    /// Device capacity, e.g. 2GiB (emulated on the CPU; on a GPU the smaller of this and its
+    /// free memory; default unlimited / the free memory).
     #[arg(long, value_parser = parse_bytes)]
     device_memory: Option<u64>,
+    /// What computes: auto (a GPU when one is usable and the dtype is f32, else the CPU),
+    /// cpu, cuda or cuda:N.
+    #[arg(long, default_value = "auto")]
+    device: String,
+    /// Arithmetic of convolutions and matrix products on a GPU: fp32 or tf32.
+    #[arg(long, default_value = "fp32")]
+    precision: Precision,
     /// Write one JSON line per step to this file.
     #[arg(long)]
     metrics: Option<PathBuf>,
@@ -531,6 +576,8 @@ fn main() -> ExitCode {
         Command::Calibrate(a) => calibrate(*a),
         Command::Data(DataCommand::MakeSlide(a)) => make_slide(a),
         Command::Data(DataCommand::Tiles(a)) => tiles(a),
+        Command::Info => info(),
+        Command::Bench(BenchCommand::Kernels(a)) => bench_kernels(a),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -555,8 +602,11 @@ fn train(a: TrainArgs) -> anyhow::Result<()> {
     }
     let mut trainer = match &a.resume {
         Some(file) => {
+            let device = device_kind(&a.device, None)?;
             let t = Trainer::resume(file, |c| {
                 c.device_memory = a.device_memory;
+                c.device = device;
+                c.precision = a.precision;
                 c.data.skip_bad = a.input.skip_bad;
                 c.data.workers = a.input.workers;
                 c.data.prefetch = a.input.prefetch;
@@ -727,6 +777,14 @@ fn train(a: TrainArgs) -> anyhow::Result<()> {
 
 /// The run the training flags describe, with `auto` and `max` resolved against
 /// --device-memory by metered runs.
+/// The device `--device` names; `auto` is the CPU for f64 runs (GPUs compute in f32 here).
+fn device_kind(flag: &str, dtype: Option<DType>) -> anyhow::Result<DeviceKind> {
+    if flag == "auto" && dtype == Some(DType::F64) {
+        return Ok(DeviceKind::Cpu);
+    }
+    Ok(DeviceKind::parse(flag)?)
+}
+
 fn run_config(a: &TrainArgs) -> anyhow::Result<RunConfig> {
     let steps = a.steps.unwrap_or(150);
     let data = a.input.config(a.image_size)?;
@@ -765,6 +823,8 @@ fn run_config(a: &TrainArgs) -> anyhow::Result<RunConfig> {
         host_memory: a.host_memory,
         saves: SavePolicy::keep_all(),
         data,
+        device: device_kind(&a.device, Some(a.dtype))?,
+        precision: a.precision,
     };
     let mut c = RunConfig::new(train, a.spread.scheme()?);
     c.balance = a.spread.balance.clone();
@@ -943,6 +1003,145 @@ fn plan(a: TrainArgs) -> anyhow::Result<()> {
             m.at_peak
         );
     }
+    Ok(())
+}
+
+fn bench_kernels(a: BenchKernelsArgs) -> anyhow::Result<()> {
+    use gems::bench;
+    let kind = device_kind(&a.device, Some(DType::F32))?;
+    let device = gems::Device::open(kind, a.precision, &kind.to_string(), 0, None)?;
+    let g = models::build(&a.model, a.image_size, 1000)?;
+    let shapes = bench::conv_shapes(&g, a.batch)?;
+    println!(
+        "{} at {}², batch {}: {} distinct convolutions on {}",
+        a.model,
+        a.image_size,
+        a.batch,
+        shapes.len(),
+        device.backend().name()
+    );
+    println!(
+        "{:<28} {:>5} {:>8}  {:>21}  {:>21}  {:>21}",
+        "convolution (first node)",
+        "count",
+        "GFLOP",
+        "forward ms TFLOP/s",
+        "bwd-data ms TFLOP/s",
+        "bwd-filter ms TFLOP/s"
+    );
+    let mut rows = Vec::new();
+    let mut total = [0.0f64; 3];
+    let mut flops = 0.0;
+    for s in &shapes {
+        let t = bench::conv_passes(&device, &s.geom, a.repeats)?;
+        let f = s.flops();
+        let cell = |sec: f64| format!("{:>10.3} {:>10.2}", 1e3 * sec, f / sec / 1e12);
+        println!(
+            "{:<28} {:>5} {:>8.2}  {}  {}  {}",
+            s.example,
+            s.count,
+            f / 1e9,
+            cell(t[0]),
+            cell(t[1]),
+            cell(t[2])
+        );
+        for (acc, sec) in total.iter_mut().zip(t) {
+            *acc += sec * s.count as f64;
+        }
+        flops += f * s.count as f64;
+        rows.push(serde_json::json!({
+            "node": s.example, "count": s.count, "geom": format!("{:?}", s.geom),
+            "gflop": f / 1e9, "seconds": t,
+        }));
+    }
+    println!(
+        "all {} convolutions: forward {:.2}, backward-data {:.2}, backward-filter {:.2} TFLOP/s",
+        shapes.iter().map(|s| s.count).sum::<usize>(),
+        flops / total[0] / 1e12,
+        flops / total[1] / 1e12,
+        flops / total[2] / 1e12
+    );
+    // The largest activation of the model at this batch, seen per channel.
+    let widest = g
+        .values
+        .iter()
+        .filter(|v| v.shape.rank() == 3)
+        .max_by_key(|v| v.shape.numel())
+        .map(|v| v.shape.clone())
+        .ok_or_else(|| anyhow::anyhow!("{} has no image-shaped activation", a.model))?;
+    let (c, h, w) = (widest.dim(0), widest.dim(1), widest.dim(2));
+    let geom = gems::backend::ChannelGeom {
+        n: a.batch,
+        c,
+        hw: h * w,
+    };
+    let bw = bench::memory_bound(&device, &geom, a.repeats)?;
+    let copy = bw[0].gb_per_s();
+    println!("memory-bound kernels over {}×{c}×{h}×{w} f32:", a.batch);
+    for b in &bw {
+        println!(
+            "  {:<20} {:>8.1} GB/s  {:>5.1}% of copy",
+            b.kernel,
+            b.gb_per_s(),
+            100.0 * b.gb_per_s() / copy
+        );
+    }
+    if let Some(path) = &a.json {
+        let doc = serde_json::json!({
+            "model": a.model, "image_size": a.image_size, "batch": a.batch,
+            "device": device.backend().name(), "repeats": a.repeats,
+            "convolutions": rows, "memory_bound": bw,
+        });
+        std::fs::write(path, serde_json::to_string_pretty(&doc)?)
+            .map_err(|e| anyhow::anyhow!("cannot write {}: {e}", path.display()))?;
+    }
+    Ok(())
+}
+
+fn info() -> anyhow::Result<()> {
+    println!("gems {}", env!("CARGO_PKG_VERSION"));
+    println!("CPU: {} threads", rayon::current_num_threads());
+    println!("CUDA libraries (GEMS_CUDA_LIB_DIRS, the toolkit, Python's nvidia packages, the loader's path):");
+    for lib in cuda::libs::load() {
+        match (&lib.path, &lib.problem) {
+            (Some(path), _) => println!("  {:<7} {}", lib.role, path.display()),
+            (None, why) => println!(
+                "  {:<7} not found: {}",
+                lib.role,
+                why.as_deref().unwrap_or("")
+            ),
+        }
+    }
+    match cuda::kernels::nvrtc_version() {
+        Some((major, minor)) => println!("  NVRTC {major}.{minor} compiles the kernels"),
+        None => println!(
+            "  NVRTC cannot be used: cudarc opens it as libnvrtc.so or libnvrtc.so.<major>; \
+             link the library found under one of those names in a folder on LD_LIBRARY_PATH"
+        ),
+    }
+    match cuda::kernels::cache_dir() {
+        Some(dir) => println!("kernel cache: {}", dir.display()),
+        None => println!("kernel cache: none (set GEMS_CACHE_DIR or HOME)"),
+    }
+    match cuda::devices() {
+        Ok(gpus) if gpus.is_empty() => println!("GPUs: none"),
+        Ok(gpus) => {
+            for g in gpus {
+                println!(
+                    "cuda:{} {}: compute capability {}.{}, {} SMs, {} total, {} free",
+                    g.ordinal,
+                    g.name,
+                    g.compute_capability.0,
+                    g.compute_capability.1,
+                    g.multiprocessors,
+                    human_bytes(g.total_memory),
+                    human_bytes(g.free_memory)
+                );
+            }
+        }
+        Err(e) => println!("GPUs: none usable ({e})"),
+    }
+    println!("--device auto picks: {}", DeviceKind::parse("auto")?);
     Ok(())
 }
 

@@ -4,7 +4,8 @@
 use std::time::Instant;
 
 use crate::backend::cpu::splitmix64;
-use crate::backend::Device;
+use crate::backend::cuda::Precision;
+use crate::backend::{Device, DeviceKind};
 use crate::checkpoint::Checkpoint;
 use crate::data::loader::{Batch, Loader};
 use crate::data::{DataConfig, Dataset, Pipeline};
@@ -35,12 +36,16 @@ pub struct TrainConfig {
     /// Where each node's saved tensors wait for backward.
     pub saves: SavePolicy,
     pub data: DataConfig,
+    /// What computes (rank r of a spread run on a GPU takes the r-th GPU from there on).
+    pub device: DeviceKind,
+    /// The arithmetic of convolutions and matrix products on a GPU.
+    pub precision: Precision,
 }
 
 impl TrainConfig {
     /// `model` on `image_size`² images of `classes` classes, `batch_size` images per step for
     /// `steps` steps; SGD with momentum 0.9 and weight decay 5e-4 at a constant 0.05; seed 0,
-    /// f32, no capacity, synthetic data. Change the fields for anything else.
+    /// f32 on the CPU, no capacity, synthetic data. Change the fields for anything else.
     pub fn new(
         model: &str,
         image_size: usize,
@@ -71,6 +76,8 @@ impl TrainConfig {
             host_memory: None,
             saves: SavePolicy::keep_all(),
             data: DataConfig::default(),
+            device: DeviceKind::Cpu,
+            precision: Precision::Fp32,
         }
     }
 }
@@ -129,8 +136,18 @@ impl Trainer {
         let data = crate::data::open(&config.data, config.image_size, config.classes, config.seed)?;
         check_classes(&config, &data.classes)?;
         let graph = models::build(&config.model, config.image_size, config.classes)?;
-        let device =
-            Device::cpu("cpu:0", config.device_memory).with_host_memory(config.host_memory)?;
+        let name = match config.device {
+            DeviceKind::Cpu => "cpu:0".to_string(),
+            gpu => gpu.to_string(),
+        };
+        let device = Device::open(
+            config.device,
+            config.precision,
+            &name,
+            0,
+            config.device_memory,
+        )?
+        .with_host_memory(config.host_memory)?;
         let params = Params::init(&graph, &device, config.dtype, config.seed)?;
         let sgd = Sgd::new(&params, &device, config.sgd)?;
         Ok(Trainer {
@@ -207,7 +224,7 @@ impl Trainer {
             let (l, probs) = loss::softmax_cross_entropy(&self.device, &logits, &labels)?;
             drop(logits);
             if i == 0 {
-                correct = loss::correct(&probs, &labels);
+                correct = loss::correct(&probs, &labels)?;
             }
             total += out.weight * l;
             seeds.push((
@@ -218,6 +235,7 @@ impl Trainer {
         graph::backward(g, &mut self.params, &self.device, tape, seeds, &[])?;
         let lr = self.config.schedule.lr(self.step);
         self.sgd.step(&mut self.params, &self.device, lr)?;
+        self.device.backend().synchronize()?;
         let report = StepReport {
             step: self.step,
             loss: total,
@@ -329,7 +347,7 @@ impl Trainer {
             )?;
             let (l, probs) = loss::softmax_cross_entropy(&self.device, &logits[0], &labels)?;
             loss += l * b as f64;
-            for (&t, p) in labels.iter().zip(loss::predictions(&probs)) {
+            for (&t, p) in labels.iter().zip(loss::predictions(&probs)?) {
                 confusion[t as usize][p as usize] += 1;
             }
         }

@@ -159,13 +159,13 @@ fn rewrite(
 
 fn refusal(path: &Path) -> String {
     let mut t = small_trainer();
-    let before = t.params.values[0].to_f64_vec();
+    let before = t.params.values[0].to_f64_vec().unwrap();
     let err = Checkpoint::read(path)
         .and_then(|c| c.restore(&mut t))
         .expect_err("must be refused")
         .to_string();
     assert_eq!(
-        t.params.values[0].to_f64_vec(),
+        t.params.values[0].to_f64_vec().unwrap(),
         before,
         "a refused checkpoint must change nothing"
     );
@@ -186,8 +186,8 @@ fn damaged_or_mismatched_checkpoints_are_refused_by_name() {
         .restore(&mut fresh)
         .unwrap();
     assert_eq!(
-        fresh.params.values[5].to_f64_vec(),
-        t.params.values[5].to_f64_vec()
+        fresh.params.values[5].to_f64_vec().unwrap(),
+        t.params.values[5].to_f64_vec().unwrap()
     );
     assert_eq!(fresh.steps_done(), 1);
 
@@ -268,13 +268,23 @@ fn evaluation_changes_nothing_and_reports() {
     for _ in 0..3 {
         t.step().unwrap();
     }
-    let before: Vec<Vec<f64>> = t.params.values.iter().map(|v| v.to_f64_vec()).collect();
+    let before: Vec<Vec<f64>> = t
+        .params
+        .values
+        .iter()
+        .map(|v| v.to_f64_vec().unwrap())
+        .collect();
     let a = t.evaluate(Some(20), 8).unwrap();
     let b = t.evaluate(Some(20), 8).unwrap();
     assert_eq!(a, b);
     assert_eq!(a.samples, 20);
     assert!(a.loss.is_finite() && (0.0..=1.0).contains(&a.accuracy));
-    let after: Vec<Vec<f64>> = t.params.values.iter().map(|v| v.to_f64_vec()).collect();
+    let after: Vec<Vec<f64>> = t
+        .params
+        .values
+        .iter()
+        .map(|v| v.to_f64_vec().unwrap())
+        .collect();
     assert_eq!(
         before, after,
         "evaluation must not change weights or BN statistics"

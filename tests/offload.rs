@@ -32,7 +32,13 @@ fn train(saves: SavePolicy) -> (Vec<Vec<u64>>, u64, u64) {
         .params
         .values
         .iter()
-        .map(|v| v.to_f64_vec().iter().map(|x| x.to_bits()).collect())
+        .map(|v| {
+            v.to_f64_vec()
+                .unwrap()
+                .iter()
+                .map(|x| x.to_bits())
+                .collect()
+        })
         .collect();
     (bits, t.memory().peak, t.device.host_memory().peak)
 }
@@ -134,7 +140,13 @@ fn auto_fits_a_cap_40_percent_below_the_baseline_and_trains() {
         .params
         .values
         .iter()
-        .map(|v| v.to_f64_vec().iter().map(|x| x.to_bits()).collect())
+        .map(|v| {
+            v.to_f64_vec()
+                .unwrap()
+                .iter()
+                .map(|x| x.to_bits())
+                .collect()
+        })
         .collect();
     assert!(bits == reference);
     // Nothing moves when the run fits; a cap nothing can meet is refused with a reason.

@@ -141,7 +141,12 @@ fn run_forward(
 
 fn objective(case: &Case, s: &Setup, inputs: &[Vec<f64>], params: &[Vec<f64>]) -> f64 {
     let (y, _, _) = run_forward(case, s, inputs, params, DType::F64, true);
-    y.to_f64_vec().iter().zip(&s.r).map(|(a, b)| a * b).sum()
+    y.to_f64_vec()
+        .unwrap()
+        .iter()
+        .zip(&s.r)
+        .map(|(a, b)| a * b)
+        .sum()
 }
 
 /// ‖a − n‖ / max(‖a‖, ‖n‖) over the probed entries.
@@ -221,7 +226,7 @@ fn check_gradients(name: &str, case: Case) {
             );
         };
     for (k, dx) in dxs.iter().enumerate() {
-        let dx = dx.as_ref().expect("input gradient").to_f64_vec();
+        let dx = dx.as_ref().expect("input gradient").to_f64_vec().unwrap();
         check(format!("input {k}"), dx, &mut |i, h| {
             let mut xs = s.inputs.clone();
             xs[k][i] += h;
@@ -229,20 +234,26 @@ fn check_gradients(name: &str, case: Case) {
         });
     }
     for (k, g) in grads.iter().enumerate() {
-        check(format!("parameter {k}"), g.to_f64_vec(), &mut |i, h| {
-            let mut ps = s.params.clone();
-            ps[k][i] += h;
-            objective(&case, &s, &s.inputs, &ps)
-        });
+        check(
+            format!("parameter {k}"),
+            g.to_f64_vec().unwrap(),
+            &mut |i, h| {
+                let mut ps = s.params.clone();
+                ps[k][i] += h;
+                objective(&case, &s, &s.inputs, &ps)
+            },
+        );
     }
     // f32 forward agrees with f64.
     for training in [true, false] {
         let y64 = run_forward(&case, &s, &s.inputs, &s.params, DType::F64, training)
             .0
-            .to_f64_vec();
+            .to_f64_vec()
+            .unwrap();
         let y32 = run_forward(&case, &s, &s.inputs, &s.params, DType::F32, training)
             .0
-            .to_f64_vec();
+            .to_f64_vec()
+            .unwrap();
         let e = rel_error(&y32, &y64);
         assert!(
             e <= 1e-5,
@@ -468,7 +479,8 @@ fn pools_ceil_mode() {
         .forward(&ctx, &[&xt], &mut [])
         .unwrap()
         .0
-        .to_f64_vec();
+        .to_f64_vec()
+        .unwrap();
     assert_eq!(y.len(), 9);
     assert!(
         (y[0] - (0.0 + 1.0 + 4.0 + 5.0) / 9.0).abs() < 1e-15,
@@ -495,7 +507,8 @@ fn adaptive_avg_pool() {
         .forward(&ctx, &[&xt], &mut [])
         .unwrap()
         .0
-        .to_f64_vec();
+        .to_f64_vec()
+        .unwrap();
     // Row windows {0,1}, {1,2,3}, {3,4} of a 5×2 image whose (r, c) holds 2r + c; column
     // windows {0}, {0,1}, {1}.
     let want = [1.0, 1.5, 2.0, 4.0, 4.5, 5.0, 7.0, 7.5, 8.0];
@@ -574,7 +587,8 @@ fn softmax_cross_entropy() {
         loss::softmax_cross_entropy(&d, &upload(&d, &shape, &logits, DType::F64), &labels).unwrap();
     let g = loss::softmax_cross_entropy_backward(&d, &probs, &labels, 0.7)
         .unwrap()
-        .to_f64_vec();
+        .to_f64_vec()
+        .unwrap();
     let numeric: Vec<f64> = (0..n * k)
         .map(|i| {
             let (mut a, mut b) = (logits.clone(), logits.clone());
@@ -598,7 +612,7 @@ fn batchnorm_eval_uses_running_statistics() {
     let case = one(Op::BatchNorm(norm::BatchNorm::default()), &[2, 3, 3], 2);
     let s = setup(&case, 5);
     let (y, _, _) = run_forward(&case, &s, &s.inputs, &s.params, DType::F64, false);
-    let y = y.to_f64_vec();
+    let y = y.to_f64_vec().unwrap();
     let [gamma, beta, mean, var] = &s.params[..] else {
         panic!()
     };
@@ -618,7 +632,10 @@ fn batchnorm_running_statistics_follow_pytorch() {
     s.params[3] = vec![1.0];
     let (_, saved, mut ps) = run_forward(&case, &s, &s.inputs, &s.params, DType::F64, true);
     // Training forward leaves the running statistics alone ...
-    assert_eq!((ps[2].scalar(), ps[3].scalar()), (0.0, 1.0));
+    assert_eq!(
+        (ps[2].scalar().unwrap(), ps[3].scalar().unwrap()),
+        (0.0, 1.0)
+    );
     // ... and committing its batch statistics applies PyTorch's rule: mean 4.5, unbiased
     // variance 6 → running = 0.9·old + 0.1·batch.
     let stats = norm::BatchNorm::batch_stats(&saved).unwrap();
@@ -626,8 +643,8 @@ fn batchnorm_running_statistics_follow_pytorch() {
     norm::BatchNorm::default()
         .commit(&device(), &mut ps, &stats)
         .unwrap();
-    assert!((ps[2].scalar() - 0.45).abs() < 1e-12);
-    assert!((ps[3].scalar() - (0.9 + 0.6)).abs() < 1e-12);
+    assert!((ps[2].scalar().unwrap() - 0.45).abs() < 1e-12);
+    assert!((ps[3].scalar().unwrap() - (0.9 + 0.6)).abs() < 1e-12);
 }
 
 /// Direct convolution by the definition, for comparison.
@@ -699,7 +716,7 @@ fn conv_matches_direct_convolution_across_tiles_and_lanes() {
         };
         let (y, _) = op.get().forward(&ctx, &[&xt], &mut params).unwrap();
         let want = direct_conv(&x, &w, &g);
-        let e = rel_error(&y.to_f64_vec(), &want);
+        let e = rel_error(&y.to_f64_vec().unwrap(), &want);
         assert!(e < 1e-13, "{c} on {xs}: relative error {e:e}");
     }
     // The tiled path's own gradients, across tiles.
@@ -731,7 +748,8 @@ fn avg_pool_excluding_padding() {
         .forward(&ctx, &[&xt], &mut [])
         .unwrap()
         .0
-        .to_f64_vec();
+        .to_f64_vec()
+        .unwrap();
     let want = [2.0, 2.5, 3.0, 3.5, 4.0, 4.5, 5.0, 5.5, 6.0];
     assert!(
         y.iter().zip(&want).all(|(a, b)| (a - b).abs() < 1e-14),
@@ -779,7 +797,7 @@ fn pad2d_pads_and_crops() {
         .unwrap()
         .0;
     assert_eq!(y.shape().dims(), &[1, 1, 2, 3]);
-    assert_eq!(y.to_f64_vec(), [5.0, 6.0, 0.0, 0.0, 0.0, 0.0]);
+    assert_eq!(y.to_f64_vec().unwrap(), [5.0, 6.0, 0.0, 0.0, 0.0, 0.0]);
     check_gradients("pad2d shift", one(Op::Pad2d(shift), &[3, 5, 4], 2));
     check_gradients(
         "pad2d mixed",

@@ -136,6 +136,6 @@ fn single_scheme_equals_the_trainer_bit_for_bit() {
         assert_eq!(a.to_bits(), b.to_bits());
     }
     for (_, id, v) in &r[0].params {
-        assert_eq!(v, &t.params.values[*id].to_f64_vec(), "param {id}");
+        assert_eq!(v, &t.params.values[*id].to_f64_vec().unwrap(), "param {id}");
     }
 }

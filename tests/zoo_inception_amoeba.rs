@@ -214,13 +214,13 @@ fn training_steps_use_the_auxiliary_output() {
     ];
     let before: Vec<Vec<f64>> = probes
         .iter()
-        .map(|&i| t.params.values[i].to_f64_vec())
+        .map(|&i| t.params.values[i].to_f64_vec().unwrap())
         .collect();
     let r = t.step().unwrap();
     assert!(r.loss.is_finite());
     for (&i, b) in probes.iter().zip(&before) {
         assert_ne!(
-            &t.params.values[i].to_f64_vec(),
+            &t.params.values[i].to_f64_vec().unwrap(),
             b,
             "{} did not move",
             t.graph.params[i].name

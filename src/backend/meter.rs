@@ -17,12 +17,28 @@ impl Backend for Meter {
         format!("meter ({})", self.like.name())
     }
 
-    fn zeros(&self, numel: usize, dtype: DType) -> Storage {
-        Storage::Virtual(dtype, numel)
+    fn zeros(&self, numel: usize, dtype: DType) -> Result<Storage> {
+        Ok(Storage::Virtual(dtype, numel))
     }
 
-    fn upload(&self, data: &[f64], dtype: DType) -> Storage {
-        Storage::Virtual(dtype, data.len())
+    fn upload(&self, data: &[f64], dtype: DType) -> Result<Storage> {
+        Ok(Storage::Virtual(dtype, data.len()))
+    }
+
+    fn adopt(&self, s: Storage) -> Result<Storage> {
+        Ok(Storage::Virtual(s.dtype(), s.len()))
+    }
+
+    fn copy_to_host(&self, s: &Storage) -> Result<Storage> {
+        self.adopt(s.try_clone()?)
+    }
+
+    fn copy_from_host(&self, s: &Storage) -> Result<Storage> {
+        self.adopt(s.try_clone()?)
+    }
+
+    fn copy(&self, _src: &Storage, _dst: &mut Storage) -> Result<()> {
+        Ok(())
     }
 
     fn conv2d_workspace(&self, g: &ConvGeom) -> usize {

@@ -86,8 +86,22 @@ pub struct SgdStep {
 pub trait Backend: Send + Sync {
     fn name(&self) -> String;
     /// Zero-filled storage.
-    fn zeros(&self, numel: usize, dtype: DType) -> Storage;
-    fn upload(&self, data: &[f64], dtype: DType) -> Storage;
+    fn zeros(&self, numel: usize, dtype: DType) -> Result<Storage>;
+    fn upload(&self, data: &[f64], dtype: DType) -> Result<Storage>;
+    /// `s` (elements in host memory, or already this backend's) as this backend's storage:
+    /// moved where it can be, copied to the device where it must.
+    fn adopt(&self, s: Storage) -> Result<Storage>;
+    /// A copy of `s` in host memory (the offload tier).
+    fn copy_to_host(&self, s: &Storage) -> Result<Storage>;
+    /// A copy of host elements `s` in this backend's memory.
+    fn copy_from_host(&self, s: &Storage) -> Result<Storage>;
+    /// dst = src (same length).
+    fn copy(&self, src: &Storage, dst: &mut Storage) -> Result<()>;
+    /// Returns when all work queued so far has finished (for timings; a no-op where every
+    /// call runs to completion before it returns).
+    fn synchronize(&self) -> Result<()> {
+        Ok(())
+    }
 
     /// Workspace elements for the convolution passes of `g`.
     fn conv2d_workspace(&self, g: &ConvGeom) -> usize;
@@ -274,6 +288,46 @@ pub trait Backend: Send + Sync {
     fn fill(&self, s: &mut Storage, value: f64) -> Result<()>;
 }
 
+/// Which kind of device a run computes on.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum DeviceKind {
+    #[default]
+    Cpu,
+    /// GPU `ordinal`; in a spread run rank r takes the ordinal r places further on (modulo the
+    /// GPUs there are).
+    Cuda { ordinal: usize },
+}
+
+impl DeviceKind {
+    /// Parses `cpu`, `cuda`, `cuda:N` or `auto` (a GPU when one is usable, else the CPU).
+    pub fn parse(s: &str) -> Result<DeviceKind> {
+        match s {
+            "cpu" => Ok(DeviceKind::Cpu),
+            "cuda" => Ok(DeviceKind::Cuda { ordinal: 0 }),
+            "auto" => Ok(match cuda::device_count() {
+                Ok(n) if n > 0 => DeviceKind::Cuda { ordinal: 0 },
+                _ => DeviceKind::Cpu,
+            }),
+            _ => s
+                .strip_prefix("cuda:")
+                .and_then(|n| n.parse().ok())
+                .map(|ordinal| DeviceKind::Cuda { ordinal })
+                .ok_or_else(|| {
+                    crate::Error::Config(format!("unknown device '{s}' (auto, cpu, cuda, cuda:N)"))
+                }),
+        }
+    }
+}
+
+impl std::fmt::Display for DeviceKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            DeviceKind::Cpu => write!(f, "cpu"),
+            DeviceKind::Cuda { ordinal } => write!(f, "cuda:{ordinal}"),
+        }
+    }
+}
+
 struct DeviceInner {
     allocator: Arc<Allocator>,
     /// The host tier: where offloaded tensors wait for backward (pinned memory on a GPU).
@@ -304,6 +358,52 @@ impl Device {
                 backend: Box::new(cpu::Cpu),
             }),
         }
+    }
+
+    /// The device of `kind` that rank `rank` of a run computes on, named `name`, with
+    /// `capacity` bytes at most.
+    pub fn open(
+        kind: DeviceKind,
+        precision: cuda::Precision,
+        name: &str,
+        rank: usize,
+        capacity: Option<u64>,
+    ) -> Result<Device> {
+        match kind {
+            DeviceKind::Cpu => Ok(Device::cpu(name, capacity)),
+            DeviceKind::Cuda { ordinal } => {
+                let count = cuda::device_count()?;
+                if ordinal >= count {
+                    return Err(crate::Error::Device(format!(
+                        "no CUDA device {ordinal}: the driver sees {count}"
+                    )));
+                }
+                Device::cuda(name, (ordinal + rank) % count, precision, capacity)
+            }
+        }
+    }
+
+    /// GPU `ordinal` with kernels of `precision`. Its capacity is the device's free memory
+    /// less [`cuda::RESERVE`], or `capacity` when that is smaller.
+    pub fn cuda(
+        name: &str,
+        ordinal: usize,
+        precision: cuda::Precision,
+        capacity: Option<u64>,
+    ) -> Result<Device> {
+        // The backend leases its scratch from the allocator, which needs the capacity, which
+        // needs the device opened: open it with an unbounded allocator, then set the bound.
+        let allocator = Allocator::new(name, None);
+        let (backend, free) = cuda::Cuda::new(ordinal, precision, Arc::clone(&allocator))?;
+        let usable = free.saturating_sub(cuda::RESERVE);
+        allocator.set_capacity(Some(capacity.map_or(usable, |c| c.min(usable))));
+        Ok(Device {
+            inner: Arc::new(DeviceInner {
+                allocator,
+                host: Allocator::new(format!("{name} host"), None),
+                backend: Box::new(backend),
+            }),
+        })
     }
 
     /// A device that counts the CPU backend's allocations and computes nothing.
@@ -352,18 +452,22 @@ impl Device {
         let lease = self.inner.host.lease(t.bytes(), Category::Activations)?;
         Ok(Tensor::from_buffer(
             t.shape().clone(),
-            t.storage().clone(),
+            self.backend().copy_to_host(t.storage())?,
             lease,
         ))
     }
 
     /// A device copy of host-tier tensor `t`, counted as activations.
     pub fn from_host(&self, t: &Tensor) -> Result<Tensor> {
-        self.adopt(
+        let lease = self
+            .inner
+            .allocator
+            .lease(t.bytes(), Category::Activations)?;
+        Ok(Tensor::from_buffer(
             t.shape().clone(),
-            t.storage().clone(),
-            Category::Activations,
-        )
+            self.backend().copy_from_host(t.storage())?,
+            lease,
+        ))
     }
 
     /// A zero-filled tensor whose bytes count as `category`.
@@ -375,12 +479,12 @@ impl Device {
             .lease((n * dtype.size()) as u64, category)?;
         Ok(Tensor::from_buffer(
             shape,
-            self.backend().zeros(n, dtype),
+            self.backend().zeros(n, dtype)?,
             lease,
         ))
     }
 
-    /// A tensor over `storage` (host-side elements of this device's kind), leased as `category`.
+    /// A tensor over `storage` (host elements, or this device's), leased as `category`.
     pub fn adopt(&self, shape: Shape, storage: Storage, category: Category) -> Result<Tensor> {
         if shape.numel() != storage.len() {
             return Err(crate::Error::Shape(format!(
@@ -392,7 +496,11 @@ impl Device {
             .inner
             .allocator
             .lease((storage.len() * storage.dtype().size()) as u64, category)?;
-        Ok(Tensor::from_buffer(shape, storage, lease))
+        Ok(Tensor::from_buffer(
+            shape,
+            self.backend().adopt(storage)?,
+            lease,
+        ))
     }
 
     /// A tensor holding `data` converted to `dtype`.
@@ -415,7 +523,7 @@ impl Device {
             .lease((data.len() * dtype.size()) as u64, category)?;
         Ok(Tensor::from_buffer(
             shape,
-            self.backend().upload(data, dtype),
+            self.backend().upload(data, dtype)?,
             lease,
         ))
     }

@@ -236,7 +236,7 @@ mod tests {
             )?;
             c.send(&t, (c.rank() + 1) % 4, 7)?;
             let got = c.recv((c.rank() + 3) % 4, 7, &d, Category::Communication)?;
-            assert_eq!(got.to_f64_vec()[0], ((c.rank() + 3) % 4) as f64);
+            assert_eq!(got.to_f64_vec().unwrap()[0], ((c.rank() + 3) % 4) as f64);
             // Sum over the world, then over pairs {0, 2} and {1, 3}.
             let mut s = d.upload(Shape::new([2]), &[r, 1.0], DType::F64, Category::Gradients)?;
             c.all_reduce_sum(&mut s, &d)?;
@@ -244,7 +244,7 @@ mod tests {
             let mut p = d.upload(Shape::new([1]), &[r], DType::F64, Category::Gradients)?;
             pair.all_reduce_sum(&mut p, &d)?;
             c.barrier()?;
-            Ok((s.to_f64_vec(), p.scalar(), pair.size()))
+            Ok((s.to_f64_vec()?, p.scalar()?, pair.size()))
         })
         .unwrap();
         for (r, (s, p, n)) in out.iter().enumerate() {

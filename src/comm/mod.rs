@@ -16,7 +16,7 @@ use crate::tensor::{Shape, Storage, Tensor};
 use crate::Result;
 
 /// What travels: a shape and the elements.
-#[derive(Clone, Debug)]
+#[derive(Debug)]
 pub struct Message {
     pub shape: Shape,
     pub storage: Storage,
@@ -43,7 +43,7 @@ pub trait Comm: Send {
         self.send_message(
             Message {
                 shape: t.shape().clone(),
-                storage: t.storage().clone(),
+                storage: t.storage().try_clone()?,
             },
             to,
             tag,

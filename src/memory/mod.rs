@@ -88,6 +88,7 @@ pub struct OutOfMemory {
 
 #[derive(Debug, Default)]
 struct State {
+    capacity: Option<u64>,
     live: ByCategory,
     peak: u64,
     at_peak: ByCategory,
@@ -108,7 +109,6 @@ pub struct MemoryStats {
 #[derive(Debug)]
 pub struct Allocator {
     name: String,
-    capacity: Option<u64>,
     state: Mutex<State>,
 }
 
@@ -116,13 +116,20 @@ impl Allocator {
     pub fn new(name: impl Into<String>, capacity: Option<u64>) -> Arc<Self> {
         Arc::new(Allocator {
             name: name.into(),
-            capacity,
-            state: Mutex::new(State::default()),
+            state: Mutex::new(State {
+                capacity,
+                ..State::default()
+            }),
         })
     }
 
     pub fn name(&self) -> &str {
         &self.name
+    }
+
+    /// Bounds later leases by `capacity` (`None`: unlimited); what is live stays.
+    pub fn set_capacity(&self, capacity: Option<u64>) {
+        self.state().capacity = capacity;
     }
 
     fn state(&self) -> std::sync::MutexGuard<'_, State> {
@@ -135,7 +142,7 @@ impl Allocator {
     pub fn lease(self: &Arc<Self>, bytes: u64, category: Category) -> Result<Lease, OutOfMemory> {
         let mut s = self.state();
         let total = s.live.total() + bytes;
-        if let Some(cap) = self.capacity {
+        if let Some(cap) = s.capacity {
             if total > cap {
                 return Err(OutOfMemory {
                     device: self.name.clone(),
@@ -161,7 +168,7 @@ impl Allocator {
     pub fn stats(&self) -> MemoryStats {
         let s = self.state();
         MemoryStats {
-            capacity: self.capacity,
+            capacity: s.capacity,
             live: s.live,
             peak: s.peak,
             at_peak: s.at_peak,

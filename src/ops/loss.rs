@@ -71,20 +71,20 @@ pub fn softmax_cross_entropy_backward(
 }
 
 /// How many rows have their largest probability at the label.
-pub fn correct(probs: &Tensor, labels: &[u32]) -> usize {
-    predictions(probs)
+pub fn correct(probs: &Tensor, labels: &[u32]) -> Result<usize> {
+    Ok(predictions(probs)?
         .iter()
         .zip(labels)
         .filter(|(p, l)| p == l)
-        .count()
+        .count())
 }
 
 /// The most probable class of each row (the first of equals).
-pub fn predictions(probs: &Tensor) -> Vec<u32> {
+pub fn predictions(probs: &Tensor) -> Result<Vec<u32>> {
     let k = probs.shape().dim(1);
-    probs
-        .to_f64_vec()
+    Ok(probs
+        .to_f64_vec()?
         .chunks(k)
         .map(|row| (0..k).fold(0, |b, j| if row[j] > row[b] { j } else { b }) as u32)
-        .collect()
+        .collect())
 }

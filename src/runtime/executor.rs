@@ -286,7 +286,13 @@ impl<'a> Rank<'a> {
         let device = if c.metered {
             Device::cpu_meter(&name, c.train.device_memory)
         } else {
-            Device::cpu(&name, c.train.device_memory)
+            Device::open(
+                c.train.device,
+                c.train.precision,
+                &name,
+                comm.rank(),
+                c.train.device_memory,
+            )?
         }
         .with_host_memory(c.train.host_memory)?;
         let mirrored = s.replicas >= 2;
@@ -451,7 +457,7 @@ impl<'a> Rank<'a> {
                 *report.losses.last_mut().expect("a step is open") += o.weight * l / m_total;
                 if g.outputs.first() == Some(o) {
                     let c = report.correct.last_mut().expect("a step is open");
-                    c.0 += loss::correct(&probs, &labels);
+                    c.0 += loss::correct(&probs, &labels)?;
                     c.1 += mb;
                 }
                 seeds.push((
@@ -465,6 +471,7 @@ impl<'a> Rank<'a> {
                 ));
             }
         }
+        self.device.backend().synchronize()?;
         self.busy += start.elapsed().as_secs_f64();
         if n_out > 0 {
             let to = self.world_rank(t.replica, t.stage + 1);
@@ -519,6 +526,7 @@ impl<'a> Rank<'a> {
             seeds,
             want,
         )?;
+        self.device.backend().synchronize()?;
         self.busy += start.elapsed().as_secs_f64();
         if t.stage > 0 {
             let to = self.world_rank(t.replica, t.stage - 1);
@@ -562,10 +570,11 @@ impl<'a> Rank<'a> {
                     self.holders.all_reduce_sum(&mut acc, &self.device)?;
                 }
                 for &i in &idx[1..] {
-                    *self.copies[i].params.grads[p]
+                    let grad = self.copies[i].params.grads[p]
                         .as_mut()
                         .expect("trainable")
-                        .storage_mut()? = acc.storage().clone();
+                        .storage_mut()?;
+                    self.device.backend().copy(acc.storage(), grad)?;
                 }
                 self.copies[idx[0]].params.grads[p] = Some(acc);
             }
@@ -590,6 +599,7 @@ impl<'a> Rank<'a> {
             copy.sgd.step(&mut copy.params, &self.device, lr)?;
             copy.params.zero_grads(&self.device)?;
         }
+        self.device.backend().synchronize()?;
         self.busy += start.elapsed().as_secs_f64();
         Ok(())
     }
@@ -602,7 +612,7 @@ impl<'a> Rank<'a> {
     ) -> Result<Vec<(usize, RunningUpdate)>> {
         let h = &*self.holders;
         let tag = crate::comm::COLLECTIVE_TAG + 16;
-        let encode = |list: &[(usize, RunningUpdate)]| -> Vec<Message> {
+        let encode = |list: &[(usize, RunningUpdate)]| -> Result<Vec<Message>> {
             let header: Vec<f64> = list
                 .iter()
                 .flat_map(|(gm, u)| [*gm as f64, u.node as f64, u.stats.count as f64])
@@ -615,11 +625,11 @@ impl<'a> Rank<'a> {
                 for t in [&u.stats.mean, &u.stats.var] {
                     msgs.push(Message {
                         shape: t.shape().clone(),
-                        storage: t.storage().clone(),
+                        storage: t.storage().try_clone()?,
                     });
                 }
             }
-            msgs
+            Ok(msgs)
         };
         let decode = |from: usize| -> Result<Vec<(usize, RunningUpdate)>> {
             let Storage::F64(header) = h.recv_message(from, tag)?.storage else {
@@ -645,7 +655,7 @@ impl<'a> Rank<'a> {
             Ok(out)
         };
         let send = |list: &[(usize, RunningUpdate)], to: usize| -> Result<()> {
-            for m in encode(list) {
+            for m in encode(list)? {
                 h.send_message(m, to, tag)?;
             }
             Ok(())
@@ -737,7 +747,7 @@ pub fn run_rank(c: &RunConfig, layout: &Layout, comm: &dyn Comm) -> Result<RankR
             for (i, v) in copy.params.values.iter().enumerate() {
                 report
                     .params
-                    .push((copy.orientation, copy.params.first + i, v.to_f64_vec()));
+                    .push((copy.orientation, copy.params.first + i, v.to_f64_vec()?));
             }
         }
     }

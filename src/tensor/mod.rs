@@ -4,6 +4,9 @@
 use std::fmt;
 use std::sync::Arc;
 
+use cudarc::driver::CudaSlice;
+
+use crate::backend::cuda;
 use crate::memory::Lease;
 
 /// Element type of a tensor.
@@ -81,13 +84,15 @@ impl fmt::Debug for Shape {
 }
 
 /// Device memory holding elements. Each backend adds its variants.
-#[derive(Clone, Debug)]
+#[derive(Debug)]
 pub enum Storage {
     F32(Vec<f32>),
     F64(Vec<f64>),
     /// Elements that are counted but never stored: the metering backend's, which replays a
     /// run's allocations to predict its memory exactly.
     Virtual(DType, usize),
+    /// f32 elements in a CUDA device's memory, ordered on the stream the slice belongs to.
+    CudaF32(CudaSlice<f32>),
 }
 
 impl Storage {
@@ -96,6 +101,7 @@ impl Storage {
             Storage::F32(_) => DType::F32,
             Storage::F64(_) => DType::F64,
             Storage::Virtual(d, _) => *d,
+            Storage::CudaF32(_) => DType::F32,
         }
     }
     pub fn len(&self) -> usize {
@@ -103,18 +109,30 @@ impl Storage {
             Storage::F32(v) => v.len(),
             Storage::F64(v) => v.len(),
             Storage::Virtual(_, n) => *n,
+            Storage::CudaF32(s) => s.len(),
         }
     }
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
+    /// A copy in the same memory (host or device).
+    pub fn try_clone(&self) -> crate::Result<Storage> {
+        Ok(match self {
+            Storage::F32(v) => Storage::F32(v.clone()),
+            Storage::F64(v) => Storage::F64(v.clone()),
+            Storage::Virtual(d, n) => Storage::Virtual(*d, *n),
+            Storage::CudaF32(s) => Storage::CudaF32(cuda::duplicate(s)?),
+        })
+    }
     /// The elements as little-endian bytes (files and the wire).
-    pub fn to_le_bytes(&self) -> Vec<u8> {
-        match self {
-            Storage::F32(v) => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+    pub fn to_le_bytes(&self) -> crate::Result<Vec<u8>> {
+        let f32_bytes = |v: &[f32]| v.iter().flat_map(|x| x.to_le_bytes()).collect();
+        Ok(match self {
+            Storage::F32(v) => f32_bytes(v),
             Storage::F64(v) => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
             Storage::Virtual(d, n) => vec![0; d.size() * n],
-        }
+            Storage::CudaF32(s) => f32_bytes(&cuda::download(s)?),
+        })
     }
     /// Elements of `dtype` from little-endian bytes (a trailing partial element is ignored).
     pub fn from_le_bytes(bytes: &[u8], dtype: DType) -> Storage {
@@ -224,16 +242,18 @@ impl Tensor {
         Arc::as_ptr(&self.buf) as usize
     }
     /// Elements as f64 (a copy to the host); for tests, checks and reports.
-    pub fn to_f64_vec(&self) -> Vec<f64> {
-        match &self.buf.storage {
-            Storage::F32(v) => v.iter().map(|&x| x as f64).collect(),
+    pub fn to_f64_vec(&self) -> crate::Result<Vec<f64>> {
+        let widen = |v: &[f32]| v.iter().map(|&x| x as f64).collect();
+        Ok(match &self.buf.storage {
+            Storage::F32(v) => widen(v),
             Storage::F64(v) => v.clone(),
             Storage::Virtual(_, n) => vec![0.0; *n],
-        }
+            Storage::CudaF32(s) => widen(&cuda::download(s)?),
+        })
     }
     /// The single element of a one-element tensor.
-    pub fn scalar(&self) -> f64 {
+    pub fn scalar(&self) -> crate::Result<f64> {
         debug_assert_eq!(self.numel(), 1);
-        self.to_f64_vec()[0]
+        Ok(self.to_f64_vec()?[0])
     }
 }

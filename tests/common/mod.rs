@@ -103,12 +103,12 @@ pub fn check_model_gradients(name: &str, size: usize, probes: &[&str], spots: &[
             .iter()
             .position(|p| p.name == *pname)
             .unwrap_or_else(|| panic!("{name} has no parameter {pname}"));
-        let analytic = params.grads[pi].as_ref().unwrap().to_f64_vec();
+        let analytic = params.grads[pi].as_ref().unwrap().to_f64_vec().unwrap();
         assert!(
             analytic.iter().any(|v| *v != 0.0),
             "{name} {pname}: no gradient at all"
         );
-        let original = params.values[pi].to_f64_vec();
+        let original = params.values[pi].to_f64_vec().unwrap();
         let shape = g.params[pi].spec.shape.clone();
         let n = original.len();
         for spot in spots {

@@ -232,18 +232,38 @@ impl Backend for Cpu {
         format!("cpu ({} threads)", rayon::current_num_threads())
     }
 
-    fn zeros(&self, numel: usize, dtype: DType) -> Storage {
-        match dtype {
+    fn zeros(&self, numel: usize, dtype: DType) -> Result<Storage> {
+        Ok(match dtype {
             DType::F32 => Storage::F32(vec![0.0; numel]),
             DType::F64 => Storage::F64(vec![0.0; numel]),
+        })
+    }
+
+    fn upload(&self, data: &[f64], dtype: DType) -> Result<Storage> {
+        Ok(match dtype {
+            DType::F32 => Storage::F32(data.iter().map(|&x| x as f32).collect()),
+            DType::F64 => Storage::F64(data.to_vec()),
+        })
+    }
+
+    fn adopt(&self, s: Storage) -> Result<Storage> {
+        match s {
+            Storage::CudaF32(v) => Ok(Storage::F32(crate::backend::cuda::download(&v)?)),
+            host => Ok(host),
         }
     }
 
-    fn upload(&self, data: &[f64], dtype: DType) -> Storage {
-        match dtype {
-            DType::F32 => Storage::F32(data.iter().map(|&x| x as f32).collect()),
-            DType::F64 => Storage::F64(data.to_vec()),
-        }
+    fn copy_to_host(&self, s: &Storage) -> Result<Storage> {
+        s.try_clone()
+    }
+
+    fn copy_from_host(&self, s: &Storage) -> Result<Storage> {
+        s.try_clone()
+    }
+
+    fn copy(&self, src: &Storage, dst: &mut Storage) -> Result<()> {
+        with_float!(src.dtype(), T => T::view_mut(dst)?.copy_from_slice(T::view(src)?));
+        Ok(())
     }
 
     fn conv2d_workspace(&self, g: &ConvGeom) -> usize {

@@ -1,11 +1,966 @@
-//! The CUDA backend's kernels, as far as they go without a device: the parameter structs the
-//! kernels take ([`params`], bindgen's output for `include/gems_kernels.h`) and the kernel
-//! sources (`cuda/*.cu`) with their run-time compilation by NVRTC ([`kernels`]).
+//! The CUDA backend: f32 tensors in device memory, the handwritten kernels of `cuda/*.cu`
+//! (compiled at run time by NVRTC for the device's architecture and cached on disk), cuBLAS for
+//! linear layers.
 //!
-//! The backend itself (device, allocator, launching) comes later. The kernels are compiled by
-//! NVRTC for sm_80 and sm_90 in CI (tests/cuda_kernels.rs) but have not yet run on a GPU.
+//! Everything runs in order on one stream per device. Device memory comes from the driver's
+//! stream-ordered pool with its release threshold raised to the maximum, so freed blocks stay
+//! cached for the next step instead of going back to the driver; the engine's [`Allocator`]
+//! accounts every byte against the device's capacity before the pool is asked. Small scratch
+//! buffers a kernel needs (BN's per-channel sums, the loss's labels) are leased as workspace.
+//!
+//! The libraries are loaded at run time, so the same binary runs without a GPU: without a
+//! usable driver, [`Cuda::new`] returns an error saying what is missing ([`libs`] finds them).
 
 pub mod kernels;
+pub mod libs;
 #[rustfmt::skip]
 #[allow(non_camel_case_types, non_snake_case, non_upper_case_globals, clippy::all)]
 pub mod params;
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use cudarc::cublas::{self, CudaBlas, Gemm, GemmConfig};
+use cudarc::driver::{
+    self, sys, CudaContext, CudaFunction, CudaSlice, CudaStream, DeviceRepr, LaunchConfig,
+    PushKernelArg,
+};
+
+use super::{Backend, ChannelGeom, ConvGeom, PoolGeom, SgdStep};
+use crate::memory::{Allocator, Category, Lease};
+use crate::tensor::{DType, Storage};
+use crate::{Error, Result};
+
+// SAFETY: the parameter structs are plain C structs (bindgen's #[repr(C)] output), passed to
+// kernels by value exactly as declared in include/gems_kernels.h.
+unsafe impl DeviceRepr for params::GemsConvGeom {}
+unsafe impl DeviceRepr for params::GemsPoolGeom {}
+unsafe impl DeviceRepr for params::GemsChannelGeom {}
+unsafe impl DeviceRepr for params::GemsBatchNorm {}
+unsafe impl DeviceRepr for params::GemsBnRunning {}
+unsafe impl DeviceRepr for params::GemsSgdStep {}
+unsafe impl DeviceRepr for params::GemsDropout {}
+unsafe impl DeviceRepr for params::GemsLoss {}
+unsafe impl DeviceRepr for params::GemsCopyChannels {}
+
+/// The arithmetic of convolutions and matrix products (storage is f32 either way).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum Precision {
+    /// f32 multiply-adds on the CUDA cores.
+    #[default]
+    Fp32,
+    /// f32 storage, products on the tensor cores with 10-bit mantissas (sm_80+).
+    Tf32,
+}
+
+impl std::str::FromStr for Precision {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "fp32" => Ok(Precision::Fp32),
+            "tf32" => Ok(Precision::Tf32),
+            _ => Err(format!("unknown precision '{s}' (fp32, tf32)")),
+        }
+    }
+}
+
+impl std::fmt::Display for Precision {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Precision::Fp32 => "fp32",
+            Precision::Tf32 => "tf32",
+        })
+    }
+}
+
+/// What `gems info` reports of one GPU.
+#[derive(Clone, Debug)]
+pub struct GpuInfo {
+    pub ordinal: usize,
+    pub name: String,
+    pub compute_capability: (i32, i32),
+    pub multiprocessors: i32,
+    pub total_memory: u64,
+    pub free_memory: u64,
+}
+
+fn driver_error(e: driver::DriverError) -> Error {
+    Error::Device(format!("CUDA driver: {e}"))
+}
+
+fn blas_error(e: cublas::result::CublasError) -> Error {
+    Error::Device(format!("cuBLAS: {e:?}"))
+}
+
+/// The driver, initialised; an error naming what is missing otherwise.
+fn driver() -> Result<()> {
+    let lib = libs::get("driver");
+    // SAFETY: only tries to open the library under cudarc's candidate names.
+    if !unsafe { sys::is_culib_present() } {
+        let why = lib
+            .and_then(|l| l.problem.clone())
+            .unwrap_or_else(|| "libcuda.so.1 not found".into());
+        return Err(Error::Device(format!(
+            "no usable CUDA driver: {why}. Install the NVIDIA driver, or name the folder \
+             holding libcuda.so.1 in GEMS_CUDA_LIB_DIRS"
+        )));
+    }
+    Ok(())
+}
+
+/// How many GPUs the driver sees (an error when there is no driver).
+pub fn device_count() -> Result<usize> {
+    libs::load();
+    driver()?;
+    let n = CudaContext::device_count().map_err(driver_error)?;
+    Ok(n.max(0) as usize)
+}
+
+/// Every GPU the driver sees.
+pub fn devices() -> Result<Vec<GpuInfo>> {
+    (0..device_count()?)
+        .map(|ordinal| {
+            let ctx = CudaContext::new(ordinal).map_err(driver_error)?;
+            let (free, total) = ctx.mem_get_info().map_err(driver_error)?;
+            Ok(GpuInfo {
+                ordinal,
+                name: ctx.name().map_err(driver_error)?,
+                compute_capability: ctx.compute_capability().map_err(driver_error)?,
+                multiprocessors: ctx
+                    .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+                    .map_err(driver_error)?,
+                total_memory: total as u64,
+                free_memory: free as u64,
+            })
+        })
+        .collect()
+}
+
+/// The newest kernel architecture in [`kernels::ARCHS`] the device can run.
+fn arch_for(cc: (i32, i32)) -> Result<&'static str> {
+    let have = cc.0 * 10 + cc.1;
+    kernels::ARCHS
+        .iter()
+        .rev()
+        .find(|a| {
+            a.trim_start_matches("compute_")
+                .parse::<i32>()
+                .unwrap_or(i32::MAX)
+                <= have
+        })
+        .copied()
+        .ok_or_else(|| {
+            Error::Device(format!(
+                "compute capability {}.{} is below 8.0; the kernels need sm_80 or newer",
+                cc.0, cc.1
+            ))
+        })
+}
+
+/// Bytes of device memory left to the CUDA libraries' own allocations (cuBLAS workspace,
+/// loaded modules) when the capacity is the free memory.
+pub const RESERVE: u64 = 512 << 20;
+
+/// One GPU: its context, the stream everything runs on, the loaded kernels and cuBLAS.
+pub struct Cuda {
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    functions: HashMap<String, CudaFunction>,
+    blas: CudaBlas,
+    /// Where scratch buffers are leased (the device's allocator).
+    allocator: Arc<Allocator>,
+    precision: Precision,
+    multiprocessors: u32,
+    arch: &'static str,
+}
+
+impl Cuda {
+    /// Opens GPU `ordinal`, compiles (or loads from the cache) every kernel for its
+    /// architecture, and returns the backend and the device's free memory in bytes.
+    pub fn new(
+        ordinal: usize,
+        precision: Precision,
+        allocator: Arc<Allocator>,
+    ) -> Result<(Cuda, u64)> {
+        let count = device_count()?;
+        if ordinal >= count {
+            return Err(Error::Device(format!(
+                "no CUDA device {ordinal}: the driver sees {count}"
+            )));
+        }
+        let ctx = CudaContext::new(ordinal).map_err(driver_error)?;
+        // One stream per device orders all work, so cudarc's per-buffer events are not needed.
+        // SAFETY: nothing has been allocated on this context through cudarc yet.
+        unsafe { ctx.disable_event_tracking() };
+        let stream = ctx.new_stream().map_err(driver_error)?;
+        keep_freed_memory_cached(&ctx)?;
+        let arch = arch_for(ctx.compute_capability().map_err(driver_error)?)?;
+        let mut functions = HashMap::new();
+        for (family, _) in kernels::SOURCES {
+            let ptx = kernels::ptx(family, arch).map_err(|e| Error::Device(e.to_string()))?;
+            let module = ctx
+                .load_module(cudarc::nvrtc::Ptx::from_src(ptx.clone()))
+                .map_err(driver_error)?;
+            for entry in kernels::entries(&ptx) {
+                let f = module.load_function(&entry).map_err(driver_error)?;
+                functions.insert(entry, f);
+            }
+        }
+        if libs::get("cublas").is_some_and(|l| l.path.is_none()) {
+            return Err(Error::Device(format!(
+                "cuBLAS not found: {}",
+                libs::get("cublas")
+                    .and_then(|l| l.problem.clone())
+                    .unwrap_or_default()
+            )));
+        }
+        let blas = CudaBlas::new(stream.clone()).map_err(blas_error)?;
+        let math = match precision {
+            Precision::Fp32 => cublas::sys::cublasMath_t::CUBLAS_PEDANTIC_MATH,
+            Precision::Tf32 => cublas::sys::cublasMath_t::CUBLAS_TF32_TENSOR_OP_MATH,
+        };
+        // SAFETY: the handle is live; the mode is a valid enumerator.
+        unsafe { cublas::sys::cublasSetMathMode(*blas.handle(), math) }
+            .result()
+            .map_err(blas_error)?;
+        let multiprocessors = ctx
+            .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+            .map_err(driver_error)? as u32;
+        let (free, _) = ctx.mem_get_info().map_err(driver_error)?;
+        Ok((
+            Cuda {
+                ctx,
+                stream,
+                functions,
+                blas,
+                allocator,
+                precision,
+                multiprocessors,
+                arch,
+            },
+            free as u64,
+        ))
+    }
+
+    fn function(&self, name: &str) -> Result<&CudaFunction> {
+        self.functions
+            .get(name)
+            .ok_or_else(|| Error::Internal(format!("no kernel {name} in cuda/*.cu")))
+    }
+
+    /// 1-d grid-stride launch over `numel` elements: 256 threads a block, at most 32 blocks
+    /// per multiprocessor (any grid covers every element).
+    fn grid_1d(&self, numel: usize) -> LaunchConfig {
+        let blocks = numel
+            .div_ceil(256)
+            .clamp(1, 32 * self.multiprocessors as usize);
+        LaunchConfig {
+            grid_dim: (blocks as u32, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        }
+    }
+
+    /// One block of `threads` per item (channel, row, plane).
+    fn per_item(items: usize, threads: u32) -> Result<LaunchConfig> {
+        Ok(LaunchConfig {
+            grid_dim: (dim32(items, "grid")? as u32, 1, 1),
+            block_dim: (threads, 1, 1),
+            shared_mem_bytes: 0,
+        })
+    }
+
+    /// `numel` f32 of scratch, leased as workspace for as long as the lease is held.
+    fn scratch<T: DeviceRepr + cudarc::driver::ValidAsZeroBits>(
+        &self,
+        numel: usize,
+    ) -> Result<(CudaSlice<T>, Lease)> {
+        let lease = self.allocator.lease(
+            (numel * std::mem::size_of::<T>()) as u64,
+            Category::Workspace,
+        )?;
+        Ok((alloc_zeros(&self.stream, numel)?, lease))
+    }
+
+    /// Splits of the long K of backward-filter (every output pixel of the batch), so that
+    /// enough blocks run to fill the device; each split writes its own partial sums.
+    fn filter_splits(&self, g: &ConvGeom) -> usize {
+        let (m, n, k) = (g.c_out / g.groups, g.col_rows(), g.n * g.h_out * g.w_out);
+        let tiles = m.div_ceil(64) * n.div_ceil(64) * g.groups;
+        let wanted = (4 * self.multiprocessors as usize).div_ceil(tiles.max(1));
+        // At least 8 K-steps of 16 per split, and gridDim.z = groups · splits < 65536.
+        let most = (k.div_ceil(16) / 8)
+            .clamp(1, 256)
+            .min(65535 / g.groups.max(1));
+        wanted.clamp(1, most.max(1))
+    }
+
+    fn conv_kernel(&self, pass: &str) -> String {
+        let suffix = match self.precision {
+            Precision::Fp32 => "f32",
+            Precision::Tf32 => "tf32",
+        };
+        format!("conv2d_{pass}_{suffix}")
+    }
+
+    /// The device's name, architecture and precision, for reports.
+    pub fn describe(&self) -> String {
+        format!(
+            "cuda:{} {} ({}, {} SMs, {})",
+            self.ctx.ordinal(),
+            self.ctx.name().unwrap_or_else(|_| "GPU".into()),
+            self.arch,
+            self.multiprocessors,
+            self.precision
+        )
+    }
+}
+
+/// Raises the release threshold of the device's default memory pool to the maximum: memory
+/// freed in one step is kept for the next instead of being handed back to the driver.
+fn keep_freed_memory_cached(ctx: &Arc<CudaContext>) -> Result<()> {
+    ctx.bind_to_thread().map_err(driver_error)?;
+    if !ctx.has_async_alloc() {
+        return Ok(());
+    }
+    let mut pool = std::ptr::null_mut();
+    let mut threshold = u64::MAX;
+    // SAFETY: the pool handle is written by the driver; the attribute takes a u64.
+    unsafe {
+        sys::cuDeviceGetDefaultMemPool(&mut pool, ctx.cu_device())
+            .result()
+            .map_err(driver_error)?;
+        sys::cuMemPoolSetAttribute(
+            pool,
+            sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+            (&mut threshold as *mut u64).cast(),
+        )
+        .result()
+        .map_err(driver_error)?;
+    }
+    Ok(())
+}
+
+fn alloc_zeros<T: DeviceRepr + cudarc::driver::ValidAsZeroBits>(
+    stream: &Arc<CudaStream>,
+    numel: usize,
+) -> Result<CudaSlice<T>> {
+    if numel == 0 {
+        return stream.null().map_err(driver_error);
+    }
+    stream.alloc_zeros(numel).map_err(driver_error)
+}
+
+/// The elements of `s`, copied to the host (waits for the work queued before).
+pub fn download(s: &CudaSlice<f32>) -> Result<Vec<f32>> {
+    if s.is_empty() {
+        return Ok(Vec::new());
+    }
+    s.stream().clone_dtoh(s).map_err(driver_error)
+}
+
+/// A device copy of `s`, on its stream.
+pub fn duplicate(s: &CudaSlice<f32>) -> Result<CudaSlice<f32>> {
+    if s.is_empty() {
+        return s.stream().null().map_err(driver_error);
+    }
+    s.stream().clone_dtod(s).map_err(driver_error)
+}
+
+fn dev(s: &Storage) -> Result<&CudaSlice<f32>> {
+    match s {
+        Storage::CudaF32(v) => Ok(v),
+        other => Err(not_on_device(other)),
+    }
+}
+
+fn dev_mut(s: &mut Storage) -> Result<&mut CudaSlice<f32>> {
+    match s {
+        Storage::CudaF32(v) => Ok(v),
+        other => Err(not_on_device(other)),
+    }
+}
+
+fn not_on_device(s: &Storage) -> Error {
+    Error::Internal(format!(
+        "the CUDA backend got {} elements that are not in device memory",
+        s.dtype().name()
+    ))
+}
+
+/// A dimension as the kernels' 32-bit int.
+fn dim32(v: usize, what: &str) -> Result<i32> {
+    i32::try_from(v).map_err(|_| {
+        Error::Config(format!(
+            "{what} of {v} exceeds the CUDA kernels' 32-bit dimensions"
+        ))
+    })
+}
+
+fn conv_params(g: &ConvGeom) -> Result<params::GemsConvGeom> {
+    Ok(params::GemsConvGeom {
+        n: dim32(g.n, "batch")?,
+        c_in: dim32(g.c_in, "channels")?,
+        h: dim32(g.h, "height")?,
+        w: dim32(g.w, "width")?,
+        c_out: dim32(g.c_out, "channels")?,
+        kh: dim32(g.kh, "kernel")?,
+        kw: dim32(g.kw, "kernel")?,
+        stride_h: dim32(g.stride.0, "stride")?,
+        stride_w: dim32(g.stride.1, "stride")?,
+        pad_h: dim32(g.pad.0, "padding")?,
+        pad_w: dim32(g.pad.1, "padding")?,
+        dilation_h: dim32(g.dilation.0, "dilation")?,
+        dilation_w: dim32(g.dilation.1, "dilation")?,
+        groups: dim32(g.groups, "groups")?,
+        h_out: dim32(g.h_out, "height")?,
+        w_out: dim32(g.w_out, "width")?,
+    })
+}
+
+fn pool_params(g: &PoolGeom) -> Result<params::GemsPoolGeom> {
+    Ok(params::GemsPoolGeom {
+        n: dim32(g.n, "batch")?,
+        c: dim32(g.c, "channels")?,
+        h: dim32(g.h, "height")?,
+        w: dim32(g.w, "width")?,
+        kh: dim32(g.kh, "kernel")?,
+        kw: dim32(g.kw, "kernel")?,
+        stride_h: dim32(g.stride.0, "stride")?,
+        stride_w: dim32(g.stride.1, "stride")?,
+        pad_h: dim32(g.pad.0, "padding")?,
+        pad_w: dim32(g.pad.1, "padding")?,
+        h_out: dim32(g.h_out, "height")?,
+        w_out: dim32(g.w_out, "width")?,
+    })
+}
+
+fn channel_params(g: &ChannelGeom) -> Result<params::GemsChannelGeom> {
+    Ok(params::GemsChannelGeom {
+        n: dim32(g.n, "batch")?,
+        c: dim32(g.c, "channels")?,
+        hw: dim32(g.hw, "plane")?,
+    })
+}
+
+/// A (ceil(N / 64), ceil(M / 64), z) grid of 256-thread blocks: the conv kernels' tiling.
+fn conv_grid(m: usize, n: usize, z: usize) -> Result<LaunchConfig> {
+    let (gx, gy) = (n.div_ceil(64), m.div_ceil(64));
+    if gy > 65535 || z > 65535 || gx > i32::MAX as usize {
+        return Err(Error::Config(format!(
+            "a convolution of {m} x {n} outputs in {z} groups is too large for one launch"
+        )));
+    }
+    Ok(LaunchConfig {
+        grid_dim: (gx as u32, gy as u32, z as u32),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    })
+}
+
+/// Launches kernel `$name` with `$cfg` and the arguments in order.
+macro_rules! launch {
+    ($self:ident, $name:expr, $cfg:expr; $($arg:expr),* $(,)?) => {{
+        let f = $self.function(&$name)?;
+        let mut builder = $self.stream.launch_builder(f);
+        $( builder.arg($arg); )*
+        // SAFETY: the arguments match the kernel's parameters in cuda/*.cu in number, type
+        // and order, and every buffer holds as many elements as the geometry says (the ops
+        // allocate them from the same shapes).
+        unsafe { builder.launch($cfg) }.map(drop).map_err(driver_error)
+    }};
+}
+
+impl Backend for Cuda {
+    fn name(&self) -> String {
+        self.describe()
+    }
+
+    fn zeros(&self, numel: usize, dtype: DType) -> Result<Storage> {
+        match dtype {
+            DType::F32 => Ok(Storage::CudaF32(alloc_zeros(&self.stream, numel)?)),
+            other => Err(unsupported(other)),
+        }
+    }
+
+    fn upload(&self, data: &[f64], dtype: DType) -> Result<Storage> {
+        match dtype {
+            DType::F32 => {
+                let v: Vec<f32> = data.iter().map(|&x| x as f32).collect();
+                self.adopt(Storage::F32(v))
+            }
+            other => Err(unsupported(other)),
+        }
+    }
+
+    fn adopt(&self, s: Storage) -> Result<Storage> {
+        match s {
+            Storage::F32(v) if v.is_empty() => self.zeros(0, DType::F32),
+            Storage::F32(v) => Ok(Storage::CudaF32(
+                self.stream.clone_htod(&v).map_err(driver_error)?,
+            )),
+            Storage::CudaF32(v) => Ok(Storage::CudaF32(v)),
+            other => Err(unsupported(other.dtype())),
+        }
+    }
+
+    fn copy_to_host(&self, s: &Storage) -> Result<Storage> {
+        Ok(Storage::F32(download(dev(s)?)?))
+    }
+
+    fn copy_from_host(&self, s: &Storage) -> Result<Storage> {
+        match s {
+            Storage::F32(v) if v.is_empty() => self.zeros(0, DType::F32),
+            Storage::F32(v) => Ok(Storage::CudaF32(
+                self.stream.clone_htod(v).map_err(driver_error)?,
+            )),
+            other => Err(unsupported(other.dtype())),
+        }
+    }
+
+    fn copy(&self, src: &Storage, dst: &mut Storage) -> Result<()> {
+        let (src, dst) = (dev(src)?, dev_mut(dst)?);
+        if src.is_empty() {
+            return Ok(());
+        }
+        self.stream.memcpy_dtod(src, dst).map_err(driver_error)
+    }
+
+    fn synchronize(&self) -> Result<()> {
+        self.stream.synchronize().map_err(driver_error)
+    }
+
+    fn conv2d_workspace(&self, g: &ConvGeom) -> usize {
+        self.filter_splits(g) * g.c_out * g.col_rows()
+    }
+
+    fn conv2d_forward(
+        &self,
+        x: &Storage,
+        w: &Storage,
+        y: &mut Storage,
+        _ws: &mut Storage,
+        g: &ConvGeom,
+    ) -> Result<()> {
+        let p = conv_params(g)?;
+        let cfg = conv_grid(g.c_out / g.groups, g.n * g.h_out * g.w_out, g.groups)?;
+        launch!(self, self.conv_kernel("forward"), cfg; dev(x)?, dev(w)?, dev_mut(y)?, &p)
+    }
+
+    fn conv2d_backward_data(
+        &self,
+        dy: &Storage,
+        w: &Storage,
+        dx: &mut Storage,
+        _ws: &mut Storage,
+        g: &ConvGeom,
+    ) -> Result<()> {
+        let p = conv_params(g)?;
+        let cfg = conv_grid(g.c_in / g.groups, g.n * g.h * g.w, g.groups)?;
+        launch!(self, self.conv_kernel("backward_data"), cfg; dev(dy)?, dev(w)?, dev_mut(dx)?, &p)
+    }
+
+    fn conv2d_backward_filter(
+        &self,
+        x: &Storage,
+        dy: &Storage,
+        dw: &mut Storage,
+        ws: &mut Storage,
+        g: &ConvGeom,
+    ) -> Result<()> {
+        let p = conv_params(g)?;
+        let splits = self.filter_splits(g);
+        let numel = g.c_out * g.col_rows();
+        let partial = dev_mut(ws)?;
+        if partial.len() < splits * numel {
+            return Err(Error::Internal(format!(
+                "backward-filter workspace of {} elements, {} needed",
+                partial.len(),
+                splits * numel
+            )));
+        }
+        let cfg = conv_grid(g.c_out / g.groups, g.col_rows(), g.groups * splits)?;
+        launch!(self, self.conv_kernel("backward_filter"), cfg; dev(x)?, dev(dy)?, &mut *partial, &p)?;
+        let (numel64, splits32) = (numel as i64, splits as i32);
+        launch!(self, "conv2d_reduce_splits_f32", self.grid_1d(numel);
+            &*partial, dev_mut(dw)?, &numel64, &splits32)
+    }
+
+    fn add_channel_bias(&self, y: &mut Storage, bias: &Storage, g: &ChannelGeom) -> Result<()> {
+        let p = channel_params(g)?;
+        launch!(self, "add_channel_bias_f32", self.grid_1d(g.n * g.c * g.hw); dev_mut(y)?, dev(bias)?, &p)
+    }
+
+    fn channel_sum(&self, dy: &Storage, db: &mut Storage, g: &ChannelGeom) -> Result<()> {
+        let p = channel_params(g)?;
+        launch!(self, "channel_sum_f32", Self::per_item(g.c, 256)?; dev(dy)?, dev_mut(db)?, &p)
+    }
+
+    fn batchnorm_forward_train(
+        &self,
+        x: &Storage,
+        gamma: &Storage,
+        beta: &Storage,
+        y: &mut Storage,
+        mean: &mut Storage,
+        var: &mut Storage,
+        eps: f64,
+        g: &ChannelGeom,
+    ) -> Result<()> {
+        let bn = params::GemsBatchNorm {
+            geom: channel_params(g)?,
+            eps,
+        };
+        launch!(self, "batchnorm_stats_f32", Self::per_item(g.c, 512)?;
+            dev(x)?, dev_mut(mean)?, dev_mut(var)?, &bn)?;
+        launch!(self, "batchnorm_apply_f32", self.grid_1d(g.n * g.c * g.hw);
+            dev(x)?, dev(gamma)?, dev(beta)?, dev(mean)?, dev(var)?, dev_mut(y)?, &bn)
+    }
+
+    fn batchnorm_forward_eval(
+        &self,
+        x: &Storage,
+        gamma: &Storage,
+        beta: &Storage,
+        mean: &Storage,
+        var: &Storage,
+        y: &mut Storage,
+        eps: f64,
+        g: &ChannelGeom,
+    ) -> Result<()> {
+        let bn = params::GemsBatchNorm {
+            geom: channel_params(g)?,
+            eps,
+        };
+        launch!(self, "batchnorm_apply_f32", self.grid_1d(g.n * g.c * g.hw);
+            dev(x)?, dev(gamma)?, dev(beta)?, dev(mean)?, dev(var)?, dev_mut(y)?, &bn)
+    }
+
+    fn batchnorm_backward(
+        &self,
+        x: &Storage,
+        dy: &Storage,
+        gamma: &Storage,
+        mean: &Storage,
+        var: &Storage,
+        dx: &mut Storage,
+        dgamma: &mut Storage,
+        dbeta: &mut Storage,
+        eps: f64,
+        g: &ChannelGeom,
+    ) -> Result<()> {
+        let bn = params::GemsBatchNorm {
+            geom: channel_params(g)?,
+            eps,
+        };
+        let (mut sums, _lease) = self.scratch::<f32>(2 * g.c)?;
+        launch!(self, "batchnorm_backward_reduce_f32", Self::per_item(g.c, 512)?;
+            dev(x)?, dev(dy)?, dev(mean)?, dev(var)?, dev_mut(dgamma)?, dev_mut(dbeta)?,
+            &mut sums, &bn)?;
+        launch!(self, "batchnorm_backward_dx_f32", self.grid_1d(g.n * g.c * g.hw);
+            dev(x)?, dev(dy)?, dev(gamma)?, dev(mean)?, dev(var)?, &sums, dev_mut(dx)?, &bn)
+    }
+
+    fn batchnorm_update_running(
+        &self,
+        running_mean: &mut Storage,
+        running_var: &mut Storage,
+        mean: &Storage,
+        var: &Storage,
+        momentum: f64,
+        count: usize,
+    ) -> Result<()> {
+        let c = dev(mean)?.len();
+        let r = params::GemsBnRunning {
+            c: dim32(c, "channels")?,
+            count: count as i64,
+            momentum,
+        };
+        let cfg = LaunchConfig {
+            grid_dim: (c.div_ceil(256).max(1) as u32, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        launch!(self, "batchnorm_update_running_f32", cfg;
+            dev_mut(running_mean)?, dev_mut(running_var)?, dev(mean)?, dev(var)?, &r)
+    }
+
+    fn relu_forward(&self, x: &Storage, y: &mut Storage) -> Result<()> {
+        let x = dev(x)?;
+        let n = x.len() as i64;
+        launch!(self, "relu_forward_f32", self.grid_1d(x.len()); x, dev_mut(y)?, &n)
+    }
+
+    fn relu_backward(&self, y: &Storage, dy: &Storage, dx: &mut Storage) -> Result<()> {
+        let y = dev(y)?;
+        let n = y.len() as i64;
+        launch!(self, "relu_backward_f32", self.grid_1d(y.len()); y, dev(dy)?, dev_mut(dx)?, &n)
+    }
+
+    fn add(&self, a: &Storage, b: &Storage, y: &mut Storage) -> Result<()> {
+        let a = dev(a)?;
+        let n = a.len() as i64;
+        launch!(self, "add_f32", self.grid_1d(a.len()); a, dev(b)?, dev_mut(y)?, &n)
+    }
+
+    fn add_assign(&self, y: &mut Storage, x: &Storage) -> Result<()> {
+        let x = dev(x)?;
+        let n = x.len() as i64;
+        launch!(self, "add_assign_f32", self.grid_1d(x.len()); dev_mut(y)?, x, &n)
+    }
+
+    fn mul(&self, x: &Storage, mask: &Storage, y: &mut Storage) -> Result<()> {
+        let x = dev(x)?;
+        let n = x.len() as i64;
+        launch!(self, "mul_f32", self.grid_1d(x.len()); x, dev(mask)?, dev_mut(y)?, &n)
+    }
+
+    fn dropout_mask(&self, mask: &mut Storage, p: f64, seed: u64) -> Result<()> {
+        let mask = dev_mut(mask)?;
+        let d = params::GemsDropout {
+            numel: mask.len() as i64,
+            p,
+            seed,
+        };
+        let cfg = self.grid_1d(mask.len());
+        launch!(self, "dropout_mask_f32", cfg; mask, &d)
+    }
+
+    fn max_pool_forward(&self, x: &Storage, y: &mut Storage, g: &PoolGeom) -> Result<()> {
+        let p = pool_params(g)?;
+        launch!(self, "max_pool_forward_f32", self.grid_1d(g.n * g.c * g.h_out * g.w_out);
+            dev(x)?, dev_mut(y)?, &p)
+    }
+
+    fn max_pool_backward(
+        &self,
+        x: &Storage,
+        dy: &Storage,
+        dx: &mut Storage,
+        g: &PoolGeom,
+    ) -> Result<()> {
+        let p = pool_params(g)?;
+        launch!(self, "max_pool_backward_f32", self.grid_1d(g.n * g.c * g.h * g.w);
+            dev(x)?, dev(dy)?, dev_mut(dx)?, &p)
+    }
+
+    fn avg_pool_forward(&self, x: &Storage, y: &mut Storage, g: &PoolGeom) -> Result<()> {
+        let p = pool_params(g)?;
+        launch!(self, "avg_pool_forward_f32", self.grid_1d(g.n * g.c * g.h_out * g.w_out);
+            dev(x)?, dev_mut(y)?, &p)
+    }
+
+    fn avg_pool_backward(&self, dy: &Storage, dx: &mut Storage, g: &PoolGeom) -> Result<()> {
+        let p = pool_params(g)?;
+        launch!(self, "avg_pool_backward_f32", self.grid_1d(g.n * g.c * g.h * g.w);
+            dev(dy)?, dev_mut(dx)?, &p)
+    }
+
+    fn adaptive_avg_pool_forward(&self, x: &Storage, y: &mut Storage, g: &PoolGeom) -> Result<()> {
+        let p = pool_params(g)?;
+        if (g.h_out, g.w_out) == (1, 1) {
+            // The global average: one block reduces each contiguous plane.
+            return launch!(self, "global_avg_pool_forward_f32", Self::per_item(g.n * g.c, 256)?;
+                dev(x)?, dev_mut(y)?, &p);
+        }
+        launch!(self, "adaptive_avg_pool_forward_f32", self.grid_1d(g.n * g.c * g.h_out * g.w_out);
+            dev(x)?, dev_mut(y)?, &p)
+    }
+
+    fn adaptive_avg_pool_backward(
+        &self,
+        dy: &Storage,
+        dx: &mut Storage,
+        g: &PoolGeom,
+    ) -> Result<()> {
+        let p = pool_params(g)?;
+        let name = if (g.h_out, g.w_out) == (1, 1) {
+            "global_avg_pool_backward_f32"
+        } else {
+            "adaptive_avg_pool_backward_f32"
+        };
+        launch!(self, name, self.grid_1d(g.n * g.c * g.h * g.w); dev(dy)?, dev_mut(dx)?, &p)
+    }
+
+    fn linear_forward(
+        &self,
+        x: &Storage,
+        w: &Storage,
+        y: &mut Storage,
+        n: usize,
+        d_in: usize,
+        d_out: usize,
+    ) -> Result<()> {
+        // Row-major Y (n × out) = X Wᵀ is column-major Yᵀ (out × n) = W' Xᵀ, where W (out × in,
+        // row-major) read column-major is Wᵀ, transposed back by OP_T.
+        let cfg = gemm_config((true, false), (d_out, n, d_in), (d_in, d_in, d_out), 0.0)?;
+        // SAFETY: the buffers hold n·in, out·in and n·out elements, as the shapes say.
+        unsafe { self.blas.gemm(cfg, dev(w)?, dev(x)?, dev_mut(y)?) }.map_err(blas_error)
+    }
+
+    fn linear_backward(
+        &self,
+        x: &Storage,
+        w: &Storage,
+        dy: &Storage,
+        dx: Option<&mut Storage>,
+        dw: &mut Storage,
+        n: usize,
+        d_in: usize,
+        d_out: usize,
+    ) -> Result<()> {
+        if let Some(dx) = dx {
+            // dX (n × in) = dY W: column-major dXᵀ (in × n) = Wᵀ dYᵀ, both as stored.
+            let cfg = gemm_config((false, false), (d_in, n, d_out), (d_in, d_out, d_in), 0.0)?;
+            // SAFETY: as in linear_forward.
+            unsafe { self.blas.gemm(cfg, dev(w)?, dev(dy)?, dev_mut(dx)?) }.map_err(blas_error)?;
+        }
+        // dW (out × in) += dYᵀ X: column-major dWᵀ (in × out) += Xᵀ dY, dY read transposed.
+        let cfg = gemm_config((false, true), (d_in, d_out, n), (d_in, d_out, d_in), 1.0)?;
+        // SAFETY: as in linear_forward.
+        unsafe { self.blas.gemm(cfg, dev(x)?, dev(dy)?, dev_mut(dw)?) }.map_err(blas_error)
+    }
+
+    fn copy_channels(
+        &self,
+        src: &Storage,
+        dst: &mut Storage,
+        src_c: (usize, usize),
+        dst_c: (usize, usize),
+        count: usize,
+        n: usize,
+        hw: usize,
+    ) -> Result<()> {
+        let p = params::GemsCopyChannels {
+            n: dim32(n, "batch")?,
+            hw: dim32(hw, "plane")?,
+            src_c: dim32(src_c.0, "channels")?,
+            src_off: dim32(src_c.1, "channels")?,
+            dst_c: dim32(dst_c.0, "channels")?,
+            dst_off: dim32(dst_c.1, "channels")?,
+            count: dim32(count, "channels")?,
+        };
+        launch!(self, "copy_channels_f32", self.grid_1d(n * count * hw); dev(src)?, dev_mut(dst)?, &p)
+    }
+
+    fn softmax_cross_entropy(
+        &self,
+        logits: &Storage,
+        labels: &[u32],
+        probs: &mut Storage,
+        n: usize,
+        k: usize,
+    ) -> Result<f64> {
+        let l = params::GemsLoss {
+            n: dim32(n, "batch")?,
+            k: dim32(k, "classes")?,
+            scale: 1.0,
+        };
+        let (labels, _l1) = self.labels(labels)?;
+        let (mut rows, _l2) = self.scratch::<f32>(n)?;
+        launch!(self, "softmax_cross_entropy_f32", Self::per_item(n, 256)?;
+            dev(logits)?, &labels, dev_mut(probs)?, &mut rows, &l)?;
+        // The mean in f64 on the host, in row order, as the CPU backend adds it.
+        let rows = download(&rows)?;
+        Ok(rows.iter().map(|&r| r as f64).sum::<f64>() / n.max(1) as f64)
+    }
+
+    fn softmax_cross_entropy_backward(
+        &self,
+        probs: &Storage,
+        labels: &[u32],
+        dlogits: &mut Storage,
+        scale: f64,
+        n: usize,
+        k: usize,
+    ) -> Result<()> {
+        let l = params::GemsLoss {
+            n: dim32(n, "batch")?,
+            k: dim32(k, "classes")?,
+            scale,
+        };
+        let (labels, _lease) = self.labels(labels)?;
+        launch!(self, "softmax_cross_entropy_backward_f32", self.grid_1d(n * k);
+            dev(probs)?, &labels, dev_mut(dlogits)?, &l)
+    }
+
+    fn sgd_update(
+        &self,
+        w: &mut Storage,
+        grad: &Storage,
+        momentum_buf: &mut Storage,
+        step: &SgdStep,
+    ) -> Result<()> {
+        let w = dev_mut(w)?;
+        let s = params::GemsSgdStep {
+            numel: w.len() as i64,
+            lr: step.lr,
+            momentum: step.momentum,
+            weight_decay: step.weight_decay,
+            dampening: 0.0,
+            nesterov: step.nesterov as i32,
+            first_step: 0,
+        };
+        let cfg = self.grid_1d(w.len());
+        launch!(self, "sgd_f32", cfg; w, dev(grad)?, dev_mut(momentum_buf)?, &s)
+    }
+
+    fn fill(&self, s: &mut Storage, value: f64) -> Result<()> {
+        let s = dev_mut(s)?;
+        let (n, v) = (s.len() as i64, value as f32);
+        let cfg = self.grid_1d(s.len());
+        launch!(self, "fill_f32", cfg; s, &v, &n)
+    }
+}
+
+impl Cuda {
+    /// Class labels in device memory, leased as workspace.
+    fn labels(&self, labels: &[u32]) -> Result<(CudaSlice<u32>, Lease)> {
+        let lease = self
+            .allocator
+            .lease((labels.len() * 4) as u64, Category::Workspace)?;
+        let slice = if labels.is_empty() {
+            self.stream.null().map_err(driver_error)?
+        } else {
+            self.stream.clone_htod(labels).map_err(driver_error)?
+        };
+        Ok((slice, lease))
+    }
+}
+
+/// cuBLAS's column-major C (m × n) = α op(A) op(B) + β C with (transpose A, transpose B),
+/// (m, n, k) and leading dimensions (lda, ldb, ldc).
+fn gemm_config(
+    (ta, tb): (bool, bool),
+    (m, n, k): (usize, usize, usize),
+    (lda, ldb, ldc): (usize, usize, usize),
+    beta: f32,
+) -> Result<GemmConfig<f32>> {
+    let op = |t: bool| {
+        if t {
+            cublas::sys::cublasOperation_t::CUBLAS_OP_T
+        } else {
+            cublas::sys::cublasOperation_t::CUBLAS_OP_N
+        }
+    };
+    Ok(GemmConfig {
+        transa: op(ta),
+        transb: op(tb),
+        m: dim32(m, "rows")?,
+        n: dim32(n, "columns")?,
+        k: dim32(k, "inner dimension")?,
+        alpha: 1.0,
+        lda: dim32(lda, "leading dimension")?,
+        ldb: dim32(ldb, "leading dimension")?,
+        beta,
+        ldc: dim32(ldc, "leading dimension")?,
+    })
+}
+
+fn unsupported(dtype: DType) -> Error {
+    Error::Config(format!(
+        "the CUDA backend stores f32 tensors, not {}; run {} models on --device cpu",
+        dtype.name(),
+        dtype.name()
+    ))
+}

@@ -1,0 +1,758 @@
+//! The CUDA backend against the CPU backend (the reference), op by op and on whole training
+//! steps. Every GPU test is `#[ignore = "needs a CUDA device"]`; run them on a machine with a
+//! GPU with `cargo test --release --test cuda_ops -- --ignored`. Without a GPU they fail
+//! loudly, never pass silently.
+//!
+//! Inputs are random and never zero; every output the GPU overwrites is first filled with NaN,
+//! so an element a kernel forgets to write fails the comparison. Outputs a kernel accumulates
+//! into (+=) start from the same random values on both devices. Tolerances follow the
+//! arithmetic: 1e-5 of the output's largest magnitude for f32, 2e-3 for TF32 tensor cores.
+
+use std::cell::RefCell;
+
+use gems::backend::cuda::{self, Precision};
+use gems::backend::{ChannelGeom, ConvGeom, Device, DeviceKind, PoolGeom, SgdStep};
+use gems::graph::policy::SavePolicy;
+use gems::tensor::{DType, Storage};
+use gems::train::{TrainConfig, Trainer};
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+
+const F32_TOL: f64 = 1e-5;
+const TF32_TOL: f64 = 2e-3;
+
+fn gpu(precision: Precision) -> Device {
+    Device::cuda("cuda:0", 0, precision, None)
+        .unwrap_or_else(|e| panic!("this test needs a CUDA device: {e}"))
+}
+
+/// The same values on the CPU and on the GPU.
+struct Pair {
+    cpu: Device,
+    gpu: Device,
+    rng: RefCell<ChaCha8Rng>,
+}
+
+impl Pair {
+    fn new(precision: Precision) -> Pair {
+        Pair {
+            cpu: Device::cpu("cpu", None),
+            gpu: gpu(precision),
+            rng: RefCell::new(ChaCha8Rng::seed_from_u64(7)),
+        }
+    }
+
+    /// Values in ±[0.05, 1], never zero.
+    fn values(&self, n: usize) -> Vec<f64> {
+        let mut rng = self.rng.borrow_mut();
+        (0..n)
+            .map(|_| {
+                let v = rng.random_range(0.05..1.0);
+                if rng.random_bool(0.5) {
+                    v
+                } else {
+                    -v
+                }
+            })
+            .collect()
+    }
+
+    fn both(&self, data: &[f64]) -> (Storage, Storage) {
+        (
+            self.cpu.backend().upload(data, DType::F32).unwrap(),
+            self.gpu.backend().upload(data, DType::F32).unwrap(),
+        )
+    }
+
+    /// A random input of `n` elements.
+    fn input(&self, n: usize) -> (Storage, Storage) {
+        let v = self.values(n);
+        self.both(&v)
+    }
+
+    /// An output the kernels overwrite: zeros on the CPU, NaN on the GPU.
+    fn output(&self, n: usize) -> (Storage, Storage) {
+        let cpu = self.cpu.backend().zeros(n, DType::F32).unwrap();
+        let mut gpu = self.gpu.backend().zeros(n, DType::F32).unwrap();
+        self.gpu.backend().fill(&mut gpu, f64::NAN).unwrap();
+        (cpu, gpu)
+    }
+
+    fn host(&self, s: &Storage) -> Vec<f64> {
+        match self.gpu.backend().copy_to_host(s).unwrap() {
+            Storage::F32(v) => v.iter().map(|&x| x as f64).collect(),
+            other => panic!("to_host gave {other:?}"),
+        }
+    }
+
+    /// Fails unless every GPU element is a number within `tol` × the largest CPU magnitude.
+    fn check(&self, what: &str, cpu: &Storage, gpu: &Storage, tol: f64) {
+        let want = match cpu {
+            Storage::F32(v) => v.iter().map(|&x| x as f64).collect::<Vec<_>>(),
+            other => panic!("{what}: the CPU result is {other:?}"),
+        };
+        let got = self.host(gpu);
+        assert_eq!(got.len(), want.len(), "{what}: lengths");
+        let scale = want.iter().fold(1e-30f64, |m, x| m.max(x.abs()));
+        let mut worst = (0.0f64, 0usize);
+        for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+            assert!(
+                !g.is_nan(),
+                "{what}: element {i} is NaN (unwritten?), CPU has {w}"
+            );
+            let err = (g - w).abs();
+            if err > worst.0 {
+                worst = (err, i);
+            }
+        }
+        assert!(
+            worst.0 <= tol * scale,
+            "{what}: element {} is {} on the GPU, {} on the CPU (error {:.3e} of scale {scale:.3e}, tolerance {tol:.0e})",
+            worst.1,
+            got[worst.1],
+            want[worst.1],
+            worst.0 / scale
+        );
+    }
+}
+
+fn conv_geom(
+    (n, c_in, h, w): (usize, usize, usize, usize),
+    c_out: usize,
+    (kh, kw): (usize, usize),
+    stride: (usize, usize),
+    pad: (usize, usize),
+    dilation: (usize, usize),
+    groups: usize,
+) -> ConvGeom {
+    let out =
+        |i: usize, k: usize, s: usize, p: usize, d: usize| (i + 2 * p - d * (k - 1) - 1) / s + 1;
+    ConvGeom {
+        n,
+        c_in,
+        h,
+        w,
+        c_out,
+        kh,
+        kw,
+        stride,
+        pad,
+        dilation,
+        groups,
+        h_out: out(h, kh, stride.0, pad.0, dilation.0),
+        w_out: out(w, kw, stride.1, pad.1, dilation.1),
+    }
+}
+
+/// Odd sizes, strides, padding, dilation, groups (depthwise too), batch 1, 1×1, a ResNet
+/// stem and a ResNet body layer.
+fn conv_cases() -> Vec<ConvGeom> {
+    vec![
+        conv_geom((1, 3, 7, 9), 5, (3, 3), (1, 1), (1, 1), (1, 1), 1),
+        conv_geom((2, 8, 10, 9), 6, (3, 2), (2, 1), (1, 0), (1, 1), 2),
+        conv_geom((2, 4, 12, 12), 70, (3, 3), (2, 2), (2, 2), (2, 2), 1),
+        conv_geom((3, 70, 5, 5), 8, (1, 1), (1, 1), (0, 0), (1, 1), 1),
+        conv_geom((2, 16, 33, 31), 16, (3, 3), (1, 1), (1, 1), (1, 1), 1),
+        conv_geom((1, 32, 16, 16), 32, (3, 3), (2, 2), (1, 1), (1, 1), 32),
+        conv_geom((2, 3, 64, 64), 16, (7, 7), (2, 2), (3, 3), (1, 1), 1),
+        conv_geom((4, 64, 56, 56), 64, (3, 3), (1, 1), (1, 1), (1, 1), 1),
+        conv_geom((2, 128, 14, 14), 256, (1, 1), (2, 2), (0, 0), (1, 1), 1),
+    ]
+}
+
+fn conv_matches(precision: Precision, tol: f64) {
+    let p = Pair::new(precision);
+    for g in conv_cases() {
+        let (nx, nw, ny) = (
+            g.n * g.c_in * g.h * g.w,
+            g.c_out * g.col_rows(),
+            g.n * g.c_out * g.h_out * g.w_out,
+        );
+        let (x, xg) = p.input(nx);
+        let (w, wg) = p.input(nw);
+        let (dy, dyg) = p.input(ny);
+        let mut ws = p
+            .cpu
+            .backend()
+            .zeros(p.cpu.backend().conv2d_workspace(&g), DType::F32)
+            .unwrap();
+        let mut wsg = p
+            .gpu
+            .backend()
+            .zeros(p.gpu.backend().conv2d_workspace(&g), DType::F32)
+            .unwrap();
+        let name = format!("{precision} conv {g:?}");
+
+        let (mut y, mut yg) = p.output(ny);
+        p.cpu
+            .backend()
+            .conv2d_forward(&x, &w, &mut y, &mut ws, &g)
+            .unwrap();
+        p.gpu
+            .backend()
+            .conv2d_forward(&xg, &wg, &mut yg, &mut wsg, &g)
+            .unwrap();
+        p.check(&format!("{name} forward"), &y, &yg, tol);
+
+        let (mut dx, mut dxg) = p.output(nx);
+        p.cpu
+            .backend()
+            .conv2d_backward_data(&dy, &w, &mut dx, &mut ws, &g)
+            .unwrap();
+        p.gpu
+            .backend()
+            .conv2d_backward_data(&dyg, &wg, &mut dxg, &mut wsg, &g)
+            .unwrap();
+        p.check(&format!("{name} backward-data"), &dx, &dxg, tol);
+
+        // dw accumulates: both start from the same values.
+        let (mut dw, mut dwg) = p.input(nw);
+        p.cpu
+            .backend()
+            .conv2d_backward_filter(&x, &dy, &mut dw, &mut ws, &g)
+            .unwrap();
+        p.gpu
+            .backend()
+            .conv2d_backward_filter(&xg, &dyg, &mut dwg, &mut wsg, &g)
+            .unwrap();
+        p.check(&format!("{name} backward-filter"), &dw, &dwg, tol);
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn conv_fp32_matches_cpu() {
+    conv_matches(Precision::Fp32, F32_TOL);
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn conv_tf32_matches_cpu() {
+    conv_matches(Precision::Tf32, TF32_TOL);
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn batchnorm_matches_cpu() {
+    let p = Pair::new(Precision::Fp32);
+    for g in [
+        ChannelGeom { n: 1, c: 3, hw: 7 },
+        ChannelGeom {
+            n: 4,
+            c: 16,
+            hw: 33 * 31,
+        },
+        ChannelGeom { n: 2, c: 70, hw: 1 },
+        ChannelGeom {
+            n: 8,
+            c: 64,
+            hw: 56 * 56,
+        },
+    ] {
+        let (cpu, gpu) = (p.cpu.backend(), p.gpu.backend());
+        let numel = g.n * g.c * g.hw;
+        let name = format!("batchnorm {g:?}");
+        // An offset and a scale per channel, so the statistics are not those of N(0, 1/3).
+        let xs: Vec<f64> = p
+            .values(numel)
+            .iter()
+            .enumerate()
+            .map(|(i, v)| 3.0 + v * (1.0 + (i / g.hw % g.c) as f64 * 0.1))
+            .collect();
+        let (x, xg) = p.both(&xs);
+        let (gamma, gammag) = p.input(g.c);
+        let (beta, betag) = p.input(g.c);
+        let (mut y, mut yg) = p.output(numel);
+        let (mut mean, mut meang) = p.output(g.c);
+        let (mut var, mut varg) = p.output(g.c);
+        cpu.batchnorm_forward_train(&x, &gamma, &beta, &mut y, &mut mean, &mut var, 1e-5, &g)
+            .unwrap();
+        gpu.batchnorm_forward_train(
+            &xg, &gammag, &betag, &mut yg, &mut meang, &mut varg, 1e-5, &g,
+        )
+        .unwrap();
+        p.check(&format!("{name} mean"), &mean, &meang, F32_TOL);
+        p.check(&format!("{name} var"), &var, &varg, F32_TOL);
+        p.check(&format!("{name} forward"), &y, &yg, F32_TOL);
+
+        let (mut ye, mut yeg) = p.output(numel);
+        cpu.batchnorm_forward_eval(&x, &gamma, &beta, &mean, &var, &mut ye, 1e-5, &g)
+            .unwrap();
+        gpu.batchnorm_forward_eval(&xg, &gammag, &betag, &meang, &varg, &mut yeg, 1e-5, &g)
+            .unwrap();
+        p.check(&format!("{name} eval"), &ye, &yeg, F32_TOL);
+
+        let (dy, dyg) = p.input(numel);
+        let (mut dx, mut dxg) = p.output(numel);
+        let (mut dgamma, mut dgammag) = p.input(g.c);
+        let (mut dbeta, mut dbetag) = p.input(g.c);
+        cpu.batchnorm_backward(
+            &x,
+            &dy,
+            &gamma,
+            &mean,
+            &var,
+            &mut dx,
+            &mut dgamma,
+            &mut dbeta,
+            1e-5,
+            &g,
+        )
+        .unwrap();
+        gpu.batchnorm_backward(
+            &xg,
+            &dyg,
+            &gammag,
+            &meang,
+            &varg,
+            &mut dxg,
+            &mut dgammag,
+            &mut dbetag,
+            1e-5,
+            &g,
+        )
+        .unwrap();
+        // dx is a difference of nearly equal terms; its f32 error is relative to dy's scale.
+        p.check(&format!("{name} dx"), &dx, &dxg, 1e-4);
+        p.check(&format!("{name} dgamma"), &dgamma, &dgammag, F32_TOL);
+        p.check(&format!("{name} dbeta"), &dbeta, &dbetag, F32_TOL);
+
+        let (mut rm, mut rmg) = p.input(g.c);
+        let rv_values: Vec<f64> = p.values(g.c).iter().map(|v| v.abs()).collect();
+        let (mut rv, mut rvg) = p.both(&rv_values);
+        cpu.batchnorm_update_running(&mut rm, &mut rv, &mean, &var, 0.1, g.n * g.hw)
+            .unwrap();
+        gpu.batchnorm_update_running(&mut rmg, &mut rvg, &meang, &varg, 0.1, g.n * g.hw)
+            .unwrap();
+        p.check(&format!("{name} running mean"), &rm, &rmg, F32_TOL);
+        p.check(&format!("{name} running var"), &rv, &rvg, F32_TOL);
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn elementwise_matches_cpu() {
+    let p = Pair::new(Precision::Fp32);
+    for n in [1, 255, 4097, 1 << 20] {
+        let (cpu, gpu) = (p.cpu.backend(), p.gpu.backend());
+        let (a, ag) = p.input(n);
+        let (b, bg) = p.input(n);
+
+        let (mut y, mut yg) = p.output(n);
+        cpu.relu_forward(&a, &mut y).unwrap();
+        gpu.relu_forward(&ag, &mut yg).unwrap();
+        p.check(&format!("relu {n}"), &y, &yg, 0.0);
+
+        let (mut dx, mut dxg) = p.output(n);
+        cpu.relu_backward(&y, &b, &mut dx).unwrap();
+        gpu.relu_backward(&yg, &bg, &mut dxg).unwrap();
+        p.check(&format!("relu backward {n}"), &dx, &dxg, 0.0);
+
+        let (mut s, mut sg) = p.output(n);
+        cpu.add(&a, &b, &mut s).unwrap();
+        gpu.add(&ag, &bg, &mut sg).unwrap();
+        p.check(&format!("add {n}"), &s, &sg, 0.0);
+
+        cpu.add_assign(&mut s, &a).unwrap();
+        gpu.add_assign(&mut sg, &ag).unwrap();
+        p.check(&format!("add_assign {n}"), &s, &sg, 0.0);
+
+        let (mut m, mut mg) = p.output(n);
+        cpu.mul(&a, &b, &mut m).unwrap();
+        gpu.mul(&ag, &bg, &mut mg).unwrap();
+        p.check(&format!("mul {n}"), &m, &mg, 0.0);
+
+        let (mut mask, mut maskg) = p.output(n);
+        cpu.dropout_mask(&mut mask, 0.3, 99).unwrap();
+        gpu.dropout_mask(&mut maskg, 0.3, 99).unwrap();
+        p.check(&format!("dropout mask {n}"), &mask, &maskg, 0.0);
+
+        let (mut f, mut fg) = p.output(n);
+        cpu.fill(&mut f, 0.625).unwrap();
+        gpu.fill(&mut fg, 0.625).unwrap();
+        p.check(&format!("fill {n}"), &f, &fg, 0.0);
+
+        let (mut c, mut cg) = p.output(n);
+        cpu.copy(&a, &mut c).unwrap();
+        gpu.copy(&ag, &mut cg).unwrap();
+        p.check(&format!("copy {n}"), &c, &cg, 0.0);
+    }
+    let g = ChannelGeom { n: 3, c: 5, hw: 77 };
+    let numel = g.n * g.c * g.hw;
+    let (cpu, gpu) = (p.cpu.backend(), p.gpu.backend());
+    let (mut y, mut yg) = p.input(numel);
+    let (bias, biasg) = p.input(g.c);
+    cpu.add_channel_bias(&mut y, &bias, &g).unwrap();
+    gpu.add_channel_bias(&mut yg, &biasg, &g).unwrap();
+    p.check("add_channel_bias", &y, &yg, 0.0);
+    let (mut db, mut dbg) = p.input(g.c);
+    cpu.channel_sum(&y, &mut db, &g).unwrap();
+    gpu.channel_sum(&yg, &mut dbg, &g).unwrap();
+    p.check("channel_sum", &db, &dbg, F32_TOL);
+
+    // Concat: channels 2..5 of a 5-channel tensor into channels 1..4 of a 6-channel one.
+    let (n, hw) = (3, 77);
+    let (src, srcg) = p.input(n * 5 * hw);
+    let (mut dst, mut dstg) = p.input(n * 6 * hw);
+    cpu.copy_channels(&src, &mut dst, (5, 2), (6, 1), 3, n, hw)
+        .unwrap();
+    gpu.copy_channels(&srcg, &mut dstg, (5, 2), (6, 1), 3, n, hw)
+        .unwrap();
+    p.check("copy_channels", &dst, &dstg, 0.0);
+}
+
+fn pool(
+    n: usize,
+    c: usize,
+    (h, w): (usize, usize),
+    k: usize,
+    s: usize,
+    pad: usize,
+    ceil: bool,
+) -> PoolGeom {
+    let out = |i: usize| {
+        let span = i + 2 * pad - k;
+        (if ceil { span.div_ceil(s) } else { span / s }) + 1
+    };
+    PoolGeom {
+        n,
+        c,
+        h,
+        w,
+        kh: k,
+        kw: k,
+        stride: (s, s),
+        pad: (pad, pad),
+        h_out: out(h),
+        w_out: out(w),
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn pools_match_cpu() {
+    let p = Pair::new(Precision::Fp32);
+    for g in [
+        pool(2, 3, (9, 11), 3, 2, 1, false),
+        pool(1, 4, (8, 8), 2, 2, 0, false),
+        pool(2, 5, (7, 10), 3, 2, 1, true),
+        pool(3, 64, (56, 56), 3, 2, 1, false),
+    ] {
+        let (cpu, gpu) = (p.cpu.backend(), p.gpu.backend());
+        let (nx, ny) = (g.n * g.c * g.h * g.w, g.n * g.c * g.h_out * g.w_out);
+        let (x, xg) = p.input(nx);
+        let (dy, dyg) = p.input(ny);
+        let name = format!("pool {g:?}");
+        let (mut y, mut yg) = p.output(ny);
+        cpu.max_pool_forward(&x, &mut y, &g).unwrap();
+        gpu.max_pool_forward(&xg, &mut yg, &g).unwrap();
+        p.check(&format!("max {name}"), &y, &yg, 0.0);
+        let (mut dx, mut dxg) = p.output(nx);
+        cpu.max_pool_backward(&x, &dy, &mut dx, &g).unwrap();
+        gpu.max_pool_backward(&xg, &dyg, &mut dxg, &g).unwrap();
+        p.check(&format!("max backward {name}"), &dx, &dxg, F32_TOL);
+        let (mut a, mut ag) = p.output(ny);
+        cpu.avg_pool_forward(&x, &mut a, &g).unwrap();
+        gpu.avg_pool_forward(&xg, &mut ag, &g).unwrap();
+        p.check(&format!("avg {name}"), &a, &ag, F32_TOL);
+        let (mut da, mut dag) = p.output(nx);
+        cpu.avg_pool_backward(&dy, &mut da, &g).unwrap();
+        gpu.avg_pool_backward(&dyg, &mut dag, &g).unwrap();
+        p.check(&format!("avg backward {name}"), &da, &dag, F32_TOL);
+    }
+    // Adaptive to sizes that do not divide the input, and the global average (1×1).
+    for (h, w, ho, wo) in [(10, 7, 3, 4), (13, 13, 5, 5), (8, 8, 1, 1), (32, 17, 1, 1)] {
+        let (cpu, gpu) = (p.cpu.backend(), p.gpu.backend());
+        let g = PoolGeom {
+            n: 2,
+            c: 6,
+            h,
+            w,
+            kh: 0,
+            kw: 0,
+            stride: (1, 1),
+            pad: (0, 0),
+            h_out: ho,
+            w_out: wo,
+        };
+        let (nx, ny) = (g.n * g.c * h * w, g.n * g.c * ho * wo);
+        let (x, xg) = p.input(nx);
+        let (dy, dyg) = p.input(ny);
+        let (mut y, mut yg) = p.output(ny);
+        cpu.adaptive_avg_pool_forward(&x, &mut y, &g).unwrap();
+        gpu.adaptive_avg_pool_forward(&xg, &mut yg, &g).unwrap();
+        p.check(&format!("adaptive {h}x{w} -> {ho}x{wo}"), &y, &yg, F32_TOL);
+        let (mut dx, mut dxg) = p.output(nx);
+        cpu.adaptive_avg_pool_backward(&dy, &mut dx, &g).unwrap();
+        gpu.adaptive_avg_pool_backward(&dyg, &mut dxg, &g).unwrap();
+        p.check(
+            &format!("adaptive backward {h}x{w} -> {ho}x{wo}"),
+            &dx,
+            &dxg,
+            F32_TOL,
+        );
+    }
+}
+
+fn linear_matches(precision: Precision, tol: f64) {
+    let p = Pair::new(precision);
+    for (n, d_in, d_out) in [(1, 1, 1), (3, 7, 5), (64, 2048, 1000), (17, 64, 10)] {
+        let (cpu, gpu) = (p.cpu.backend(), p.gpu.backend());
+        let name = format!("{precision} linear {n}x{d_in} -> {d_out}");
+        let (x, xg) = p.input(n * d_in);
+        let (w, wg) = p.input(d_out * d_in);
+        let (dy, dyg) = p.input(n * d_out);
+        let (mut y, mut yg) = p.output(n * d_out);
+        cpu.linear_forward(&x, &w, &mut y, n, d_in, d_out).unwrap();
+        gpu.linear_forward(&xg, &wg, &mut yg, n, d_in, d_out)
+            .unwrap();
+        p.check(&format!("{name} forward"), &y, &yg, tol);
+        let (mut dx, mut dxg) = p.output(n * d_in);
+        let (mut dw, mut dwg) = p.input(d_out * d_in);
+        cpu.linear_backward(&x, &w, &dy, Some(&mut dx), &mut dw, n, d_in, d_out)
+            .unwrap();
+        gpu.linear_backward(&xg, &wg, &dyg, Some(&mut dxg), &mut dwg, n, d_in, d_out)
+            .unwrap();
+        p.check(&format!("{name} dx"), &dx, &dxg, tol);
+        p.check(&format!("{name} dw"), &dw, &dwg, tol);
+        // Without dx (the first layer): dw alone, accumulated once more.
+        cpu.linear_backward(&x, &w, &dy, None, &mut dw, n, d_in, d_out)
+            .unwrap();
+        gpu.linear_backward(&xg, &wg, &dyg, None, &mut dwg, n, d_in, d_out)
+            .unwrap();
+        p.check(&format!("{name} dw again"), &dw, &dwg, tol);
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn linear_fp32_matches_cpu() {
+    linear_matches(Precision::Fp32, F32_TOL);
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn linear_tf32_matches_cpu() {
+    linear_matches(Precision::Tf32, TF32_TOL);
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn loss_matches_cpu() {
+    let p = Pair::new(Precision::Fp32);
+    for (n, k) in [(1, 2), (5, 10), (64, 1000), (3, 300)] {
+        let (cpu, gpu) = (p.cpu.backend(), p.gpu.backend());
+        let logits: Vec<f64> = p.values(n * k).iter().map(|v| 4.0 * v).collect();
+        let (x, xg) = p.both(&logits);
+        let labels: Vec<u32> = (0..n).map(|i| ((i * 7 + 3) % k) as u32).collect();
+        let (mut probs, mut probsg) = p.output(n * k);
+        let l = cpu
+            .softmax_cross_entropy(&x, &labels, &mut probs, n, k)
+            .unwrap();
+        let lg = gpu
+            .softmax_cross_entropy(&xg, &labels, &mut probsg, n, k)
+            .unwrap();
+        assert!(
+            (l - lg).abs() <= F32_TOL * l.abs().max(1.0),
+            "loss {n}x{k}: CPU {l}, GPU {lg}"
+        );
+        p.check(&format!("softmax {n}x{k}"), &probs, &probsg, F32_TOL);
+        let (mut d, mut dg) = p.output(n * k);
+        cpu.softmax_cross_entropy_backward(&probs, &labels, &mut d, 1.0 / n as f64, n, k)
+            .unwrap();
+        gpu.softmax_cross_entropy_backward(&probsg, &labels, &mut dg, 1.0 / n as f64, n, k)
+            .unwrap();
+        p.check(&format!("softmax backward {n}x{k}"), &d, &dg, F32_TOL);
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn sgd_matches_cpu_bit_for_bit() {
+    let p = Pair::new(Precision::Fp32);
+    for nesterov in [false, true] {
+        let (cpu, gpu) = (p.cpu.backend(), p.gpu.backend());
+        let n = 10_007;
+        let (mut w, mut wg) = p.input(n);
+        let (grad, gradg) = p.input(n);
+        let (mut buf, mut bufg) = p.input(n);
+        let step = SgdStep {
+            lr: 0.05,
+            momentum: 0.9,
+            weight_decay: 5e-4,
+            nesterov,
+        };
+        for _ in 0..3 {
+            cpu.sgd_update(&mut w, &grad, &mut buf, &step).unwrap();
+            gpu.sgd_update(&mut wg, &gradg, &mut bufg, &step).unwrap();
+        }
+        p.check(&format!("sgd weights (nesterov {nesterov})"), &w, &wg, 0.0);
+        p.check(
+            &format!("sgd momentum (nesterov {nesterov})"),
+            &buf,
+            &bufg,
+            0.0,
+        );
+    }
+}
+
+fn trainer(model: &str, size: usize, batch: usize, steps: usize, device: DeviceKind) -> Trainer {
+    Trainer::new(TrainConfig {
+        device,
+        ..TrainConfig::new(model, size, 10, batch, steps)
+    })
+    .unwrap_or_else(|e| panic!("{model} on {device}: {e}"))
+}
+
+fn values(t: &Trainer) -> Vec<Vec<f64>> {
+    t.params
+        .values
+        .iter()
+        .map(|v| v.to_f64_vec().unwrap())
+        .collect()
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn resnet110v2_step_matches_cpu() {
+    let cuda = DeviceKind::Cuda { ordinal: 0 };
+    let mut on_cpu = trainer("resnet110v2", 32, 8, 1, DeviceKind::Cpu);
+    let mut on_gpu = trainer("resnet110v2", 32, 8, 1, cuda);
+    let before = values(&on_cpu);
+    assert_eq!(before, values(&on_gpu), "both start from the same weights");
+    let (rc, rg) = (on_cpu.step().unwrap(), on_gpu.step().unwrap());
+    assert!(
+        (rc.loss - rg.loss).abs() < 1e-4 * rc.loss,
+        "loss: CPU {}, GPU {}",
+        rc.loss,
+        rg.loss
+    );
+    // Each parameter's update (after - before) agrees to 1e-3 of its largest element.
+    let (after_cpu, after_gpu) = (values(&on_cpu), values(&on_gpu));
+    for (i, ((b, c), g)) in before.iter().zip(&after_cpu).zip(&after_gpu).enumerate() {
+        let dc: Vec<f64> = c.iter().zip(b).map(|(c, b)| c - b).collect();
+        let dg: Vec<f64> = g.iter().zip(b).map(|(g, b)| g - b).collect();
+        let scale = dc.iter().fold(1e-12f64, |m, x| m.max(x.abs()));
+        let err = dc
+            .iter()
+            .zip(&dg)
+            .fold(0.0f64, |m, (c, g)| m.max((c - g).abs()));
+        assert!(
+            err <= 1e-3 * scale,
+            "parameter {i}: update differs by {:.2e} of its scale",
+            err / scale
+        );
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn training_on_gpu_learns_as_on_cpu() {
+    let steps = 30;
+    let mut on_cpu = trainer("resnet20v2", 32, 16, steps, DeviceKind::Cpu);
+    let mut on_gpu = trainer("resnet20v2", 32, 16, steps, DeviceKind::Cuda { ordinal: 0 });
+    let (mut lc, mut lg) = (Vec::new(), Vec::new());
+    for _ in 0..steps {
+        lc.push(on_cpu.step().unwrap().loss);
+        lg.push(on_gpu.step().unwrap().loss);
+    }
+    let tail = |l: &[f64]| l[steps - 5..].iter().sum::<f64>() / 5.0;
+    println!("CPU losses {lc:.3?}\nGPU losses {lg:.3?}");
+    assert!(tail(&lg) < 0.8 * lg[0], "the GPU run did not learn: {lg:?}");
+    assert!(
+        (tail(&lg) - tail(&lc)).abs() < 0.1 * tail(&lc),
+        "last losses: CPU {:.4}, GPU {:.4}",
+        tail(&lc),
+        tail(&lg)
+    );
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn offload_and_recompute_on_gpu_are_bit_identical() {
+    let run = |saves: SavePolicy| {
+        let mut t = Trainer::new(TrainConfig {
+            saves,
+            device: DeviceKind::Cuda { ordinal: 0 },
+            ..TrainConfig::new("resnet20v2", 32, 10, 8, 3)
+        })
+        .unwrap();
+        for _ in 0..3 {
+            t.step().unwrap();
+        }
+        let bits: Vec<Vec<u64>> = values(&t)
+            .iter()
+            .map(|v| v.iter().map(|x| x.to_bits()).collect())
+            .collect();
+        (bits, t.memory().peak, t.device.host_memory().peak)
+    };
+    let nodes = gems::models::build("resnet20v2", 32, 10)
+        .unwrap()
+        .nodes
+        .len();
+    let (base, base_peak, _) = run(SavePolicy::keep_all());
+    let (all, all_peak, host_peak) =
+        run(SavePolicy::all(nodes, gems::graph::policy::Keep::Host, 2));
+    let (rec, rec_peak, _) = run(SavePolicy::checkpointed(nodes));
+    assert!(
+        base == all,
+        "offloading every activation changed the weights"
+    );
+    assert!(base == rec, "recomputation changed the weights");
+    assert!(
+        all_peak < base_peak && rec_peak < base_peak,
+        "peaks {base_peak} {all_peak} {rec_peak}"
+    );
+    assert!(host_peak > 0, "nothing reached the host tier");
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn device_capacity_is_the_free_memory_or_less() {
+    let gpus = cuda::devices().unwrap();
+    assert!(!gpus.is_empty(), "no GPU");
+    let d = Device::cuda("cuda:0", 0, Precision::Fp32, Some(1 << 30)).unwrap();
+    assert_eq!(d.memory().capacity, Some(1 << 30));
+    let whole = Device::cuda("cuda:0", 0, Precision::Fp32, None).unwrap();
+    let cap = whole.memory().capacity.unwrap();
+    assert!(cap <= gpus[0].free_memory && cap + (1 << 30) >= gpus[0].free_memory - cuda::RESERVE);
+    // A request over the capacity is the engine's typed error, not the driver's.
+    let err = d
+        .zeros(
+            gems::Shape::new([1 << 29]),
+            DType::F32,
+            gems::Category::Activations,
+        )
+        .unwrap_err();
+    assert!(err.to_string().contains("out of memory"), "{err}");
+}
+
+/// Runs everywhere: where the driver is missing, a CUDA device is a clear error (no panic);
+/// where a GPU is usable, it opens.
+#[test]
+fn a_cuda_device_opens_or_says_why_not() {
+    let opened = Device::open(
+        DeviceKind::Cuda { ordinal: 0 },
+        Precision::Fp32,
+        "cuda:0",
+        0,
+        None,
+    );
+    match cuda::device_count() {
+        Ok(n) if n > 0 => {
+            opened.unwrap();
+        }
+        _ => {
+            let e = opened
+                .expect_err("no GPU here, yet a CUDA device opened")
+                .to_string();
+            assert!(e.contains("CUDA"), "unclear error: {e}");
+        }
+    }
+    assert_eq!(
+        DeviceKind::parse("cuda:3").unwrap(),
+        DeviceKind::Cuda { ordinal: 3 }
+    );
+    assert_eq!(DeviceKind::parse("cpu").unwrap(), DeviceKind::Cpu);
+    assert!(DeviceKind::parse("tpu").is_err());
+}
