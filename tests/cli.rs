@@ -199,3 +199,38 @@ fn train_writes_metrics() {
     assert_eq!(lines[2]["step"], 2);
     std::fs::remove_dir_all(dir).ok();
 }
+
+#[test]
+fn devices_are_chosen_and_reported() {
+    let (ok, out, err) = gems(&["info"]);
+    assert!(ok, "{err}");
+    for line in [
+        "CUDA libraries",
+        "nvrtc",
+        "kernel cache",
+        "--device auto picks:",
+    ] {
+        assert!(out.contains(line), "gems info should show {line:?}:\n{out}");
+    }
+    let gpu = !out.contains("auto picks: cpu");
+    let (ok, out, err) = gems(&[
+        "train",
+        "--device",
+        "cuda",
+        "--steps",
+        "1",
+        "--batch-size",
+        "2",
+    ]);
+    assert!(!err.contains("panicked"), "{err}");
+    if gpu {
+        assert!(ok && out.contains("cuda:0"), "{out}\n{err}");
+    } else {
+        assert!(!ok && err.contains("no usable CUDA driver"), "{err}");
+        assert!(err.trim().lines().count() <= 3, "{err}");
+    }
+    let (ok, _, err) = gems(&["train", "--device", "tpu"]);
+    assert!(!ok && err.contains("unknown device 'tpu'"), "{err}");
+    let (ok, _, err) = gems(&["train", "--precision", "fp8"]);
+    assert!(!ok && err.contains("unknown precision"), "{err}");
+}

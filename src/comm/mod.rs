@@ -69,11 +69,11 @@ pub trait Comm: Send {
         } else {
             self.send(t, 0, tag)?;
         }
-        self.broadcast(t, 0)
+        self.broadcast(t, 0, device)
     }
 
-    /// Replaces `t` on every member by root's.
-    fn broadcast(&self, t: &mut Tensor, root: usize) -> Result<()> {
+    /// Replaces `t` (on `device`) on every member by root's.
+    fn broadcast(&self, t: &mut Tensor, root: usize, device: &Device) -> Result<()> {
         let tag = COLLECTIVE_TAG + 1;
         if self.rank() == root {
             for r in (0..self.size()).filter(|&r| r != root) {
@@ -89,7 +89,7 @@ pub trait Comm: Send {
                 )));
             }
             // The tensor's lease already covers these bytes.
-            *t.storage_mut()? = m.storage;
+            *t.storage_mut()? = device.backend().adopt(m.storage)?;
         }
         Ok(())
     }

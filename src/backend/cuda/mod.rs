@@ -216,7 +216,7 @@ impl Cuda {
         }
         let blas = CudaBlas::new(stream.clone()).map_err(blas_error)?;
         let math = match precision {
-            Precision::Fp32 => cublas::sys::cublasMath_t::CUBLAS_PEDANTIC_MATH,
+            Precision::Fp32 => cublas::sys::cublasMath_t::CUBLAS_DEFAULT_MATH,
             Precision::Tf32 => cublas::sys::cublasMath_t::CUBLAS_TF32_TENSOR_OP_MATH,
         };
         // SAFETY: the handle is live; the mode is a valid enumerator.
@@ -499,7 +499,20 @@ impl Backend for Cuda {
             Storage::F32(v) => Ok(Storage::CudaF32(
                 self.stream.clone_htod(&v).map_err(driver_error)?,
             )),
-            Storage::CudaF32(v) => Ok(Storage::CudaF32(v)),
+            Storage::CudaF32(v) if **v.stream() == *self.stream => Ok(Storage::CudaF32(v)),
+            Storage::CudaF32(v) => {
+                // Another device's buffer (another rank's message): once its stream has
+                // written it, copy it onto ours, and let the copy finish before the original
+                // is freed on its own stream.
+                v.stream().synchronize().map_err(driver_error)?;
+                let mine = if v.is_empty() {
+                    self.stream.null().map_err(driver_error)?
+                } else {
+                    self.stream.clone_dtod(&v).map_err(driver_error)?
+                };
+                self.synchronize()?;
+                Ok(Storage::CudaF32(mine))
+            }
             other => Err(unsupported(other.dtype())),
         }
     }
