@@ -222,6 +222,7 @@ impl Checkpoint {
                 .map_err(Error::Config)?,
             device_memory: None,
             host_memory: None,
+            offload_copy: crate::backend::CopyMode::default(),
             saves: crate::graph::policy::SavePolicy::keep_all(),
             device: crate::backend::DeviceKind::Cpu,
             precision: crate::backend::cuda::Precision::Fp32,

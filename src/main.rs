@@ -9,7 +9,7 @@ use clap::{Args, Parser, Subcommand};
 use indicatif::{ProgressBar, ProgressStyle};
 
 use gems::backend::cuda::{self, Precision};
-use gems::backend::DeviceKind;
+use gems::backend::{CopyMode, DeviceKind};
 use gems::data::slide::TileConfig;
 use gems::data::{DataConfig, SourceSpec};
 use gems::graph::policy::{Keep, SavePolicy};
@@ -383,6 +383,11 @@ struct TrainArgs {
     /// Capacity of the host tier offloaded activations wait in, e.g. 64GiB (default unlimited).
     #[arg(long, value_parser = parse_bytes)]
     host_memory: Option<u64>,
+    /// How offloaded activations travel: naive (pageable, blocking), pinned (pinned pool,
+    /// blocking), async (pageable, copy stream) or pinned-async (pinned pool, copy stream,
+    /// events). On the CPU every mode is a memory copy.
+    #[arg(long, default_value = "pinned-async")]
+    offload_copy: CopyMode,
     #[command(flatten)]
     input: DataArgs,
     #[command(flatten)]
@@ -604,6 +609,7 @@ fn train(a: TrainArgs) -> anyhow::Result<()> {
         Some(file) => {
             let device = device_kind(&a.device, None)?;
             let t = Trainer::resume(file, |c| {
+                c.offload_copy = a.offload_copy;
                 c.device_memory = a.device_memory;
                 c.device = device;
                 c.precision = a.precision;
@@ -763,12 +769,17 @@ fn train(a: TrainArgs) -> anyhow::Result<()> {
     }
     let host = trainer.device.host_memory();
     if host.peak > 0 {
+        let pool = trainer.device.host_pool();
         println!(
-            "  host tier peak {}{}",
+            "  host tier peak {}{} ({} copies; pinned pool: {} blocks allocated, {} reused, {})",
             human_bytes(host.peak),
             host.capacity
                 .map(|c| format!(" of {}", human_bytes(c)))
-                .unwrap_or_default()
+                .unwrap_or_default(),
+            trainer.config.offload_copy,
+            pool.allocated,
+            pool.reused,
+            human_bytes(pool.bytes)
         );
     }
     debug_assert_eq!(mem.live.get(Category::Activations), 0);
@@ -821,6 +832,7 @@ fn run_config(a: &TrainArgs) -> anyhow::Result<RunConfig> {
         dtype: a.dtype,
         device_memory: a.device_memory,
         host_memory: a.host_memory,
+        offload_copy: a.offload_copy,
         saves: SavePolicy::keep_all(),
         data,
         device: device_kind(&a.device, Some(a.dtype))?,

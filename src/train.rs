@@ -5,7 +5,7 @@ use std::time::Instant;
 
 use crate::backend::cpu::splitmix64;
 use crate::backend::cuda::Precision;
-use crate::backend::{Device, DeviceKind};
+use crate::backend::{CopyMode, Device, DeviceKind};
 use crate::checkpoint::Checkpoint;
 use crate::data::loader::{Batch, Loader};
 use crate::data::{DataConfig, Dataset, Pipeline};
@@ -33,6 +33,8 @@ pub struct TrainConfig {
     pub device_memory: Option<u64>,
     /// Capacity of the host tier that offloaded activations wait in (`None`: unlimited).
     pub host_memory: Option<u64>,
+    /// How offloaded activations travel to the host tier and back.
+    pub offload_copy: CopyMode,
     /// Where each node's saved tensors wait for backward.
     pub saves: SavePolicy,
     pub data: DataConfig,
@@ -74,6 +76,7 @@ impl TrainConfig {
             dtype: DType::F32,
             device_memory: None,
             host_memory: None,
+            offload_copy: CopyMode::default(),
             saves: SavePolicy::keep_all(),
             data: DataConfig::default(),
             device: DeviceKind::Cpu,
@@ -147,7 +150,7 @@ impl Trainer {
             0,
             config.device_memory,
         )?
-        .with_host_memory(config.host_memory)?;
+        .with_host_tier(config.host_memory, config.offload_copy)?;
         let params = Params::init(&graph, &device, config.dtype, config.seed)?;
         let sgd = Sgd::new(&params, &device, config.sgd)?;
         Ok(Trainer {

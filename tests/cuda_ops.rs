@@ -11,7 +11,7 @@
 use std::cell::RefCell;
 
 use gems::backend::cuda::{self, Precision};
-use gems::backend::{ChannelGeom, ConvGeom, Device, DeviceKind, PoolGeom, SgdStep};
+use gems::backend::{ChannelGeom, ConvGeom, CopyMode, Device, DeviceKind, PoolGeom, SgdStep};
 use gems::graph::policy::SavePolicy;
 use gems::tensor::{DType, Storage};
 use gems::train::{TrainConfig, Trainer};
@@ -79,10 +79,7 @@ impl Pair {
     }
 
     fn host(&self, s: &Storage) -> Vec<f64> {
-        match self.gpu.backend().copy_to_host(s).unwrap() {
-            Storage::F32(v) => v.iter().map(|&x| x as f64).collect(),
-            other => panic!("to_host gave {other:?}"),
-        }
+        s.to_f64_vec().unwrap()
     }
 
     /// Fails unless every GPU element is a number within `tol` × the largest CPU magnitude.
@@ -669,10 +666,11 @@ fn training_on_gpu_learns_as_on_cpu() {
 
 #[test]
 #[ignore = "needs a CUDA device"]
-fn offload_and_recompute_on_gpu_are_bit_identical() {
-    let run = |saves: SavePolicy| {
+fn offload_and_recompute_on_gpu_are_bit_identical_in_every_copy_mode() {
+    let run = |saves: SavePolicy, offload_copy: CopyMode| {
         let mut t = Trainer::new(TrainConfig {
             saves,
+            offload_copy,
             device: DeviceKind::Cuda { ordinal: 0 },
             ..TrainConfig::new("resnet20v2", 32, 10, 8, 3)
         })
@@ -684,26 +682,40 @@ fn offload_and_recompute_on_gpu_are_bit_identical() {
             .iter()
             .map(|v| v.iter().map(|x| x.to_bits()).collect())
             .collect();
-        (bits, t.memory().peak, t.device.host_memory().peak)
+        (
+            bits,
+            t.memory().peak,
+            t.device.host_memory().peak,
+            t.device.host_pool(),
+        )
     };
     let nodes = gems::models::build("resnet20v2", 32, 10)
         .unwrap()
         .nodes
         .len();
-    let (base, base_peak, _) = run(SavePolicy::keep_all());
-    let (all, all_peak, host_peak) =
-        run(SavePolicy::all(nodes, gems::graph::policy::Keep::Host, 2));
-    let (rec, rec_peak, _) = run(SavePolicy::checkpointed(nodes));
-    assert!(
-        base == all,
-        "offloading every activation changed the weights"
-    );
+    let (base, base_peak, _, _) = run(SavePolicy::keep_all(), CopyMode::Naive);
+    let (rec, rec_peak, _, _) = run(SavePolicy::checkpointed(nodes), CopyMode::Naive);
     assert!(base == rec, "recomputation changed the weights");
-    assert!(
-        all_peak < base_peak && rec_peak < base_peak,
-        "peaks {base_peak} {all_peak} {rec_peak}"
-    );
-    assert!(host_peak > 0, "nothing reached the host tier");
+    assert!(rec_peak < base_peak, "peaks {base_peak} {rec_peak}");
+    for mode in [
+        CopyMode::Naive,
+        CopyMode::Pinned,
+        CopyMode::Async,
+        CopyMode::PinnedAsync,
+    ] {
+        let all = SavePolicy::all(nodes, gems::graph::policy::Keep::Host, 2);
+        let (bits, peak, host_peak, pool) = run(all, mode);
+        assert!(
+            base == bits,
+            "{mode}: offloading every activation changed the weights"
+        );
+        assert!(
+            peak < base_peak,
+            "{mode}: peak {peak} not below {base_peak}"
+        );
+        assert!(host_peak > 0, "{mode}: nothing reached the host tier");
+        assert_eq!(mode.pinned(), pool.allocated > 0, "{mode}: {pool:?}");
+    }
 }
 
 #[test]

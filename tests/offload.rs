@@ -2,6 +2,7 @@
 //! memory copies: results do not change by a bit, device memory falls exactly as the metered
 //! plan says, the planner's choice fits a tight cap, and a full host tier is a clear error.
 
+use gems::backend::CopyMode;
 use gems::graph::policy::{Keep, SavePolicy};
 use gems::plan::offload::{self, HostLink};
 use gems::runtime::executor::{run_local, RunConfig};
@@ -92,6 +93,67 @@ fn weights_are_bit_identical_under_every_policy() {
                 "{name}: peak {peak} not below {base_peak}"
             );
         }
+    }
+}
+
+#[test]
+fn every_copy_mode_gives_the_same_weights_and_pinned_blocks_are_reused() {
+    let n = nodes();
+    let (reference, _, _) = train(SavePolicy::keep_all());
+    for mode in [
+        CopyMode::Naive,
+        CopyMode::Pinned,
+        CopyMode::Async,
+        CopyMode::PinnedAsync,
+    ] {
+        let mut t = Trainer::new(TrainConfig {
+            offload_copy: mode,
+            ..config(SavePolicy::all(n, Keep::Host, 2))
+        })
+        .unwrap();
+        t.step().unwrap();
+        let first = t.device.host_pool();
+        for _ in 0..2 {
+            t.step().unwrap();
+        }
+        let bits: Vec<Vec<u64>> = t
+            .params
+            .values
+            .iter()
+            .map(|v| {
+                v.to_f64_vec()
+                    .unwrap()
+                    .iter()
+                    .map(|x| x.to_bits())
+                    .collect()
+            })
+            .collect();
+        assert!(
+            bits == reference,
+            "{mode}: parameters differ from keeping everything"
+        );
+        let pool = t.device.host_pool();
+        if mode.pinned() {
+            // The first step fills the pool; later steps only reuse it.
+            assert!(first.allocated > 0, "{mode}: {first:?}");
+            assert_eq!(
+                pool.allocated, first.allocated,
+                "{mode}: allocated after step 1"
+            );
+            assert!(pool.reused >= 2 * first.allocated, "{mode}: {pool:?}");
+            assert_eq!(
+                pool.bytes,
+                t.device.host_memory().peak,
+                "{mode}: pool vs host peak"
+            );
+        } else {
+            assert_eq!(pool.allocated + pool.reused, 0, "{mode} took pinned blocks");
+        }
+        assert_eq!(
+            t.device.host_memory().live.total(),
+            0,
+            "{mode}: host tier not empty"
+        );
     }
 }
 

@@ -3,7 +3,10 @@
 //! predicts each rank's memory by category exactly, for any image size, in milliseconds. The
 //! backend it stands in for decides workspace sizes.
 
-use super::{Backend, ChannelGeom, ConvGeom, PoolGeom, SgdStep};
+use std::sync::Arc;
+
+use super::{Backend, ChannelGeom, ConvGeom, Event, PoolGeom, SgdStep};
+use crate::memory::host::HostPool;
 use crate::tensor::{DType, Storage};
 use crate::Result;
 
@@ -29,12 +32,20 @@ impl Backend for Meter {
         Ok(Storage::Virtual(s.dtype(), s.len()))
     }
 
-    fn copy_to_host(&self, s: &Storage) -> Result<Storage> {
-        self.adopt(s.try_clone()?)
+    fn host_zeros(&self, numel: usize, dtype: DType, _: Option<&Arc<HostPool>>) -> Result<Storage> {
+        Ok(Storage::Virtual(dtype, numel))
     }
 
-    fn copy_from_host(&self, s: &Storage) -> Result<Storage> {
-        self.adopt(s.try_clone()?)
+    fn copy_out(&self, _: &Storage, _: &mut Storage, _: bool) -> Result<Option<Event>> {
+        Ok(None)
+    }
+
+    fn copy_in(&self, _: &Storage, _: &mut Storage, _: bool) -> Result<Option<Event>> {
+        Ok(None)
+    }
+
+    fn wait(&self, _: &Event) -> Result<()> {
+        Ok(())
     }
 
     fn copy(&self, _src: &Storage, _dst: &mut Storage) -> Result<()> {

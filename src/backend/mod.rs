@@ -7,6 +7,7 @@ pub mod meter;
 
 use std::sync::Arc;
 
+use crate::memory::host::{HostPool, PoolStats};
 use crate::memory::{Allocator, Category, MemoryStats};
 use crate::tensor::{DType, Shape, Storage, Tensor};
 use crate::Result;
@@ -91,10 +92,33 @@ pub trait Backend: Send + Sync {
     /// `s` (elements in host memory, or already this backend's) as this backend's storage:
     /// moved where it can be, copied to the device where it must.
     fn adopt(&self, s: Storage) -> Result<Storage>;
-    /// A copy of `s` in host memory (the offload tier).
-    fn copy_to_host(&self, s: &Storage) -> Result<Storage>;
-    /// A copy of host elements `s` in this backend's memory.
-    fn copy_from_host(&self, s: &Storage) -> Result<Storage>;
+    /// Zero-filled host storage for the offload tier: a block of `pool` (pinned where the
+    /// backend has DMA) or, without a pool, ordinary memory.
+    fn host_zeros(
+        &self,
+        numel: usize,
+        dtype: DType,
+        pool: Option<&Arc<HostPool>>,
+    ) -> Result<Storage>;
+    /// Copies this backend's `src` into host storage `dst`. With `on_copy_stream` the copy is
+    /// queued after the work queued so far, on a stream of its own, and the event that marks
+    /// its end is returned; `None` means the copy is complete.
+    fn copy_out(
+        &self,
+        src: &Storage,
+        dst: &mut Storage,
+        on_copy_stream: bool,
+    ) -> Result<Option<Event>>;
+    /// Copies host storage `src` into this backend's `dst`, likewise. Work that reads `dst`
+    /// must first [`Backend::wait`] for the event.
+    fn copy_in(
+        &self,
+        src: &Storage,
+        dst: &mut Storage,
+        on_copy_stream: bool,
+    ) -> Result<Option<Event>>;
+    /// Orders the work queued after this call behind `event`.
+    fn wait(&self, event: &Event) -> Result<()>;
     /// dst = src (same length).
     fn copy(&self, src: &Storage, dst: &mut Storage) -> Result<()>;
     /// Returns when all work queued so far has finished (for timings; a no-op where every
@@ -328,11 +352,96 @@ impl std::fmt::Display for DeviceKind {
     }
 }
 
+/// The end of a copy queued on a copy stream.
+#[derive(Clone, Debug)]
+pub struct Event(pub Arc<cudarc::driver::CudaEvent>);
+
+impl Event {
+    pub fn is_complete(&self) -> bool {
+        self.0.is_complete()
+    }
+    pub fn synchronize(&self) -> Result<()> {
+        self.0
+            .synchronize()
+            .map_err(|e| crate::Error::Device(format!("CUDA event: {e}")))
+    }
+}
+
+/// How offloaded tensors travel between the device and the host tier (GEMS's four modes).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum CopyMode {
+    /// Ordinary host memory, blocking copies.
+    Naive,
+    /// Pinned memory from the pool, blocking copies.
+    Pinned,
+    /// Ordinary host memory, copies on a copy stream.
+    Async,
+    /// Pinned memory from the pool, copies on a copy stream overlapping compute, ordered by
+    /// events.
+    #[default]
+    PinnedAsync,
+}
+
+impl CopyMode {
+    pub fn pinned(self) -> bool {
+        matches!(self, CopyMode::Pinned | CopyMode::PinnedAsync)
+    }
+    pub fn on_copy_stream(self) -> bool {
+        matches!(self, CopyMode::Async | CopyMode::PinnedAsync)
+    }
+}
+
+impl std::str::FromStr for CopyMode {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "naive" => Ok(CopyMode::Naive),
+            "pinned" => Ok(CopyMode::Pinned),
+            "async" => Ok(CopyMode::Async),
+            "pinned-async" => Ok(CopyMode::PinnedAsync),
+            _ => Err(format!(
+                "unknown copy mode '{s}' (naive, pinned, async, pinned-async)"
+            )),
+        }
+    }
+}
+
+impl std::fmt::Display for CopyMode {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            CopyMode::Naive => "naive",
+            CopyMode::Pinned => "pinned",
+            CopyMode::Async => "async",
+            CopyMode::PinnedAsync => "pinned-async",
+        })
+    }
+}
+
 struct DeviceInner {
     allocator: Arc<Allocator>,
-    /// The host tier: where offloaded tensors wait for backward (pinned memory on a GPU).
+    /// The host tier: where offloaded tensors wait for backward.
     host: Arc<Allocator>,
+    copies: CopyMode,
+    /// Pinned blocks of the host tier, reused across steps.
+    pool: Arc<HostPool>,
+    /// Copies on the copy stream not known to be complete, with the tensor each one reads,
+    /// kept alive (not freed, not reused) until the copy has read it.
+    in_flight: std::sync::Mutex<Vec<(Event, Tensor)>>,
     backend: Box<dyn Backend>,
+}
+
+impl DeviceInner {
+    fn new(allocator: Arc<Allocator>, backend: Box<dyn Backend>) -> Arc<DeviceInner> {
+        let host = Allocator::new(format!("{} host", allocator.name()), None);
+        Arc::new(DeviceInner {
+            allocator,
+            host,
+            copies: CopyMode::default(),
+            pool: HostPool::new(),
+            in_flight: Default::default(),
+            backend,
+        })
+    }
 }
 
 /// A backend and the allocator every byte of it is leased from. Cheap to clone.
@@ -352,11 +461,7 @@ impl Device {
     pub fn cpu(name: &str, capacity: Option<u64>) -> Device {
         cpu::tune_host_allocator();
         Device {
-            inner: Arc::new(DeviceInner {
-                allocator: Allocator::new(name, capacity),
-                host: Allocator::new(format!("{name} host"), None),
-                backend: Box::new(cpu::Cpu),
-            }),
+            inner: DeviceInner::new(Allocator::new(name, capacity), Box::new(cpu::Cpu)),
         }
     }
 
@@ -398,24 +503,19 @@ impl Device {
         let usable = free.saturating_sub(cuda::RESERVE);
         allocator.set_capacity(Some(capacity.map_or(usable, |c| c.min(usable))));
         Ok(Device {
-            inner: Arc::new(DeviceInner {
-                allocator,
-                host: Allocator::new(format!("{name} host"), None),
-                backend: Box::new(backend),
-            }),
+            inner: DeviceInner::new(allocator, Box::new(backend)),
         })
     }
 
     /// A device that counts the CPU backend's allocations and computes nothing.
     pub fn cpu_meter(name: &str, capacity: Option<u64>) -> Device {
         Device {
-            inner: Arc::new(DeviceInner {
-                allocator: Allocator::new(name, capacity),
-                host: Allocator::new(format!("{name} host"), None),
-                backend: Box::new(meter::Meter {
+            inner: DeviceInner::new(
+                Allocator::new(name, capacity),
+                Box::new(meter::Meter {
                     like: Box::new(cpu::Cpu),
                 }),
-            }),
+            ),
         }
     }
 
@@ -431,14 +531,15 @@ impl Device {
         self.inner.allocator.stats()
     }
 
-    /// The same device with a host tier of `capacity` bytes (`None`: unlimited); set before
-    /// the device is shared.
-    pub fn with_host_memory(mut self, capacity: Option<u64>) -> Result<Device> {
+    /// The same device with a host tier of `capacity` bytes (`None`: unlimited) that tensors
+    /// travel to and from by `copies`; set before the device is shared.
+    pub fn with_host_tier(mut self, capacity: Option<u64>, copies: CopyMode) -> Result<Device> {
         let name = format!("{} host", self.name());
         let inner = Arc::get_mut(&mut self.inner).ok_or_else(|| {
             crate::Error::Internal("the host tier is set before a device is shared".into())
         })?;
         inner.host = Allocator::new(name, capacity);
+        inner.copies = copies;
         Ok(self)
     }
 
@@ -447,27 +548,75 @@ impl Device {
         self.inner.host.stats()
     }
 
-    /// A copy of `t` in the host tier, counted as activations there.
-    pub fn to_host(&self, t: &Tensor) -> Result<Tensor> {
-        let lease = self.inner.host.lease(t.bytes(), Category::Activations)?;
-        Ok(Tensor::from_buffer(
-            t.shape().clone(),
-            self.backend().copy_to_host(t.storage())?,
-            lease,
-        ))
+    /// How the pinned pool served the host tier.
+    pub fn host_pool(&self) -> PoolStats {
+        self.inner.pool.stats()
     }
 
-    /// A device copy of host-tier tensor `t`, counted as activations.
-    pub fn from_host(&self, t: &Tensor) -> Result<Tensor> {
-        let lease = self
-            .inner
-            .allocator
-            .lease(t.bytes(), Category::Activations)?;
-        Ok(Tensor::from_buffer(
-            t.shape().clone(),
-            self.backend().copy_from_host(t.storage())?,
-            lease,
-        ))
+    /// A copy of `t` in the host tier, counted as activations there. With a copy stream it may
+    /// still be on its way: the copy back ([`Device::from_host`]) is ordered after it.
+    pub fn to_host(&self, t: &Tensor) -> Result<Tensor> {
+        self.reap(false)?;
+        let lease = self.inner.host.lease(t.bytes(), Category::Activations)?;
+        let mode = self.inner.copies;
+        let pool = mode.pinned().then_some(&self.inner.pool);
+        let mut host = self.backend().host_zeros(t.numel(), t.dtype(), pool)?;
+        if let Some(e) = self
+            .backend()
+            .copy_out(t.storage(), &mut host, mode.on_copy_stream())?
+        {
+            self.in_flight().push((e, t.clone()));
+        }
+        Ok(Tensor::from_buffer(t.shape().clone(), host, lease))
+    }
+
+    /// A device copy of host-tier tensor `t`, counted as activations, and the event work that
+    /// reads it must [`Backend::wait`] for (`None`: it is there already).
+    pub fn from_host(&self, t: &Tensor) -> Result<(Tensor, Option<Event>)> {
+        self.reap(false)?;
+        let mut d = self.zeros(t.shape().clone(), t.dtype(), Category::Activations)?;
+        let e = self.backend().copy_in(
+            t.storage(),
+            d.storage_mut()?,
+            self.inner.copies.on_copy_stream(),
+        )?;
+        if let Some(e) = &e {
+            self.in_flight().push((e.clone(), t.clone()));
+        }
+        Ok((d, e))
+    }
+
+    /// Waits for every copy in flight and lets go of what they read.
+    pub fn settle(&self) -> Result<()> {
+        self.reap(true)
+    }
+
+    /// Lets go of the tensors whose copies are complete (all of them, waiting, with `all`).
+    fn reap(&self, all: bool) -> Result<()> {
+        let mut done = Vec::new();
+        {
+            let mut in_flight = self.in_flight();
+            for (e, t) in std::mem::take(&mut *in_flight) {
+                if all || e.is_complete() {
+                    done.push((e, t));
+                } else {
+                    in_flight.push((e, t));
+                }
+            }
+        }
+        for (e, t) in done {
+            e.synchronize()?;
+            drop(t);
+        }
+        Ok(())
+    }
+
+    fn in_flight(&self) -> std::sync::MutexGuard<'_, Vec<(Event, Tensor)>> {
+        // The list stays consistent whatever a panicking holder was doing.
+        self.inner
+            .in_flight
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
     }
 
     /// A zero-filled tensor whose bytes count as `category`.

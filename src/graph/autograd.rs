@@ -13,7 +13,7 @@ use std::collections::HashMap;
 use super::policy::{Keep, SavePolicy};
 use super::{Graph, ValueId};
 use crate::backend::cpu::splitmix64;
-use crate::backend::Device;
+use crate::backend::{Device, Event};
 use crate::memory::Category;
 use crate::ops::norm::{BatchNorm, BatchStats};
 use crate::ops::{Backward, Ctx, Init, Op, Saved};
@@ -126,7 +126,11 @@ struct Copies {
 }
 
 impl Copies {
-    fn copy(&mut self, t: &Tensor, make: impl Fn(&Tensor) -> Result<Tensor>) -> Result<Tensor> {
+    fn copy(
+        &mut self,
+        t: &Tensor,
+        mut make: impl FnMut(&Tensor) -> Result<Tensor>,
+    ) -> Result<Tensor> {
         let key = t.buffer_key();
         if let Some(copy) = self.done.get(&key).and_then(|(_, c)| c.upgrade()) {
             return copy.reshape(t.shape().clone());
@@ -136,11 +140,15 @@ impl Copies {
         Ok(copy)
     }
 
-    fn bundle(&mut self, saved: Saved, make: impl Fn(&Tensor) -> Result<Tensor>) -> Result<Saved> {
+    fn bundle(
+        &mut self,
+        saved: Saved,
+        mut make: impl FnMut(&Tensor) -> Result<Tensor>,
+    ) -> Result<Saved> {
         let moved = saved
             .0
             .iter()
-            .map(|t| self.copy(t, &make))
+            .map(|t| self.copy(t, &mut make))
             .collect::<Result<_>>()?;
         Ok(Saved(moved))
     }
@@ -389,6 +397,8 @@ pub fn backward(
         accumulate(device, &mut grads[v], g)?;
     }
     let mut fetched = Copies::default();
+    // Per node: the copies its bundle is still arriving by (on a copy stream).
+    let mut arriving: HashMap<usize, Vec<Event>> = HashMap::new();
     for (i, id) in tape.nodes.clone().enumerate().rev() {
         let node = &graph.nodes[id];
         // Offloaded bundles come back `prefetch` nodes ahead; a run of recomputed nodes is
@@ -396,10 +406,21 @@ pub fn backward(
         for j in i.saturating_sub(tape.prefetch)..=i {
             if tape.keep[j] == Keep::Host {
                 if let Some(host) = tape.saved[j].take() {
-                    tape.saved[j] = Some(fetched.bundle(host, |t| device.from_host(t))?);
+                    let mut events = Vec::new();
+                    let bundle = fetched.bundle(host, |t| {
+                        let (d, e) = device.from_host(t)?;
+                        events.extend(e);
+                        Ok(d)
+                    })?;
+                    arriving.insert(j, events);
+                    tape.saved[j] = Some(bundle);
                     tape.keep[j] = Keep::Device;
                 }
             }
+        }
+        // The copies overlapped the work queued since; this node's work waits for its own.
+        for e in arriving.remove(&i).unwrap_or_default() {
+            device.backend().wait(&e)?;
         }
         if tape.keep[i] == Keep::Recompute && tape.ran[i] && tape.saved[i].is_none() {
             recompute(graph, params, device, &mut tape, i)?;
@@ -447,5 +468,6 @@ pub fn backward(
             }
         }
     }
+    device.settle()?;
     Ok(want.iter().map(|&v| grads[v].take()).collect())
 }

@@ -1,6 +1,8 @@
 //! Device memory accounting: every device byte is leased from an [`Allocator`] that knows its
 //! capacity, the live bytes by [`Category`], and the high-water mark.
 
+pub mod host;
+
 use std::fmt;
 use std::sync::{Arc, Mutex};
 

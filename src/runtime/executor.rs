@@ -294,7 +294,7 @@ impl<'a> Rank<'a> {
                 c.train.device_memory,
             )?
         }
-        .with_host_memory(c.train.host_memory)?;
+        .with_host_tier(c.train.host_memory, c.train.offload_copy)?;
         let mirrored = s.replicas >= 2;
         let color = if mirrored {
             local.min(s.stages - 1 - local)

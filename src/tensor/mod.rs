@@ -7,6 +7,7 @@ use std::sync::Arc;
 use cudarc::driver::CudaSlice;
 
 use crate::backend::cuda;
+use crate::memory::host::HostBuffer;
 use crate::memory::Lease;
 
 /// Element type of a tensor.
@@ -93,6 +94,8 @@ pub enum Storage {
     Virtual(DType, usize),
     /// f32 elements in a CUDA device's memory, ordered on the stream the slice belongs to.
     CudaF32(CudaSlice<f32>),
+    /// Elements in a pooled host block (the host tier's pinned buffers).
+    Host(HostBuffer),
 }
 
 impl Storage {
@@ -102,6 +105,7 @@ impl Storage {
             Storage::F64(_) => DType::F64,
             Storage::Virtual(d, _) => *d,
             Storage::CudaF32(_) => DType::F32,
+            Storage::Host(h) => h.dtype,
         }
     }
     pub fn len(&self) -> usize {
@@ -110,6 +114,7 @@ impl Storage {
             Storage::F64(v) => v.len(),
             Storage::Virtual(_, n) => *n,
             Storage::CudaF32(s) => s.len(),
+            Storage::Host(h) => h.numel,
         }
     }
     pub fn is_empty(&self) -> bool {
@@ -122,6 +127,35 @@ impl Storage {
             Storage::F64(v) => Storage::F64(v.clone()),
             Storage::Virtual(d, n) => Storage::Virtual(*d, *n),
             Storage::CudaF32(s) => Storage::CudaF32(cuda::duplicate(s)?),
+            Storage::Host(h) => h.to_storage()?,
+        })
+    }
+    /// The bytes of elements in host memory (an error for device memory).
+    pub fn host_bytes(&self) -> crate::Result<&[u8]> {
+        match self {
+            Storage::F32(v) => Ok(bytemuck::cast_slice(v)),
+            Storage::F64(v) => Ok(bytemuck::cast_slice(v)),
+            Storage::Host(h) => h.bytes(),
+            _ => Err(not_in_host_memory(self)),
+        }
+    }
+    pub fn host_bytes_mut(&mut self) -> crate::Result<&mut [u8]> {
+        match self {
+            Storage::F32(v) => Ok(bytemuck::cast_slice_mut(v)),
+            Storage::F64(v) => Ok(bytemuck::cast_slice_mut(v)),
+            Storage::Host(h) => h.bytes_mut(),
+            _ => Err(not_in_host_memory(self)),
+        }
+    }
+    /// The elements as f64, copied to the host.
+    pub fn to_f64_vec(&self) -> crate::Result<Vec<f64>> {
+        let widen = |v: &[f32]| v.iter().map(|&x| x as f64).collect();
+        Ok(match self {
+            Storage::F32(v) => widen(v),
+            Storage::F64(v) => v.clone(),
+            Storage::Virtual(_, n) => vec![0.0; *n],
+            Storage::CudaF32(s) => widen(&cuda::download(s)?),
+            Storage::Host(h) => h.to_storage()?.to_f64_vec()?,
         })
     }
     /// The elements as little-endian bytes (files and the wire).
@@ -132,6 +166,7 @@ impl Storage {
             Storage::F64(v) => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
             Storage::Virtual(d, n) => vec![0; d.size() * n],
             Storage::CudaF32(s) => f32_bytes(&cuda::download(s)?),
+            Storage::Host(h) => h.bytes()?.to_vec(),
         })
     }
     /// Elements of `dtype` from little-endian bytes (a trailing partial element is ignored).
@@ -151,6 +186,14 @@ impl Storage {
             ),
         }
     }
+}
+
+fn not_in_host_memory(s: &Storage) -> crate::Error {
+    crate::Error::Internal(format!(
+        "{} elements of {} are not in host memory",
+        s.len(),
+        s.dtype().name()
+    ))
 }
 
 #[derive(Debug)]
@@ -243,13 +286,7 @@ impl Tensor {
     }
     /// Elements as f64 (a copy to the host); for tests, checks and reports.
     pub fn to_f64_vec(&self) -> crate::Result<Vec<f64>> {
-        let widen = |v: &[f32]| v.iter().map(|&x| x as f64).collect();
-        Ok(match &self.buf.storage {
-            Storage::F32(v) => widen(v),
-            Storage::F64(v) => v.clone(),
-            Storage::Virtual(_, n) => vec![0.0; *n],
-            Storage::CudaF32(s) => widen(&cuda::download(s)?),
-        })
+        self.buf.storage.to_f64_vec()
     }
     /// The single element of a one-element tensor.
     pub fn scalar(&self) -> crate::Result<f64> {

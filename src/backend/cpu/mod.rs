@@ -10,7 +10,10 @@ mod pool;
 
 use rayon::prelude::*;
 
-use super::{Backend, ChannelGeom, ConvGeom, PoolGeom, SgdStep};
+use std::sync::Arc;
+
+use super::{Backend, ChannelGeom, ConvGeom, Event, PoolGeom, SgdStep};
+use crate::memory::host::{Block, HostPool};
 use crate::tensor::{DType, Storage};
 use crate::{Error, Result};
 
@@ -224,6 +227,18 @@ pub fn tune_host_allocator() {
     });
 }
 
+fn copy_bytes(src: &[u8], dst: &mut [u8]) -> Result<()> {
+    if src.len() != dst.len() {
+        return Err(Error::Internal(format!(
+            "a copy of {} bytes into {}",
+            src.len(),
+            dst.len()
+        )));
+    }
+    dst.copy_from_slice(src);
+    Ok(())
+}
+
 /// The host backend.
 pub struct Cpu;
 
@@ -253,12 +268,35 @@ impl Backend for Cpu {
         }
     }
 
-    fn copy_to_host(&self, s: &Storage) -> Result<Storage> {
-        s.try_clone()
+    fn host_zeros(
+        &self,
+        numel: usize,
+        dtype: DType,
+        pool: Option<&Arc<HostPool>>,
+    ) -> Result<Storage> {
+        match pool {
+            None => self.zeros(numel, dtype),
+            Some(p) => {
+                Ok(Storage::Host(p.take(numel, dtype, |bytes| {
+                    Ok(Block::Pageable(vec![0; bytes]))
+                })?))
+            }
+        }
     }
 
-    fn copy_from_host(&self, s: &Storage) -> Result<Storage> {
-        s.try_clone()
+    /// The host tier is host memory too: a memory copy, complete at return.
+    fn copy_out(&self, src: &Storage, dst: &mut Storage, _: bool) -> Result<Option<Event>> {
+        copy_bytes(src.host_bytes()?, dst.host_bytes_mut()?)?;
+        Ok(None)
+    }
+
+    fn copy_in(&self, src: &Storage, dst: &mut Storage, _: bool) -> Result<Option<Event>> {
+        copy_bytes(src.host_bytes()?, dst.host_bytes_mut()?)?;
+        Ok(None)
+    }
+
+    fn wait(&self, _: &Event) -> Result<()> {
+        Ok(())
     }
 
     fn copy(&self, src: &Storage, dst: &mut Storage) -> Result<()> {

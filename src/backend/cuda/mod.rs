@@ -22,11 +22,12 @@ use std::sync::Arc;
 
 use cudarc::cublas::{self, CudaBlas, Gemm, GemmConfig};
 use cudarc::driver::{
-    self, sys, CudaContext, CudaFunction, CudaSlice, CudaStream, DeviceRepr, LaunchConfig,
-    PushKernelArg,
+    self, sys, CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, DevicePtrMut,
+    DeviceRepr, LaunchConfig, PushKernelArg,
 };
 
-use super::{Backend, ChannelGeom, ConvGeom, PoolGeom, SgdStep};
+use super::{Backend, ChannelGeom, ConvGeom, Event, PoolGeom, SgdStep};
+use crate::memory::host::{Block, HostPool};
 use crate::memory::{Allocator, Category, Lease};
 use crate::tensor::{DType, Storage};
 use crate::{Error, Result};
@@ -165,6 +166,8 @@ pub const RESERVE: u64 = 512 << 20;
 pub struct Cuda {
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
+    /// Host-tier copies that overlap compute (offload modes async and pinned-async).
+    copy_stream: Arc<CudaStream>,
     functions: HashMap<String, CudaFunction>,
     blas: CudaBlas,
     /// Where scratch buffers are leased (the device's allocator).
@@ -193,6 +196,7 @@ impl Cuda {
         // SAFETY: nothing has been allocated on this context through cudarc yet.
         unsafe { ctx.disable_event_tracking() };
         let stream = ctx.new_stream().map_err(driver_error)?;
+        let copy_stream = ctx.new_stream().map_err(driver_error)?;
         keep_freed_memory_cached(&ctx)?;
         let arch = arch_for(ctx.compute_capability().map_err(driver_error)?)?;
         let mut functions = HashMap::new();
@@ -231,6 +235,7 @@ impl Cuda {
             Cuda {
                 ctx,
                 stream,
+                copy_stream,
                 functions,
                 blas,
                 allocator,
@@ -517,18 +522,83 @@ impl Backend for Cuda {
         }
     }
 
-    fn copy_to_host(&self, s: &Storage) -> Result<Storage> {
-        Ok(Storage::F32(download(dev(s)?)?))
+    fn host_zeros(
+        &self,
+        numel: usize,
+        dtype: DType,
+        pool: Option<&Arc<HostPool>>,
+    ) -> Result<Storage> {
+        if dtype != DType::F32 {
+            return Err(unsupported(dtype));
+        }
+        match pool {
+            None => Ok(Storage::F32(vec![0.0; numel])),
+            Some(p) => Ok(Storage::Host(p.take(numel, dtype, |bytes| {
+                if bytes == 0 {
+                    return Ok(Block::Pageable(Vec::new()));
+                }
+                // SAFETY: a plain page-locked allocation of `bytes` bytes (no flags: the host
+                // reads these back in checks, which write-combined memory makes slow).
+                unsafe { self.ctx.alloc_pinned_with_flags::<u8>(bytes, 0) }
+                    .map(Block::Pinned)
+                    .map_err(driver_error)
+            })?)),
+        }
     }
 
-    fn copy_from_host(&self, s: &Storage) -> Result<Storage> {
-        match s {
-            Storage::F32(v) if v.is_empty() => self.zeros(0, DType::F32),
-            Storage::F32(v) => Ok(Storage::CudaF32(
-                self.stream.clone_htod(v).map_err(driver_error)?,
-            )),
-            other => Err(unsupported(other.dtype())),
+    fn copy_out(
+        &self,
+        src: &Storage,
+        dst: &mut Storage,
+        on_copy_stream: bool,
+    ) -> Result<Option<Event>> {
+        let (src, dst) = (dev(src)?, dst.host_bytes_mut()?);
+        if dst.len() != src.num_bytes() {
+            return Err(Error::Internal(format!(
+                "a copy of {} device bytes into {} host bytes",
+                src.num_bytes(),
+                dst.len()
+            )));
         }
+        if dst.is_empty() {
+            return Ok(None);
+        }
+        let stream = self.copy_stream_for(on_copy_stream)?;
+        let (ptr, _no_record) = src.device_ptr(stream);
+        // SAFETY: `dst` holds exactly the source's bytes; it stays alive until the copy is
+        // complete (the caller keeps both until the returned event, or we synchronize).
+        unsafe { driver::result::memcpy_dtoh_async(dst, ptr, stream.cu_stream()) }
+            .map_err(driver_error)?;
+        self.copy_done(on_copy_stream)
+    }
+
+    fn copy_in(
+        &self,
+        src: &Storage,
+        dst: &mut Storage,
+        on_copy_stream: bool,
+    ) -> Result<Option<Event>> {
+        let (src, dst) = (src.host_bytes()?, dev_mut(dst)?);
+        if src.len() != dst.num_bytes() {
+            return Err(Error::Internal(format!(
+                "a copy of {} host bytes into {} device bytes",
+                src.len(),
+                dst.num_bytes()
+            )));
+        }
+        if src.is_empty() {
+            return Ok(None);
+        }
+        let stream = self.copy_stream_for(on_copy_stream)?;
+        let (ptr, _no_record) = dst.device_ptr_mut(stream);
+        // SAFETY: as in copy_out, the other way.
+        unsafe { driver::result::memcpy_htod_async(ptr, src, stream.cu_stream()) }
+            .map_err(driver_error)?;
+        self.copy_done(on_copy_stream)
+    }
+
+    fn wait(&self, event: &Event) -> Result<()> {
+        self.stream.wait(&event.0).map_err(driver_error)
     }
 
     fn copy(&self, src: &Storage, dst: &mut Storage) -> Result<()> {
@@ -927,6 +997,29 @@ impl Backend for Cuda {
 }
 
 impl Cuda {
+    /// The stream a host-tier copy runs on: the copy stream, once it is ordered after the work
+    /// queued so far on the compute stream (which wrote the source, or allocated the
+    /// destination), or the compute stream itself.
+    fn copy_stream_for(&self, on_copy_stream: bool) -> Result<&Arc<CudaStream>> {
+        if !on_copy_stream {
+            return Ok(&self.stream);
+        }
+        let queued = self.stream.record_event(None).map_err(driver_error)?;
+        self.copy_stream.wait(&queued).map_err(driver_error)?;
+        Ok(&self.copy_stream)
+    }
+
+    /// The event ending a copy on the copy stream, or, for a blocking copy, its completion.
+    fn copy_done(&self, on_copy_stream: bool) -> Result<Option<Event>> {
+        if on_copy_stream {
+            let done = self.copy_stream.record_event(None).map_err(driver_error)?;
+            Ok(Some(Event(Arc::new(done))))
+        } else {
+            self.synchronize()?;
+            Ok(None)
+        }
+    }
+
     /// Class labels in device memory, leased as workspace.
     fn labels(&self, labels: &[u32]) -> Result<(CudaSlice<u32>, Lease)> {
         let lease = self
