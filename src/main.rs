@@ -70,6 +70,34 @@ enum BenchCommand {
     /// Every distinct convolution of a model, forward and both backwards, in TFLOP/s; ReLU and
     /// batch normalization in GB/s next to the device's copy bandwidth.
     Kernels(BenchKernelsArgs),
+    /// GEMS's offload study: an epoch per model kept on the device, offloaded in each copy
+    /// mode, and as --offload auto chooses under a cap 40% below the baseline's peak; and the
+    /// host link's bandwidth.
+    Offload(BenchOffloadArgs),
+}
+
+#[derive(Args)]
+struct BenchOffloadArgs {
+    /// Comma-separated models.
+    #[arg(long, default_value = "vgg19,alexnet,resnet50,inception_v3_noaux")]
+    models: String,
+    #[arg(long, default_value_t = 224)]
+    image_size: usize,
+    #[arg(long, default_value_t = 2)]
+    classes: usize,
+    /// Images per epoch (the study's data set, Hymenoptera, has 245).
+    #[arg(long, default_value_t = 245)]
+    images: usize,
+    #[arg(long, default_value_t = 16)]
+    batch: usize,
+    /// auto, cpu, cuda or cuda:N.
+    #[arg(long, default_value = "auto")]
+    device: String,
+    #[arg(long, default_value = "fp32")]
+    precision: Precision,
+    /// Write the measurements to this file as JSON.
+    #[arg(long, value_name = "FILE")]
+    json: Option<PathBuf>,
 }
 
 #[derive(Args)]
@@ -583,6 +611,7 @@ fn main() -> ExitCode {
         Command::Data(DataCommand::Tiles(a)) => tiles(a),
         Command::Info => info(),
         Command::Bench(BenchCommand::Kernels(a)) => bench_kernels(a),
+        Command::Bench(BenchCommand::Offload(a)) => bench_offload(a),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -1104,6 +1133,71 @@ fn bench_kernels(a: BenchKernelsArgs) -> anyhow::Result<()> {
             "device": device.backend().name(), "repeats": a.repeats,
             "convolutions": rows, "memory_bound": bw,
         });
+        std::fs::write(path, serde_json::to_string_pretty(&doc)?)
+            .map_err(|e| anyhow::anyhow!("cannot write {}: {e}", path.display()))?;
+    }
+    Ok(())
+}
+
+fn bench_offload(a: BenchOffloadArgs) -> anyhow::Result<()> {
+    use gems::bench;
+    let kind = device_kind(&a.device, Some(DType::F32))?;
+    let device = gems::Device::open(kind, a.precision, &kind.to_string(), 0, None)?;
+    println!("host link of {}:", device.backend().name());
+    let link = bench::host_link(&device, 256 << 20, 5)?;
+    for b in &link {
+        println!("  {:<20} {:>6.1} GB/s", b.kernel, b.gb_per_s());
+    }
+    // The planner's model of the link: the pinned copies as measured, overlapping compute on a
+    // GPU's copy engines.
+    let pinned = link
+        .iter()
+        .filter(|b| b.kernel.ends_with("pinned"))
+        .map(|b| b.gb_per_s() * 1e9)
+        .fold(f64::INFINITY, f64::min);
+    let host_link = match kind {
+        DeviceKind::Cpu => HostLink::CPU,
+        DeviceKind::Cuda { .. } => HostLink {
+            bytes_per_s: pinned,
+            overlaps: true,
+        },
+    };
+    drop(device);
+    let mut base = TrainConfig::new("", a.image_size, a.classes, a.batch, 1);
+    base.device = kind;
+    base.precision = a.precision;
+    let models: Vec<String> = a.models.split(',').map(|m| m.trim().to_string()).collect();
+    println!(
+        "epoch of {} images at {}², batch {}, {} classes:",
+        a.images, a.image_size, a.batch, a.classes
+    );
+    println!(
+        "{:<20} {:<24} {:>10} {:>11} {:>12} {:>12}",
+        "model", "saved activations", "s/epoch", "× baseline", "device peak", "host peak"
+    );
+    let runs = bench::offload_study(&base, &models, a.images, &host_link)?;
+    let mut baseline = f64::NAN;
+    for r in &runs {
+        match &r.seconds {
+            Ok(s) => {
+                if r.variant == "baseline" {
+                    baseline = *s;
+                }
+                println!(
+                    "{:<20} {:<24} {:>10.2} {:>11.2} {:>12} {:>12}",
+                    r.model,
+                    r.variant,
+                    s,
+                    s / baseline,
+                    human_bytes(r.device_peak),
+                    human_bytes(r.host_peak)
+                );
+            }
+            Err(e) => println!("{:<20} {:<24} failed: {e}", r.model, r.variant),
+        }
+    }
+    if let Some(path) = &a.json {
+        let doc = serde_json::json!({ "link": link, "runs": runs });
         std::fs::write(path, serde_json::to_string_pretty(&doc)?)
             .map_err(|e| anyhow::anyhow!("cannot write {}: {e}", path.display()))?;
     }

@@ -5,7 +5,8 @@
 #   suite    the GPU suite (every op against the CPU, whole steps, offload bit-identity)
 #   kernels  gems bench kernels: resnet110v2 at 1024² and resnet50 at 224², fp32 and tf32
 #   train    training images/s: resnet50 224² B=64 and resnet110v2 1024², fp32 and tf32
-#   torch    scripts/torch_reference.py all (PyTorch on the same GPU)
+#   offload  gems bench offload: GEMS's offload study (4 models × 6 variants) and the host link
+#   torch    scripts/torch_reference.py all (PyTorch on the same GPU; see scripts/gpu_session.md)
 # Usage: scripts/gpu/run.sh info suite kernels ...   (no argument: all of them)
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
@@ -15,7 +16,7 @@ export GEMS_CACHE_DIR=${GEMS_CACHE_DIR:-/tmp/gems-cache}
 export RUST_BACKTRACE=1
 G=device/gems
 parts=("$@")
-[ ${#parts[@]} -eq 0 ] && parts=(info suite kernels train torch)
+[ ${#parts[@]} -eq 0 ] && parts=(info suite kernels train offload torch)
 
 step() { echo "=== $*" | tee -a "$OUT/steps.txt"; }
 
@@ -50,13 +51,17 @@ for part in "${parts[@]}"; do
                 --batch-size 8 --steps 10 --warmup 0 2>&1 | tee -a "$OUT/train.txt"
         done
         ;;
+    offload)
+        step offload
+        $G bench offload --device cuda --json "$OUT/offload.json" 2>&1 | tee "$OUT/offload.txt"
+        ;;
     torch)
         step torch
-        PYTHONUNBUFFERED=1 python3 scripts/torch_reference.py all --json "$OUT/torch.json" 2>&1 |
-            tee "$OUT/torch.txt"
+        PYTHONUNBUFFERED=1 python3 scripts/torch_reference.py all --budget-s 420 \
+            --json "$OUT/torch.json" 2>&1 | tee "$OUT/torch.txt"
         ;;
     *)
-        echo "unknown part '$part' (info suite kernels train torch)" >&2
+        echo "unknown part '$part' (info suite kernels train offload torch)" >&2
         exit 2
         ;;
     esac
