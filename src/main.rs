@@ -912,7 +912,8 @@ fn run_config(a: &TrainArgs) -> anyhow::Result<RunConfig> {
         Offload::File(path) => SavePolicy::load(path, nodes()?)?,
         Offload::Auto => {
             let cap = a.device_memory.ok_or_else(|| needs("--offload auto"))?;
-            let chosen = gems::plan::offload::choose(&c, cap, &HostLink::CPU, a.offload_ahead)?;
+            let link = host_link(c.train.device, c.train.precision)?;
+            let chosen = gems::plan::offload::choose(&c, cap, &link, a.offload_ahead)?;
             let (_, host, recompute) = chosen.policy.counts();
             println!(
                 "--offload auto: {host} nodes offloaded, {recompute} recomputed ({} per micro-batch off the device, {:.3} s per step predicted exposed)",
@@ -983,19 +984,16 @@ fn plan(a: TrainArgs) -> anyhow::Result<()> {
     let saves = &c.train.saves;
     let (_, host, recompute) = saves.counts();
     if host + recompute > 0 {
-        let (bytes, exposed) = gems::plan::offload::cost_of(
-            g,
-            &layout.costs,
-            micro,
-            c.train.dtype,
-            &HostLink::CPU,
-            saves,
-        );
+        let link = host_link(c.train.device, c.train.precision)?;
+        let (bytes, exposed) =
+            gems::plan::offload::cost_of(g, &layout.costs, micro, c.train.dtype, &link, saves);
         println!(
-            "saved tensors: {host} nodes offloaded to the host tier (fetched {} nodes ahead), {recompute} recomputed; {} per micro-batch off the device, {:.3} s per micro-batch predicted exposed (CPU memory copies)",
+            "saved tensors: {host} nodes offloaded to the host tier (fetched {} nodes ahead), {recompute} recomputed; {} per micro-batch off the device, {:.3} s per micro-batch predicted exposed (host link {:.1} GB/s{})",
             saves.prefetch,
             human_bytes(bytes),
-            exposed
+            exposed,
+            link.bytes_per_s / 1e9,
+            if link.overlaps { ", copies overlap compute" } else { ", copies are compute" }
         );
         for (i, r) in layout.partition.stages.iter().enumerate() {
             let count = |k| r.clone().filter(|&n| saves.of(n) == k).count();
@@ -1139,6 +1137,35 @@ fn bench_kernels(a: BenchKernelsArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// The planner's model of a device's host link: on a GPU, the slower direction of pinned copies
+/// as measured, overlapping compute (copy engines); on the CPU, memory copies that do not.
+fn link_model(kind: DeviceKind, measured: &[gems::bench::Bandwidth]) -> HostLink {
+    match kind {
+        DeviceKind::Cpu => HostLink::CPU,
+        DeviceKind::Cuda { .. } => HostLink {
+            bytes_per_s: measured
+                .iter()
+                .filter(|b| b.kernel.ends_with("pinned"))
+                .map(|b| b.gb_per_s() * 1e9)
+                .fold(f64::INFINITY, f64::min),
+            overlaps: true,
+        },
+    }
+}
+
+/// The host link `--offload auto` plans with: measured on a GPU (64 MiB copies), the CPU's
+/// model otherwise.
+fn host_link(kind: DeviceKind, precision: Precision) -> anyhow::Result<HostLink> {
+    if kind == DeviceKind::Cpu {
+        return Ok(HostLink::CPU);
+    }
+    let device = gems::Device::open(kind, precision, &kind.to_string(), 0, None)?;
+    Ok(link_model(
+        kind,
+        &gems::bench::host_link(&device, 64 << 20, 3)?,
+    ))
+}
+
 fn bench_offload(a: BenchOffloadArgs) -> anyhow::Result<()> {
     use gems::bench;
     let kind = device_kind(&a.device, Some(DType::F32))?;
@@ -1148,20 +1175,7 @@ fn bench_offload(a: BenchOffloadArgs) -> anyhow::Result<()> {
     for b in &link {
         println!("  {:<20} {:>6.1} GB/s", b.kernel, b.gb_per_s());
     }
-    // The planner's model of the link: the pinned copies as measured, overlapping compute on a
-    // GPU's copy engines.
-    let pinned = link
-        .iter()
-        .filter(|b| b.kernel.ends_with("pinned"))
-        .map(|b| b.gb_per_s() * 1e9)
-        .fold(f64::INFINITY, f64::min);
-    let host_link = match kind {
-        DeviceKind::Cpu => HostLink::CPU,
-        DeviceKind::Cuda { .. } => HostLink {
-            bytes_per_s: pinned,
-            overlaps: true,
-        },
-    };
+    let host_link = link_model(kind, &link);
     drop(device);
     let mut base = TrainConfig::new("", a.image_size, a.classes, a.batch, 1);
     base.device = kind;
