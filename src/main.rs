@@ -203,6 +203,12 @@ struct EvalArgs {
     /// Leave unreadable samples out with a warning instead of stopping.
     #[arg(long)]
     skip_bad: bool,
+    /// auto (a GPU when one is usable and the checkpoint is f32), cpu, cuda or cuda:N.
+    #[arg(long, default_value = "auto")]
+    device: String,
+    /// fp32 or tf32 (GPU).
+    #[arg(long, default_value = "fp32")]
+    precision: Precision,
 }
 
 /// `--offload`.
@@ -640,7 +646,7 @@ fn train(a: TrainArgs) -> anyhow::Result<()> {
             let t = Trainer::resume(file, |c| {
                 c.offload_copy = a.offload_copy;
                 c.device_memory = a.device_memory;
-                c.device = device;
+                c.device = for_dtype(&a.device, device, c.dtype);
                 c.precision = a.precision;
                 c.data.skip_bad = a.input.skip_bad;
                 c.data.workers = a.input.workers;
@@ -819,10 +825,17 @@ fn train(a: TrainArgs) -> anyhow::Result<()> {
 /// --device-memory by metered runs.
 /// The device `--device` names; `auto` is the CPU for f64 runs (GPUs compute in f32 here).
 fn device_kind(flag: &str, dtype: Option<DType>) -> anyhow::Result<DeviceKind> {
-    if flag == "auto" && dtype == Some(DType::F64) {
-        return Ok(DeviceKind::Cpu);
+    let kind = DeviceKind::parse(flag)?;
+    Ok(dtype.map_or(kind, |d| for_dtype(flag, kind, d)))
+}
+
+/// `kind`, parsed from `flag`, for a run in `dtype`: `auto` means the CPU for f64.
+fn for_dtype(flag: &str, kind: DeviceKind, dtype: DType) -> DeviceKind {
+    if flag == "auto" && dtype == DType::F64 {
+        DeviceKind::Cpu
+    } else {
+        kind
     }
-    Ok(DeviceKind::parse(flag)?)
 }
 
 fn run_config(a: &TrainArgs) -> anyhow::Result<RunConfig> {
@@ -1505,7 +1518,12 @@ fn window_stats<'a>(rs: impl Iterator<Item = &'a StepReport>) -> (f64, f64) {
 }
 
 fn eval(a: EvalArgs) -> anyhow::Result<()> {
-    let mut t = Trainer::resume(&a.checkpoint, |c| c.data.skip_bad = a.skip_bad)?;
+    let device = device_kind(&a.device, None)?;
+    let mut t = Trainer::resume(&a.checkpoint, |c| {
+        c.data.skip_bad = a.skip_bad;
+        c.device = for_dtype(&a.device, device, c.dtype);
+        c.precision = a.precision;
+    })?;
     let (e, what) = match &a.data {
         Some(source) => {
             let c = &t.config;
