@@ -4,7 +4,8 @@
 #   info     gems info, nvidia-smi
 #   suite    the GPU suite (every op against the CPU, whole steps, offload bit-identity)
 #   kernels  gems bench kernels: resnet110v2 at 1024² and resnet50 at 224², fp32 and tf32
-#   train    training images/s: resnet50 224² B=64 and resnet110v2 1024², fp32 and tf32
+#   train    training images/s: resnet50 224² B=64 and resnet110v2 1024², fp32 and tf32; and
+#            resnet110v2 at 1024² fed from a whole-slide image (does the loader keep up?)
 #   offload  gems bench offload: GEMS's offload study (4 models × 6 variants) and the host link
 #   torch    scripts/torch_reference.py all (PyTorch on the same GPU; see scripts/gpu_session.md)
 # Usage: scripts/gpu/run.sh info suite kernels ...   (no argument: all of them)
@@ -50,6 +51,14 @@ for part in "${parts[@]}"; do
             $G train --device cuda --precision $p --model resnet110v2 --image-size 1024 \
                 --batch-size 8 --steps 10 --warmup 0 2>&1 | tee -a "$OUT/train.txt"
         done
+        step "train resnet110v2 1024 B=8 tf32 from slide tiles"
+        slides=/tmp/gems-slides
+        rm -rf "$slides" && mkdir -p "$slides"
+        $G data make-slide --out "$slides/a.tiff" --width 16384 --height 16384 --classes 2 \
+            --labels "$slides/labels.csv" 2>&1 | tee -a "$OUT/train.txt"
+        $G train --device cuda --precision tf32 --model resnet110v2 --image-size 1024 \
+            --data "slides:$slides" --labels "$slides/labels.csv" --augment --workers 14 \
+            --prefetch 8 --batch-size 8 --steps 20 --warmup 0 2>&1 | tee -a "$OUT/train.txt"
         ;;
     offload)
         step offload
