@@ -103,6 +103,29 @@ pub fn build(
     costs: &StageCosts,
     max_in_flight: Option<usize>,
 ) -> Result<Schedule> {
+    replay(scheme, costs, max_in_flight, false)
+}
+
+/// The task list of an evaluation on one group: `micro` micro-batches' forwards through replica
+/// 0's stages, in order, with no backward. One replica is enough: every copy of a stage holds
+/// the same weights, and a second would only shorten a pass that is short already.
+pub fn evaluation(scheme: &Scheme, costs: &StageCosts, micro: usize) -> Result<Schedule> {
+    let one = Scheme {
+        replicas: 1,
+        parts: micro,
+        order: Order::GPipe,
+        ..*scheme
+    };
+    replay(&one, costs, None, true)
+}
+
+/// [`build`], or with `forward_only` its forward tasks alone.
+fn replay(
+    scheme: &Scheme,
+    costs: &StageCosts,
+    max_in_flight: Option<usize>,
+    forward_only: bool,
+) -> Result<Schedule> {
     let p = scheme.stages;
     // Per rank, its copies' sequences: a copy is one orientation (even or odd replicas) of one
     // stage; its replicas run one after another on it.
@@ -112,6 +135,9 @@ pub fn build(
             let mut seq = Vec::new();
             for replica in (orientation..scheme.replicas).step_by(2) {
                 for (pass, micro) in stage_sequence(scheme.order, p, stage, scheme.parts) {
+                    if forward_only && pass == Pass::Backward {
+                        continue;
+                    }
                     seq.push(Task {
                         pass,
                         replica,
@@ -330,6 +356,41 @@ mod tests {
             Some(0)
         )
         .is_err());
+    }
+
+    #[test]
+    fn evaluation_runs_replica_0_forwards_in_order() {
+        for (kind, replicas) in [(Kind::Mp, 1), (Kind::Mast, 2), (Kind::Master, 4)] {
+            let (p, m) = (3, 5);
+            let s = evaluation(
+                &scheme(kind, p, 2, replicas, Order::OneFOneB),
+                &StageCosts::uniform(p, F, B),
+                m,
+            )
+            .unwrap();
+            for (rank, tasks) in s.ranks.iter().enumerate() {
+                let got: Vec<Task> = tasks.iter().map(|t| t.task).collect();
+                let want: Vec<Task> = (0..m)
+                    .map(|micro| Task {
+                        pass: Pass::Forward,
+                        replica: 0,
+                        stage: rank,
+                        micro,
+                    })
+                    .collect();
+                assert_eq!(got, want, "{kind:?} rank {rank}");
+            }
+            // Forwards pipelined: the last stage finishes P - 1 slots after the first.
+            assert_eq!(s.makespan(), (m + p - 1) as f64 * F);
+        }
+        // A group with nothing to evaluate has nothing to do.
+        let s = evaluation(
+            &scheme(Kind::Mp, 2, 1, 1, Order::GPipe),
+            &StageCosts::uniform(2, F, B),
+            0,
+        )
+        .unwrap();
+        assert!(s.ranks.iter().all(Vec::is_empty));
     }
 
     #[test]
