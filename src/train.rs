@@ -10,12 +10,12 @@ use crate::checkpoint::Checkpoint;
 use crate::data::loader::{Batch, Loader};
 use crate::data::{DataConfig, Dataset, Pipeline};
 use crate::graph::policy::SavePolicy;
-use crate::graph::{self, Graph, Params};
+use crate::graph::{self, Graph, Params, ValueId};
 use crate::memory::{Category, MemoryStats};
 use crate::ops::{batched, loss};
 use crate::runtime::optim::{Sgd, SgdConfig};
 use crate::runtime::schedule::LrSchedule;
-use crate::tensor::DType;
+use crate::tensor::{DType, Tensor};
 use crate::{models, Error, Result};
 
 #[derive(Clone, Debug)]
@@ -115,6 +115,73 @@ impl Evaluation {
     pub fn per_class(&self) -> Vec<usize> {
         self.confusion.iter().map(|row| row.iter().sum()).collect()
     }
+}
+
+/// An evaluation's running totals: the loss summed over samples, and the confusion counts.
+pub(crate) struct Tally {
+    pub loss: f64,
+    pub confusion: Vec<Vec<usize>>,
+}
+
+impl Tally {
+    pub fn new(classes: usize) -> Tally {
+        Tally {
+            loss: 0.0,
+            confusion: vec![vec![0; classes]; classes],
+        }
+    }
+
+    /// Scores one batch's logits against its labels.
+    pub fn add(&mut self, device: &Device, logits: &Tensor, labels: &[u32]) -> Result<()> {
+        let (l, probs) = loss::softmax_cross_entropy(device, logits, labels)?;
+        self.loss += l * labels.len() as f64;
+        for (&t, p) in labels.iter().zip(loss::predictions(&probs)?) {
+            self.confusion[t as usize][p as usize] += 1;
+        }
+        Ok(())
+    }
+
+    /// The evaluation over the samples scored: their count comes from the tally, so a batch
+    /// scored twice or not at all shows.
+    pub fn finish(self, classes: &[String]) -> Evaluation {
+        let samples: usize = self.confusion.iter().flatten().sum();
+        let correct: usize = (0..classes.len()).map(|c| self.confusion[c][c]).sum();
+        let n = samples.max(1) as f64;
+        Evaluation {
+            samples,
+            loss: self.loss / n,
+            accuracy: correct as f64 / n,
+            classes: classes.to_vec(),
+            confusion: self.confusion,
+        }
+    }
+}
+
+/// Samples an evaluation of `data` covers: `samples` of them (default: all), or an error for an
+/// endless stream without a count.
+pub(crate) fn held_out_samples(data: &Pipeline, samples: Option<usize>) -> Result<usize> {
+    let samples = match (samples, data.samples()) {
+        (Some(n), Some(len)) => n.min(len),
+        (Some(n), None) | (None, Some(n)) => n,
+        (None, None) => {
+            return Err(Error::Config(
+                "say how many samples to evaluate of an endless stream".into(),
+            ))
+        }
+    };
+    if samples == 0 {
+        return Err(Error::Config("evaluation needs at least one sample".into()));
+    }
+    Ok(samples)
+}
+
+/// The output evaluation scores: the first one used outside training.
+pub(crate) fn evaluated_output(g: &Graph) -> Result<ValueId> {
+    g.outputs
+        .iter()
+        .find(|o| !o.training_only)
+        .map(|o| o.value)
+        .ok_or_else(|| Error::Config(format!("{} has no output to evaluate", g.name)))
 }
 
 /// A model, its parameters and optimizer on one device, and its data.
@@ -297,37 +364,22 @@ impl Trainer {
         samples: Option<usize>,
         batch_size: usize,
     ) -> Result<Evaluation> {
-        let samples = match (samples, data.samples()) {
-            (Some(n), Some(len)) => n.min(len),
-            (Some(n), None) | (None, Some(n)) => n,
-            (None, None) => {
-                return Err(Error::Config(
-                    "say how many samples to evaluate of an endless stream".into(),
-                ))
-            }
-        };
-        if samples == 0 || batch_size == 0 {
+        let samples = held_out_samples(data, samples)?;
+        if batch_size == 0 {
             return Err(Error::Config(
-                "evaluation needs at least one sample and a batch of at least 1".into(),
+                "evaluation needs a batch of at least 1".into(),
             ));
         }
         check_classes(&self.config, data.classes())?;
         let g = &self.graph;
-        let out = g
-            .outputs
-            .iter()
-            .find(|o| !o.training_only)
-            .ok_or_else(|| Error::Config(format!("{} has no output to evaluate", g.name)))?
-            .value;
-        let k = self.config.classes;
-        let mut confusion = vec![vec![0; k]; k];
+        let out = evaluated_output(g)?;
+        let mut tally = Tally::new(self.config.classes);
         let requests = (0..samples)
             .step_by(batch_size)
             .map(|first| (first as u64, batch_size.min(samples - first)))
             .collect();
         let d = &self.config.data;
         let mut loader = Loader::new(data.clone(), requests, d.workers, d.prefetch);
-        let mut loss = 0.0;
         for _ in (0..samples).step_by(batch_size) {
             let Batch { pixels, labels, .. } = loader.next_batch()?;
             let b = labels.len();
@@ -348,20 +400,9 @@ impl Trainer {
                 false,
                 0,
             )?;
-            let (l, probs) = loss::softmax_cross_entropy(&self.device, &logits[0], &labels)?;
-            loss += l * b as f64;
-            for (&t, p) in labels.iter().zip(loss::predictions(&probs)?) {
-                confusion[t as usize][p as usize] += 1;
-            }
+            tally.add(&self.device, &logits[0], &labels)?;
         }
-        let correct: usize = (0..k).map(|c| confusion[c][c]).sum();
-        Ok(Evaluation {
-            samples,
-            loss: loss / samples as f64,
-            accuracy: correct as f64 / samples as f64,
-            classes: data.classes().to_vec(),
-            confusion,
-        })
+        Ok(tally.finish(data.classes()))
     }
 }
 
