@@ -141,6 +141,22 @@ impl Tally {
         Ok(())
     }
 
+    /// The loss, then the counts row by row: what ranks sum.
+    pub fn to_vec(&self) -> Vec<f64> {
+        let counts = self.confusion.iter().flatten().map(|&n| n as f64);
+        std::iter::once(self.loss).chain(counts).collect()
+    }
+
+    pub fn from_vec(v: &[f64], classes: usize) -> Tally {
+        Tally {
+            loss: v[0],
+            confusion: v[1..]
+                .chunks(classes)
+                .map(|row| row.iter().map(|&n| n as usize).collect())
+                .collect(),
+        }
+    }
+
     /// The evaluation over the samples scored: their count comes from the tally, so a batch
     /// scored twice or not at all shows.
     pub fn finish(self, classes: &[String]) -> Evaluation {

@@ -114,6 +114,38 @@ pub trait Comm: Send {
         }
         Ok(())
     }
+
+    /// The element-wise sum of host numbers `v` over the group, added in rank order: the same
+    /// bits on every member, in f64 whatever the devices compute in (counts, totals).
+    fn sum_f64(&self, v: Vec<f64>) -> Result<Vec<f64>> {
+        let tag = COLLECTIVE_TAG + 4;
+        let len = v.len();
+        let message = |v: Vec<f64>| Message {
+            shape: Shape::new([v.len()]),
+            storage: Storage::F64(v),
+        };
+        let numbers = |m: Message| match m.storage {
+            Storage::F64(v) if v.len() == len => Ok(v),
+            _ => Err(crate::Error::Comm(format!(
+                "a sum of {len} numbers received {} of another kind or count",
+                m.shape
+            ))),
+        };
+        if self.rank() == 0 {
+            let mut sum = v;
+            for r in 1..self.size() {
+                let other = numbers(self.recv_message(r, tag)?)?;
+                sum.iter_mut().zip(other).for_each(|(s, o)| *s += o);
+            }
+            for r in 1..self.size() {
+                self.send_message(message(sum.clone()), r, tag)?;
+            }
+            Ok(sum)
+        } else {
+            self.send_message(message(v), 0, tag)?;
+            numbers(self.recv_message(0, tag)?)
+        }
+    }
 }
 
 /// Groups (color, key) pairs of all members into the members of `me`'s color, ordered by key

@@ -7,6 +7,9 @@
 //! M = D·η·m micro-batches of B/m images, numbered (group, replica, micro-batch); micro-batch g
 //! of step t holds images t·M·(B/m) + g·(B/m) onward, each micro-batch's loss counts 1/M, and
 //! BN statistics are committed in g order.
+//!
+//! Evaluation on held-out samples runs a forward-only task list between steps (see
+//! `Rank::evaluate`).
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -26,7 +29,7 @@ use crate::runtime::optim::Sgd;
 use crate::schemes::schedule::{self, Pass, Schedule, Task, Timed};
 use crate::schemes::Scheme;
 use crate::tensor::{Shape, Storage, Tensor};
-use crate::train::TrainConfig;
+use crate::train::{evaluated_output, held_out_samples, Evaluation, Tally, TrainConfig};
 use crate::{models, Error, Result};
 
 /// A run: what to train, and how to spread it.
@@ -46,6 +49,9 @@ pub struct RunConfig {
     pub metered: bool,
     /// Measured node costs to balance and schedule with (the analytical CPU model otherwise).
     pub calibration: Option<std::sync::Arc<crate::plan::calibrate::Calibration>>,
+    /// With `train.data.val` > 0, evaluate on the held-out samples after the last step and
+    /// after every this many steps before it (what `gems train --val-every` asks for).
+    pub val_every: Option<usize>,
 }
 
 impl RunConfig {
@@ -60,6 +66,7 @@ impl RunConfig {
             return_params: false,
             metered: false,
             calibration: None,
+            val_every: None,
         }
     }
 }
@@ -205,7 +212,8 @@ struct Pending {
 #[derive(Clone, Debug)]
 pub struct RankReport {
     pub rank: usize,
-    /// Seconds computing (forward, backward, loss, optimizer), summed over steps.
+    /// Seconds computing (forward, backward, loss, optimizer), summed over steps and
+    /// evaluations.
     pub busy: f64,
     pub wall: f64,
     /// Seconds stage-0 tasks waited for their images.
@@ -223,6 +231,9 @@ pub struct RankReport {
     pub timeline: Vec<Timed>,
     /// (param id, values) of every copy, orientation 0 first.
     pub params: Vec<(usize, usize, Vec<f64>)>,
+    /// (steps done, evaluation) of each evaluation on the held-out samples; the same on every
+    /// rank that reads them (world rank 0 among them), empty on the others.
+    pub validation: Vec<(usize, Evaluation)>,
 }
 
 struct Rank<'a> {
@@ -237,6 +248,10 @@ struct Rank<'a> {
     copies: Vec<Copy>,
     /// The training data, where this rank makes images (stage 0) or scores a loss.
     data: Option<Arc<Pipeline>>,
+    /// The held-out samples, where this rank has the training data and the run validates.
+    val: Option<Arc<Pipeline>>,
+    /// How many samples are held out (0 when the run does not validate).
+    held_out: usize,
     /// Prepares this rank's stage-0 micro-batches in the order its tasks take them.
     loader: Option<Loader>,
     pending: HashMap<(usize, usize), Pending>,
@@ -330,13 +345,25 @@ impl<'a> Rank<'a> {
         let scores = tasks
             .iter()
             .any(|t| !layout.losses[t.task.stage].is_empty());
-        let data = if c.metered || (first_stage.is_empty() && !scores) {
-            None
+        let validates = !c.metered && c.train.data.val > 0.0;
+        let (data, val) = if c.metered || (first_stage.is_empty() && !scores) {
+            (None, None)
         } else {
             let t = &c.train;
             let d = crate::data::open(&t.data, t.image_size, t.classes, t.seed)?;
             crate::train::check_classes(t, &d.classes)?;
-            Some(d.train)
+            (Some(d.train), d.val.filter(|_| validates))
+        };
+        // Every rank needs the held-out count for its evaluation tasks; world rank 0 makes
+        // images, so it has the data to count (the others add 0).
+        let held_out = if validates {
+            let n = match &val {
+                Some(v) if comm.rank() == 0 => held_out_samples(v, None)?,
+                _ => 0,
+            };
+            comm.sum_f64(vec![n as f64])?[0] as usize
+        } else {
+            0
         };
         let mb = c.train.batch_size / s.parts;
         let loader = match &data {
@@ -368,6 +395,8 @@ impl<'a> Rank<'a> {
             local,
             copies,
             data,
+            val,
+            held_out,
             loader,
             pending: HashMap::new(),
             busy: 0.0,
@@ -408,17 +437,7 @@ impl<'a> Rank<'a> {
             };
             vec![(g.input, x)]
         } else {
-            let from = self.world_rank(t.replica, t.stage - 1);
-            let mut feeds = Vec::new();
-            for (vi, &v) in layout.inputs[t.stage].iter().enumerate() {
-                let tg = tag(s, Pass::Forward, t.replica, t.stage, t.micro, vi)?;
-                feeds.push((
-                    v,
-                    self.comm
-                        .recv(from, tg, &self.device, Category::Communication)?,
-                ));
-            }
-            feeds
+            self.receive(t, t.micro)?
         };
         let start = Instant::now();
         let losses = &layout.losses[t.stage];
@@ -473,19 +492,133 @@ impl<'a> Rank<'a> {
         }
         self.device.backend().synchronize()?;
         self.busy += start.elapsed().as_secs_f64();
-        if n_out > 0 {
-            let to = self.world_rank(t.replica, t.stage + 1);
-            for (vi, out) in outs[..n_out].iter().enumerate() {
-                self.comm.send(
-                    out,
-                    to,
-                    tag(s, Pass::Forward, t.replica, t.stage + 1, t.micro, vi)?,
-                )?;
-            }
-        }
+        self.send(t, t.micro, &outs[..n_out])?;
         self.pending
             .insert((t.replica, t.micro), Pending { tape, seeds });
         Ok(start)
+    }
+
+    /// The values entering task `t`'s stage, from the rank of the stage before (messages tagged
+    /// as micro-batch `micro`).
+    fn receive(&self, t: Task, micro: usize) -> Result<Vec<(ValueId, Tensor)>> {
+        let from = self.world_rank(t.replica, t.stage - 1);
+        let mut feeds = Vec::new();
+        for (vi, &v) in self.layout.inputs[t.stage].iter().enumerate() {
+            let tg = tag(&self.c.scheme, Pass::Forward, t.replica, t.stage, micro, vi)?;
+            feeds.push((
+                v,
+                self.comm
+                    .recv(from, tg, &self.device, Category::Communication)?,
+            ));
+        }
+        Ok(feeds)
+    }
+
+    /// Sends the values leaving task `t`'s stage to the rank of the next (see [`Rank::receive`]).
+    fn send(&self, t: Task, micro: usize, outs: &[Tensor]) -> Result<()> {
+        if outs.is_empty() {
+            return Ok(());
+        }
+        let to = self.world_rank(t.replica, t.stage + 1);
+        for (vi, out) in outs.iter().enumerate() {
+            let tg = tag(
+                &self.c.scheme,
+                Pass::Forward,
+                t.replica,
+                t.stage + 1,
+                micro,
+                vi,
+            )?;
+            self.comm.send(out, to, tg)?;
+        }
+        Ok(())
+    }
+
+    /// Loss, accuracy and confusion counts over the held-out samples, on the ranks that read
+    /// them (`None` on the others). The samples go in micro-batches of B/m images, consecutive
+    /// runs of them to each group, forward through replica 0's stages in eval mode (nothing
+    /// saved, no statistics gathered); each rank adds what it scored (nothing unless it holds
+    /// the evaluated output) into one sum over the world. That sum also holds every rank until
+    /// all have finished evaluating, so the next step's messages never meet evaluation's.
+    fn evaluate(&mut self, report: &mut RankReport) -> Result<Option<Evaluation>> {
+        let (c, layout) = (self.c, self.layout);
+        let (s, g) = (&c.scheme, &layout.graph);
+        let (n, mb) = (self.held_out, self.micro_size());
+        let micro = n.div_ceil(mb);
+        let per_group = micro.div_ceil(s.dp);
+        let first = self.group * per_group;
+        let costs = layout.costs.stage_costs(&layout.partition.stages);
+        let schedule = schedule::evaluation(s, &costs, per_group.min(micro.saturating_sub(first)))?;
+        let tasks: Vec<Task> = schedule.ranks[self.local].iter().map(|t| t.task).collect();
+        // Positions of the held-out order (first, count) of this group's micro-batch `j`.
+        let span = |j: usize| {
+            let at = (first + j) * mb;
+            (at as u64, mb.min(n - at))
+        };
+        let missing = || Error::Internal("an evaluation task on a rank without the data".into());
+        let mut loader = match &self.val {
+            Some(v) if tasks.iter().any(|t| t.stage == 0) => Some(Loader::new(
+                v.clone(),
+                tasks.iter().map(|t| span(t.micro)).collect(),
+                c.train.data.workers,
+                c.train.data.prefetch,
+            )),
+            _ => None,
+        };
+        let out = evaluated_output(g)?;
+        let mut tally = Tally::new(c.train.classes);
+        for t in tasks {
+            let (at, len) = span(t.micro);
+            let feeds = if t.stage == 0 {
+                let batch = loader.as_mut().ok_or_else(missing)?.next_batch()?;
+                report.data_wait += batch.waited.as_secs_f64();
+                let shape = batched(len, g.input_shape());
+                let x = self.device.upload(
+                    shape,
+                    &batch.pixels,
+                    c.train.dtype,
+                    Category::Activations,
+                )?;
+                vec![(g.input, x)]
+            } else {
+                // Micro-batches follow one another between two ranks under one tag (training's
+                // for micro-batch 0): both transports deliver a sender's messages of a tag in
+                // order, and the sender sent this step's training message first.
+                self.receive(t, 0)?
+            };
+            let start = Instant::now();
+            let scores = layout.losses[t.stage].iter().any(|o| o.value == out);
+            let n_out = layout.outputs[t.stage].len();
+            let keep: Vec<ValueId> = layout.outputs[t.stage]
+                .iter()
+                .copied()
+                .chain(scores.then_some(out))
+                .collect();
+            let (outs, _) = graph::forward(
+                g,
+                &mut self.copies[t.replica % 2].params,
+                &self.device,
+                feeds,
+                layout.partition.stages[t.stage].clone(),
+                &keep,
+                None,
+                false,
+                0,
+            )?;
+            if scores {
+                let labels = self.val.as_ref().ok_or_else(missing)?.labels(at, len)?;
+                tally.add(&self.device, &outs[n_out], &labels)?;
+            }
+            self.device.backend().synchronize()?;
+            self.busy += start.elapsed().as_secs_f64();
+            self.send(t, 0, &outs[..n_out])?;
+        }
+        let sum = self.comm.sum_f64(tally.to_vec())?;
+        // The class names are the data's: ranks without it only help.
+        Ok(self
+            .val
+            .as_ref()
+            .map(|v| Tally::from_vec(&sum, c.train.classes).finish(v.classes())))
     }
 
     /// Runs a backward task; returns when its computation started.
@@ -717,6 +850,9 @@ pub fn run_rank(c: &RunConfig, layout: &Layout, comm: &dyn Comm) -> Result<RankR
             c.scheme.world()
         )));
     }
+    if c.val_every == Some(0) {
+        return Err(Error::Config("--val-every must be at least 1".into()));
+    }
     let started = Instant::now();
     let rank = comm.rank();
     let mut r = Rank::new(c, layout, comm)?;
@@ -732,11 +868,19 @@ pub fn run_rank(c: &RunConfig, layout: &Layout, comm: &dyn Comm) -> Result<RankR
         step_seconds: vec![],
         timeline: vec![],
         params: vec![],
+        validation: vec![],
     };
-    for step in 0..c.train.steps {
+    let steps = c.train.steps;
+    for step in 0..steps {
         let start = Instant::now();
         r.step(step, &mut report)?;
         report.step_seconds.push(start.elapsed().as_secs_f64());
+        let done = step + 1;
+        if r.held_out > 0 && (done == steps || c.val_every.is_some_and(|n| done % n == 0)) {
+            if let Some(e) = r.evaluate(&mut report)? {
+                report.validation.push((done, e));
+            }
+        }
     }
     report.busy = r.busy;
     report.wall = started.elapsed().as_secs_f64();
@@ -807,6 +951,7 @@ pub fn gather_reports(comm: &dyn Comm, mine: RankReport) -> Result<Option<Vec<Ra
             step_seconds: vec![],
             timeline: vec![],
             params: vec![],
+            validation: vec![],
         }
     };
     if comm.rank() != 0 {
