@@ -20,7 +20,7 @@ use gems::runtime::executor::{run_rank, Layout, RankReport, RunConfig};
 use gems::runtime::optim::SgdConfig;
 use gems::runtime::schedule::{Decay, LrSchedule};
 use gems::schemes::{Kind, Order, Scheme};
-use gems::train::{StepReport, TrainConfig, Trainer};
+use gems::train::{Evaluation, StepReport, TrainConfig, Trainer};
 use gems::{models, DType};
 
 #[derive(Parser)]
@@ -632,6 +632,9 @@ fn train(a: TrainArgs) -> anyhow::Result<()> {
     if a.steps == Some(0) || a.checkpoint_every == Some(0) {
         anyhow::bail!("--steps and --checkpoint-every must be at least 1");
     }
+    if a.input.val_every == Some(0) {
+        anyhow::bail!("--val-every must be at least 1");
+    }
     if !a.spread.is_single() {
         return train_spread(a);
     }
@@ -696,9 +699,6 @@ fn train(a: TrainArgs) -> anyhow::Result<()> {
         None
     };
     report_skipped(&trainer.data.skipped);
-    if a.input.val_every == Some(0) {
-        anyhow::bail!("--val-every must be at least 1");
-    }
     let started = Instant::now();
     let mut history: Vec<StepReport> = Vec::with_capacity(total - first);
     for _ in first..total {
@@ -709,12 +709,7 @@ fn train(a: TrainArgs) -> anyhow::Result<()> {
                 .val_every
                 .is_some_and(|n| done % n == 0 && done < total)
         {
-            let e = trainer.evaluate(None, config.batch_size)?;
-            let line = format!(
-                "step {done:>5}/{total}  validation loss {:.4}, accuracy {:.1}%",
-                e.loss,
-                100.0 * e.accuracy
-            );
+            let line = validation_line(done, total, &trainer.evaluate(None, config.batch_size)?);
             match &bar {
                 Some(b) => b.println(line),
                 None => println!("{line}"),
@@ -786,13 +781,7 @@ fn train(a: TrainArgs) -> anyhow::Result<()> {
         );
     }
     if a.input.val > 0.0 || trainer.config.data.val > 0.0 {
-        let e = trainer.evaluate(None, config.batch_size)?;
-        println!(
-            "  validation: loss {:.4}, accuracy {:.1}% on {} held-out samples",
-            e.loss,
-            100.0 * e.accuracy,
-            e.samples
-        );
+        print_validation(&trainer.evaluate(None, config.batch_size)?);
     }
     println!("  peak memory {}: {}", human_bytes(mem.peak), mem.at_peak);
     if let Some(cap) = mem.capacity {
@@ -1371,10 +1360,8 @@ fn train_spread(a: TrainArgs) -> anyhow::Result<()> {
     if a.checkpoint.is_some() || a.resume.is_some() {
         anyhow::bail!("--checkpoint and --resume work with --scheme single for now");
     }
-    if a.input.val > 0.0 {
-        anyhow::bail!("--val works with --scheme single for now (evaluation needs the whole model on one device)");
-    }
-    let c = run_config(&a)?;
+    let mut c = run_config(&a)?;
+    c.val_every = a.input.val_every;
     let (scheme, steps) = (c.scheme, c.train.steps);
     gems::plan::memory::check_fits(&c)?;
     let layout = Layout::new(&c)?;
@@ -1405,6 +1392,11 @@ fn train_spread(a: TrainArgs) -> anyhow::Result<()> {
         },
     };
     let secs = started.elapsed().as_secs_f64();
+    // The same on every rank that evaluates; rank 0's report is the one MPI's gather keeps whole.
+    let validation = &reports[0].validation;
+    for (done, e) in validation.iter().filter(|(done, _)| *done < steps) {
+        println!("{}", validation_line(*done, steps, e));
+    }
     let step_loss = |i: usize| reports.iter().map(|r| r.losses[i]).sum::<f64>();
     let tail = steps.saturating_sub(10)..steps;
     let loss = tail.clone().map(step_loss).sum::<f64>() / tail.len() as f64;
@@ -1425,6 +1417,9 @@ fn train_spread(a: TrainArgs) -> anyhow::Result<()> {
         "  throughput {:.1} images/s",
         (steps * per_step) as f64 / secs
     );
+    if let Some((_, e)) = validation.last() {
+        print_validation(e);
+    }
     if let Some(path) = &a.timeline {
         let g = &layout.graph;
         let micro = c.train.batch_size / scheme.parts;
@@ -1503,6 +1498,25 @@ fn run_mpi(
 #[cfg(not(feature = "mpi"))]
 fn run_mpi(_: &RunConfig, _: &Layout, _: impl FnOnce()) -> anyhow::Result<Option<Vec<RankReport>>> {
     anyhow::bail!("this gems was built without MPI: build it with `cargo build --release --features mpi` and start it with mpirun")
+}
+
+/// A line of validation during training, after `done` of `total` steps.
+fn validation_line(done: usize, total: usize, e: &Evaluation) -> String {
+    format!(
+        "step {done:>5}/{total}  validation loss {:.4}, accuracy {:.1}%",
+        e.loss,
+        100.0 * e.accuracy
+    )
+}
+
+/// The summary's line of the evaluation after the last step.
+fn print_validation(e: &Evaluation) {
+    println!(
+        "  validation: loss {:.4}, accuracy {:.1}% on {} held-out samples",
+        e.loss,
+        100.0 * e.accuracy,
+        e.samples
+    );
 }
 
 /// Mean loss and accuracy over reports.

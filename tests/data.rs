@@ -336,6 +336,59 @@ fn cli_trains_on_a_folder_validates_and_evaluates() {
 }
 
 #[test]
+fn cli_validates_a_spread_run_as_it_does_a_single_one() {
+    let d = temp("cli-spread");
+    for (c, class) in ["dark", "light"].iter().enumerate() {
+        std::fs::create_dir_all(d.join(class)).unwrap();
+        for i in 0..12u8 {
+            let v = 40 + 120 * c as u8 + 5 * i;
+            solid(
+                &d.join(class).join(format!("{i}.png")),
+                32,
+                32,
+                [v, v / 2, 90],
+            );
+        }
+    }
+    let spec = format!("folder:{}", d.display());
+    let validation = |spread: &[&str]| {
+        let mut args = vec![
+            "train",
+            "--data",
+            &spec,
+            "--val",
+            "0.25",
+            "--val-every",
+            "2",
+            "--steps",
+            "4",
+            "--batch-size",
+            "4",
+            "--dtype",
+            "f64",
+        ];
+        args.extend(spread);
+        let (ok, out, err) = gems(&args);
+        assert!(ok, "{args:?}:\n{out}\n{err}");
+        out.lines()
+            .filter(|l| l.contains("validation"))
+            .map(String::from)
+            .collect::<Vec<_>>()
+    };
+    // In f64 a pipeline of one micro-batch per step trains as the single device does, so the
+    // lines match to the last digit printed.
+    let single = validation(&[]);
+    assert_eq!(single.len(), 2, "{single:?}");
+    assert!(
+        single[0].starts_with("step     2/4  validation loss"),
+        "{single:?}"
+    );
+    assert!(single[1].contains("held-out samples"), "{single:?}");
+    assert_eq!(validation(&["--scheme", "mp", "--split", "2"]), single);
+    std::fs::remove_dir_all(d).ok();
+}
+
+#[test]
 fn cli_learns_a_generated_slide_and_eval_reports_it() {
     let d = temp("slide-cli");
     let slides = d.join("slides");
