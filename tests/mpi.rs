@@ -163,6 +163,64 @@ fn hybrid_over_mpi_on_8_ranks() {
 }
 
 #[test]
+fn validation_over_mpi_equals_local() {
+    let dir = std::env::temp_dir().join(format!("gems-mpi-val-{}", std::process::id()));
+    for (c, class) in ["dark", "light"].iter().enumerate() {
+        std::fs::create_dir_all(dir.join(class)).unwrap();
+        for i in 0..12u8 {
+            let v = 40 + 120 * c as u8 + 5 * i;
+            image::RgbImage::from_pixel(32, 32, image::Rgb([v, v / 2, 90]))
+                .save(dir.join(class).join(format!("{i}.png")))
+                .unwrap();
+        }
+    }
+    let spec = format!("folder:{}", dir.display());
+    let args = [
+        "train",
+        "--dtype",
+        "f64",
+        "--steps",
+        "4",
+        "--data",
+        &spec,
+        "--val",
+        "0.25",
+        "--val-every",
+        "2",
+        "--batch-size",
+        "4",
+        "--scheme",
+        "mp",
+        "--split",
+        "2",
+    ];
+    let validation = |out: std::process::Output| {
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .filter(|l| l.contains("validation"))
+            .map(String::from)
+            .collect::<Vec<_>>()
+    };
+    let mpi = validation(
+        mpirun(2)
+            .arg(gems())
+            .args(args)
+            .args(["--transport", "mpi"])
+            .output()
+            .unwrap(),
+    );
+    let local = validation(Command::new(gems()).args(args).output().unwrap());
+    assert_eq!(mpi.len(), 2, "{mpi:?}");
+    assert_eq!(mpi, local);
+    std::fs::remove_dir_all(dir).ok();
+}
+
+#[test]
 fn a_killed_rank_ends_the_job() {
     let mut job = mpirun(2)
         .arg(gems())
