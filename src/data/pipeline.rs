@@ -108,6 +108,14 @@ pub fn open(c: &DataConfig, image_size: usize, classes: usize, seed: u64) -> Res
             c.val
         )));
     }
+    if c.val > 0.0 && c.source == SourceSpec::Synthetic {
+        return Err(Error::Config(
+            "--val holds out a fraction of a finite data set (folder:DIR or slides:DIR); \
+             synthetic images are an endless stream, each one new: evaluate with \
+             `gems eval --samples N` instead"
+                .into(),
+        ));
+    }
     if c.workers == 0 || c.prefetch == 0 {
         return Err(Error::Config(
             "the loader needs at least one worker and one batch of prefetch".into(),
