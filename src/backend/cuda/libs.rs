@@ -77,6 +77,7 @@ fn find(role: &'static str, names: &[&str], dirs: &[PathBuf]) -> Library {
             }
             match open(&path) {
                 Ok(()) => {
+                    companions(role, dir);
                     return Library {
                         role,
                         path: Some(path),
@@ -107,6 +108,21 @@ fn find(role: &'static str, names: &[&str], dirs: &[PathBuf]) -> Library {
                 names.join(", ")
             )
         })),
+    }
+}
+
+/// Libraries that `role`'s library opens by bare name at run time, loaded from its folder so
+/// they are found even where that folder is not on the loader's path: NVRTC's builtins.
+fn companions(role: &str, dir: &Path) {
+    if role != "nvrtc" {
+        return;
+    }
+    for lib in read_dir_sorted(dir) {
+        let name = lib.file_name().map(|n| n.to_string_lossy().into_owned());
+        if name.is_some_and(|n| n.starts_with("libnvrtc-builtins.so.")) {
+            // Best effort: NVRTC reports a missing builtins library itself, by name.
+            let _ = open(&lib);
+        }
     }
 }
 
