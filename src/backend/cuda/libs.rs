@@ -67,6 +67,37 @@ pub fn get(role: &str) -> Option<&'static Library> {
     load().iter().find(|l| l.role == role)
 }
 
+/// cuDNN 9 opens its sub-libraries (libcudnn_ops.so.9, libcudnn_cnn.so.9, its engines) by
+/// name when first used, which fails where the folder libcudnn.so.9 came from is on no search
+/// path and the libraries carry no RUNPATH. So load them from that folder now (once); any that
+/// will not load are left for cuDNN to report when it needs them.
+pub fn load_cudnn_sublibraries() {
+    static DONE: OnceLock<()> = OnceLock::new();
+    DONE.get_or_init(|| {
+        let dir = get("cudnn")
+            .and_then(|l| l.path.as_deref())
+            .and_then(Path::parent)
+            .filter(|d| !d.as_os_str().is_empty());
+        let Some(dir) = dir else { return };
+        let mut pending: Vec<PathBuf> = read_dir_sorted(dir)
+            .into_iter()
+            .filter(|p| {
+                p.file_name()
+                    .and_then(|n| n.to_str())
+                    .is_some_and(|n| n.starts_with("libcudnn_") && n.ends_with(".so.9"))
+            })
+            .collect();
+        // They need one another: retry until a round loads nothing more.
+        loop {
+            let before = pending.len();
+            pending.retain(|p| open(p).is_err());
+            if pending.is_empty() || pending.len() == before {
+                break;
+            }
+        }
+    });
+}
+
 fn find(role: &'static str, names: &[&str], dirs: &[PathBuf]) -> Library {
     let mut problem = None;
     for dir in dirs {
