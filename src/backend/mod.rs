@@ -13,7 +13,7 @@ use crate::tensor::{DType, Shape, Storage, Tensor};
 use crate::Result;
 
 /// Geometry of a 2-d convolution over an NCHW batch (weights: c_out × c_in/groups × kh × kw).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct ConvGeom {
     pub n: usize,
     pub c_in: usize,

@@ -11,6 +11,7 @@
 //! The libraries are loaded at run time, so the same binary runs without a GPU: without a
 //! usable driver, [`Cuda::new`] returns an error saying what is missing ([`libs`] finds them).
 
+pub mod cudnn;
 pub mod kernels;
 pub mod libs;
 #[rustfmt::skip]
@@ -45,7 +46,7 @@ unsafe impl DeviceRepr for params::GemsLoss {}
 unsafe impl DeviceRepr for params::GemsCopyChannels {}
 
 /// The arithmetic of convolutions and matrix products (storage is f32 either way).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
 pub enum Precision {
     /// f32 multiply-adds on the CUDA cores.
     #[default]
