@@ -226,6 +226,7 @@ impl Checkpoint {
             saves: crate::graph::policy::SavePolicy::keep_all(),
             device: crate::backend::DeviceKind::Cpu,
             precision: crate::backend::cuda::Precision::Fp32,
+            conv: crate::backend::cuda::ConvImpl::Native,
             data: match self.meta.get("data") {
                 Some(json) => serde_json::from_str(json).map_err(|e| {
                     Error::Config(format!("the checkpoint's data configuration: {e}"))

@@ -8,7 +8,7 @@ use std::time::Instant;
 use clap::{Args, Parser, Subcommand};
 use indicatif::{ProgressBar, ProgressStyle};
 
-use gems::backend::cuda::{self, Precision};
+use gems::backend::cuda::{self, ConvImpl, Precision};
 use gems::backend::{CopyMode, DeviceKind};
 use gems::data::slide::TileConfig;
 use gems::data::{DataConfig, SourceSpec};
@@ -209,6 +209,9 @@ struct EvalArgs {
     /// fp32 or tf32 (GPU).
     #[arg(long, default_value = "fp32")]
     precision: Precision,
+    /// native or cudnn convolutions (GPU).
+    #[arg(long, default_value = "native")]
+    conv: ConvImpl,
 }
 
 /// `--offload`.
@@ -394,6 +397,10 @@ struct TrainArgs {
     /// Arithmetic of convolutions and matrix products on a GPU: fp32 or tf32.
     #[arg(long, default_value = "fp32")]
     precision: Precision,
+    /// Convolutions on a GPU: native (the handwritten kernels) or cudnn (cuDNN 9, each
+    /// shape's algorithms timed once and reported at the end).
+    #[arg(long, default_value = "native")]
+    conv: ConvImpl,
     /// Write one JSON line per step to this file.
     #[arg(long)]
     metrics: Option<PathBuf>,
@@ -651,6 +658,7 @@ fn train(a: TrainArgs) -> anyhow::Result<()> {
                 c.device_memory = a.device_memory;
                 c.device = for_dtype(&a.device, device, c.dtype);
                 c.precision = a.precision;
+                c.conv = a.conv;
                 c.data.skip_bad = a.input.skip_bad;
                 c.data.workers = a.input.workers;
                 c.data.prefetch = a.input.prefetch;
@@ -806,8 +814,20 @@ fn train(a: TrainArgs) -> anyhow::Result<()> {
             human_bytes(pool.bytes)
         );
     }
+    print_conv_algorithms(&trainer.device);
     debug_assert_eq!(mem.live.get(Category::Activations), 0);
     Ok(())
+}
+
+/// The algorithms cuDNN chose per convolution shape (nothing for the native kernels).
+fn print_conv_algorithms(device: &gems::Device) {
+    let lines = device.backend().conv_algorithms();
+    if !lines.is_empty() {
+        println!("  cuDNN algorithms per convolution shape:");
+        for l in lines {
+            println!("    {l}");
+        }
+    }
 }
 
 /// The run the training flags describe, with `auto` and `max` resolved against
@@ -868,6 +888,7 @@ fn run_config(a: &TrainArgs) -> anyhow::Result<RunConfig> {
         data,
         device: device_kind(&a.device, Some(a.dtype))?,
         precision: a.precision,
+        conv: a.conv,
     };
     let mut c = RunConfig::new(train, a.spread.scheme()?);
     c.balance = a.spread.balance.clone();
@@ -1050,7 +1071,14 @@ fn plan(a: TrainArgs) -> anyhow::Result<()> {
 fn bench_kernels(a: BenchKernelsArgs) -> anyhow::Result<()> {
     use gems::bench;
     let kind = device_kind(&a.device, Some(DType::F32))?;
-    let device = gems::Device::open(kind, a.precision, &kind.to_string(), 0, None)?;
+    let device = gems::Device::open(
+        kind,
+        a.precision,
+        ConvImpl::Native,
+        &kind.to_string(),
+        0,
+        None,
+    )?;
     let g = models::build(&a.model, a.image_size, 1000)?;
     let shapes = bench::conv_shapes(&g, a.batch)?;
     println!(
@@ -1161,7 +1189,15 @@ fn host_link(kind: DeviceKind, precision: Precision) -> anyhow::Result<HostLink>
     if kind == DeviceKind::Cpu {
         return Ok(HostLink::CPU);
     }
-    let device = gems::Device::open(kind, precision, &kind.to_string(), 0, None)?;
+    // Copies only: the convolution path does not matter.
+    let device = gems::Device::open(
+        kind,
+        precision,
+        ConvImpl::Native,
+        &kind.to_string(),
+        0,
+        None,
+    )?;
     Ok(link_model(
         kind,
         &gems::bench::host_link(&device, 64 << 20, 3)?,
@@ -1171,7 +1207,14 @@ fn host_link(kind: DeviceKind, precision: Precision) -> anyhow::Result<HostLink>
 fn bench_offload(a: BenchOffloadArgs) -> anyhow::Result<()> {
     use gems::bench;
     let kind = device_kind(&a.device, Some(DType::F32))?;
-    let device = gems::Device::open(kind, a.precision, &kind.to_string(), 0, None)?;
+    let device = gems::Device::open(
+        kind,
+        a.precision,
+        ConvImpl::Native,
+        &kind.to_string(),
+        0,
+        None,
+    )?;
     println!("host link of {}:", device.backend().name());
     let link = bench::host_link(&device, 256 << 20, 5)?;
     for b in &link {
@@ -1537,6 +1580,7 @@ fn eval(a: EvalArgs) -> anyhow::Result<()> {
         c.data.skip_bad = a.skip_bad;
         c.device = for_dtype(&a.device, device, c.dtype);
         c.precision = a.precision;
+        c.conv = a.conv;
     })?;
     let (e, what) = match &a.data {
         Some(source) => {

@@ -4,7 +4,7 @@
 use std::time::Instant;
 
 use crate::backend::cpu::splitmix64;
-use crate::backend::cuda::Precision;
+use crate::backend::cuda::{ConvImpl, Precision};
 use crate::backend::{CopyMode, Device, DeviceKind};
 use crate::checkpoint::Checkpoint;
 use crate::data::loader::{Batch, Loader};
@@ -42,6 +42,8 @@ pub struct TrainConfig {
     pub device: DeviceKind,
     /// The arithmetic of convolutions and matrix products on a GPU.
     pub precision: Precision,
+    /// Which kernels run convolutions on a GPU.
+    pub conv: ConvImpl,
 }
 
 impl TrainConfig {
@@ -81,6 +83,7 @@ impl TrainConfig {
             data: DataConfig::default(),
             device: DeviceKind::Cpu,
             precision: Precision::Fp32,
+            conv: ConvImpl::Native,
         }
     }
 }
@@ -229,6 +232,7 @@ impl Trainer {
         let device = Device::open(
             config.device,
             config.precision,
+            config.conv,
             &name,
             0,
             config.device_memory,

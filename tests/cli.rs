@@ -15,6 +15,11 @@ fn bad_input_gets_one_line_and_a_failure() {
         (vec!["train", "--device-memory", "lots"], "not a size"),
         (vec!["train", "--dtype", "f16"], "unknown dtype"),
         (vec!["train", "--val", "0.1"], "endless stream"),
+        (vec!["train", "--conv", "cuddn"], "unknown convolution path"),
+        (
+            vec!["train", "--conv", "cudnn", "--device", "cpu"],
+            "--conv cudnn runs on a GPU",
+        ),
         (
             vec!["train", "--device-memory", "1MiB", "--steps", "1"],
             "out of memory",

@@ -7,10 +7,12 @@
 //! so an element a kernel forgets to write fails the comparison. Outputs a kernel accumulates
 //! into (+=) start from the same random values on both devices. Tolerances follow the
 //! arithmetic: 1e-5 of the output's largest magnitude for f32, 2e-3 for TF32 tensor cores.
+//!
+//! Convolutions are checked on both GPU paths: the native kernels and cuDNN (`--conv cudnn`).
 
 use std::cell::RefCell;
 
-use gems::backend::cuda::{self, Precision};
+use gems::backend::cuda::{self, ConvImpl, Precision};
 use gems::backend::{ChannelGeom, ConvGeom, CopyMode, Device, DeviceKind, PoolGeom, SgdStep};
 use gems::graph::policy::SavePolicy;
 use gems::tensor::{DType, Storage};
@@ -21,9 +23,10 @@ use rand_chacha::ChaCha8Rng;
 const F32_TOL: f64 = 1e-5;
 const TF32_TOL: f64 = 2e-3;
 
-fn gpu(precision: Precision) -> Device {
-    Device::cuda("cuda:0", 0, precision, None)
-        .unwrap_or_else(|e| panic!("this test needs a CUDA device: {e}"))
+fn gpu(precision: Precision, conv: ConvImpl) -> Device {
+    Device::cuda("cuda:0", 0, precision, conv, None).unwrap_or_else(|e| {
+        panic!("this test needs a CUDA device (and cuDNN for --conv cudnn): {e}")
+    })
 }
 
 /// The same values on the CPU and on the GPU.
@@ -35,9 +38,13 @@ struct Pair {
 
 impl Pair {
     fn new(precision: Precision) -> Pair {
+        Pair::with_conv(precision, ConvImpl::Native)
+    }
+
+    fn with_conv(precision: Precision, conv: ConvImpl) -> Pair {
         Pair {
             cpu: Device::cpu("cpu", None),
-            gpu: gpu(precision),
+            gpu: gpu(precision, conv),
             rng: RefCell::new(ChaCha8Rng::seed_from_u64(7)),
         }
     }
@@ -157,8 +164,8 @@ fn conv_cases() -> Vec<ConvGeom> {
     ]
 }
 
-fn conv_matches(precision: Precision, tol: f64) {
-    let p = Pair::new(precision);
+fn conv_matches(precision: Precision, conv: ConvImpl, tol: f64) {
+    let p = Pair::with_conv(precision, conv);
     for g in conv_cases() {
         let (nx, nw, ny) = (
             g.n * g.c_in * g.h * g.w,
@@ -178,7 +185,7 @@ fn conv_matches(precision: Precision, tol: f64) {
             .backend()
             .zeros(p.gpu.backend().conv2d_workspace(&g), DType::F32)
             .unwrap();
-        let name = format!("{precision} conv {g:?}");
+        let name = format!("{precision} {conv} conv {g:?}");
 
         let (mut y, mut yg) = p.output(ny);
         p.cpu
@@ -214,18 +221,39 @@ fn conv_matches(precision: Precision, tol: f64) {
             .unwrap();
         p.check(&format!("{name} backward-filter"), &dw, &dwg, tol);
     }
+    // cuDNN reports the algorithms it chose, one line per shape.
+    let chosen = p.gpu.backend().conv_algorithms();
+    println!("{}\n{}", p.gpu.backend().name(), chosen.join("\n"));
+    let want = if conv == ConvImpl::Cudnn {
+        conv_cases().len()
+    } else {
+        0
+    };
+    assert_eq!(chosen.len(), want, "{chosen:?}");
 }
 
 #[test]
 #[ignore = "needs a CUDA device"]
 fn conv_fp32_matches_cpu() {
-    conv_matches(Precision::Fp32, F32_TOL);
+    conv_matches(Precision::Fp32, ConvImpl::Native, F32_TOL);
 }
 
 #[test]
 #[ignore = "needs a CUDA device"]
 fn conv_tf32_matches_cpu() {
-    conv_matches(Precision::Tf32, TF32_TOL);
+    conv_matches(Precision::Tf32, ConvImpl::Native, TF32_TOL);
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn conv_cudnn_fp32_matches_cpu() {
+    conv_matches(Precision::Fp32, ConvImpl::Cudnn, F32_TOL);
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn conv_cudnn_tf32_matches_cpu() {
+    conv_matches(Precision::Tf32, ConvImpl::Cudnn, TF32_TOL);
 }
 
 #[test]
@@ -594,11 +622,23 @@ fn sgd_matches_cpu_bit_for_bit() {
 }
 
 fn trainer(model: &str, size: usize, batch: usize, steps: usize, device: DeviceKind) -> Trainer {
+    trainer_with(model, size, batch, steps, device, ConvImpl::Native)
+}
+
+fn trainer_with(
+    model: &str,
+    size: usize,
+    batch: usize,
+    steps: usize,
+    device: DeviceKind,
+    conv: ConvImpl,
+) -> Trainer {
     Trainer::new(TrainConfig {
         device,
+        conv,
         ..TrainConfig::new(model, size, 10, batch, steps)
     })
-    .unwrap_or_else(|e| panic!("{model} on {device}: {e}"))
+    .unwrap_or_else(|e| panic!("{model} on {device} ({conv} convolutions): {e}"))
 }
 
 fn values(t: &Trainer) -> Vec<Vec<f64>> {
@@ -612,9 +652,19 @@ fn values(t: &Trainer) -> Vec<Vec<f64>> {
 #[test]
 #[ignore = "needs a CUDA device"]
 fn resnet110v2_step_matches_cpu() {
+    step_matches_cpu(ConvImpl::Native);
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn resnet110v2_cudnn_step_matches_cpu() {
+    step_matches_cpu(ConvImpl::Cudnn);
+}
+
+fn step_matches_cpu(conv: ConvImpl) {
     let cuda = DeviceKind::Cuda { ordinal: 0 };
     let mut on_cpu = trainer("resnet110v2", 32, 8, 1, DeviceKind::Cpu);
-    let mut on_gpu = trainer("resnet110v2", 32, 8, 1, cuda);
+    let mut on_gpu = trainer_with("resnet110v2", 32, 8, 1, cuda, conv);
     let before = values(&on_cpu);
     assert_eq!(before, values(&on_gpu), "both start from the same weights");
     let (rc, rg) = (on_cpu.step().unwrap(), on_gpu.step().unwrap());
@@ -667,35 +717,71 @@ fn training_on_gpu_learns_as_on_cpu() {
 #[test]
 #[ignore = "needs a CUDA device"]
 fn offload_and_recompute_on_gpu_are_bit_identical_in_every_copy_mode() {
+    offload_and_recompute_are_bit_identical(ConvImpl::Native);
+}
+
+/// cuDNN's choices are shared within the process and deterministic where that costs little,
+/// so offloaded and recomputed runs match the reference bit for bit on this path too; where
+/// cuDNN kept a non-deterministic algorithm (more than 5% faster), to f32 rounding.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn offload_and_recompute_with_cudnn_are_bit_identical_in_every_copy_mode() {
+    offload_and_recompute_are_bit_identical(ConvImpl::Cudnn);
+}
+
+fn offload_and_recompute_are_bit_identical(conv: ConvImpl) {
+    // The weights after three steps, the device and host peaks, the host pool, and whether
+    // every algorithm that ran is deterministic.
     let run = |saves: SavePolicy, offload_copy: CopyMode| {
         let mut t = Trainer::new(TrainConfig {
             saves,
             offload_copy,
             device: DeviceKind::Cuda { ordinal: 0 },
+            conv,
             ..TrainConfig::new("resnet20v2", 32, 10, 8, 3)
         })
         .unwrap();
         for _ in 0..3 {
             t.step().unwrap();
         }
-        let bits: Vec<Vec<u64>> = values(&t)
-            .iter()
-            .map(|v| v.iter().map(|x| x.to_bits()).collect())
-            .collect();
+        let chosen = t.device.backend().conv_algorithms();
+        let deterministic = !chosen.iter().any(|l| l.contains("non-deterministic"));
+        if !deterministic {
+            println!("non-deterministic algorithms ran:\n{}", chosen.join("\n"));
+        }
         (
-            bits,
+            values(&t),
             t.memory().peak,
             t.device.host_memory().peak,
             t.device.host_pool(),
+            deterministic,
         )
+    };
+    let same = |a: &[Vec<f64>], b: &[Vec<f64>], exact: bool| {
+        a.iter().zip(b).all(|(a, b)| {
+            a.iter().zip(b).all(|(x, y)| {
+                if exact {
+                    x.to_bits() == y.to_bits()
+                } else {
+                    (x - y).abs() <= 1e-5 * x.abs().max(1e-3)
+                }
+            })
+        })
     };
     let nodes = gems::models::build("resnet20v2", 32, 10)
         .unwrap()
         .nodes
         .len();
-    let (base, base_peak, _, _) = run(SavePolicy::keep_all(), CopyMode::Naive);
-    let (rec, rec_peak, _, _) = run(SavePolicy::checkpointed(nodes), CopyMode::Naive);
-    assert!(base == rec, "recomputation changed the weights");
+    if conv == ConvImpl::Cudnn {
+        // The first run times cuDNN's algorithms on scratch, which its peak would include.
+        run(SavePolicy::keep_all(), CopyMode::Naive);
+    }
+    let (base, base_peak, _, _, exact) = run(SavePolicy::keep_all(), CopyMode::Naive);
+    let (rec, rec_peak, _, _, _) = run(SavePolicy::checkpointed(nodes), CopyMode::Naive);
+    assert!(
+        same(&base, &rec, exact),
+        "recomputation changed the weights"
+    );
     assert!(rec_peak < base_peak, "peaks {base_peak} {rec_peak}");
     for mode in [
         CopyMode::Naive,
@@ -704,9 +790,9 @@ fn offload_and_recompute_on_gpu_are_bit_identical_in_every_copy_mode() {
         CopyMode::PinnedAsync,
     ] {
         let all = SavePolicy::all(nodes, gems::graph::policy::Keep::Host, 2);
-        let (bits, peak, host_peak, pool) = run(all, mode);
+        let (weights, peak, host_peak, pool, _) = run(all, mode);
         assert!(
-            base == bits,
+            same(&base, &weights, exact),
             "{mode}: offloading every activation changed the weights"
         );
         assert!(
@@ -772,9 +858,16 @@ fn schemes_on_one_gpu_match_the_cpu() {
 fn device_capacity_is_the_free_memory_or_less() {
     let gpus = cuda::devices().unwrap();
     assert!(!gpus.is_empty(), "no GPU");
-    let d = Device::cuda("cuda:0", 0, Precision::Fp32, Some(1 << 30)).unwrap();
+    let d = Device::cuda(
+        "cuda:0",
+        0,
+        Precision::Fp32,
+        ConvImpl::Native,
+        Some(1 << 30),
+    )
+    .unwrap();
     assert_eq!(d.memory().capacity, Some(1 << 30));
-    let whole = Device::cuda("cuda:0", 0, Precision::Fp32, None).unwrap();
+    let whole = Device::cuda("cuda:0", 0, Precision::Fp32, ConvImpl::Native, None).unwrap();
     let cap = whole.memory().capacity.unwrap();
     assert!(cap <= gpus[0].free_memory && cap + (1 << 30) >= gpus[0].free_memory - cuda::RESERVE);
     // A request over the capacity is the engine's typed error, not the driver's.
@@ -795,6 +888,7 @@ fn a_cuda_device_opens_or_says_why_not() {
     let opened = Device::open(
         DeviceKind::Cuda { ordinal: 0 },
         Precision::Fp32,
+        ConvImpl::Native,
         "cuda:0",
         0,
         None,
@@ -816,4 +910,58 @@ fn a_cuda_device_opens_or_says_why_not() {
     );
     assert_eq!(DeviceKind::parse("cpu").unwrap(), DeviceKind::Cpu);
     assert!(DeviceKind::parse("tpu").is_err());
+}
+
+/// Runs everywhere: `--conv cudnn` opens where a GPU and cuDNN 9 are usable, and is otherwise a
+/// clear error that names what is missing (the driver, or cuDNN and where it was looked for).
+#[test]
+fn the_cudnn_path_opens_or_says_why_not() {
+    let opened = Device::open(
+        DeviceKind::Cuda { ordinal: 0 },
+        Precision::Tf32,
+        ConvImpl::Cudnn,
+        "cuda:0",
+        0,
+        None,
+    );
+    let gpu = matches!(cuda::device_count(), Ok(n) if n > 0);
+    match (gpu, cuda::cudnn::load()) {
+        (true, Ok(_)) => {
+            let name = opened.unwrap().backend().name();
+            assert!(name.contains("cuDNN 9."), "{name}");
+        }
+        (true, Err(_)) => {
+            let e = opened
+                .expect_err("cuDNN is missing, yet it opened")
+                .to_string();
+            assert!(
+                e.contains("cuDNN")
+                    && e.contains("GEMS_CUDA_LIB_DIRS")
+                    && e.contains("--conv native"),
+                "unclear error: {e}"
+            );
+        }
+        (false, _) => {
+            let e = opened
+                .expect_err("no GPU here, yet --conv cudnn opened")
+                .to_string();
+            assert!(e.contains("CUDA"), "unclear error: {e}");
+        }
+    }
+    // On the CPU there is no cuDNN to run.
+    let e = Device::open(
+        DeviceKind::Cpu,
+        Precision::Fp32,
+        ConvImpl::Cudnn,
+        "cpu",
+        0,
+        None,
+    )
+    .expect_err("--conv cudnn on the CPU")
+    .to_string();
+    assert!(e.contains("--conv cudnn"), "{e}");
+    assert_eq!("cudnn".parse::<ConvImpl>(), Ok(ConvImpl::Cudnn));
+    assert_eq!("native".parse::<ConvImpl>(), Ok(ConvImpl::Native));
+    assert_eq!(ConvImpl::Cudnn.to_string(), "cudnn");
+    assert!("cuddn".parse::<ConvImpl>().is_err());
 }

@@ -129,6 +129,11 @@ pub trait Backend: Send + Sync {
 
     /// Workspace elements for the convolution passes of `g`.
     fn conv2d_workspace(&self, g: &ConvGeom) -> usize;
+    /// What the backend chose at run time for each convolution geometry (cuDNN's algorithms),
+    /// one line each, for reports; nothing where it chooses nothing.
+    fn conv_algorithms(&self) -> Vec<String> {
+        Vec::new()
+    }
     fn conv2d_forward(
         &self,
         x: &Storage,
@@ -466,15 +471,19 @@ impl Device {
     }
 
     /// The device of `kind` that rank `rank` of a run computes on, named `name`, with
-    /// `capacity` bytes at most.
+    /// `capacity` bytes at most; on a GPU, convolutions run with `conv` in `precision`.
     pub fn open(
         kind: DeviceKind,
         precision: cuda::Precision,
+        conv: cuda::ConvImpl,
         name: &str,
         rank: usize,
         capacity: Option<u64>,
     ) -> Result<Device> {
         match kind {
+            DeviceKind::Cpu if conv != cuda::ConvImpl::Native => Err(crate::Error::Config(
+                format!("--conv {conv} runs on a GPU, and this run computes on the CPU"),
+            )),
             DeviceKind::Cpu => Ok(Device::cpu(name, capacity)),
             DeviceKind::Cuda { ordinal } => {
                 let count = cuda::device_count()?;
@@ -483,23 +492,24 @@ impl Device {
                         "no CUDA device {ordinal}: the driver sees {count}"
                     )));
                 }
-                Device::cuda(name, (ordinal + rank) % count, precision, capacity)
+                Device::cuda(name, (ordinal + rank) % count, precision, conv, capacity)
             }
         }
     }
 
-    /// GPU `ordinal` with kernels of `precision`. Its capacity is the device's free memory
-    /// less [`cuda::RESERVE`], or `capacity` when that is smaller.
+    /// GPU `ordinal` with kernels of `precision`, convolutions by `conv`. Its capacity is the
+    /// device's free memory less [`cuda::RESERVE`], or `capacity` when that is smaller.
     pub fn cuda(
         name: &str,
         ordinal: usize,
         precision: cuda::Precision,
+        conv: cuda::ConvImpl,
         capacity: Option<u64>,
     ) -> Result<Device> {
         // The backend leases its scratch from the allocator, which needs the capacity, which
         // needs the device opened: open it with an unbounded allocator, then set the bound.
         let allocator = Allocator::new(name, None);
-        let (backend, free) = cuda::Cuda::new(ordinal, precision, Arc::clone(&allocator))?;
+        let (backend, free) = cuda::Cuda::new(ordinal, precision, conv, Arc::clone(&allocator))?;
         let usable = free.saturating_sub(cuda::RESERVE);
         allocator.set_capacity(Some(capacity.map_or(usable, |c| c.min(usable))));
         Ok(Device {

@@ -304,6 +304,7 @@ impl<'a> Rank<'a> {
             Device::open(
                 c.train.device,
                 c.train.precision,
+                c.train.conv,
                 &name,
                 comm.rank(),
                 c.train.device_memory,

@@ -1,6 +1,6 @@
 //! The CUDA backend: f32 tensors in device memory, the handwritten kernels of `cuda/*.cu`
 //! (compiled at run time by NVRTC for the device's architecture and cached on disk), cuBLAS for
-//! linear layers.
+//! linear layers, and cuDNN for convolutions when asked ([`ConvImpl::Cudnn`], [`cudnn`]).
 //!
 //! Everything runs in order on one stream per device. Device memory comes from the driver's
 //! stream-ordered pool with its release threshold raised to the maximum, so freed blocks stay
@@ -71,6 +71,36 @@ impl std::fmt::Display for Precision {
         f.write_str(match self {
             Precision::Fp32 => "fp32",
             Precision::Tf32 => "tf32",
+        })
+    }
+}
+
+/// Which kernels run convolutions on a GPU.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum ConvImpl {
+    /// The handwritten implicit-GEMM kernels of cuda/conv.cu.
+    #[default]
+    Native,
+    /// cuDNN 9, its algorithms chosen by timing them once per shape.
+    Cudnn,
+}
+
+impl std::str::FromStr for ConvImpl {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "native" => Ok(ConvImpl::Native),
+            "cudnn" => Ok(ConvImpl::Cudnn),
+            _ => Err(format!("unknown convolution path '{s}' (native, cudnn)")),
+        }
+    }
+}
+
+impl std::fmt::Display for ConvImpl {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            ConvImpl::Native => "native",
+            ConvImpl::Cudnn => "cudnn",
         })
     }
 }
@@ -176,14 +206,18 @@ pub struct Cuda {
     precision: Precision,
     multiprocessors: u32,
     arch: &'static str,
+    /// cuDNN, where it runs the convolutions (`--conv cudnn`).
+    cudnn: Option<cudnn::Cudnn>,
 }
 
 impl Cuda {
     /// Opens GPU `ordinal`, compiles (or loads from the cache) every kernel for its
-    /// architecture, and returns the backend and the device's free memory in bytes.
+    /// architecture, opens cuDNN when `conv` asks for it, and returns the backend and the
+    /// device's free memory in bytes.
     pub fn new(
         ordinal: usize,
         precision: Precision,
+        conv: ConvImpl,
         allocator: Arc<Allocator>,
     ) -> Result<(Cuda, u64)> {
         let count = device_count()?;
@@ -231,6 +265,14 @@ impl Cuda {
         let multiprocessors = ctx
             .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
             .map_err(driver_error)? as u32;
+        let cudnn = match conv {
+            ConvImpl::Native => None,
+            ConvImpl::Cudnn => Some(cudnn::Cudnn::new(
+                stream.clone(),
+                precision,
+                Arc::clone(&allocator),
+            )?),
+        };
         let (free, _) = ctx.mem_get_info().map_err(driver_error)?;
         Ok((
             Cuda {
@@ -243,6 +285,7 @@ impl Cuda {
                 precision,
                 multiprocessors,
                 arch,
+                cudnn,
             },
             free as u64,
         ))
@@ -309,10 +352,14 @@ impl Cuda {
         format!("conv2d_{pass}_{suffix}")
     }
 
-    /// The device's name, architecture and precision, for reports.
+    /// The device's name, architecture, precision and convolution path, for reports.
     pub fn describe(&self) -> String {
+        let conv = match &self.cudnn {
+            Some(c) => format!("{} convolutions", c.describe()),
+            None => "native convolutions".into(),
+        };
         format!(
-            "cuda:{} {} ({}, {} SMs, {})",
+            "cuda:{} {} ({}, {} SMs, {}, {conv})",
             self.ctx.ordinal(),
             self.ctx.name().unwrap_or_else(|_| "GPU".into()),
             self.arch,
@@ -615,7 +662,17 @@ impl Backend for Cuda {
     }
 
     fn conv2d_workspace(&self, g: &ConvGeom) -> usize {
-        self.filter_splits(g) * g.c_out * g.col_rows()
+        match &self.cudnn {
+            Some(c) => c.workspace(g),
+            None => self.filter_splits(g) * g.c_out * g.col_rows(),
+        }
+    }
+
+    fn conv_algorithms(&self) -> Vec<String> {
+        self.cudnn
+            .as_ref()
+            .map(|c| c.algorithms())
+            .unwrap_or_default()
     }
 
     fn conv2d_forward(
@@ -623,9 +680,12 @@ impl Backend for Cuda {
         x: &Storage,
         w: &Storage,
         y: &mut Storage,
-        _ws: &mut Storage,
+        ws: &mut Storage,
         g: &ConvGeom,
     ) -> Result<()> {
+        if let Some(c) = &self.cudnn {
+            return c.forward(dev(x)?, dev(w)?, dev_mut(y)?, dev_mut(ws)?, g);
+        }
         let p = conv_params(g)?;
         let cfg = conv_grid(g.c_out / g.groups, g.n * g.h_out * g.w_out, g.groups)?;
         launch!(self, self.conv_kernel("forward"), cfg; dev(x)?, dev(w)?, dev_mut(y)?, &p)
@@ -636,9 +696,12 @@ impl Backend for Cuda {
         dy: &Storage,
         w: &Storage,
         dx: &mut Storage,
-        _ws: &mut Storage,
+        ws: &mut Storage,
         g: &ConvGeom,
     ) -> Result<()> {
+        if let Some(c) = &self.cudnn {
+            return c.backward_data(dev(dy)?, dev(w)?, dev_mut(dx)?, dev_mut(ws)?, g);
+        }
         let p = conv_params(g)?;
         let cfg = conv_grid(g.c_in / g.groups, g.n * g.h * g.w, g.groups)?;
         launch!(self, self.conv_kernel("backward_data"), cfg; dev(dy)?, dev(w)?, dev_mut(dx)?, &p)
@@ -652,6 +715,9 @@ impl Backend for Cuda {
         ws: &mut Storage,
         g: &ConvGeom,
     ) -> Result<()> {
+        if let Some(c) = &self.cudnn {
+            return c.backward_filter(dev(x)?, dev(dy)?, dev_mut(dw)?, dev_mut(ws)?, g);
+        }
         let p = conv_params(g)?;
         let splits = self.filter_splits(g);
         let numel = g.c_out * g.col_rows();
