@@ -114,12 +114,44 @@ struct BenchKernelsArgs {
     /// fp32 or tf32 (GPU).
     #[arg(long, default_value = "fp32")]
     precision: Precision,
+    /// Convolutions on a GPU: native, cudnn, or both (side by side, with their ratio).
+    #[arg(long, default_value = "native")]
+    conv: BenchConv,
     /// Timed runs per measurement (the median is reported).
     #[arg(long, default_value_t = 10)]
     repeats: usize,
     /// Write the measurements to this file as JSON.
     #[arg(long, value_name = "FILE")]
     json: Option<PathBuf>,
+}
+
+/// `--conv` of `gems bench kernels`: one convolution path, or both side by side.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum BenchConv {
+    One(ConvImpl),
+    Both,
+}
+
+impl std::str::FromStr for BenchConv {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "both" => Ok(BenchConv::Both),
+            _ => s
+                .parse()
+                .map(BenchConv::One)
+                .map_err(|_| format!("unknown convolution path '{s}' (native, cudnn, both)")),
+        }
+    }
+}
+
+impl std::fmt::Display for BenchConv {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            BenchConv::One(c) => c.fmt(f),
+            BenchConv::Both => f.write_str("both"),
+        }
+    }
 }
 
 #[derive(Subcommand)]
@@ -1071,14 +1103,15 @@ fn plan(a: TrainArgs) -> anyhow::Result<()> {
 fn bench_kernels(a: BenchKernelsArgs) -> anyhow::Result<()> {
     use gems::bench;
     let kind = device_kind(&a.device, Some(DType::F32))?;
-    let device = gems::Device::open(
-        kind,
-        a.precision,
-        ConvImpl::Native,
-        &kind.to_string(),
-        0,
-        None,
-    )?;
+    let convs = match a.conv {
+        BenchConv::One(c) => vec![c],
+        BenchConv::Both => vec![ConvImpl::Native, ConvImpl::Cudnn],
+    };
+    // One device per convolution path (on a GPU, both on the same one).
+    let devices = convs
+        .iter()
+        .map(|&c| gems::Device::open(kind, a.precision, c, &kind.to_string(), 0, None))
+        .collect::<gems::Result<Vec<_>>>()?;
     let g = models::build(&a.model, a.image_size, 1000)?;
     let shapes = bench::conv_shapes(&g, a.batch)?;
     println!(
@@ -1087,49 +1120,96 @@ fn bench_kernels(a: BenchKernelsArgs) -> anyhow::Result<()> {
         a.image_size,
         a.batch,
         shapes.len(),
-        device.backend().name()
+        devices
+            .iter()
+            .map(|d| d.backend().name())
+            .collect::<Vec<_>>()
+            .join(" and ")
     );
-    println!(
-        "{:<28} {:>5} {:>8}  {:>21}  {:>21}  {:>21}",
-        "convolution (first node)",
-        "count",
-        "GFLOP",
-        "forward ms TFLOP/s",
-        "bwd-data ms TFLOP/s",
-        "bwd-filter ms TFLOP/s"
-    );
+    let both = devices.len() == 2;
+    if both {
+        println!(
+            "{:<28} {:>5} {:>8}  {:^24}  {:^24}  {:^24}",
+            "convolution (first node)",
+            "count",
+            "GFLOP",
+            "forward ms",
+            "backward-data ms",
+            "backward-filter ms"
+        );
+        let sub = format!("{:>8} {:>8} {:>6}", "native", "cudnn", "ratio");
+        println!(
+            "{:<43}  {sub}  {sub}  {sub}",
+            "(ratio: native time / cuDNN time)"
+        );
+    } else {
+        println!(
+            "{:<28} {:>5} {:>8}  {:>21}  {:>21}  {:>21}",
+            "convolution (first node)",
+            "count",
+            "GFLOP",
+            "forward ms TFLOP/s",
+            "bwd-data ms TFLOP/s",
+            "bwd-filter ms TFLOP/s"
+        );
+    }
     let mut rows = Vec::new();
-    let mut total = [0.0f64; 3];
+    // Seconds of each pass over the whole model, per device.
+    let mut total = vec![[0.0f64; 3]; devices.len()];
     let mut flops = 0.0;
     for s in &shapes {
-        let t = bench::conv_passes(&device, &s.geom, a.repeats)?;
+        let t = devices
+            .iter()
+            .map(|d| bench::conv_passes(d, &s.geom, a.repeats))
+            .collect::<gems::Result<Vec<_>>>()?;
         let f = s.flops();
-        let cell = |sec: f64| format!("{:>10.3} {:>10.2}", 1e3 * sec, f / sec / 1e12);
+        let cells: Vec<String> = (0..3)
+            .map(|pass| match t.as_slice() {
+                [one] => format!("{:>10.3} {:>10.2}", 1e3 * one[pass], f / one[pass] / 1e12),
+                [native, cudnn] => format!(
+                    "{:>8.3} {:>8.3} {:>5.2}x",
+                    1e3 * native[pass],
+                    1e3 * cudnn[pass],
+                    native[pass] / cudnn[pass]
+                ),
+                _ => unreachable!("one or two convolution paths"),
+            })
+            .collect();
         println!(
             "{:<28} {:>5} {:>8.2}  {}  {}  {}",
             s.example,
             s.count,
             f / 1e9,
-            cell(t[0]),
-            cell(t[1]),
-            cell(t[2])
+            cells[0],
+            cells[1],
+            cells[2]
         );
-        for (acc, sec) in total.iter_mut().zip(t) {
-            *acc += sec * s.count as f64;
+        for (acc, times) in total.iter_mut().zip(&t) {
+            for (a, sec) in acc.iter_mut().zip(times) {
+                *a += sec * s.count as f64;
+            }
         }
         flops += f * s.count as f64;
-        rows.push(serde_json::json!({
+        let mut row = serde_json::json!({
             "node": s.example, "count": s.count, "geom": format!("{:?}", s.geom),
-            "gflop": f / 1e9, "seconds": t,
-        }));
+            "gflop": f / 1e9, "seconds": t[0],
+        });
+        if both {
+            row["cudnn_seconds"] = serde_json::json!(t[1]);
+        }
+        rows.push(row);
     }
-    println!(
-        "all {} convolutions: forward {:.2}, backward-data {:.2}, backward-filter {:.2} TFLOP/s",
-        shapes.iter().map(|s| s.count).sum::<usize>(),
-        flops / total[0] / 1e12,
-        flops / total[1] / 1e12,
-        flops / total[2] / 1e12
-    );
+    for (conv, total) in convs.iter().zip(&total) {
+        println!(
+            "all {} convolutions{}: forward {:.2}, backward-data {:.2}, backward-filter {:.2} TFLOP/s",
+            shapes.iter().map(|s| s.count).sum::<usize>(),
+            if both { format!(" ({conv})") } else { String::new() },
+            flops / total[0] / 1e12,
+            flops / total[1] / 1e12,
+            flops / total[2] / 1e12
+        );
+    }
+    let device = &devices[0];
     // The largest activation of the model at this batch, seen per channel.
     let widest = g
         .values
@@ -1144,7 +1224,7 @@ fn bench_kernels(a: BenchKernelsArgs) -> anyhow::Result<()> {
         c,
         hw: h * w,
     };
-    let bw = bench::memory_bound(&device, &geom, a.repeats)?;
+    let bw = bench::memory_bound(device, &geom, a.repeats)?;
     let copy = bw[0].gb_per_s();
     println!("memory-bound kernels over {}×{c}×{h}×{w} f32:", a.batch);
     for b in &bw {
@@ -1158,11 +1238,15 @@ fn bench_kernels(a: BenchKernelsArgs) -> anyhow::Result<()> {
     if let Some(path) = &a.json {
         let doc = serde_json::json!({
             "model": a.model, "image_size": a.image_size, "batch": a.batch,
-            "device": device.backend().name(), "repeats": a.repeats,
+            "device": device.backend().name(), "repeats": a.repeats, "conv": a.conv.to_string(),
             "convolutions": rows, "memory_bound": bw,
+            "cudnn_algorithms": devices.iter().flat_map(|d| d.backend().conv_algorithms()).collect::<Vec<_>>(),
         });
         std::fs::write(path, serde_json::to_string_pretty(&doc)?)
             .map_err(|e| anyhow::anyhow!("cannot write {}: {e}", path.display()))?;
+    }
+    for d in &devices {
+        print_conv_algorithms(d);
     }
     Ok(())
 }
@@ -1283,6 +1367,13 @@ fn info() -> anyhow::Result<()> {
             "  NVRTC cannot be used: cudarc opens it as libnvrtc.so or libnvrtc.so.<major>; \
              link the library found under one of those names in a folder on LD_LIBRARY_PATH"
         ),
+    }
+    match cuda::cudnn::load() {
+        Ok(v) => println!(
+            "  cuDNN {} runs --conv cudnn",
+            cuda::cudnn::version_string(v)
+        ),
+        Err(e) => println!("  {e}"),
     }
     match cuda::kernels::cache_dir() {
         Some(dir) => println!("kernel cache: {}", dir.display()),

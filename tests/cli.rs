@@ -21,6 +21,10 @@ fn bad_input_gets_one_line_and_a_failure() {
             "--conv cudnn runs on a GPU",
         ),
         (
+            vec!["bench", "kernels", "--conv", "sideways"],
+            "unknown convolution path",
+        ),
+        (
             vec!["train", "--device-memory", "1MiB", "--steps", "1"],
             "out of memory",
         ),
@@ -239,4 +243,53 @@ fn devices_are_chosen_and_reported() {
     assert!(!ok && err.contains("unknown device 'tpu'"), "{err}");
     let (ok, _, err) = gems(&["train", "--precision", "fp8"]);
     assert!(!ok && err.contains("unknown precision"), "{err}");
+}
+
+/// Runs everywhere: `--conv cudnn` trains and reports cuDNN's algorithms where a GPU and cuDNN 9
+/// are usable, and is otherwise a short error naming what is missing; so is `gems bench kernels
+/// --conv both`, which otherwise times both paths side by side.
+#[test]
+fn conv_cudnn_runs_or_says_why_not() {
+    use gems::backend::cuda;
+    let gpu = matches!(cuda::device_count(), Ok(n) if n > 0);
+    let cudnn = cuda::cudnn::load().is_ok();
+    let small = ["--model", "resnet20v2", "--image-size", "32"];
+    let train = [
+        &[
+            "train",
+            "--device",
+            "cuda",
+            "--conv",
+            "cudnn",
+            "--precision",
+            "tf32",
+        ][..],
+        &small,
+        &["--batch-size", "2", "--steps", "1"],
+    ]
+    .concat();
+    let bench = [
+        &["bench", "kernels", "--device", "cuda", "--conv", "both"][..],
+        &small,
+        &["--batch", "2", "--repeats", "1"],
+    ]
+    .concat();
+    for (args, done) in [
+        (&train, "cuDNN algorithms per convolution shape"),
+        (&bench, "native time / cuDNN time"),
+    ] {
+        let (ok, out, err) = gems(args);
+        match (gpu, cudnn) {
+            (true, true) => {
+                assert!(ok, "{args:?}: {err}");
+                assert!(out.contains(done) && out.contains("FWD_ALGO_"), "{out}");
+            }
+            _ => {
+                assert!(!ok, "{args:?} ran without a GPU and cuDNN:\n{out}");
+                let want = if gpu { "cuDNN" } else { "CUDA" };
+                assert!(err.contains(want), "{args:?}: unclear error {err:?}");
+                assert_eq!(err.trim().lines().count(), 1, "{err}");
+            }
+        }
+    }
 }
