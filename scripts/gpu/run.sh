@@ -3,7 +3,8 @@
 # writes every log under $OUT. Parts, in the order a 30-minute lease should spend them:
 #   info     gems info, nvidia-smi
 #   suite    the GPU suite (every op against the CPU, whole steps, offload bit-identity)
-#   kernels  gems bench kernels: resnet110v2 at 1024² and resnet50 at 224², fp32 and tf32
+#   kernels  gems bench kernels: resnet110v2 at 1024² and resnet50 at 224², fp32 and tf32,
+#            native kernels and cuDNN side by side (--conv both)
 #   train    training images/s: resnet50 224² B=64 and resnet110v2 1024², fp32 and tf32; and
 #            resnet110v2 at 1024² fed from a whole-slide image (does the loader keep up?)
 #   offload  gems bench offload: GEMS's offload study (4 models × 6 variants) and the host link
@@ -35,21 +36,27 @@ for part in "${parts[@]}"; do
     kernels)
         for p in fp32 tf32; do
             step "kernels resnet110v2 $p"
-            $G bench kernels --device cuda --precision $p --model resnet110v2 --image-size 1024 \
-                --batch 4 --json "$OUT/kernels-resnet110v2-$p.json" 2>&1 | tee -a "$OUT/kernels.txt"
+            $G bench kernels --device cuda --precision $p --conv both --model resnet110v2 \
+                --image-size 1024 --batch 4 --json "$OUT/kernels-resnet110v2-$p.json" 2>&1 |
+                tee -a "$OUT/kernels.txt"
             step "kernels resnet50 $p"
-            $G bench kernels --device cuda --precision $p --model resnet50 --image-size 224 \
-                --batch 64 --json "$OUT/kernels-resnet50-$p.json" 2>&1 | tee -a "$OUT/kernels.txt"
+            $G bench kernels --device cuda --precision $p --conv both --model resnet50 \
+                --image-size 224 --batch 64 --json "$OUT/kernels-resnet50-$p.json" 2>&1 |
+                tee -a "$OUT/kernels.txt"
         done
         ;;
     train)
         for p in fp32 tf32; do
-            step "train resnet50 224 B=64 $p"
-            $G train --device cuda --precision $p --model resnet50 --image-size 224 --classes 1000 \
-                --batch-size 64 --steps 30 --warmup 0 2>&1 | tee -a "$OUT/train.txt"
-            step "train resnet110v2 1024 B=8 $p"
-            $G train --device cuda --precision $p --model resnet110v2 --image-size 1024 \
-                --batch-size 8 --steps 10 --warmup 0 2>&1 | tee -a "$OUT/train.txt"
+            for conv in native cudnn; do
+                step "train resnet50 224 B=64 $p $conv"
+                $G train --device cuda --precision $p --conv $conv --model resnet50 \
+                    --image-size 224 --classes 10 --batch-size 64 --steps 30 --warmup 0 2>&1 |
+                    tee -a "$OUT/train.txt"
+                step "train resnet110v2 1024 B=8 $p $conv"
+                $G train --device cuda --precision $p --conv $conv --model resnet110v2 \
+                    --image-size 1024 --batch-size 8 --steps 10 --warmup 0 2>&1 |
+                    tee -a "$OUT/train.txt"
+            done
         done
         step "train resnet110v2 1024 B=8 tf32 from slide tiles"
         slides=/tmp/gems-slides
