@@ -90,14 +90,45 @@ struct BenchOffloadArgs {
     images: usize,
     #[arg(long, default_value_t = 16)]
     batch: usize,
-    /// auto, cpu, cuda or cuda:N.
-    #[arg(long, default_value = "auto")]
-    device: String,
-    #[arg(long, default_value = "fp32")]
-    precision: Precision,
+    #[command(flatten)]
+    on: DeviceArgs,
     /// Write the measurements to this file as JSON.
     #[arg(long, value_name = "FILE")]
     json: Option<PathBuf>,
+}
+
+/// Where a command computes.
+#[derive(Args)]
+struct DeviceArgs {
+    /// auto (a GPU when one is usable and the run is f32, else the CPU), cpu, cuda or cuda:N.
+    #[arg(long, default_value = "auto")]
+    device: String,
+    /// Arithmetic of convolutions and matrix products on a GPU: fp32 or tf32.
+    #[arg(long, default_value = "fp32")]
+    precision: Precision,
+}
+
+impl DeviceArgs {
+    /// The device for a run in `dtype`: `auto` is the CPU for f64 (GPUs compute in f32 here).
+    fn kind(&self, dtype: DType) -> anyhow::Result<DeviceKind> {
+        if self.device == "auto" && dtype == DType::F64 {
+            return Ok(DeviceKind::Cpu);
+        }
+        Ok(DeviceKind::parse(&self.device)?)
+    }
+
+    /// What sets where a resumed checkpoint's run computes (its dtype says what `auto` means).
+    fn for_checkpoint(&self) -> anyhow::Result<impl Fn(&mut TrainConfig)> {
+        let (f32_kind, f64_kind) = (self.kind(DType::F32)?, self.kind(DType::F64)?);
+        let precision = self.precision;
+        Ok(move |c: &mut TrainConfig| {
+            c.device = match c.dtype {
+                DType::F64 => f64_kind,
+                _ => f32_kind,
+            };
+            c.precision = precision;
+        })
+    }
 }
 
 #[derive(Args)]
@@ -108,12 +139,8 @@ struct BenchKernelsArgs {
     image_size: usize,
     #[arg(long, default_value_t = 8)]
     batch: usize,
-    /// auto, cpu, cuda or cuda:N.
-    #[arg(long, default_value = "auto")]
-    device: String,
-    /// fp32 or tf32 (GPU).
-    #[arg(long, default_value = "fp32")]
-    precision: Precision,
+    #[command(flatten)]
+    on: DeviceArgs,
     /// Convolutions on a GPU: native, cudnn, or both (side by side, with their ratio).
     #[arg(long, default_value = "native")]
     conv: BenchConv,
@@ -235,12 +262,8 @@ struct EvalArgs {
     /// Leave unreadable samples out with a warning instead of stopping.
     #[arg(long)]
     skip_bad: bool,
-    /// auto (a GPU when one is usable and the checkpoint is f32), cpu, cuda or cuda:N.
-    #[arg(long, default_value = "auto")]
-    device: String,
-    /// fp32 or tf32 (GPU).
-    #[arg(long, default_value = "fp32")]
-    precision: Precision,
+    #[command(flatten)]
+    on: DeviceArgs,
     /// native or cudnn convolutions (GPU).
     #[arg(long, default_value = "native")]
     conv: ConvImpl,
@@ -422,13 +445,8 @@ struct TrainArgs {
     /// free memory; default unlimited / the free memory).
     #[arg(long, value_parser = parse_bytes)]
     device_memory: Option<u64>,
-    /// What computes: auto (a GPU when one is usable and the dtype is f32, else the CPU),
-    /// cpu, cuda or cuda:N.
-    #[arg(long, default_value = "auto")]
-    device: String,
-    /// Arithmetic of convolutions and matrix products on a GPU: fp32 or tf32.
-    #[arg(long, default_value = "fp32")]
-    precision: Precision,
+    #[command(flatten)]
+    on: DeviceArgs,
     /// Convolutions on a GPU: native (the handwritten kernels) or cudnn (cuDNN 9, each
     /// shape's algorithms timed once and reported at the end).
     #[arg(long, default_value = "native")]
@@ -684,12 +702,11 @@ fn train(a: TrainArgs) -> anyhow::Result<()> {
     }
     let mut trainer = match &a.resume {
         Some(file) => {
-            let device = device_kind(&a.device, None)?;
+            let on = a.on.for_checkpoint()?;
             let t = Trainer::resume(file, |c| {
+                on(c);
                 c.offload_copy = a.offload_copy;
                 c.device_memory = a.device_memory;
-                c.device = for_dtype(&a.device, device, c.dtype);
-                c.precision = a.precision;
                 c.conv = a.conv;
                 c.data.skip_bad = a.input.skip_bad;
                 c.data.workers = a.input.workers;
@@ -864,21 +881,6 @@ fn print_conv_algorithms(device: &gems::Device) {
 
 /// The run the training flags describe, with `auto` and `max` resolved against
 /// --device-memory by metered runs.
-/// The device `--device` names; `auto` is the CPU for f64 runs (GPUs compute in f32 here).
-fn device_kind(flag: &str, dtype: Option<DType>) -> anyhow::Result<DeviceKind> {
-    let kind = DeviceKind::parse(flag)?;
-    Ok(dtype.map_or(kind, |d| for_dtype(flag, kind, d)))
-}
-
-/// `kind`, parsed from `flag`, for a run in `dtype`: `auto` means the CPU for f64.
-fn for_dtype(flag: &str, kind: DeviceKind, dtype: DType) -> DeviceKind {
-    if flag == "auto" && dtype == DType::F64 {
-        DeviceKind::Cpu
-    } else {
-        kind
-    }
-}
-
 fn run_config(a: &TrainArgs) -> anyhow::Result<RunConfig> {
     let steps = a.steps.unwrap_or(150);
     let data = a.input.config(a.image_size)?;
@@ -918,8 +920,8 @@ fn run_config(a: &TrainArgs) -> anyhow::Result<RunConfig> {
         offload_copy: a.offload_copy,
         saves: SavePolicy::keep_all(),
         data,
-        device: device_kind(&a.device, Some(a.dtype))?,
-        precision: a.precision,
+        device: a.on.kind(a.dtype)?,
+        precision: a.on.precision,
         conv: a.conv,
     };
     let mut c = RunConfig::new(train, a.spread.scheme()?);
@@ -1102,7 +1104,7 @@ fn plan(a: TrainArgs) -> anyhow::Result<()> {
 
 fn bench_kernels(a: BenchKernelsArgs) -> anyhow::Result<()> {
     use gems::bench;
-    let kind = device_kind(&a.device, Some(DType::F32))?;
+    let kind = a.on.kind(DType::F32)?;
     let convs = match a.conv {
         BenchConv::One(c) => vec![c],
         BenchConv::Both => vec![ConvImpl::Native, ConvImpl::Cudnn],
@@ -1110,7 +1112,7 @@ fn bench_kernels(a: BenchKernelsArgs) -> anyhow::Result<()> {
     // One device per convolution path (on a GPU, both on the same one).
     let devices = convs
         .iter()
-        .map(|&c| gems::Device::open(kind, a.precision, c, &kind.to_string(), 0, None))
+        .map(|&c| gems::Device::open(kind, a.on.precision, c, &kind.to_string(), 0, None))
         .collect::<gems::Result<Vec<_>>>()?;
     let g = models::build(&a.model, a.image_size, 1000)?;
     let shapes = bench::conv_shapes(&g, a.batch)?;
@@ -1290,10 +1292,10 @@ fn host_link(kind: DeviceKind, precision: Precision) -> anyhow::Result<HostLink>
 
 fn bench_offload(a: BenchOffloadArgs) -> anyhow::Result<()> {
     use gems::bench;
-    let kind = device_kind(&a.device, Some(DType::F32))?;
+    let kind = a.on.kind(DType::F32)?;
     let device = gems::Device::open(
         kind,
-        a.precision,
+        a.on.precision,
         ConvImpl::Native,
         &kind.to_string(),
         0,
@@ -1308,7 +1310,7 @@ fn bench_offload(a: BenchOffloadArgs) -> anyhow::Result<()> {
     drop(device);
     let mut base = TrainConfig::new("", a.image_size, a.classes, a.batch, 1);
     base.device = kind;
-    base.precision = a.precision;
+    base.precision = a.on.precision;
     let models: Vec<String> = a.models.split(',').map(|m| m.trim().to_string()).collect();
     println!(
         "epoch of {} images at {}², batch {}, {} classes:",
@@ -1666,11 +1668,10 @@ fn window_stats<'a>(rs: impl Iterator<Item = &'a StepReport>) -> (f64, f64) {
 }
 
 fn eval(a: EvalArgs) -> anyhow::Result<()> {
-    let device = device_kind(&a.device, None)?;
+    let on = a.on.for_checkpoint()?;
     let mut t = Trainer::resume(&a.checkpoint, |c| {
+        on(c);
         c.data.skip_bad = a.skip_bad;
-        c.device = for_dtype(&a.device, device, c.dtype);
-        c.precision = a.precision;
         c.conv = a.conv;
     })?;
     let (e, what) = match &a.data {
