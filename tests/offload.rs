@@ -29,8 +29,12 @@ fn train(saves: SavePolicy) -> (Vec<Vec<u64>>, u64, u64) {
     for _ in 0..3 {
         t.step().unwrap();
     }
-    let bits = t
-        .params
+    (bits(&t), t.memory().peak, t.device.host_memory().peak)
+}
+
+/// The trainer's parameters as bits.
+fn bits(t: &Trainer) -> Vec<Vec<u64>> {
+    t.params
         .values
         .iter()
         .map(|v| {
@@ -40,8 +44,7 @@ fn train(saves: SavePolicy) -> (Vec<Vec<u64>>, u64, u64) {
                 .map(|x| x.to_bits())
                 .collect()
         })
-        .collect();
-    (bits, t.memory().peak, t.device.host_memory().peak)
+        .collect()
 }
 
 /// A random mix of the three choices.
@@ -116,20 +119,8 @@ fn every_copy_mode_gives_the_same_weights_and_pinned_blocks_are_reused() {
         for _ in 0..2 {
             t.step().unwrap();
         }
-        let bits: Vec<Vec<u64>> = t
-            .params
-            .values
-            .iter()
-            .map(|v| {
-                v.to_f64_vec()
-                    .unwrap()
-                    .iter()
-                    .map(|x| x.to_bits())
-                    .collect()
-            })
-            .collect();
         assert!(
-            bits == reference,
+            bits(&t) == reference,
             "{mode}: parameters differ from keeping everything"
         );
         let pool = t.device.host_pool();
@@ -198,19 +189,7 @@ fn auto_fits_a_cap_40_percent_below_the_baseline_and_trains() {
     }
     assert!(t.memory().peak <= cap);
     let (reference, _, _) = train(SavePolicy::keep_all());
-    let bits: Vec<Vec<u64>> = t
-        .params
-        .values
-        .iter()
-        .map(|v| {
-            v.to_f64_vec()
-                .unwrap()
-                .iter()
-                .map(|x| x.to_bits())
-                .collect()
-        })
-        .collect();
-    assert!(bits == reference);
+    assert!(bits(&t) == reference);
     // Nothing moves when the run fits; a cap nothing can meet is refused with a reason.
     let roomy = offload::choose(&base, baseline, &HostLink::CPU, 2).unwrap();
     assert_eq!(roomy.policy.counts().0, nodes());
