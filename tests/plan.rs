@@ -1,6 +1,8 @@
 //! The planner's memory model against the allocator: each rank's predicted peak (a metered run
 //! of the same task lists) equals what a real run measures, for every scheme.
 
+use gems::backend::meter::ConvWorkspace;
+use gems::backend::DeviceKind;
 use gems::plan::memory;
 use gems::runtime::executor::{run_local, RunConfig};
 use gems::schemes::{Kind, Order, Scheme};
@@ -273,11 +275,19 @@ fn analytic_memory_matches_the_metered_run() {
         (Scheme::new(Kind::Mast, 2, 2, 2, 2, Order::GPipe), None),
     ];
     let mut worst: f64 = 0.0;
-    for (model, image) in [("resnet56v2", 64), ("amoebanet_d_3x8", 64)] {
+    // A GPU run's plan reserves the native CUDA kernels' workspace instead of the CPU's.
+    let gpu = DeviceKind::Cuda { ordinal: 0 };
+    for (model, image, device) in [
+        ("resnet56v2", 64, DeviceKind::Cpu),
+        ("amoebanet_d_3x8", 64, DeviceKind::Cpu),
+        ("resnet56v2", 64, gpu),
+    ] {
         for (s, bound) in cases {
-            let c = config(model, image, 2 * s.parts, s, bound);
+            let mut c = config(model, image, 2 * s.parts, s, bound);
+            c.train.device = device;
             let layout = Layout::new(&c).unwrap();
-            let fp = Footprint::new(&layout.graph, 2, c.train.dtype).unwrap();
+            let workspace = ConvWorkspace::of(device);
+            let fp = Footprint::new(&layout.graph, 2, c.train.dtype, workspace).unwrap();
             let stages: Vec<_> = layout
                 .partition
                 .stages
@@ -340,7 +350,7 @@ fn capped_split_fits_and_is_the_fastest_that_does() {
                 .map(|r| costs[r.clone()].iter().sum::<f64>())
                 .fold(0.0, f64::max)
         };
-        let fp = Footprint::new(&layout.graph, 2, capped.train.dtype).unwrap();
+        let fp = Footprint::new(&layout.graph, 2, capped.train.dtype, ConvWorkspace::Cpu).unwrap();
         let cuts = partition::cut_points(&layout.graph);
         let n = layout.graph.nodes.len();
         let mut fastest = f64::INFINITY;

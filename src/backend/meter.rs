@@ -1,23 +1,61 @@
 //! The metering backend: allocates every tensor a run would (as `Storage::Virtual`, so the
 //! allocator counts the bytes) and computes nothing. Running a scheme's real task lists on it
-//! predicts each rank's memory by category exactly, for any image size, in milliseconds. The
-//! backend it stands in for decides workspace sizes.
+//! predicts each rank's memory by category exactly, for any image size, in milliseconds.
+//! Workspace sizes are those of the backend it stands in for ([`ConvWorkspace`]).
 
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
-use super::{Backend, ChannelGeom, ConvGeom, Event, PoolGeom, SgdStep};
+use super::{Backend, ChannelGeom, ConvGeom, DeviceKind, Event, PoolGeom, SgdStep};
 use crate::memory::host::HostPool;
 use crate::tensor::{DType, Storage};
 use crate::Result;
 
+/// Whose convolution workspace a metered run reserves.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ConvWorkspace {
+    /// The CPU backend's im2col tiles.
+    Cpu,
+    /// The native CUDA kernels' backward-filter partial sums on a GPU of this many
+    /// multiprocessors. (cuDNN's workspace depends on the algorithms it times on the GPU, so a
+    /// cuDNN run is predicted with the native kernels' workspace.)
+    Cuda { multiprocessors: u32 },
+}
+
+impl ConvWorkspace {
+    /// The workspace of runs on `kind`: on a GPU, the first GPU's multiprocessor count as the
+    /// driver reports it, or an H100's 132 where no GPU is visible (planning elsewhere).
+    pub fn of(kind: DeviceKind) -> ConvWorkspace {
+        static MULTIPROCESSORS: OnceLock<u32> = OnceLock::new();
+        match kind {
+            DeviceKind::Cpu => ConvWorkspace::Cpu,
+            DeviceKind::Cuda { .. } => ConvWorkspace::Cuda {
+                multiprocessors: *MULTIPROCESSORS.get_or_init(|| {
+                    super::cuda::devices()
+                        .ok()
+                        .and_then(|g| g.first().map(|g| g.multiprocessors as u32))
+                        .unwrap_or(132)
+                }),
+            },
+        }
+    }
+
+    pub fn elements(&self, g: &ConvGeom) -> usize {
+        match *self {
+            ConvWorkspace::Cpu => super::cpu::conv_workspace(g),
+            ConvWorkspace::Cuda { multiprocessors } => {
+                super::cuda::native_conv_workspace(g, multiprocessors)
+            }
+        }
+    }
+}
+
 pub struct Meter {
-    /// The backend whose allocations are predicted.
-    pub like: Box<dyn Backend>,
+    pub workspace: ConvWorkspace,
 }
 
 impl Backend for Meter {
     fn name(&self) -> String {
-        format!("meter ({})", self.like.name())
+        format!("meter ({:?} workspace)", self.workspace)
     }
 
     fn zeros(&self, numel: usize, dtype: DType) -> Result<Storage> {
@@ -53,7 +91,7 @@ impl Backend for Meter {
     }
 
     fn conv2d_workspace(&self, g: &ConvGeom) -> usize {
-        self.like.conv2d_workspace(g)
+        self.workspace.elements(g)
     }
 
     fn conv2d_forward(

@@ -517,14 +517,13 @@ impl Device {
         })
     }
 
-    /// A device that counts the CPU backend's allocations and computes nothing.
-    pub fn cpu_meter(name: &str, capacity: Option<u64>) -> Device {
+    /// A device that counts the allocations of a backend with `workspace`'s convolution
+    /// workspace, and computes nothing.
+    pub fn meter(name: &str, capacity: Option<u64>, workspace: meter::ConvWorkspace) -> Device {
         Device {
             inner: DeviceInner::new(
                 Allocator::new(name, capacity),
-                Box::new(meter::Meter {
-                    like: Box::new(cpu::Cpu),
-                }),
+                Box::new(meter::Meter { workspace }),
             ),
         }
     }

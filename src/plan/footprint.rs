@@ -21,6 +21,7 @@
 
 use std::ops::Range;
 
+use crate::backend::meter::ConvWorkspace;
 use crate::backend::Device;
 use crate::graph::Graph;
 use crate::memory::Category;
@@ -101,8 +102,13 @@ pub struct Footprint {
 
 impl Footprint {
     /// Scans `g` for micro-batches of `micro` samples in `dtype`, metering each op alone as
-    /// the metered runs do (with the CPU backend's workspace).
-    pub fn new(g: &Graph, micro: usize, dtype: DType) -> Result<Footprint> {
+    /// the metered runs do (with `workspace`'s convolution workspace).
+    pub fn new(
+        g: &Graph,
+        micro: usize,
+        dtype: DType,
+        workspace: ConvWorkspace,
+    ) -> Result<Footprint> {
         let n = g.nodes.len();
         let dt = dtype.size() as u64;
         let bytes = |v: usize| (g.values[v].shape.numel() * micro) as u64 * dt;
@@ -148,7 +154,7 @@ impl Footprint {
         // Live and not yet saved at node i's forward: produced before i, used at or after i,
         // saved by no node before i. Gradient live at node i's backward: from the value's last
         // consumer down to its producer (seeds are counted with the saved tensors).
-        let ops = op_allocations(g, micro, dtype, &requires_grad)?;
+        let ops = op_allocations(g, micro, dtype, &requires_grad, workspace)?;
         let mut unsaved = vec![0i64; n + 1];
         let mut grads = vec![0i64; n + 1];
         let is_output = |v: usize| g.outputs.iter().any(|o| o.value == v);
@@ -327,8 +333,9 @@ fn op_allocations(
     micro: usize,
     dtype: DType,
     requires_grad: &[bool],
+    workspace: ConvWorkspace,
 ) -> Result<Vec<OpBytes>> {
-    let setup = Device::cpu_meter("setup", None);
+    let setup = Device::meter("setup", None, workspace);
     let mut out = Vec::with_capacity(g.nodes.len());
     for node in &g.nodes {
         let xs = node
@@ -354,7 +361,7 @@ fn op_allocations(
             .map(|p| setup.zeros(g.params[p].spec.shape.clone(), dtype, Category::Gradients))
             .collect::<Result<Vec<_>>>()?;
         let op = node.op.get();
-        let device = Device::cpu_meter("forward", None);
+        let device = Device::meter("forward", None, workspace);
         let ctx = Ctx {
             device: &device,
             training: true,
@@ -368,7 +375,7 @@ fn op_allocations(
         };
         let need: Vec<bool> = node.inputs.iter().map(|&v| requires_grad[v]).collect();
         if !grads.is_empty() || need.contains(&true) {
-            let device = Device::cpu_meter("backward", None);
+            let device = Device::meter("backward", None, workspace);
             let ctx = Ctx {
                 device: &device,
                 ..ctx

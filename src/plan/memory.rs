@@ -4,6 +4,7 @@
 
 use std::ops::Range;
 
+use crate::backend::meter::ConvWorkspace;
 use crate::graph::policy::Keep;
 use crate::graph::Graph;
 use crate::memory::{human_bytes, MemoryStats};
@@ -88,7 +89,12 @@ impl Model {
         if c.train.saves.nodes.iter().any(|&k| k != Keep::Device) {
             return Ok(None);
         }
-        let fp = Footprint::new(g, c.train.batch_size / c.scheme.parts, c.train.dtype)?;
+        let fp = Footprint::new(
+            g,
+            c.train.batch_size / c.scheme.parts,
+            c.train.dtype,
+            ConvWorkspace::of(c.train.device),
+        )?;
         Ok(Some(Model { fp, cap }))
     }
 

@@ -16,6 +16,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use crate::backend::cpu::splitmix64;
+use crate::backend::meter::ConvWorkspace;
 use crate::backend::Device;
 use crate::comm::{Comm, Message};
 use crate::data::loader::Loader;
@@ -299,7 +300,11 @@ impl<'a> Rank<'a> {
         let (group, local) = (comm.rank() / s.stages, comm.rank() % s.stages);
         let name = format!("rank {}", comm.rank());
         let device = if c.metered {
-            Device::cpu_meter(&name, c.train.device_memory)
+            Device::meter(
+                &name,
+                c.train.device_memory,
+                ConvWorkspace::of(c.train.device),
+            )
         } else {
             Device::open(
                 c.train.device,

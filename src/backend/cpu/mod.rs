@@ -239,6 +239,11 @@ fn copy_bytes(src: &[u8], dst: &mut [u8]) -> Result<()> {
     Ok(())
 }
 
+/// Workspace elements of the CPU convolutions of `g` (its im2col tiles).
+pub fn conv_workspace(g: &ConvGeom) -> usize {
+    conv::workspace(g)
+}
+
 /// The host backend.
 pub struct Cpu;
 
@@ -305,7 +310,7 @@ impl Backend for Cpu {
     }
 
     fn conv2d_workspace(&self, g: &ConvGeom) -> usize {
-        conv::workspace(g)
+        conv_workspace(g)
     }
 
     fn conv2d_forward(

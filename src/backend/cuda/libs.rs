@@ -113,7 +113,7 @@ fn find(role: &'static str, names: &[&str], dirs: &[PathBuf]) -> Library {
                         role,
                         path: Some(path),
                         problem: None,
-                    }
+                    };
                 }
                 Err(e) => problem = Some(format!("{}: {e}", path.display())),
             }

@@ -331,19 +331,6 @@ impl Cuda {
         Ok((alloc_zeros(&self.stream, numel)?, lease))
     }
 
-    /// Splits of the long K of backward-filter (every output pixel of the batch), so that
-    /// enough blocks run to fill the device; each split writes its own partial sums.
-    fn filter_splits(&self, g: &ConvGeom) -> usize {
-        let (m, n, k) = (g.c_out / g.groups, g.col_rows(), g.n * g.h_out * g.w_out);
-        let tiles = m.div_ceil(64) * n.div_ceil(64) * g.groups;
-        let wanted = (4 * self.multiprocessors as usize).div_ceil(tiles.max(1));
-        // At least 8 K-steps of 16 per split, and gridDim.z = groups · splits < 65536.
-        let most = (k.div_ceil(16) / 8)
-            .clamp(1, 256)
-            .min(65535 / g.groups.max(1));
-        wanted.clamp(1, most.max(1))
-    }
-
     fn conv_kernel(&self, pass: &str) -> String {
         let suffix = match self.precision {
             Precision::Fp32 => "f32",
@@ -367,6 +354,25 @@ impl Cuda {
             self.precision
         )
     }
+}
+
+/// Splits of the long K of backward-filter (every output pixel of the batch), so that enough
+/// blocks run to fill `multiprocessors`; each split writes its own partial sums.
+fn filter_splits(g: &ConvGeom, multiprocessors: u32) -> usize {
+    let (m, n, k) = (g.c_out / g.groups, g.col_rows(), g.n * g.h_out * g.w_out);
+    let tiles = m.div_ceil(64) * n.div_ceil(64) * g.groups;
+    let wanted = (4 * multiprocessors as usize).div_ceil(tiles.max(1));
+    // At least 8 K-steps of 16 per split, and gridDim.z = groups · splits < 65536.
+    let most = (k.div_ceil(16) / 8)
+        .clamp(1, 256)
+        .min(65535 / g.groups.max(1));
+    wanted.clamp(1, most.max(1))
+}
+
+/// Workspace elements of the native kernels' convolutions of `g` on a GPU of
+/// `multiprocessors`: backward-filter's partial sums.
+pub fn native_conv_workspace(g: &ConvGeom, multiprocessors: u32) -> usize {
+    filter_splits(g, multiprocessors) * g.c_out * g.col_rows()
 }
 
 /// Raises the release threshold of the device's default memory pool to the maximum: memory
@@ -664,7 +670,7 @@ impl Backend for Cuda {
     fn conv2d_workspace(&self, g: &ConvGeom) -> usize {
         match &self.cudnn {
             Some(c) => c.workspace(g),
-            None => self.filter_splits(g) * g.c_out * g.col_rows(),
+            None => native_conv_workspace(g, self.multiprocessors),
         }
     }
 
@@ -719,7 +725,7 @@ impl Backend for Cuda {
             return c.backward_filter(dev(x)?, dev(dy)?, dev_mut(dw)?, dev_mut(ws)?, g);
         }
         let p = conv_params(g)?;
-        let splits = self.filter_splits(g);
+        let splits = filter_splits(g, self.multiprocessors);
         let numel = g.c_out * g.col_rows();
         let partial = dev_mut(ws)?;
         if partial.len() < splits * numel {
