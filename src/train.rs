@@ -11,7 +11,7 @@ use crate::data::loader::{Batch, Loader};
 use crate::data::{DataConfig, Dataset, Pipeline};
 use crate::graph::policy::SavePolicy;
 use crate::graph::{self, Graph, Params, ValueId};
-use crate::memory::{Category, MemoryStats};
+use crate::memory::MemoryStats;
 use crate::ops::{batched, loss};
 use crate::runtime::optim::{Sgd, SgdConfig};
 use crate::runtime::schedule::LrSchedule;
@@ -284,10 +284,7 @@ impl Trainer {
             waited,
         } = self.next_batch()?;
         let x_shape = batched(b, self.graph.input_shape());
-        let x = self
-            .device
-            .upload(x_shape, &pixels, self.config.dtype, Category::Activations)?;
-        drop(pixels);
+        let x = self.device.input(x_shape, pixels, self.config.dtype)?;
         self.params.zero_grads(&self.device)?;
         let g = &self.graph;
         let outputs: Vec<_> = g.outputs.iter().collect();
@@ -403,12 +400,9 @@ impl Trainer {
         for _ in (0..samples).step_by(batch_size) {
             let Batch { pixels, labels, .. } = loader.next_batch()?;
             let b = labels.len();
-            let x = self.device.upload(
-                batched(b, g.input_shape()),
-                &pixels,
-                self.config.dtype,
-                Category::Activations,
-            )?;
+            let x = self
+                .device
+                .input(batched(b, g.input_shape()), pixels, self.config.dtype)?;
             let (logits, _) = graph::forward(
                 g,
                 &mut self.params,

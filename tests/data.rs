@@ -66,7 +66,7 @@ fn folder_classes_labels_and_pixels() {
             assert!(
                 out[c * 64..(c + 1) * 64]
                     .iter()
-                    .all(|&v| (v - want as f64).abs() < tol),
+                    .all(|&v| (v - want).abs() < tol),
                 "sample {index} channel {c}"
             );
         }

@@ -661,6 +661,17 @@ impl Device {
         ))
     }
 
+    /// A model input of `shape` from a prepared batch of f32 pixels, as an activation of
+    /// `dtype`: moved as it is for f32 (on the CPU without a copy, to a GPU in one copy),
+    /// widened for f64.
+    pub fn input(&self, shape: Shape, pixels: Vec<f32>, dtype: DType) -> Result<Tensor> {
+        let storage = match dtype {
+            DType::F32 => Storage::F32(pixels),
+            DType::F64 => Storage::F64(pixels.into_iter().map(f64::from).collect()),
+        };
+        self.adopt(shape, storage, Category::Activations)
+    }
+
     /// A tensor holding `data` converted to `dtype`.
     pub fn upload(
         &self,

@@ -12,7 +12,7 @@ use crate::{Error, Result};
 
 /// A prepared batch: NCHW pixels and labels.
 pub struct Batch {
-    pub pixels: Vec<f64>,
+    pub pixels: Vec<f32>,
     pub labels: Vec<u32>,
     /// How long [`Loader::next_batch`] waited for it.
     pub waited: Duration,

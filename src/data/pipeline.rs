@@ -281,7 +281,7 @@ impl Pipeline {
 
     /// Prepares the input at position `pos` into `out` and returns its label. An unreadable
     /// sample is an error, or with `skip_bad` a warning, a count, and a blank (mean) input.
-    pub fn sample(&self, pos: u64, out: &mut [f64]) -> Result<u32> {
+    pub fn sample(&self, pos: u64, out: &mut [f32]) -> Result<u32> {
         let (label, read) = self.read(pos)?;
         match read {
             Some(img) => self
@@ -293,7 +293,7 @@ impl Pipeline {
     }
 
     /// Positions first..first+n as one NCHW batch and its labels.
-    pub fn batch(&self, first: u64, n: usize) -> Result<(Vec<f64>, Vec<u32>)> {
+    pub fn batch(&self, first: u64, n: usize) -> Result<(Vec<f32>, Vec<u32>)> {
         let len = self.sample_len();
         let mut pixels = Vec::with_capacity(n * len);
         let labels = (first..first + n as u64)

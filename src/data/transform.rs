@@ -25,20 +25,18 @@ pub struct Transform {
 impl Transform {
     /// Writes `img` prepared as a `size`² model input (CHW) into `out`; `rng` draws the
     /// augmentation.
-    pub fn apply(&self, img: &Image, size: usize, rng: &mut impl Rng, out: &mut [f64]) {
+    pub fn apply(&self, img: &Image, size: usize, rng: &mut impl Rng, out: &mut [f32]) {
         let mut targets = out.chunks_exact_mut(size);
         self.rows(img, size, rng, |row| {
             let target = targets.next().expect("room for the prepared input");
-            target.iter_mut().zip(row).for_each(|(t, &v)| *t = v as f64);
+            target.copy_from_slice(row);
         });
     }
 
     /// Appends what [`Transform::apply`] writes to `out` (so a batch needs no zeroed buffer).
-    pub fn append(&self, img: &Image, size: usize, rng: &mut impl Rng, out: &mut Vec<f64>) {
+    pub fn append(&self, img: &Image, size: usize, rng: &mut impl Rng, out: &mut Vec<f32>) {
         out.reserve(CHANNELS * size * size);
-        self.rows(img, size, rng, |row| {
-            out.extend(row.iter().map(|&v| v as f64))
-        });
+        self.rows(img, size, rng, |row| out.extend_from_slice(row));
     }
 
     /// Hands `emit` the rows of `img` prepared as a `size`² model input, in CHW order.
@@ -240,10 +238,7 @@ mod tests {
         for c in 0..3 {
             for y in 0..6 {
                 for x in 0..6 {
-                    assert_eq!(
-                        out[c * 36 + y * 6 + x],
-                        img.pixels[c * 48 + y * 8 + x + 1] as f64
-                    );
+                    assert_eq!(out[c * 36 + y * 6 + x], img.pixels[c * 48 + y * 8 + x + 1]);
                 }
             }
         }
@@ -259,13 +254,13 @@ mod tests {
         let mut out = vec![0.0; 3 * 4];
         PLAIN.apply(&img, 2, &mut ChaCha8Rng::seed_from_u64(0), &mut out);
         for (i, v) in out.iter().enumerate() {
-            let want = (i / 4) as f64 * 0.25 + 0.1;
+            let want = (i / 4) as f32 * 0.25 + 0.1;
             assert!((v - want).abs() < 1e-6, "{v} vs {want}");
         }
         // A ramp shrinks to the means of its pixel pairs, symmetric about the centre.
         let img = ramp(4, 4);
         PLAIN.apply(&img, 2, &mut ChaCha8Rng::seed_from_u64(0), &mut out);
-        assert!((out[0] + out[3] - (img.pixels[0] + img.pixels[15]) as f64).abs() < 1e-4);
+        assert!((out[0] + out[3] - (img.pixels[0] + img.pixels[15])).abs() < 1e-4);
     }
 
     #[test]
@@ -290,7 +285,7 @@ mod tests {
         let mut out = vec![0.0; 3 * 16];
         t.apply(&grey, 4, &mut ChaCha8Rng::seed_from_u64(0), &mut out);
         for c in 0..3 {
-            let want = ((0.5 - MEAN[c]) / STD[c]) as f64;
+            let want = (0.5 - MEAN[c]) / STD[c];
             assert!(out[c * 16..(c + 1) * 16]
                 .iter()
                 .all(|v| (v - want).abs() < 1e-6));

@@ -434,12 +434,7 @@ impl<'a> Rank<'a> {
                 })?;
                 let batch = loader.next_batch()?;
                 report.data_wait += batch.waited.as_secs_f64();
-                self.device.upload(
-                    shape,
-                    &batch.pixels,
-                    self.c.train.dtype,
-                    Category::Activations,
-                )?
+                self.device.input(shape, batch.pixels, self.c.train.dtype)?
             };
             vec![(g.input, x)]
         } else {
@@ -579,12 +574,7 @@ impl<'a> Rank<'a> {
                 let batch = loader.as_mut().ok_or_else(missing)?.next_batch()?;
                 report.data_wait += batch.waited.as_secs_f64();
                 let shape = batched(len, g.input_shape());
-                let x = self.device.upload(
-                    shape,
-                    &batch.pixels,
-                    c.train.dtype,
-                    Category::Activations,
-                )?;
+                let x = self.device.input(shape, batch.pixels, c.train.dtype)?;
                 vec![(g.input, x)]
             } else {
                 // Micro-batches follow one another between two ranks under one tag (training's
