@@ -112,11 +112,11 @@ impl Source for Folder {
     }
 
     fn label(&self, index: usize) -> Result<u32> {
-        Ok(self.files[index].1)
+        Ok(self.file(index)?.1)
     }
 
     fn read(&self, index: usize) -> Result<Image> {
-        let path = &self.files[index].0;
+        let path = &self.file(index)?.0;
         let img = reader(path)?
             .decode()
             .map_err(|e| Error::Data(format!("{} is not a readable image: {e}", path.display())))?
@@ -129,6 +129,16 @@ impl Source for Folder {
     }
 
     fn describe(&self, index: usize) -> String {
-        self.files[index].0.display().to_string()
+        self.file(index)
+            .map(|f| f.0.display().to_string())
+            .unwrap_or_else(|e| e.to_string())
+    }
+}
+
+impl Folder {
+    fn file(&self, index: usize) -> Result<&(PathBuf, u32)> {
+        self.files.get(index).ok_or_else(|| {
+            Error::Internal(format!("file {index} asked of {} files", self.files.len()))
+        })
     }
 }
