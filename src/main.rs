@@ -932,14 +932,25 @@ fn run_config(a: &TrainArgs) -> anyhow::Result<RunConfig> {
             gems::plan::calibrate::Calibration::load(p)?,
         ));
     }
-    let needs = |what: &str| anyhow::anyhow!("{what} needs --device-memory to choose against");
+    // What the choices below fit: --device-memory, or on a GPU what the device would offer.
+    let capacity = match (a.device_memory, c.train.device) {
+        (Some(cap), _) => Some(cap),
+        (None, DeviceKind::Cuda { ordinal }) => cuda::devices()
+            .ok()
+            .and_then(|g| g.into_iter().find(|g| g.ordinal == ordinal))
+            .map(|g| g.free_memory.saturating_sub(cuda::RESERVE)),
+        (None, DeviceKind::Cpu) => None,
+    };
+    let needs = |what: &str| {
+        anyhow::anyhow!("{what} needs --device-memory (or a GPU) to choose against")
+    };
     if a.spread.split == Choice::Auto {
-        let cap = a.device_memory.ok_or_else(|| needs("--split auto"))?;
+        let cap = capacity.ok_or_else(|| needs("--split auto"))?;
         c = gems::plan::memory::choose_split(&c, cap)?;
         println!("--split auto: {} stages", c.scheme.stages);
     }
     if a.spread.replicas == Some(Choice::Auto) {
-        let cap = a.device_memory.ok_or_else(|| needs("--replicas auto"))?;
+        let cap = capacity.ok_or_else(|| needs("--replicas auto"))?;
         if a.spread.scheme != Kind::Mast {
             anyhow::bail!("--replicas auto chooses between MAST's pair and one replica: use it with --scheme mast");
         }
@@ -952,7 +963,7 @@ fn run_config(a: &TrainArgs) -> anyhow::Result<RunConfig> {
         println!("--replicas auto: {variant}");
     }
     if a.batch_size == Choice::Auto {
-        let cap = a.device_memory.ok_or_else(|| needs("--batch-size max"))?;
+        let cap = capacity.ok_or_else(|| needs("--batch-size max"))?;
         c.train.batch_size = match gems::plan::memory::largest_batch(&c, cap, 1 << 20)? {
             0 => anyhow::bail!("no batch fits {} with this split", human_bytes(cap)),
             b => b,
@@ -968,7 +979,7 @@ fn run_config(a: &TrainArgs) -> anyhow::Result<RunConfig> {
         Offload::Recompute => SavePolicy::checkpointed(nodes()?),
         Offload::File(path) => SavePolicy::load(path, nodes()?)?,
         Offload::Auto => {
-            let cap = a.device_memory.ok_or_else(|| needs("--offload auto"))?;
+            let cap = capacity.ok_or_else(|| needs("--offload auto"))?;
             let link = host_link(c.train.device, c.train.precision)?;
             let chosen = gems::plan::offload::choose(&c, cap, &link, a.offload_ahead)?;
             let (_, host, recompute) = chosen.policy.counts();

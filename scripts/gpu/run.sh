@@ -5,7 +5,8 @@
 #   suite    the GPU suite (every op against the CPU, whole steps, offload bit-identity)
 #   kernels  gems bench kernels: resnet110v2 at 1024² and resnet50 at 224², fp32 and tf32,
 #            native kernels and cuDNN side by side (--conv both)
-#   train    training images/s: resnet50 224² B=64 and resnet110v2 1024², fp32 and tf32; and
+#   train    training images/s: resnet50 224² B=64 and resnet110v2 1024² at the largest batch
+#            the GPU's memory holds, fp32 and tf32, native and cuDNN convolutions; and
 #            resnet110v2 at 1024² fed from a whole-slide image (does the loader keep up?)
 #   offload  gems bench offload: GEMS's offload study (4 models × 6 variants) and the host link
 #   torch    scripts/torch_reference.py all (PyTorch on the same GPU; see scripts/gpu_session.md)
@@ -52,9 +53,9 @@ for part in "${parts[@]}"; do
                 $G train --device cuda --precision $p --conv $conv --model resnet50 \
                     --image-size 224 --classes 10 --batch-size 64 --steps 30 --warmup 0 2>&1 |
                     tee -a "$OUT/train.txt"
-                step "train resnet110v2 1024 B=8 $p $conv"
+                step "train resnet110v2 1024 largest batch $p $conv"
                 $G train --device cuda --precision $p --conv $conv --model resnet110v2 \
-                    --image-size 1024 --batch-size 8 --steps 10 --warmup 0 2>&1 |
+                    --image-size 1024 --batch-size max --steps 10 --warmup 0 2>&1 |
                     tee -a "$OUT/train.txt"
             done
         done
