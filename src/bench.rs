@@ -136,8 +136,8 @@ impl Bandwidth {
     }
 }
 
-/// Copy, ReLU forward and backward, and batch normalization's training forward and backward
-/// over an N×C×HW tensor of f32.
+/// Copy, ReLU forward and backward, batch normalization's training forward and backward, and
+/// the two fused with ReLU, over an N×C×HW tensor of f32.
 pub fn memory_bound(device: &Device, g: &ChannelGeom, repeats: usize) -> Result<Vec<Bandwidth>> {
     let be = device.backend();
     let numel = g.n * g.c * g.hw;
@@ -193,6 +193,35 @@ pub fn memory_bound(device: &Device, g: &ChannelGeom, repeats: usize) -> Result<
         kernel: "batchnorm backward",
         bytes: 5 * b,
         seconds: backward,
+    });
+    // Fused with ReLU: the same passes; backward also reads y for the mask.
+    let fused_forward = time(device, repeats, || {
+        be.batchnorm_relu_forward_train(&x, &gamma, &beta, &mut y, &mut mean, &mut var, eps, g)
+    })?;
+    out.push(Bandwidth {
+        kernel: "batchnorm+relu forward",
+        bytes: 3 * b,
+        seconds: fused_forward,
+    });
+    let fused_backward = time(device, repeats, || {
+        be.batchnorm_relu_backward(
+            &x,
+            &y,
+            &dy,
+            &gamma,
+            &mean,
+            &var,
+            &mut dx,
+            &mut dgamma,
+            &mut dbeta,
+            eps,
+            g,
+        )
+    })?;
+    out.push(Bandwidth {
+        kernel: "batchnorm+relu backward",
+        bytes: 7 * b,
+        seconds: fused_backward,
     });
     Ok(out)
 }
@@ -364,7 +393,7 @@ mod tests {
             3,
         )
         .unwrap();
-        assert_eq!(bw.len(), 5);
+        assert_eq!(bw.len(), 7);
         assert!(bw.iter().all(|b| b.gb_per_s() > 0.0), "{bw:?}");
         let link = host_link(&d, 1 << 20, 3).unwrap();
         assert_eq!(link.len(), 4);

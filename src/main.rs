@@ -941,9 +941,8 @@ fn run_config(a: &TrainArgs) -> anyhow::Result<RunConfig> {
             .map(|g| g.free_memory.saturating_sub(cuda::RESERVE)),
         (None, DeviceKind::Cpu) => None,
     };
-    let needs = |what: &str| {
-        anyhow::anyhow!("{what} needs --device-memory (or a GPU) to choose against")
-    };
+    let needs =
+        |what: &str| anyhow::anyhow!("{what} needs --device-memory (or a GPU) to choose against");
     if a.spread.split == Choice::Auto {
         let cap = capacity.ok_or_else(|| needs("--split auto"))?;
         c = gems::plan::memory::choose_split(&c, cap)?;
@@ -1242,7 +1241,7 @@ fn bench_kernels(a: BenchKernelsArgs) -> anyhow::Result<()> {
     println!("memory-bound kernels over {}×{c}×{h}×{w} f32:", a.batch);
     for b in &bw {
         println!(
-            "  {:<20} {:>8.1} GB/s  {:>5.1}% of copy",
+            "  {:<24} {:>8.1} GB/s  {:>5.1}% of copy",
             b.kernel,
             b.gb_per_s(),
             100.0 * b.gb_per_s() / copy

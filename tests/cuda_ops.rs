@@ -342,6 +342,33 @@ fn batchnorm_matches_cpu() {
         p.check(&format!("{name} dgamma"), &dgamma, &dgammag, F32_TOL);
         p.check(&format!("{name} dbeta"), &dbeta, &dbetag, F32_TOL);
 
+        // Fused BN+ReLU: its output, statistics and gradients (through the ReLU's mask).
+        let (mut yr, mut yrg) = p.output(numel);
+        let (mut mr, mut mrg) = p.output(g.c);
+        let (mut vr, mut vrg) = p.output(g.c);
+        cpu.batchnorm_relu_forward_train(&x, &gamma, &beta, &mut yr, &mut mr, &mut vr, 1e-5, &g)
+            .unwrap();
+        gpu.batchnorm_relu_forward_train(
+            &xg, &gammag, &betag, &mut yrg, &mut mrg, &mut vrg, 1e-5, &g,
+        )
+        .unwrap();
+        p.check(&format!("{name} fused forward"), &yr, &yrg, F32_TOL);
+        p.check(&format!("{name} fused mean"), &mr, &mrg, F32_TOL);
+        let (mut dxr, mut dxrg) = p.output(numel);
+        let (mut dgr, mut dgrg) = p.input(g.c);
+        let (mut dbr, mut dbrg) = p.input(g.c);
+        cpu.batchnorm_relu_backward(
+            &x, &yr, &dy, &gamma, &mr, &vr, &mut dxr, &mut dgr, &mut dbr, 1e-5, &g,
+        )
+        .unwrap();
+        gpu.batchnorm_relu_backward(
+            &xg, &yrg, &dyg, &gammag, &mrg, &vrg, &mut dxrg, &mut dgrg, &mut dbrg, 1e-5, &g,
+        )
+        .unwrap();
+        p.check(&format!("{name} fused dx"), &dxr, &dxrg, 1e-4);
+        p.check(&format!("{name} fused dgamma"), &dgr, &dgrg, F32_TOL);
+        p.check(&format!("{name} fused dbeta"), &dbr, &dbrg, F32_TOL);
+
         let (mut rm, mut rmg) = p.input(g.c);
         let rv_values: Vec<f64> = p.values(g.c).iter().map(|v| v.abs()).collect();
         let (mut rv, mut rvg) = p.both(&rv_values);

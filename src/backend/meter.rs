@@ -179,6 +179,37 @@ impl Backend for Meter {
         Ok(())
     }
 
+    fn batchnorm_relu_forward_train(
+        &self,
+        _x: &Storage,
+        _gamma: &Storage,
+        _beta: &Storage,
+        _y: &mut Storage,
+        _mean: &mut Storage,
+        _var: &mut Storage,
+        _eps: f64,
+        _g: &ChannelGeom,
+    ) -> Result<()> {
+        Ok(())
+    }
+
+    fn batchnorm_relu_backward(
+        &self,
+        _x: &Storage,
+        _y: &Storage,
+        _dy: &Storage,
+        _gamma: &Storage,
+        _mean: &Storage,
+        _var: &Storage,
+        _dx: &mut Storage,
+        _dgamma: &mut Storage,
+        _dbeta: &mut Storage,
+        _eps: f64,
+        _g: &ChannelGeom,
+    ) -> Result<()> {
+        Ok(())
+    }
+
     fn batchnorm_update_running(
         &self,
         _running_mean: &mut Storage,

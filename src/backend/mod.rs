@@ -202,6 +202,36 @@ pub trait Backend: Send + Sync {
         eps: f64,
         g: &ChannelGeom,
     ) -> Result<()>;
+    /// Batch normalization and ReLU in one pass: y = max(BN(x), 0), with the batch
+    /// statistics (mean, biased variance) per channel.
+    #[allow(clippy::too_many_arguments)]
+    fn batchnorm_relu_forward_train(
+        &self,
+        x: &Storage,
+        gamma: &Storage,
+        beta: &Storage,
+        y: &mut Storage,
+        mean: &mut Storage,
+        var: &mut Storage,
+        eps: f64,
+        g: &ChannelGeom,
+    ) -> Result<()>;
+    /// The fused op's backward from its output `y`: `dy` where y > 0, then BN's backward.
+    #[allow(clippy::too_many_arguments)]
+    fn batchnorm_relu_backward(
+        &self,
+        x: &Storage,
+        y: &Storage,
+        dy: &Storage,
+        gamma: &Storage,
+        mean: &Storage,
+        var: &Storage,
+        dx: &mut Storage,
+        dgamma: &mut Storage,
+        dbeta: &mut Storage,
+        eps: f64,
+        g: &ChannelGeom,
+    ) -> Result<()>;
     /// running = (1 - momentum)·running + momentum·batch, with the unbiased batch variance.
     fn batchnorm_update_running(
         &self,

@@ -406,6 +406,48 @@ impl Backend for Cpu {
         Ok(())
     }
 
+    fn batchnorm_relu_forward_train(
+        &self,
+        x: &Storage,
+        gamma: &Storage,
+        beta: &Storage,
+        y: &mut Storage,
+        mean: &mut Storage,
+        var: &mut Storage,
+        eps: f64,
+        g: &ChannelGeom,
+    ) -> Result<()> {
+        with_float!(x.dtype(), T => {
+            let out = T::view_mut(y)?;
+            norm::forward_train::<T>(T::view(x)?, T::view(gamma)?, T::view(beta)?, out, T::view_mut(mean)?, T::view_mut(var)?, eps, g);
+            out.par_iter_mut().for_each(|v| *v = v.max(T::of(0.0)));
+        });
+        Ok(())
+    }
+
+    fn batchnorm_relu_backward(
+        &self,
+        x: &Storage,
+        y: &Storage,
+        dy: &Storage,
+        gamma: &Storage,
+        mean: &Storage,
+        var: &Storage,
+        dx: &mut Storage,
+        dgamma: &mut Storage,
+        dbeta: &mut Storage,
+        eps: f64,
+        g: &ChannelGeom,
+    ) -> Result<()> {
+        with_float!(x.dtype(), T => {
+            // The reference composes the two ops; the masked gradient is a host temporary.
+            let mut masked = vec![T::of(0.0); g.n * g.c * g.hw];
+            elementwise::relu_backward::<T>(T::view(y)?, T::view(dy)?, &mut masked);
+            norm::backward::<T>(T::view(x)?, &masked, T::view(gamma)?, T::view(mean)?, T::view(var)?, T::view_mut(dx)?, T::view_mut(dgamma)?, T::view_mut(dbeta)?, eps, g);
+        });
+        Ok(())
+    }
+
     fn batchnorm_update_running(
         &self,
         running_mean: &mut Storage,

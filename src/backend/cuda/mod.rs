@@ -817,6 +817,53 @@ impl Backend for Cuda {
             dev(x)?, dev(dy)?, dev(gamma)?, dev(mean)?, dev(var)?, &sums, dev_mut(dx)?, &bn)
     }
 
+    fn batchnorm_relu_forward_train(
+        &self,
+        x: &Storage,
+        gamma: &Storage,
+        beta: &Storage,
+        y: &mut Storage,
+        mean: &mut Storage,
+        var: &mut Storage,
+        eps: f64,
+        g: &ChannelGeom,
+    ) -> Result<()> {
+        let bn = params::GemsBatchNorm {
+            geom: channel_params(g)?,
+            eps,
+        };
+        launch!(self, "batchnorm_stats_f32", Self::per_item(g.c, 512)?;
+            dev(x)?, dev_mut(mean)?, dev_mut(var)?, &bn)?;
+        launch!(self, "batchnorm_apply_relu_f32", self.grid_1d(g.n * g.c * g.hw);
+            dev(x)?, dev(gamma)?, dev(beta)?, dev(mean)?, dev(var)?, dev_mut(y)?, &bn)
+    }
+
+    fn batchnorm_relu_backward(
+        &self,
+        x: &Storage,
+        y: &Storage,
+        dy: &Storage,
+        gamma: &Storage,
+        mean: &Storage,
+        var: &Storage,
+        dx: &mut Storage,
+        dgamma: &mut Storage,
+        dbeta: &mut Storage,
+        eps: f64,
+        g: &ChannelGeom,
+    ) -> Result<()> {
+        let bn = params::GemsBatchNorm {
+            geom: channel_params(g)?,
+            eps,
+        };
+        let (mut sums, _lease) = self.scratch::<f32>(2 * g.c)?;
+        launch!(self, "batchnorm_backward_reduce_relu_f32", Self::per_item(g.c, 512)?;
+            dev(x)?, dev(y)?, dev(dy)?, dev(mean)?, dev(var)?, dev_mut(dgamma)?, dev_mut(dbeta)?,
+            &mut sums, &bn)?;
+        launch!(self, "batchnorm_backward_dx_relu_f32", self.grid_1d(g.n * g.c * g.hw);
+            dev(x)?, dev(y)?, dev(dy)?, dev(gamma)?, dev(mean)?, dev(var)?, &sums, dev_mut(dx)?, &bn)
+    }
+
     fn batchnorm_update_running(
         &self,
         running_mean: &mut Storage,
