@@ -402,7 +402,7 @@ impl Backend for Cpu {
         eps: f64,
         g: &ChannelGeom,
     ) -> Result<()> {
-        with_float!(x.dtype(), T => norm::backward::<T>(T::view(x)?, T::view(dy)?, T::view(gamma)?, T::view(mean)?, T::view(var)?, T::view_mut(dx)?, T::view_mut(dgamma)?, T::view_mut(dbeta)?, eps, g));
+        with_float!(x.dtype(), T => norm::backward::<T>(T::view(x)?, T::view(dy)?, None, T::view(gamma)?, T::view(mean)?, T::view(var)?, T::view_mut(dx)?, T::view_mut(dgamma)?, T::view_mut(dbeta)?, eps, g));
         Ok(())
     }
 
@@ -439,12 +439,7 @@ impl Backend for Cpu {
         eps: f64,
         g: &ChannelGeom,
     ) -> Result<()> {
-        with_float!(x.dtype(), T => {
-            // The reference composes the two ops; the masked gradient is a host temporary.
-            let mut masked = vec![T::of(0.0); g.n * g.c * g.hw];
-            elementwise::relu_backward::<T>(T::view(y)?, T::view(dy)?, &mut masked);
-            norm::backward::<T>(T::view(x)?, &masked, T::view(gamma)?, T::view(mean)?, T::view(var)?, T::view_mut(dx)?, T::view_mut(dgamma)?, T::view_mut(dbeta)?, eps, g);
-        });
+        with_float!(x.dtype(), T => norm::backward::<T>(T::view(x)?, T::view(dy)?, Some(T::view(y)?), T::view(gamma)?, T::view(mean)?, T::view(var)?, T::view_mut(dx)?, T::view_mut(dgamma)?, T::view_mut(dbeta)?, eps, g));
         Ok(())
     }
 

@@ -82,11 +82,13 @@ pub fn forward_eval<T: Float>(
     affine(x, y, g, &coef);
 }
 
-/// dx = γ·invstd/M · (M·dy - Σdy - x̂·Σ(dy·x̂)); dγ += Σ(dy·x̂); dβ += Σdy.
+/// dx = γ·invstd/M · (M·dy - Σdy - x̂·Σ(dy·x̂)); dγ += Σ(dy·x̂); dβ += Σdy. With `relu_out`
+/// (the output of a fused BN+ReLU), dy counts only where that output is positive.
 #[allow(clippy::too_many_arguments)]
 pub fn backward<T: Float>(
     x: &[T],
     dy: &[T],
+    relu_out: Option<&[T]>,
     gamma: &[T],
     mean: &[T],
     var: &[T],
@@ -96,13 +98,20 @@ pub fn backward<T: Float>(
     eps: f64,
     g: &ChannelGeom,
 ) {
+    let zero = T::of(0.0);
+    // As ReLU's backward: the gradient passes where the output is positive (not NaN).
+    let d = |i: usize| match relu_out {
+        Some(y) if y[i] > zero => dy[i],
+        Some(_) => zero,
+        None => dy[i],
+    };
     let m = T::of((g.n * g.hw) as f64);
     let sums: Vec<(T, T)> = (0..g.c)
         .into_par_iter()
         .map(|c| {
             let invstd = T::one() / (var[c] + T::of(eps)).sqrt();
-            let sdy = channel_fold(c, g, |i| dy[i]);
-            let sdyx = channel_fold(c, g, |i| dy[i] * (x[i] - mean[c]) * invstd);
+            let sdy = channel_fold(c, g, d);
+            let sdyx = channel_fold(c, g, |i| d(i) * (x[i] - mean[c]) * invstd);
             (sdy, sdyx)
         })
         .collect();
@@ -110,19 +119,17 @@ pub fn backward<T: Float>(
         dbeta[c] += sdy;
         dgamma[c] += sdyx;
     }
-    dx.par_chunks_mut(g.hw)
-        .zip(dy.par_chunks(g.hw).zip(x.par_chunks(g.hw)))
-        .enumerate()
-        .for_each(|(p, (dxp, (dyp, xp)))| {
-            let c = p % g.c;
-            let invstd = T::one() / (var[c] + T::of(eps)).sqrt();
-            let (sdy, sdyx) = sums[c];
-            let k = gamma[c] * invstd / m;
-            for ((dx, &dy), &x) in dxp.iter_mut().zip(dyp).zip(xp) {
-                let xhat = (x - mean[c]) * invstd;
-                *dx = k * (m * dy - sdy - xhat * sdyx);
-            }
-        });
+    dx.par_chunks_mut(g.hw).enumerate().for_each(|(p, dxp)| {
+        let c = p % g.c;
+        let invstd = T::one() / (var[c] + T::of(eps)).sqrt();
+        let (sdy, sdyx) = sums[c];
+        let k = gamma[c] * invstd / m;
+        for (j, dx) in dxp.iter_mut().enumerate() {
+            let i = p * g.hw + j;
+            let xhat = (x[i] - mean[c]) * invstd;
+            *dx = k * (m * d(i) - sdy - xhat * sdyx);
+        }
+    });
 }
 
 pub fn update_running<T: Float>(
@@ -138,5 +145,59 @@ pub fn update_running<T: Float>(
     for c in 0..rm.len() {
         rm[c] = (T::one() - mo) * rm[c] + mo * mean[c];
         rv[c] = (T::one() - mo) * rv[c] + mo * var[c] * unbias;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::backend::cpu::{uniform, Cpu};
+    use crate::backend::{Backend, ChannelGeom};
+    use crate::tensor::{DType, Storage};
+
+    fn values(n: usize, seed: u64, offset: f64) -> Storage {
+        let v: Vec<f64> = (0..n as u64).map(|i| uniform(seed, i) - offset).collect();
+        Cpu.upload(&v, DType::F64).unwrap()
+    }
+
+    fn f64s(s: &Storage) -> Vec<f64> {
+        s.to_f64_vec().unwrap()
+    }
+
+    /// The fused op is BN then ReLU, and its backward is ReLU's then BN's, to the last bit.
+    #[test]
+    fn fused_batchnorm_relu_is_the_two_ops_in_turn() {
+        let g = ChannelGeom { n: 3, c: 4, hw: 10 };
+        let n = g.n * g.c * g.hw;
+        let (x, dy) = (values(n, 1, 0.5), values(n, 2, 0.5));
+        let (gamma, beta) = (values(g.c, 3, -0.5), values(g.c, 4, 0.5));
+        let zeros = |n| Cpu.zeros(n, DType::F64).unwrap();
+        let (mut y, mut mean, mut var) = (zeros(n), zeros(g.c), zeros(g.c));
+        Cpu.batchnorm_forward_train(&x, &gamma, &beta, &mut y, &mut mean, &mut var, 1e-5, &g)
+            .unwrap();
+        let mut r = zeros(n);
+        Cpu.relu_forward(&y, &mut r).unwrap();
+        let (mut fused, mut fmean, mut fvar) = (zeros(n), zeros(g.c), zeros(g.c));
+        Cpu.batchnorm_relu_forward_train(
+            &x, &gamma, &beta, &mut fused, &mut fmean, &mut fvar, 1e-5, &g,
+        )
+        .unwrap();
+        assert_eq!(f64s(&fused), f64s(&r));
+        assert!(f64s(&r).contains(&0.0) && f64s(&r).iter().any(|&v| v > 0.0));
+
+        let mut masked = zeros(n);
+        Cpu.relu_backward(&r, &dy, &mut masked).unwrap();
+        let (mut dx, mut dg, mut db) = (zeros(n), zeros(g.c), zeros(g.c));
+        Cpu.batchnorm_backward(
+            &x, &masked, &gamma, &mean, &var, &mut dx, &mut dg, &mut db, 1e-5, &g,
+        )
+        .unwrap();
+        let (mut fdx, mut fdg, mut fdb) = (zeros(n), zeros(g.c), zeros(g.c));
+        Cpu.batchnorm_relu_backward(
+            &x, &fused, &dy, &gamma, &mean, &var, &mut fdx, &mut fdg, &mut fdb, 1e-5, &g,
+        )
+        .unwrap();
+        assert_eq!(f64s(&fdx), f64s(&dx));
+        assert_eq!(f64s(&fdg), f64s(&dg));
+        assert_eq!(f64s(&fdb), f64s(&db));
     }
 }
