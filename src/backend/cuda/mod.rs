@@ -494,6 +494,13 @@ fn pool_params(g: &PoolGeom) -> Result<params::GemsPoolGeom> {
     })
 }
 
+fn bn_params(eps: f64, g: &ChannelGeom) -> Result<params::GemsBatchNorm> {
+    Ok(params::GemsBatchNorm {
+        geom: channel_params(g)?,
+        eps,
+    })
+}
+
 fn channel_params(g: &ChannelGeom) -> Result<params::GemsChannelGeom> {
     Ok(params::GemsChannelGeom {
         n: dim32(g.n, "batch")?,
@@ -763,14 +770,7 @@ impl Backend for Cuda {
         eps: f64,
         g: &ChannelGeom,
     ) -> Result<()> {
-        let bn = params::GemsBatchNorm {
-            geom: channel_params(g)?,
-            eps,
-        };
-        launch!(self, "batchnorm_stats_f32", Self::per_item(g.c, 512)?;
-            dev(x)?, dev_mut(mean)?, dev_mut(var)?, &bn)?;
-        launch!(self, "batchnorm_apply_f32", self.grid_1d(g.n * g.c * g.hw);
-            dev(x)?, dev(gamma)?, dev(beta)?, dev(mean)?, dev(var)?, dev_mut(y)?, &bn)
+        self.bn_train("batchnorm_apply_f32", x, gamma, beta, y, mean, var, eps, g)
     }
 
     fn batchnorm_forward_eval(
@@ -784,10 +784,7 @@ impl Backend for Cuda {
         eps: f64,
         g: &ChannelGeom,
     ) -> Result<()> {
-        let bn = params::GemsBatchNorm {
-            geom: channel_params(g)?,
-            eps,
-        };
+        let bn = bn_params(eps, g)?;
         launch!(self, "batchnorm_apply_f32", self.grid_1d(g.n * g.c * g.hw);
             dev(x)?, dev(gamma)?, dev(beta)?, dev(mean)?, dev(var)?, dev_mut(y)?, &bn)
     }
@@ -805,16 +802,7 @@ impl Backend for Cuda {
         eps: f64,
         g: &ChannelGeom,
     ) -> Result<()> {
-        let bn = params::GemsBatchNorm {
-            geom: channel_params(g)?,
-            eps,
-        };
-        let (mut sums, _lease) = self.scratch::<f32>(2 * g.c)?;
-        launch!(self, "batchnorm_backward_reduce_f32", Self::per_item(g.c, 512)?;
-            dev(x)?, dev(dy)?, dev(mean)?, dev(var)?, dev_mut(dgamma)?, dev_mut(dbeta)?,
-            &mut sums, &bn)?;
-        launch!(self, "batchnorm_backward_dx_f32", self.grid_1d(g.n * g.c * g.hw);
-            dev(x)?, dev(dy)?, dev(gamma)?, dev(mean)?, dev(var)?, &sums, dev_mut(dx)?, &bn)
+        self.bn_backward(None, x, dy, gamma, mean, var, dx, dgamma, dbeta, eps, g)
     }
 
     fn batchnorm_relu_forward_train(
@@ -828,14 +816,17 @@ impl Backend for Cuda {
         eps: f64,
         g: &ChannelGeom,
     ) -> Result<()> {
-        let bn = params::GemsBatchNorm {
-            geom: channel_params(g)?,
+        self.bn_train(
+            "batchnorm_apply_relu_f32",
+            x,
+            gamma,
+            beta,
+            y,
+            mean,
+            var,
             eps,
-        };
-        launch!(self, "batchnorm_stats_f32", Self::per_item(g.c, 512)?;
-            dev(x)?, dev_mut(mean)?, dev_mut(var)?, &bn)?;
-        launch!(self, "batchnorm_apply_relu_f32", self.grid_1d(g.n * g.c * g.hw);
-            dev(x)?, dev(gamma)?, dev(beta)?, dev(mean)?, dev(var)?, dev_mut(y)?, &bn)
+            g,
+        )
     }
 
     fn batchnorm_relu_backward(
@@ -852,16 +843,7 @@ impl Backend for Cuda {
         eps: f64,
         g: &ChannelGeom,
     ) -> Result<()> {
-        let bn = params::GemsBatchNorm {
-            geom: channel_params(g)?,
-            eps,
-        };
-        let (mut sums, _lease) = self.scratch::<f32>(2 * g.c)?;
-        launch!(self, "batchnorm_backward_reduce_relu_f32", Self::per_item(g.c, 512)?;
-            dev(x)?, dev(y)?, dev(dy)?, dev(mean)?, dev(var)?, dev_mut(dgamma)?, dev_mut(dbeta)?,
-            &mut sums, &bn)?;
-        launch!(self, "batchnorm_backward_dx_relu_f32", self.grid_1d(g.n * g.c * g.hw);
-            dev(x)?, dev(y)?, dev(dy)?, dev(gamma)?, dev(mean)?, dev(var)?, &sums, dev_mut(dx)?, &bn)
+        self.bn_backward(Some(y), x, dy, gamma, mean, var, dx, dgamma, dbeta, eps, g)
     }
 
     fn batchnorm_update_running(
@@ -1117,6 +1099,67 @@ impl Backend for Cuda {
 }
 
 impl Cuda {
+    /// Batch statistics in one pass, then `apply` (the plain normalization or the one fused
+    /// with ReLU).
+    #[allow(clippy::too_many_arguments)]
+    fn bn_train(
+        &self,
+        apply: &str,
+        x: &Storage,
+        gamma: &Storage,
+        beta: &Storage,
+        y: &mut Storage,
+        mean: &mut Storage,
+        var: &mut Storage,
+        eps: f64,
+        g: &ChannelGeom,
+    ) -> Result<()> {
+        let bn = bn_params(eps, g)?;
+        launch!(self, "batchnorm_stats_f32", Self::per_item(g.c, 512)?;
+            dev(x)?, dev_mut(mean)?, dev_mut(var)?, &bn)?;
+        launch!(self, apply, self.grid_1d(g.n * g.c * g.hw);
+            dev(x)?, dev(gamma)?, dev(beta)?, dev(mean)?, dev(var)?, dev_mut(y)?, &bn)
+    }
+
+    /// BN's backward: per-channel sums (added to dgamma, dbeta), then dx. With the fused op's
+    /// output `relu_out`, dy counts only where that output is positive.
+    #[allow(clippy::too_many_arguments)]
+    fn bn_backward(
+        &self,
+        relu_out: Option<&Storage>,
+        x: &Storage,
+        dy: &Storage,
+        gamma: &Storage,
+        mean: &Storage,
+        var: &Storage,
+        dx: &mut Storage,
+        dgamma: &mut Storage,
+        dbeta: &mut Storage,
+        eps: f64,
+        g: &ChannelGeom,
+    ) -> Result<()> {
+        let bn = bn_params(eps, g)?;
+        let (reduce, elementwise) = (Self::per_item(g.c, 512)?, self.grid_1d(g.n * g.c * g.hw));
+        let (mut sums, _lease) = self.scratch::<f32>(2 * g.c)?;
+        match relu_out {
+            None => {
+                launch!(self, "batchnorm_backward_reduce_f32", reduce;
+                    dev(x)?, dev(dy)?, dev(mean)?, dev(var)?, dev_mut(dgamma)?, dev_mut(dbeta)?,
+                    &mut sums, &bn)?;
+                launch!(self, "batchnorm_backward_dx_f32", elementwise;
+                    dev(x)?, dev(dy)?, dev(gamma)?, dev(mean)?, dev(var)?, &sums, dev_mut(dx)?, &bn)
+            }
+            Some(y) => {
+                launch!(self, "batchnorm_backward_reduce_relu_f32", reduce;
+                    dev(x)?, dev(y)?, dev(dy)?, dev(mean)?, dev(var)?, dev_mut(dgamma)?,
+                    dev_mut(dbeta)?, &mut sums, &bn)?;
+                launch!(self, "batchnorm_backward_dx_relu_f32", elementwise;
+                    dev(x)?, dev(y)?, dev(dy)?, dev(gamma)?, dev(mean)?, dev(var)?, &sums,
+                    dev_mut(dx)?, &bn)
+            }
+        }
+    }
+
     /// The stream a host-tier copy runs on: the copy stream, once it is ordered after the work
     /// queued so far on the compute stream (which wrote the source, or allocated the
     /// destination), or the compute stream itself.
