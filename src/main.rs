@@ -938,7 +938,7 @@ fn run_config(a: &TrainArgs) -> anyhow::Result<RunConfig> {
         (None, DeviceKind::Cuda { ordinal }) => cuda::devices()
             .ok()
             .and_then(|g| g.into_iter().find(|g| g.ordinal == ordinal))
-            .map(|g| g.free_memory.saturating_sub(cuda::RESERVE)),
+            .map(|g| cuda::capacity(g.free_memory, None)),
         (None, DeviceKind::Cpu) => None,
     };
     let needs =

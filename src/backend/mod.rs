@@ -540,8 +540,7 @@ impl Device {
         // needs the device opened: open it with an unbounded allocator, then set the bound.
         let allocator = Allocator::new(name, None);
         let (backend, free) = cuda::Cuda::new(ordinal, precision, conv, Arc::clone(&allocator))?;
-        let usable = free.saturating_sub(cuda::RESERVE);
-        allocator.set_capacity(Some(capacity.map_or(usable, |c| c.min(usable))));
+        allocator.set_capacity(Some(cuda::capacity(free, capacity)));
         Ok(Device {
             inner: DeviceInner::new(allocator, Box::new(backend)),
         })

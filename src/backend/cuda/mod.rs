@@ -193,6 +193,13 @@ fn arch_for(cc: (i32, i32)) -> Result<&'static str> {
 /// loaded modules) when the capacity is the free memory.
 pub const RESERVE: u64 = 512 << 20;
 
+/// What a GPU with `free` bytes free offers the engine: the free memory less [`RESERVE`], or
+/// `limit` where that is smaller.
+pub fn capacity(free: u64, limit: Option<u64>) -> u64 {
+    let usable = free.saturating_sub(RESERVE);
+    limit.map_or(usable, |l| l.min(usable))
+}
+
 /// One GPU: its context, the stream everything runs on, the loaded kernels and cuBLAS.
 pub struct Cuda {
     ctx: Arc<CudaContext>,
@@ -245,12 +252,16 @@ impl Cuda {
                 functions.insert(entry, f);
             }
         }
-        if libs::get("cublas").is_some_and(|l| l.path.is_none()) {
+        // cudarc panics on a library it cannot open: say what is missing first.
+        if let Some(libs::Library {
+            path: None,
+            problem,
+            ..
+        }) = libs::get("cublas")
+        {
             return Err(Error::Device(format!(
                 "cuBLAS not found: {}",
-                libs::get("cublas")
-                    .and_then(|l| l.problem.clone())
-                    .unwrap_or_default()
+                problem.as_deref().unwrap_or_default()
             )));
         }
         let blas = CudaBlas::new(stream.clone()).map_err(blas_error)?;
