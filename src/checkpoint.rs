@@ -28,6 +28,8 @@ fn safetensors_dtype(d: DType) -> Dtype {
     match d {
         DType::F32 => Dtype::F32,
         DType::F64 => Dtype::F64,
+        DType::BF16 => Dtype::BF16,
+        DType::F16 => Dtype::F16,
     }
 }
 
@@ -41,8 +43,11 @@ fn batchnorm_nodes(t: &Trainer) -> Vec<&str> {
         .collect()
 }
 
-fn metadata(c: &TrainConfig, step: usize) -> HashMap<String, String> {
+/// The configuration and progress of `t` as text, with fp16's loss scale as it stands.
+fn metadata(t: &Trainer) -> HashMap<String, String> {
+    let (c, step) = (&t.config, t.steps_done());
     let s = &c.schedule;
+    let loss_scale = t.loss_scale.as_ref().map_or(c.loss_scale, |l| l.factor());
     [
         ("format", FORMAT.to_string()),
         ("model", c.model.clone()),
@@ -50,6 +55,8 @@ fn metadata(c: &TrainConfig, step: usize) -> HashMap<String, String> {
         ("classes", c.classes.to_string()),
         ("batch_size", c.batch_size.to_string()),
         ("dtype", c.dtype.name().to_string()),
+        ("precision", c.precision.to_string()),
+        ("loss_scale", loss_scale.to_string()),
         ("seed", c.seed.to_string()),
         ("step", step.to_string()),
         ("lr", s.base.to_string()),
@@ -109,7 +116,7 @@ pub fn save(t: &Trainer, path: &Path) -> Result<()> {
             ))
         })
         .collect::<Result<Vec<_>>>()?;
-    let bytes = safetensors::serialize(views, Some(metadata(&t.config, t.steps_done())))
+    let bytes = safetensors::serialize(views, Some(metadata(t)))
         .map_err(|e| Error::Internal(format!("serializing a checkpoint: {e}")))?;
     write_atomically(path, &bytes)
 }
@@ -190,6 +197,14 @@ impl Checkpoint {
             })
     }
 
+    /// Like [`Checkpoint::get`], with `default` where the key is absent.
+    fn get_or<T: std::str::FromStr>(&self, key: &str, default: T) -> Result<T> {
+        match self.meta.contains_key(key) {
+            true => self.get(key),
+            false => Ok(default),
+        }
+    }
+
     pub fn step(&self) -> Result<usize> {
         self.get("step")
     }
@@ -225,7 +240,9 @@ impl Checkpoint {
             offload_copy: crate::backend::CopyMode::default(),
             saves: crate::graph::policy::SavePolicy::keep_all(),
             device: crate::backend::DeviceKind::Cpu,
-            precision: crate::backend::cuda::Precision::Fp32,
+            // Checkpoints from before mixed precision hold neither.
+            precision: self.get_or("precision", crate::tensor::Precision::Fp32)?,
+            loss_scale: self.get_or("loss_scale", crate::runtime::optim::LossScale::INITIAL)?,
             conv: crate::backend::cuda::ConvImpl::Native,
             data: match self.meta.get("data") {
                 Some(json) => serde_json::from_str(json).map_err(|e| {

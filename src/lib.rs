@@ -21,7 +21,7 @@ pub mod train;
 
 pub use backend::Device;
 pub use memory::{Category, OutOfMemory};
-pub use tensor::{DType, Shape, Tensor};
+pub use tensor::{DType, Precision, Shape, Tensor};
 
 /// Everything that can go wrong on a user path.
 #[derive(Debug, thiserror::Error)]

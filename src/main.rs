@@ -8,7 +8,7 @@ use std::time::Instant;
 use clap::{Args, Parser, Subcommand};
 use indicatif::{ProgressBar, ProgressStyle};
 
-use gems::backend::cuda::{self, ConvImpl, Precision};
+use gems::backend::cuda::{self, ConvImpl};
 use gems::backend::{CopyMode, DeviceKind};
 use gems::data::slide::TileConfig;
 use gems::data::{DataConfig, SourceSpec};
@@ -21,7 +21,7 @@ use gems::runtime::optim::SgdConfig;
 use gems::runtime::schedule::{Decay, LrSchedule};
 use gems::schemes::{Kind, Order, Scheme};
 use gems::train::{Evaluation, StepReport, TrainConfig, Trainer};
-use gems::{models, DType};
+use gems::{models, DType, Precision};
 
 #[derive(Parser)]
 #[command(
@@ -103,9 +103,11 @@ struct DeviceArgs {
     /// auto (a GPU when one is usable and the run is f32, else the CPU), cpu, cuda or cuda:N.
     #[arg(long, default_value = "auto")]
     device: String,
-    /// Arithmetic of convolutions and matrix products on a GPU: fp32 or tf32.
-    #[arg(long, default_value = "fp32")]
-    precision: Precision,
+    /// fp32; tf32 (a GPU's convolutions and matrix products on the tensor cores); bf16 or
+    /// fp16: mixed precision, activations in 16 bits, f32 master weights and arithmetic (fp16
+    /// with a dynamic loss scale) [default: fp32; when resuming, the checkpoint's].
+    #[arg(long)]
+    precision: Option<Precision>,
 }
 
 impl DeviceArgs {
@@ -126,8 +128,14 @@ impl DeviceArgs {
                 DType::F64 => f64_kind,
                 _ => f32_kind,
             };
-            c.precision = precision;
+            if let Some(p) = precision {
+                c.precision = p;
+            }
         })
+    }
+
+    fn precision(&self) -> Precision {
+        self.precision.unwrap_or_default()
     }
 }
 
@@ -438,9 +446,13 @@ struct TrainArgs {
     warmup: usize,
     #[arg(long, default_value_t = 0, conflicts_with = "resume")]
     seed: u64,
-    /// f32 or f64.
-    #[arg(long, default_value = "f32", conflicts_with = "resume")]
+    /// f32 or f64 (of the parameters; --precision sets the activations').
+    #[arg(long, default_value = "f32", conflicts_with = "resume", value_parser = parameter_dtype)]
     dtype: DType,
+    /// With --precision fp16: the first loss scale (a power of two; halved when gradients
+    /// overflow, the step skipped; doubled after 2000 clean steps).
+    #[arg(long, default_value_t = 65536.0, conflicts_with = "resume")]
+    loss_scale: f64,
     /// Device capacity, e.g. 2GiB (emulated on the CPU; on a GPU the smaller of this and its
     /// free memory; default unlimited / the free memory).
     #[arg(long, value_parser = parse_bytes)]
@@ -633,7 +645,7 @@ struct ModelsArgs {
     image_size: usize,
     #[arg(long, default_value_t = 10)]
     classes: usize,
-    /// Bytes per element for activation sizes: f32 or f64.
+    /// Bytes per element for activation sizes: f32, f64, bf16 or f16.
     #[arg(long, default_value = "f32")]
     dtype: DType,
     /// Print this model's block tree and adjacency list.
@@ -921,8 +933,9 @@ fn run_config(a: &TrainArgs) -> anyhow::Result<RunConfig> {
         saves: SavePolicy::keep_all(),
         data,
         device: a.on.kind(a.dtype)?,
-        precision: a.on.precision,
+        precision: a.on.precision(),
         conv: a.conv,
+        loss_scale: a.loss_scale,
     };
     let mut c = RunConfig::new(train, a.spread.scheme()?);
     c.balance = a.spread.balance.clone();
@@ -1016,7 +1029,7 @@ fn plan(a: TrainArgs) -> anyhow::Result<()> {
         "{:<6} {:>12} {:>12} {:>20} {:>22}",
         "stage", "nodes", "parameters", "saved/micro-batch", "fwd+bwd/micro-batch"
     );
-    let saved = layout.saved_per_micro_batch(c.train.dtype, micro);
+    let saved = layout.saved_per_micro_batch(c.train.activations(), micro);
     for (i, r) in layout.partition.stages.iter().enumerate() {
         let params = g.trainable_in(r.clone());
         let saved = saved[i];
@@ -1052,8 +1065,14 @@ fn plan(a: TrainArgs) -> anyhow::Result<()> {
     let (_, host, recompute) = saves.counts();
     if host + recompute > 0 {
         let link = host_link(c.train.device, c.train.precision)?;
-        let (bytes, exposed) =
-            gems::plan::offload::cost_of(g, &layout.costs, micro, c.train.dtype, &link, saves);
+        let (bytes, exposed) = gems::plan::offload::cost_of(
+            g,
+            &layout.costs,
+            micro,
+            c.train.activations(),
+            &link,
+            saves,
+        );
         println!(
             "saved tensors: {host} nodes offloaded to the host tier (fetched {} nodes ahead), {recompute} recomputed; {} per micro-batch off the device, {:.3} s per micro-batch predicted exposed (host link {:.1} GB/s{})",
             saves.prefetch,
@@ -1073,7 +1092,7 @@ fn plan(a: TrainArgs) -> anyhow::Result<()> {
         }
     }
     if let Some(path) = &a.timeline {
-        let bytes = layout.saved_per_micro_batch(c.train.dtype, micro);
+        let bytes = layout.saved_per_micro_batch(c.train.activations(), micro);
         let title = format!(
             "{} {} P={} m={} η={}: predicted",
             g.name, s.kind, s.stages, s.parts, s.replicas
@@ -1122,7 +1141,7 @@ fn bench_kernels(a: BenchKernelsArgs) -> anyhow::Result<()> {
     // One device per convolution path (on a GPU, both on the same one).
     let devices = convs
         .iter()
-        .map(|&c| gems::Device::open(kind, a.on.precision, c, &kind.to_string(), 0, None))
+        .map(|&c| gems::Device::open(kind, a.on.precision(), c, &kind.to_string(), 0, None))
         .collect::<gems::Result<Vec<_>>>()?;
     let g = models::build(&a.model, a.image_size, 1000)?;
     let shapes = bench::conv_shapes(&g, a.batch)?;
@@ -1305,7 +1324,7 @@ fn bench_offload(a: BenchOffloadArgs) -> anyhow::Result<()> {
     let kind = a.on.kind(DType::F32)?;
     let device = gems::Device::open(
         kind,
-        a.on.precision,
+        a.on.precision(),
         ConvImpl::Native,
         &kind.to_string(),
         0,
@@ -1320,7 +1339,7 @@ fn bench_offload(a: BenchOffloadArgs) -> anyhow::Result<()> {
     drop(device);
     let mut base = TrainConfig::new("", a.image_size, a.classes, a.batch, 1);
     base.device = kind;
-    base.precision = a.on.precision;
+    base.precision = a.on.precision();
     let models: Vec<String> = a.models.split(',').map(|m| m.trim().to_string()).collect();
     println!(
         "epoch of {} images at {}², batch {}, {} classes:",
@@ -1569,7 +1588,7 @@ fn train_spread(a: TrainArgs) -> anyhow::Result<()> {
     if let Some(path) = &a.timeline {
         let g = &layout.graph;
         let micro = c.train.batch_size / scheme.parts;
-        let bytes = layout.saved_per_micro_batch(c.train.dtype, micro);
+        let bytes = layout.saved_per_micro_batch(c.train.activations(), micro);
         let mut tasks = vec![Vec::new(); scheme.stages];
         for r in reports.iter().filter(|r| r.rank < scheme.stages) {
             tasks[r.rank] = r.timeline.clone();
@@ -1615,6 +1634,19 @@ fn train_spread(a: TrainArgs) -> anyhow::Result<()> {
         );
     }
     Ok(())
+}
+
+/// A parameter dtype: f32 or f64 (16-bit types hold activations, chosen by --precision).
+fn parameter_dtype(s: &str) -> Result<DType, String> {
+    match s.parse()? {
+        d @ (DType::F32 | DType::F64) => Ok(d),
+        d => Err(format!(
+            "{} parameters are not supported: parameters are f32 or f64; for 16-bit \
+             activations use --precision {}",
+            d.name(),
+            if d == DType::BF16 { "bf16" } else { "fp16" }
+        )),
+    }
 }
 
 /// Runs this process's rank under mpirun; the reports of all ranks come back on rank 0.

@@ -4,7 +4,7 @@
 use std::time::Instant;
 
 use crate::backend::cpu::splitmix64;
-use crate::backend::cuda::{ConvImpl, Precision};
+use crate::backend::cuda::ConvImpl;
 use crate::backend::{CopyMode, Device, DeviceKind};
 use crate::checkpoint::Checkpoint;
 use crate::data::loader::{Batch, Loader};
@@ -13,9 +13,9 @@ use crate::graph::policy::SavePolicy;
 use crate::graph::{self, Graph, Params, ValueId};
 use crate::memory::MemoryStats;
 use crate::ops::{batched, loss};
-use crate::runtime::optim::{Sgd, SgdConfig};
+use crate::runtime::optim::{LossScale, Sgd, SgdConfig};
 use crate::runtime::schedule::LrSchedule;
-use crate::tensor::{DType, Tensor};
+use crate::tensor::{DType, Precision, Tensor};
 use crate::{models, Error, Result};
 
 #[derive(Clone, Debug)]
@@ -40,13 +40,20 @@ pub struct TrainConfig {
     pub data: DataConfig,
     /// What computes (rank r of a spread run on a GPU takes the r-th GPU from there on).
     pub device: DeviceKind,
-    /// The arithmetic of convolutions and matrix products on a GPU.
+    /// What activations are stored in and how products are computed (mixed precision).
     pub precision: Precision,
     /// Which kernels run convolutions on a GPU.
     pub conv: ConvImpl,
+    /// fp16's first dynamic loss scale.
+    pub loss_scale: f64,
 }
 
 impl TrainConfig {
+    /// The dtype of activations and their gradients (`dtype` is the parameters').
+    pub fn activations(&self) -> DType {
+        self.precision.activations(self.dtype)
+    }
+
     /// `model` on `image_size`² images of `classes` classes, `batch_size` images per step for
     /// `steps` steps; SGD with momentum 0.9 and weight decay 5e-4 at a constant 0.05; seed 0,
     /// f32 on the CPU, no capacity, synthetic data. Change the fields for anything else.
@@ -84,6 +91,7 @@ impl TrainConfig {
             device: DeviceKind::Cpu,
             precision: Precision::Fp32,
             conv: ConvImpl::Native,
+            loss_scale: LossScale::INITIAL,
         }
     }
 }
@@ -100,6 +108,10 @@ pub struct StepReport {
     pub seconds: f64,
     /// Of which the step waited for its batch.
     pub data_wait: f64,
+    /// The loss scale the gradients carried (fp16), and whether they overflowed it, so the
+    /// step was skipped.
+    pub loss_scale: Option<f64>,
+    pub skipped: bool,
 }
 
 /// The result of [`Trainer::evaluate`].
@@ -214,6 +226,8 @@ pub struct Trainer {
     /// Prepares the coming steps' batches.
     loader: Option<Loader>,
     step: usize,
+    /// fp16's dynamic loss scale.
+    pub loss_scale: Option<LossScale>,
 }
 
 impl Trainer {
@@ -222,6 +236,10 @@ impl Trainer {
         if config.batch_size == 0 {
             return Err(Error::Config("the batch size must be at least 1".into()));
         }
+        config
+            .precision
+            .check(config.dtype)
+            .map_err(Error::Config)?;
         let data = crate::data::open(&config.data, config.image_size, config.classes, config.seed)?;
         check_classes(&config, &data.classes)?;
         let graph = models::build(&config.model, config.image_size, config.classes)?;
@@ -240,6 +258,10 @@ impl Trainer {
         .with_host_tier(config.host_memory, config.offload_copy)?;
         let params = Params::init(&graph, &device, config.dtype, config.seed)?;
         let sgd = Sgd::new(&params, &device, config.sgd)?;
+        let loss_scale = config
+            .precision
+            .scales_loss()
+            .then(|| LossScale::new(config.loss_scale));
         Ok(Trainer {
             graph,
             params,
@@ -249,6 +271,7 @@ impl Trainer {
             data,
             loader: None,
             step: 0,
+            loss_scale,
         })
     }
 
@@ -284,8 +307,11 @@ impl Trainer {
             waited,
         } = self.next_batch()?;
         let x_shape = batched(b, self.graph.input_shape());
-        let x = self.device.input(x_shape, pixels, self.config.dtype)?;
+        let x = self
+            .device
+            .input(x_shape, pixels, self.config.activations())?;
         self.params.zero_grads(&self.device)?;
+        let scale = self.loss_scale.as_ref().map_or(1.0, LossScale::factor);
         let g = &self.graph;
         let outputs: Vec<_> = g.outputs.iter().collect();
         let keep: Vec<usize> = outputs.iter().map(|o| o.value).collect();
@@ -316,12 +342,25 @@ impl Trainer {
             total += out.weight * l;
             seeds.push((
                 out.value,
-                loss::softmax_cross_entropy_backward(&self.device, &probs, &labels, out.weight)?,
+                loss::softmax_cross_entropy_backward(
+                    &self.device,
+                    &probs,
+                    &labels,
+                    out.weight * scale,
+                    self.config.activations(),
+                )?,
             ));
         }
         graph::backward(g, &mut self.params, &self.device, tape, seeds, &[])?;
         let lr = self.config.schedule.lr(self.step);
-        self.sgd.step(&mut self.params, &self.device, lr)?;
+        let apply = match &mut self.loss_scale {
+            Some(s) => s.update(LossScale::overflowed(&self.params, &self.device)?),
+            None => true,
+        };
+        if apply {
+            self.sgd
+                .step(&mut self.params, &self.device, lr, 1.0 / scale)?;
+        }
         self.device.backend().synchronize()?;
         let report = StepReport {
             step: self.step,
@@ -331,6 +370,8 @@ impl Trainer {
             lr,
             seconds: start.elapsed().as_secs_f64(),
             data_wait: waited.as_secs_f64(),
+            loss_scale: self.loss_scale.as_ref().map(|_| scale),
+            skipped: !apply,
         };
         self.step += 1;
         Ok(report)

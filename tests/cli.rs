@@ -13,7 +13,11 @@ fn bad_input_gets_one_line_and_a_failure() {
         (vec!["train", "--batch-size", "0"], "batch size"),
         (vec!["train", "--steps", "0"], "--steps"),
         (vec!["train", "--device-memory", "lots"], "not a size"),
-        (vec!["train", "--dtype", "f16"], "unknown dtype"),
+        (vec!["train", "--dtype", "f16"], "use --precision fp16"),
+        (
+            vec!["train", "--dtype", "f64", "--precision", "bf16"],
+            "needs f32 parameters",
+        ),
         (vec!["train", "--val", "0.1"], "endless stream"),
         (vec!["train", "--conv", "cuddn"], "unknown convolution path"),
         (

@@ -12,10 +12,10 @@
 
 use std::cell::RefCell;
 
-use gems::backend::cuda::{self, ConvImpl, Precision};
+use gems::backend::cuda::{self, ConvImpl};
 use gems::backend::{ChannelGeom, ConvGeom, CopyMode, Device, DeviceKind, PoolGeom, SgdStep};
 use gems::graph::policy::SavePolicy;
-use gems::tensor::{DType, Storage};
+use gems::tensor::{DType, Precision, Storage};
 use gems::train::{TrainConfig, Trainer};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -622,7 +622,7 @@ fn loss_matches_cpu() {
 #[ignore = "needs a CUDA device"]
 fn sgd_matches_cpu_bit_for_bit() {
     let p = Pair::new(Precision::Fp32);
-    for nesterov in [false, true] {
+    for (nesterov, grad_scale) in [(false, 1.0), (true, 1.0), (false, 1.0 / 1024.0)] {
         let (cpu, gpu) = (p.cpu.backend(), p.gpu.backend());
         let n = 10_007;
         let (mut w, mut wg) = p.input(n);
@@ -633,6 +633,7 @@ fn sgd_matches_cpu_bit_for_bit() {
             momentum: 0.9,
             weight_decay: 5e-4,
             nesterov,
+            grad_scale,
         };
         for _ in 0..3 {
             cpu.sgd_update(&mut w, &grad, &mut buf, &step).unwrap();

@@ -585,7 +585,7 @@ fn softmax_cross_entropy() {
     };
     let (_, probs) =
         loss::softmax_cross_entropy(&d, &upload(&d, &shape, &logits, DType::F64), &labels).unwrap();
-    let g = loss::softmax_cross_entropy_backward(&d, &probs, &labels, 0.7)
+    let g = loss::softmax_cross_entropy_backward(&d, &probs, &labels, 0.7, DType::F64)
         .unwrap()
         .to_f64_vec()
         .unwrap();

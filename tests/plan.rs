@@ -287,7 +287,14 @@ fn analytic_memory_matches_the_metered_run() {
             c.train.device = device;
             let layout = Layout::new(&c).unwrap();
             let workspace = ConvWorkspace::of(device);
-            let fp = Footprint::new(&layout.graph, 2, c.train.dtype, workspace).unwrap();
+            let fp = Footprint::new(
+                &layout.graph,
+                2,
+                c.train.dtype,
+                c.train.activations(),
+                workspace,
+            )
+            .unwrap();
             let stages: Vec<_> = layout
                 .partition
                 .stages
@@ -350,7 +357,14 @@ fn capped_split_fits_and_is_the_fastest_that_does() {
                 .map(|r| costs[r.clone()].iter().sum::<f64>())
                 .fold(0.0, f64::max)
         };
-        let fp = Footprint::new(&layout.graph, 2, capped.train.dtype, ConvWorkspace::Cpu).unwrap();
+        let fp = Footprint::new(
+            &layout.graph,
+            2,
+            capped.train.dtype,
+            capped.train.activations(),
+            ConvWorkspace::Cpu,
+        )
+        .unwrap();
         let cuts = partition::cut_points(&layout.graph);
         let n = layout.graph.nodes.len();
         let mut fastest = f64::INFINITY;

@@ -79,6 +79,8 @@ pub struct SgdStep {
     pub momentum: f64,
     pub weight_decay: f64,
     pub nesterov: bool,
+    /// Multiplies the gradient before anything else: 1 / the loss scale (1 without one).
+    pub grad_scale: f64,
 }
 
 /// The kernels a device runs. Inputs and outputs are storages of one dtype; gradients of
@@ -345,6 +347,8 @@ pub trait Backend: Send + Sync {
         step: &SgdStep,
     ) -> Result<()>;
     fn fill(&self, s: &mut Storage, value: f64) -> Result<()>;
+    /// Whether no element is infinite or NaN (the loss scale's overflow check).
+    fn all_finite(&self, s: &Storage) -> Result<bool>;
 }
 
 /// Which kind of device a run computes on.
@@ -504,7 +508,7 @@ impl Device {
     /// `capacity` bytes at most; on a GPU, convolutions run with `conv` in `precision`.
     pub fn open(
         kind: DeviceKind,
-        precision: cuda::Precision,
+        precision: crate::tensor::Precision,
         conv: cuda::ConvImpl,
         name: &str,
         rank: usize,
@@ -532,7 +536,7 @@ impl Device {
     pub fn cuda(
         name: &str,
         ordinal: usize,
-        precision: cuda::Precision,
+        precision: crate::tensor::Precision,
         conv: cuda::ConvImpl,
         capacity: Option<u64>,
     ) -> Result<Device> {
@@ -692,11 +696,14 @@ impl Device {
 
     /// A model input of `shape` from a prepared batch of f32 pixels, as an activation of
     /// `dtype`: moved as it is for f32 (on the CPU without a copy, to a GPU in one copy),
-    /// widened for f64.
+    /// widened for f64, rounded on the host for bf16 and f16 (half the bytes to copy).
     pub fn input(&self, shape: Shape, pixels: Vec<f32>, dtype: DType) -> Result<Tensor> {
+        use half::vec::HalfFloatVecExt;
         let storage = match dtype {
             DType::F32 => Storage::F32(pixels),
             DType::F64 => Storage::F64(pixels.into_iter().map(f64::from).collect()),
+            DType::BF16 => Storage::BF16(Vec::from_f32_slice(&pixels)),
+            DType::F16 => Storage::F16(Vec::from_f32_slice(&pixels)),
         };
         self.adopt(shape, storage, Category::Activations)
     }

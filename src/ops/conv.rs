@@ -118,7 +118,7 @@ impl Operator for Conv2d {
         let g = self.geom(x.shape())?;
         let be = ctx.device.backend();
         let mut y = ctx.activation(Shape::new([g.n, g.c_out, g.h_out, g.w_out]), x)?;
-        let mut ws = ctx.workspace(be.conv2d_workspace(&g), x)?;
+        let mut ws = ctx.workspace(be.conv2d_workspace(&g), x.dtype().compute())?;
         be.conv2d_forward(
             x.storage(),
             params[0].storage(),
@@ -147,7 +147,7 @@ impl Operator for Conv2d {
         let (x, dy) = (&b.saved.0[0], &b.dy);
         let g = self.geom(x.shape())?;
         let be = ctx.device.backend();
-        let mut ws = ctx.workspace(be.conv2d_workspace(&g), x)?;
+        let mut ws = ctx.workspace(be.conv2d_workspace(&g), x.dtype().compute())?;
         be.conv2d_backward_filter(
             x.storage(),
             dy.storage(),

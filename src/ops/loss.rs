@@ -33,7 +33,7 @@ pub fn softmax_cross_entropy(
     }
     let mut probs = device.zeros(
         logits.shape().clone(),
-        logits.dtype(),
+        logits.dtype().compute(),
         crate::Category::Activations,
     )?;
     let loss = device.backend().softmax_cross_entropy(
@@ -46,19 +46,16 @@ pub fn softmax_cross_entropy(
     Ok((loss, probs))
 }
 
-/// d(weight · mean loss)/d logits.
+/// d(weight · mean loss)/d logits, as activations of `dtype`.
 pub fn softmax_cross_entropy_backward(
     device: &Device,
     probs: &Tensor,
     labels: &[u32],
     weight: f64,
+    dtype: crate::DType,
 ) -> Result<Tensor> {
     let (n, k) = (probs.shape().dim(0), probs.shape().dim(1));
-    let mut d = device.zeros(
-        probs.shape().clone(),
-        probs.dtype(),
-        crate::Category::Activations,
-    )?;
+    let mut d = device.zeros(probs.shape().clone(), dtype, crate::Category::Activations)?;
     device.backend().softmax_cross_entropy_backward(
         probs.storage(),
         labels,

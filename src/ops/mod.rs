@@ -14,7 +14,7 @@ pub mod shape;
 
 use crate::backend::Device;
 use crate::memory::Category;
-use crate::tensor::{Shape, Tensor};
+use crate::tensor::{DType, Shape, Tensor};
 use crate::Result;
 
 /// How a parameter starts.
@@ -80,10 +80,16 @@ impl Ctx<'_> {
         self.device
             .zeros(shape, like.dtype(), Category::Activations)
     }
-    /// Scratch space that lives for one kernel call.
-    pub fn workspace(&self, elements: usize, like: &Tensor) -> Result<Tensor> {
+    /// Statistics saved for backward beside `like` (batch norm's mean and variance): kept in
+    /// its compute type, f32 under mixed precision.
+    pub fn statistics(&self, shape: Shape, like: &Tensor) -> Result<Tensor> {
         self.device
-            .zeros(Shape::new([elements]), like.dtype(), Category::Workspace)
+            .zeros(shape, like.dtype().compute(), Category::Activations)
+    }
+    /// Scratch space of `dtype` that lives for one kernel call.
+    pub fn workspace(&self, elements: usize, dtype: DType) -> Result<Tensor> {
+        self.device
+            .zeros(Shape::new([elements]), dtype, Category::Workspace)
     }
 }
 

@@ -127,8 +127,8 @@ impl Operator for BatchNorm {
             )?;
             return Ok((y, Saved::default()));
         }
-        let mut mean = ctx.activation(Shape::new([g.c]), x)?;
-        let mut var = ctx.activation(Shape::new([g.c]), x)?;
+        let mut mean = ctx.statistics(Shape::new([g.c]), x)?;
+        let mut var = ctx.statistics(Shape::new([g.c]), x)?;
         be.batchnorm_forward_train(
             x.storage(),
             gamma.storage(),

@@ -383,7 +383,7 @@ impl AvgPoolExcludePad {
             like.dtype(),
             crate::Category::Workspace,
         )?;
-        let mut all = ctx.workspace(g.n * g.c * hw, like)?;
+        let mut all = ctx.workspace(g.n * g.c * hw, like.dtype())?;
         // Source stride 0: the one plane repeated for every (n, c).
         ctx.device.backend().copy_channels(
             plane.storage(),
@@ -421,7 +421,7 @@ impl Operator for AvgPoolExcludePad {
         let x = xs[0];
         let g = self.0.geom(x.shape())?;
         let be = ctx.device.backend();
-        let mut sum = ctx.workspace(g.n * g.c * g.h_out * g.w_out, x)?;
+        let mut sum = ctx.workspace(g.n * g.c * g.h_out * g.w_out, x.dtype())?;
         be.avg_pool_forward(x.storage(), sum.storage_mut()?, &g)?;
         let scale = self.scale(ctx, &g, x)?;
         let mut y = ctx.activation(Shape::new([g.n, g.c, g.h_out, g.w_out]), x)?;
@@ -439,7 +439,7 @@ impl Operator for AvgPoolExcludePad {
         let g = self.0.geom(&b.inputs[0])?;
         let be = ctx.device.backend();
         let scale = self.scale(ctx, &g, &b.dy)?;
-        let mut dsum = ctx.workspace(b.dy.numel(), &b.dy)?;
+        let mut dsum = ctx.workspace(b.dy.numel(), b.dy.dtype())?;
         be.mul(b.dy.storage(), scale.storage(), dsum.storage_mut()?)?;
         drop(scale);
         let mut dx = ctx.activation(b.inputs[0].clone(), &b.dy)?;

@@ -221,7 +221,7 @@ pub fn calibrate(
     let mut optimizer = Vec::new();
     for _ in 0..=repeats {
         let start = Instant::now();
-        sgd.step(&mut params, device, 0.01)?;
+        sgd.step(&mut params, device, 0.01, 1.0)?;
         params.zero_grads(device)?;
         optimizer.push(start.elapsed().as_secs_f64());
     }

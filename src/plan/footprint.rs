@@ -84,7 +84,7 @@ impl SparseMax {
     }
 }
 
-/// The model of one graph at one micro-batch size and dtype.
+/// The model of one graph at one micro-batch size and precision.
 pub struct Footprint {
     /// Prefix sums over nodes.
     params: Vec<u64>,
@@ -101,16 +101,18 @@ pub struct Footprint {
 }
 
 impl Footprint {
-    /// Scans `g` for micro-batches of `micro` samples in `dtype`, metering each op alone as
-    /// the metered runs do (with `workspace`'s convolution workspace).
+    /// Scans `g` for micro-batches of `micro` samples with parameters in `dtype` and
+    /// activations in `activations`, metering each op alone as the metered runs do (with
+    /// `workspace`'s convolution workspace).
     pub fn new(
         g: &Graph,
         micro: usize,
         dtype: DType,
+        activations: DType,
         workspace: ConvWorkspace,
     ) -> Result<Footprint> {
         let n = g.nodes.len();
-        let dt = dtype.size() as u64;
+        let dt = activations.size() as u64;
         let bytes = |v: usize| (g.values[v].shape.numel() * micro) as u64 * dt;
         // Savers of each value, in node order.
         let mut savers: Vec<Vec<usize>> = vec![Vec::new(); g.values.len()];
@@ -128,7 +130,7 @@ impl Footprint {
                 savers[node.output].push(i);
             }
             own[i] = (s.per_sample * micro) as u64 * dt;
-            stats[i] = s.per_batch as u64 * dt;
+            stats[i] = (s.per_batch * activations.compute().size()) as u64;
         }
         // A loss output's gradient seed waits for backward like a saved tensor.
         for o in &g.outputs {
@@ -154,7 +156,7 @@ impl Footprint {
         // Live and not yet saved at node i's forward: produced before i, used at or after i,
         // saved by no node before i. Gradient live at node i's backward: from the value's last
         // consumer down to its producer (seeds are counted with the saved tensors).
-        let ops = op_allocations(g, micro, dtype, &requires_grad, workspace)?;
+        let ops = op_allocations(g, micro, (dtype, activations), &requires_grad, workspace)?;
         let mut unsaved = vec![0i64; n + 1];
         let mut grads = vec![0i64; n + 1];
         let is_output = |v: usize| g.outputs.iter().any(|o| o.value == v);
@@ -212,7 +214,7 @@ impl Footprint {
                         .map(|p| {
                             let spec = &g.params[p].spec;
                             let copies = if spec.trainable { 3 } else { 1 };
-                            copies * spec.shape.numel() as u64 * dt
+                            (copies * spec.shape.numel() * dtype.size()) as u64
                         })
                         .sum()
                 })
@@ -327,11 +329,11 @@ struct OpBytes {
     passes_dy: bool,
 }
 
-/// Each node's op metered alone.
+/// Each node's op metered alone, with parameters and activations of `(dtype, activations)`.
 fn op_allocations(
     g: &Graph,
     micro: usize,
-    dtype: DType,
+    (dtype, activations): (DType, DType),
     requires_grad: &[bool],
     workspace: ConvWorkspace,
 ) -> Result<Vec<OpBytes>> {
@@ -344,7 +346,7 @@ fn op_allocations(
             .map(|&v| {
                 setup.zeros(
                     batched(micro, &g.values[v].shape),
-                    dtype,
+                    activations,
                     Category::Activations,
                 )
             })
@@ -381,7 +383,7 @@ fn op_allocations(
                 ..ctx
             };
             let shapes: Vec<_> = xs.iter().map(|x| x.shape().clone()).collect();
-            let dy = setup.zeros(y.shape().clone(), dtype, Category::Activations)?;
+            let dy = setup.zeros(y.shape().clone(), activations, Category::Activations)?;
             let dx = op.backward(
                 &ctx,
                 Backward {

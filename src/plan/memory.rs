@@ -93,6 +93,7 @@ impl Model {
             g,
             c.train.batch_size / c.scheme.parts,
             c.train.dtype,
+            c.train.activations(),
             ConvWorkspace::of(c.train.device),
         )?;
         Ok(Some(Model { fp, cap }))

@@ -159,7 +159,14 @@ pub fn choose(c: &RunConfig, cap: u64, link: &HostLink, prefetch: usize) -> Resu
     let layout = Layout::new(c)?;
     let g = &layout.graph;
     let micro = c.train.batch_size / c.scheme.parts;
-    let choices = candidates(g, &layout.costs, micro, c.train.dtype, link, prefetch);
+    let choices = candidates(
+        g,
+        &layout.costs,
+        micro,
+        c.train.activations(),
+        link,
+        prefetch,
+    );
     let with = |k: usize| {
         let mut t = c.clone();
         t.train.saves = take(g.nodes.len(), &choices, k, prefetch);

@@ -126,10 +126,11 @@ pub struct Point {
 pub fn step(c: &RunConfig, layout: &Layout, profile: &Profile, groups: usize) -> Result<Point> {
     let (g, s) = (&layout.graph, &c.scheme);
     let micro = c.train.batch_size / s.parts;
-    let dtype = c.train.dtype;
+    let (dtype, activations) = (c.train.dtype, c.train.activations());
     let stages = &layout.partition.stages;
     let node_of = |rank: usize| rank / profile.gpus_per_node;
-    let (forward, backward) = NodeCosts::analytic(g, micro, dtype, &profile.device).stages(stages);
+    let (forward, backward) =
+        NodeCosts::analytic(g, micro, activations, &profile.device).stages(stages);
     let sc = StageCosts {
         forward,
         backward,
@@ -139,7 +140,7 @@ pub fn step(c: &RunConfig, layout: &Layout, profile: &Profile, groups: usize) ->
                     .iter()
                     .map(|&v| g.values[v].shape.numel())
                     .sum();
-                let bytes = (bytes * micro * dtype.size()) as f64;
+                let bytes = (bytes * micro * activations.size()) as f64;
                 if bytes == 0.0 {
                     0.0
                 } else {

@@ -26,7 +26,7 @@ use crate::memory::{Category, MemoryStats};
 use crate::ops::{batched, loss};
 use crate::plan::cost::{DeviceProfile, NodeCosts};
 use crate::plan::partition::{self, Partition};
-use crate::runtime::optim::Sgd;
+use crate::runtime::optim::{LossScale, Sgd};
 use crate::schemes::schedule::{self, Pass, Schedule, Task, Timed};
 use crate::schemes::Scheme;
 use crate::tensor::{Shape, Storage, Tensor};
@@ -93,6 +93,7 @@ impl Layout {
     pub fn new(c: &RunConfig) -> Result<Layout> {
         let t = &c.train;
         c.scheme.validate(t.batch_size)?;
+        t.precision.check(t.dtype).map_err(Error::Config)?;
         let graph = models::build(&t.model, t.image_size, t.classes)?;
         let micro = t.batch_size / c.scheme.parts;
         let costs = match &c.calibration {
@@ -100,7 +101,7 @@ impl Layout {
                 cal.check(&t.model, t.image_size, t.classes, micro, t.dtype)?;
                 cal.costs()
             }
-            None => NodeCosts::analytic(&graph, micro, t.dtype, &DeviceProfile::CPU),
+            None => NodeCosts::analytic(&graph, micro, t.activations(), &DeviceProfile::CPU),
         };
         let partition = match &c.balance {
             Some(b) if b.len() != c.scheme.stages => {
@@ -235,6 +236,8 @@ pub struct RankReport {
     /// (steps done, evaluation) of each evaluation on the held-out samples; the same on every
     /// rank that reads them (world rank 0 among them), empty on the others.
     pub validation: Vec<(usize, Evaluation)>,
+    /// Steps skipped because their gradients overflowed fp16's loss scale.
+    pub skipped_steps: usize,
 }
 
 struct Rank<'a> {
@@ -257,6 +260,8 @@ struct Rank<'a> {
     loader: Option<Loader>,
     pending: HashMap<(usize, usize), Pending>,
     busy: f64,
+    /// fp16's dynamic loss scale (the same on every rank: they skip steps together).
+    loss_scale: Option<LossScale>,
 }
 
 /// Position (in the data's epoch order) of the first image of global micro-batch `gm` of
@@ -406,6 +411,11 @@ impl<'a> Rank<'a> {
             loader,
             pending: HashMap::new(),
             busy: 0.0,
+            loss_scale: c
+                .train
+                .precision
+                .scales_loss()
+                .then(|| LossScale::new(c.train.loss_scale)),
         })
     }
 
@@ -427,14 +437,15 @@ impl<'a> Rank<'a> {
             let shape = batched(mb, g.input_shape());
             let x = if self.c.metered {
                 self.device
-                    .zeros(shape, self.c.train.dtype, Category::Activations)?
+                    .zeros(shape, self.c.train.activations(), Category::Activations)?
             } else {
                 let loader = self.loader.as_mut().ok_or_else(|| {
                     Error::Internal("a stage-0 task on a rank without a loader".into())
                 })?;
                 let batch = loader.next_batch()?;
                 report.data_wait += batch.waited.as_secs_f64();
-                self.device.input(shape, batch.pixels, self.c.train.dtype)?
+                self.device
+                    .input(shape, batch.pixels, self.c.train.activations())?
             };
             vec![(g.input, x)]
         } else {
@@ -486,7 +497,9 @@ impl<'a> Rank<'a> {
                         &self.device,
                         &probs,
                         &labels,
-                        o.weight / m_total,
+                        o.weight / m_total
+                            * self.loss_scale.as_ref().map_or(1.0, LossScale::factor),
+                        self.c.train.activations(),
                     )?,
                 ));
             }
@@ -574,7 +587,9 @@ impl<'a> Rank<'a> {
                 let batch = loader.as_mut().ok_or_else(missing)?.next_batch()?;
                 report.data_wait += batch.waited.as_secs_f64();
                 let shape = batched(len, g.input_shape());
-                let x = self.device.input(shape, batch.pixels, c.train.dtype)?;
+                let x = self
+                    .device
+                    .input(shape, batch.pixels, c.train.activations())?;
                 vec![(g.input, x)]
             } else {
                 // Micro-batches follow one another between two ranks under one tag (training's
@@ -672,7 +687,7 @@ impl<'a> Rank<'a> {
 
     /// Sums each stage's gradients over its copies, commits BN statistics in reference order,
     /// and steps the optimizer.
-    fn synchronize(&mut self, step: usize) -> Result<()> {
+    fn synchronize(&mut self, step: usize, report: &mut RankReport) -> Result<()> {
         let mut stages: Vec<usize> = self.copies.iter().map(|c| c.stage).collect();
         stages.sort_unstable();
         stages.dedup();
@@ -724,8 +739,27 @@ impl<'a> Rank<'a> {
         }
         let start = Instant::now();
         let lr = self.c.train.schedule.lr(step);
+        let unscale = 1.0 / self.loss_scale.as_ref().map_or(1.0, LossScale::factor);
+        let apply = match self.loss_scale.is_some() {
+            // Every rank skips together: an overflow anywhere is an overflow of the step.
+            true => {
+                let mut here = false;
+                for copy in &self.copies {
+                    here |= LossScale::overflowed(&copy.params, &self.device)?;
+                }
+                let anywhere = self.comm.sum_f64(vec![here as u8 as f64])?[0] > 0.0;
+                let scale = self.loss_scale.as_mut().expect("scaling");
+                if !scale.update(anywhere) {
+                    report.skipped_steps += 1;
+                }
+                !anywhere
+            }
+            false => true,
+        };
         for copy in &mut self.copies {
-            copy.sgd.step(&mut copy.params, &self.device, lr)?;
+            if apply {
+                copy.sgd.step(&mut copy.params, &self.device, lr, unscale)?;
+            }
             copy.params.zero_grads(&self.device)?;
         }
         self.device.backend().synchronize()?;
@@ -831,7 +865,7 @@ impl<'a> Rank<'a> {
                 end,
             });
         }
-        self.synchronize(step)
+        self.synchronize(step, report)
     }
 }
 
@@ -865,6 +899,7 @@ pub fn run_rank(c: &RunConfig, layout: &Layout, comm: &dyn Comm) -> Result<RankR
         timeline: vec![],
         params: vec![],
         validation: vec![],
+        skipped_steps: 0,
     };
     let steps = c.train.steps;
     for step in 0..steps {
@@ -922,6 +957,7 @@ pub fn gather_reports(comm: &dyn Comm, mine: RankReport) -> Result<Option<Vec<Ra
         v.extend(r.correct.iter().flat_map(|&(c, n)| [c as f64, n as f64]));
         v
     };
+    let skipped_steps = mine.skipped_steps;
     let decode = |v: &[f64]| -> RankReport {
         let bytes = |s: &[f64]| crate::memory::ByCategory(std::array::from_fn(|i| s[i] as u64));
         let steps = v[19] as usize;
@@ -948,6 +984,8 @@ pub fn gather_reports(comm: &dyn Comm, mine: RankReport) -> Result<Option<Vec<Ra
             timeline: vec![],
             params: vec![],
             validation: vec![],
+            // Every rank skips the same steps.
+            skipped_steps,
         }
     };
     if comm.rank() != 0 {

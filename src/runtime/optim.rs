@@ -1,4 +1,5 @@
-//! SGD with momentum, weight decay and Nesterov, as PyTorch defines it.
+//! SGD with momentum, weight decay and Nesterov, as PyTorch defines it, and the dynamic loss
+//! scale that fp16 training steps it with.
 
 use crate::backend::{Device, SgdStep};
 use crate::graph::Params;
@@ -51,13 +52,21 @@ impl Sgd {
         Ok(())
     }
 
-    /// Updates every trainable parameter from its gradient with learning rate `lr`.
-    pub fn step(&mut self, params: &mut Params, device: &Device, lr: f64) -> Result<()> {
+    /// Updates every trainable parameter from its gradient times `grad_scale` (1 / the loss
+    /// scale the gradients carry) with learning rate `lr`.
+    pub fn step(
+        &mut self,
+        params: &mut Params,
+        device: &Device,
+        lr: f64,
+        grad_scale: f64,
+    ) -> Result<()> {
         let step = SgdStep {
             lr,
             momentum: self.config.momentum,
             weight_decay: self.config.weight_decay,
             nesterov: self.config.nesterov,
+            grad_scale,
         };
         for ((w, g), buf) in params
             .values
@@ -75,5 +84,103 @@ impl Sgd {
             }
         }
         Ok(())
+    }
+}
+
+/// Dynamic loss scaling, as PyTorch's `GradScaler`: the loss gradient is multiplied by the
+/// scale so that small gradients stay representable in f16; the optimizer divides it out. A
+/// step whose gradients hold an infinity or NaN (the scale was too large) is skipped and the
+/// scale halved; after [`LossScale::GROWTH_INTERVAL`] clean steps in a row it doubles. Powers
+/// of two, so scaling and unscaling are exact.
+#[derive(Clone, Debug, PartialEq)]
+pub struct LossScale {
+    scale: f64,
+    /// Clean steps since the scale last changed.
+    clean: usize,
+    /// Steps skipped so far.
+    skipped: usize,
+}
+
+impl LossScale {
+    /// PyTorch's default first scale, 2^16.
+    pub const INITIAL: f64 = 65536.0;
+    pub const GROWTH_INTERVAL: usize = 2000;
+
+    /// A scale starting at `initial` (rounded down to a power of two, at least 1).
+    pub fn new(initial: f64) -> LossScale {
+        LossScale {
+            scale: 2f64.powi(initial.max(1.0).log2().floor() as i32),
+            clean: 0,
+            skipped: 0,
+        }
+    }
+
+    /// What the loss gradient is multiplied by this step.
+    pub fn factor(&self) -> f64 {
+        self.scale
+    }
+
+    pub fn skipped(&self) -> usize {
+        self.skipped
+    }
+
+    /// Records whether this step's gradients overflowed; returns whether to apply the step.
+    pub fn update(&mut self, overflowed: bool) -> bool {
+        if overflowed {
+            self.scale = (self.scale / 2.0).max(1.0);
+            self.clean = 0;
+            self.skipped += 1;
+            return false;
+        }
+        self.clean += 1;
+        if self.clean == Self::GROWTH_INTERVAL {
+            self.scale *= 2.0;
+            self.clean = 0;
+        }
+        true
+    }
+
+    /// Whether any gradient in `params` holds an infinity or NaN.
+    pub fn overflowed(params: &Params, device: &Device) -> Result<bool> {
+        for g in params.grads.iter().flatten() {
+            if !device.backend().all_finite(g.storage())? {
+                return Ok(true);
+            }
+        }
+        Ok(false)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::LossScale;
+
+    #[test]
+    fn loss_scale_halves_on_overflow_and_doubles_after_clean_steps() {
+        assert_eq!(LossScale::new(100.0).factor(), 64.0);
+        assert_eq!(LossScale::new(0.0).factor(), 1.0);
+        let mut s = LossScale::new(LossScale::INITIAL);
+        assert!(!s.update(true));
+        assert_eq!((s.factor(), s.skipped()), (LossScale::INITIAL / 2.0, 1));
+        for _ in 0..LossScale::GROWTH_INTERVAL - 1 {
+            assert!(s.update(false));
+        }
+        assert_eq!(s.factor(), LossScale::INITIAL / 2.0);
+        assert!(s.update(false));
+        assert_eq!(s.factor(), LossScale::INITIAL);
+        // An overflow resets the count of clean steps.
+        for _ in 0..10 {
+            s.update(false);
+        }
+        s.update(true);
+        for _ in 0..LossScale::GROWTH_INTERVAL - 1 {
+            s.update(false);
+        }
+        assert_eq!(s.factor(), LossScale::INITIAL / 2.0);
+        // The scale never falls below 1.
+        for _ in 0..40 {
+            s.update(true);
+        }
+        assert_eq!((s.factor(), s.skipped()), (1.0, 42));
     }
 }

@@ -10,12 +10,18 @@ use crate::backend::cuda;
 use crate::memory::host::HostBuffer;
 use crate::memory::Lease;
 
-/// Element type of a tensor.
+#[cfg(target_endian = "big")]
+compile_error!("gems stores tensors as little-endian bytes: big-endian hosts are not supported");
+
+/// Element type of a tensor. The 16-bit types hold activations under mixed precision; their
+/// arithmetic is f32 ([`DType::compute`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum DType {
     F32,
     F64,
+    BF16,
+    F16,
 }
 
 impl DType {
@@ -23,12 +29,30 @@ impl DType {
         match self {
             DType::F32 => 4,
             DType::F64 => 8,
+            DType::BF16 | DType::F16 => 2,
         }
     }
     pub fn name(self) -> &'static str {
         match self {
             DType::F32 => "f32",
             DType::F64 => "f64",
+            DType::BF16 => "bf16",
+            DType::F16 => "f16",
+        }
+    }
+    /// The type values of this type are computed and accumulated in (and workspace holds).
+    pub fn compute(self) -> DType {
+        match self {
+            DType::F64 => DType::F64,
+            _ => DType::F32,
+        }
+    }
+    /// `x` rounded to this type (to nearest, ties to even), as f32 arithmetic sees it.
+    pub fn round(self, x: f32) -> f32 {
+        match self {
+            DType::BF16 => half::bf16::from_f32(x).to_f32(),
+            DType::F16 => half::f16::from_f32(x).to_f32(),
+            DType::F32 | DType::F64 => x,
         }
     }
 }
@@ -39,8 +63,76 @@ impl std::str::FromStr for DType {
         match s {
             "f32" => Ok(DType::F32),
             "f64" => Ok(DType::F64),
-            _ => Err(format!("unknown dtype '{s}' (f32, f64)")),
+            "bf16" => Ok(DType::BF16),
+            "f16" => Ok(DType::F16),
+            _ => Err(format!("unknown dtype '{s}' (f32, f64, bf16, f16)")),
         }
+    }
+}
+
+/// The numerics of a run: what activations are stored in and how products are computed.
+/// Parameters, their gradients, optimizer state and batch statistics keep the run's dtype
+/// (master weights); arithmetic and accumulation are never narrower than f32.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
+pub enum Precision {
+    /// Activations in the run's dtype; f32 multiply-adds on a GPU's CUDA cores.
+    #[default]
+    Fp32,
+    /// As fp32, but a GPU's convolution and matrix products run on the tensor cores with
+    /// 10-bit mantissas (sm_80+); the CPU computes fp32.
+    Tf32,
+    /// Activations in bf16; convolution operands rounded to bf16 (tensor cores on a GPU).
+    Bf16,
+    /// Activations in f16, as bf16, with dynamic loss scaling against f16's narrow range.
+    Fp16,
+}
+
+impl Precision {
+    /// The dtype activations and their gradients are stored in, for parameters in `params`.
+    pub fn activations(self, params: DType) -> DType {
+        match self {
+            Precision::Fp32 | Precision::Tf32 => params,
+            Precision::Bf16 => DType::BF16,
+            Precision::Fp16 => DType::F16,
+        }
+    }
+    /// Whether gradients need a dynamic loss scale to stay inside the activation type.
+    pub fn scales_loss(self) -> bool {
+        self == Precision::Fp16
+    }
+    /// Refuses a combination that means nothing: anything but fp32 for f64 runs.
+    pub fn check(self, params: DType) -> Result<(), String> {
+        if params != DType::F32 && self != Precision::Fp32 {
+            return Err(format!(
+                "--precision {self} needs f32 parameters (the run is {}); f64 runs compute in f64",
+                params.name()
+            ));
+        }
+        Ok(())
+    }
+}
+
+impl std::str::FromStr for Precision {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "fp32" => Ok(Precision::Fp32),
+            "tf32" => Ok(Precision::Tf32),
+            "bf16" => Ok(Precision::Bf16),
+            "fp16" => Ok(Precision::Fp16),
+            _ => Err(format!("unknown precision '{s}' (fp32, tf32, bf16, fp16)")),
+        }
+    }
+}
+
+impl std::fmt::Display for Precision {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Precision::Fp32 => "fp32",
+            Precision::Tf32 => "tf32",
+            Precision::Bf16 => "bf16",
+            Precision::Fp16 => "fp16",
+        })
     }
 }
 
@@ -89,11 +181,15 @@ impl fmt::Debug for Shape {
 pub enum Storage {
     F32(Vec<f32>),
     F64(Vec<f64>),
+    BF16(Vec<half::bf16>),
+    F16(Vec<half::f16>),
     /// Elements that are counted but never stored: the metering backend's, which replays a
     /// run's allocations to predict its memory exactly.
     Virtual(DType, usize),
     /// f32 elements in a CUDA device's memory, ordered on the stream the slice belongs to.
     CudaF32(CudaSlice<f32>),
+    /// bf16 or f16 elements (as their bits) in a CUDA device's memory.
+    Cuda16(DType, CudaSlice<u16>),
     /// Elements in a pooled host block (the host tier's pinned buffers).
     Host(HostBuffer),
 }
@@ -103,8 +199,11 @@ impl Storage {
         match self {
             Storage::F32(_) => DType::F32,
             Storage::F64(_) => DType::F64,
+            Storage::BF16(_) => DType::BF16,
+            Storage::F16(_) => DType::F16,
             Storage::Virtual(d, _) => *d,
             Storage::CudaF32(_) => DType::F32,
+            Storage::Cuda16(d, _) => *d,
             Storage::Host(h) => h.dtype,
         }
     }
@@ -112,8 +211,11 @@ impl Storage {
         match self {
             Storage::F32(v) => v.len(),
             Storage::F64(v) => v.len(),
+            Storage::BF16(v) => v.len(),
+            Storage::F16(v) => v.len(),
             Storage::Virtual(_, n) => *n,
             Storage::CudaF32(s) => s.len(),
+            Storage::Cuda16(_, s) => s.len(),
             Storage::Host(h) => h.numel,
         }
     }
@@ -125,8 +227,11 @@ impl Storage {
         Ok(match self {
             Storage::F32(v) => Storage::F32(v.clone()),
             Storage::F64(v) => Storage::F64(v.clone()),
+            Storage::BF16(v) => Storage::BF16(v.clone()),
+            Storage::F16(v) => Storage::F16(v.clone()),
             Storage::Virtual(d, n) => Storage::Virtual(*d, *n),
             Storage::CudaF32(s) => Storage::CudaF32(cuda::duplicate(s)?),
+            Storage::Cuda16(d, s) => Storage::Cuda16(*d, cuda::duplicate(s)?),
             Storage::Host(h) => h.to_storage()?,
         })
     }
@@ -135,6 +240,8 @@ impl Storage {
         match self {
             Storage::F32(v) => Ok(bytemuck::cast_slice(v)),
             Storage::F64(v) => Ok(bytemuck::cast_slice(v)),
+            Storage::BF16(v) => Ok(bytemuck::cast_slice(v)),
+            Storage::F16(v) => Ok(bytemuck::cast_slice(v)),
             Storage::Host(h) => h.bytes(),
             _ => Err(not_in_host_memory(self)),
         }
@@ -143,47 +250,68 @@ impl Storage {
         match self {
             Storage::F32(v) => Ok(bytemuck::cast_slice_mut(v)),
             Storage::F64(v) => Ok(bytemuck::cast_slice_mut(v)),
+            Storage::BF16(v) => Ok(bytemuck::cast_slice_mut(v)),
+            Storage::F16(v) => Ok(bytemuck::cast_slice_mut(v)),
             Storage::Host(h) => h.bytes_mut(),
             _ => Err(not_in_host_memory(self)),
         }
     }
     /// The elements as f64, copied to the host.
     pub fn to_f64_vec(&self) -> crate::Result<Vec<f64>> {
-        let widen = |v: &[f32]| v.iter().map(|&x| x as f64).collect();
         Ok(match self {
-            Storage::F32(v) => widen(v),
             Storage::F64(v) => v.clone(),
             Storage::Virtual(_, n) => vec![0.0; *n],
-            Storage::CudaF32(s) => widen(&cuda::download(s)?),
             Storage::Host(h) => h.to_storage()?.to_f64_vec()?,
+            device => device
+                .to_host()?
+                .widened()
+                .iter()
+                .map(|&x| x as f64)
+                .collect(),
         })
+    }
+    /// The elements in host memory: a copy of device storage, else `self` duplicated.
+    pub fn to_host(&self) -> crate::Result<Storage> {
+        Ok(match self {
+            Storage::CudaF32(s) => Storage::F32(cuda::download(s)?),
+            Storage::Cuda16(d, s) => {
+                Storage::from_le_bytes(bytemuck::cast_slice(&cuda::download(s)?), *d)
+            }
+            Storage::Host(h) => h.to_storage()?,
+            host => host.try_clone()?,
+        })
+    }
+    /// Host f32, bf16 or f16 elements as f32 (exact); empty for other storage.
+    fn widened(&self) -> Vec<f32> {
+        match self {
+            Storage::F32(v) => v.clone(),
+            Storage::BF16(v) => v.iter().map(|x| x.to_f32()).collect(),
+            Storage::F16(v) => v.iter().map(|x| x.to_f32()).collect(),
+            _ => Vec::new(),
+        }
     }
     /// The elements as little-endian bytes (files and the wire).
     pub fn to_le_bytes(&self) -> crate::Result<Vec<u8>> {
-        let f32_bytes = |v: &[f32]| v.iter().flat_map(|x| x.to_le_bytes()).collect();
         Ok(match self {
-            Storage::F32(v) => f32_bytes(v),
-            Storage::F64(v) => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
             Storage::Virtual(d, n) => vec![0; d.size() * n],
-            Storage::CudaF32(s) => f32_bytes(&cuda::download(s)?),
-            Storage::Host(h) => h.bytes()?.to_vec(),
+            Storage::F32(_) | Storage::F64(_) | Storage::BF16(_) | Storage::F16(_) => {
+                // Little-endian hosts only (x86-64, aarch64): the bytes are the elements.
+                self.host_bytes()?.to_vec()
+            }
+            device => device.to_host()?.host_bytes()?.to_vec(),
         })
     }
     /// Elements of `dtype` from little-endian bytes (a trailing partial element is ignored).
     pub fn from_le_bytes(bytes: &[u8], dtype: DType) -> Storage {
+        fn elements<T: bytemuck::Pod>(bytes: &[u8]) -> Vec<T> {
+            let whole = bytes.len() / std::mem::size_of::<T>() * std::mem::size_of::<T>();
+            bytemuck::pod_collect_to_vec(&bytes[..whole])
+        }
         match dtype {
-            DType::F32 => Storage::F32(
-                bytes
-                    .chunks_exact(4)
-                    .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-                    .collect(),
-            ),
-            DType::F64 => Storage::F64(
-                bytes
-                    .chunks_exact(8)
-                    .map(|c| f64::from_le_bytes(c.try_into().expect("8 bytes")))
-                    .collect(),
-            ),
+            DType::F32 => Storage::F32(elements(bytes)),
+            DType::F64 => Storage::F64(elements(bytes)),
+            DType::BF16 => Storage::BF16(elements(bytes)),
+            DType::F16 => Storage::F16(elements(bytes)),
         }
     }
 }

@@ -54,10 +54,8 @@ fn run(
         let (l, probs) = loss::softmax_cross_entropy(d, &y, labels).unwrap();
         total += o.weight * l;
         if backward {
-            seeds.push((
-                o.value,
-                loss::softmax_cross_entropy_backward(d, &probs, labels, o.weight).unwrap(),
-            ));
+            let dy = loss::softmax_cross_entropy_backward(d, &probs, labels, o.weight, y.dtype());
+            seeds.push((o.value, dy.unwrap()));
         }
     }
     if backward {

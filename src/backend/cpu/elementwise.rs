@@ -141,15 +141,16 @@ pub fn softmax_cross_entropy_backward<T: Float>(
     }
 }
 
-/// PyTorch's SGD: g = grad + wd·w; buf = momentum·buf + g; step along buf (or g + momentum·buf
-/// with Nesterov). A zero buffer makes the first step buf = g, as in PyTorch.
+/// PyTorch's SGD: g = grad_scale·grad + wd·w; buf = momentum·buf + g; step along buf (or
+/// g + momentum·buf with Nesterov). A zero buffer makes the first step buf = g, as in PyTorch.
 pub fn sgd<T: Float>(w: &mut [T], grad: &[T], buf: &mut [T], s: &SgdStep) {
     let (lr, mom, wd) = (T::of(s.lr), T::of(s.momentum), T::of(s.weight_decay));
+    let unscale = T::of(s.grad_scale);
     w.par_iter_mut()
         .with_min_len(PAR_MIN)
         .zip(grad.par_iter().zip(buf.par_iter_mut()))
         .for_each(|(w, (&g, b))| {
-            let g = g + wd * *w;
+            let g = unscale * g + wd * *w;
             *b = mom * *b + g;
             let step = if s.nesterov { g + mom * *b } else { *b };
             *w -= lr * step;

@@ -1,5 +1,5 @@
-//! The reference backend: f32 and f64 on the host, convolutions through im2col and the `gemm`
-//! crate, parallel with rayon. Every kernel is deterministic: the same inputs give the same
+//! The reference backend: f32 and f64 on the host (bf16 and f16 computed in f32, see
+//! [`wide`]), convolutions through im2col and the `gemm` crate, parallel with rayon. Every kernel is deterministic: the same inputs give the same
 //! bits on the same machine.
 
 mod conv;
@@ -7,6 +7,7 @@ mod elementwise;
 pub use elementwise::{splitmix64, uniform};
 mod norm;
 mod pool;
+mod wide;
 
 use rayon::prelude::*;
 
@@ -70,17 +71,31 @@ fn dtype_mismatch(want: &str, got: DType) -> Error {
     ))
 }
 
-/// Runs `$body` with `$T` bound to the Rust type of `$dtype`.
-macro_rules! with_float {
-    ($dtype:expr, $T:ident => $body:expr) => {
+/// Runs `$body` with `$T` bound to the compute type of `$dtype` (f64 for f64, else f32) and
+/// each storage named in `[inputs]` / `[outputs]` rebound to a slice of `$T`. bf16 and f16
+/// storages are widened to f32 for the body and the outputs rounded back after it.
+macro_rules! compute {
+    ($dtype:expr, $T:ident, [$($i:ident),*], [$($o:ident),*] => $body:expr) => {
         match $dtype {
-            DType::F32 => {
-                type $T = f32;
+            DType::F64 => {
+                #[allow(dead_code)]
+                type $T = f64;
+                $(let $i = <$T as Float>::view($i)?;)*
+                $(let $o = <$T as Float>::view_mut($o)?;)*
                 $body
             }
-            DType::F64 => {
-                type $T = f64;
-                $body
+            _ => {
+                #[allow(dead_code)]
+                type $T = f32;
+                $(let $i = wide::wide($i)?; let $i: &[f32] = &$i;)*
+                $(let mut $o = wide::WideMut::new($o)?;)*
+                #[allow(clippy::let_unit_value)]
+                let result = {
+                    $(let $o = $o.slice();)*
+                    $body
+                };
+                $($o.finish()?;)*
+                result
             }
         }
     };
@@ -256,6 +271,8 @@ impl Backend for Cpu {
         Ok(match dtype {
             DType::F32 => Storage::F32(vec![0.0; numel]),
             DType::F64 => Storage::F64(vec![0.0; numel]),
+            DType::BF16 => Storage::BF16(vec![half::bf16::ZERO; numel]),
+            DType::F16 => Storage::F16(vec![half::f16::ZERO; numel]),
         })
     }
 
@@ -263,12 +280,14 @@ impl Backend for Cpu {
         Ok(match dtype {
             DType::F32 => Storage::F32(data.iter().map(|&x| x as f32).collect()),
             DType::F64 => Storage::F64(data.to_vec()),
+            DType::BF16 => Storage::BF16(data.iter().map(|&x| half::bf16::from_f64(x)).collect()),
+            DType::F16 => Storage::F16(data.iter().map(|&x| half::f16::from_f64(x)).collect()),
         })
     }
 
     fn adopt(&self, s: Storage) -> Result<Storage> {
         match s {
-            Storage::CudaF32(v) => Ok(Storage::F32(crate::backend::cuda::download(&v)?)),
+            device @ (Storage::CudaF32(_) | Storage::Cuda16(..)) => device.to_host(),
             host => Ok(host),
         }
     }
@@ -305,8 +324,10 @@ impl Backend for Cpu {
     }
 
     fn copy(&self, src: &Storage, dst: &mut Storage) -> Result<()> {
-        with_float!(src.dtype(), T => T::view_mut(dst)?.copy_from_slice(T::view(src)?));
-        Ok(())
+        if src.dtype() != dst.dtype() {
+            return Err(dtype_mismatch(src.dtype().name(), dst.dtype()));
+        }
+        copy_bytes(src.host_bytes()?, dst.host_bytes_mut()?)
     }
 
     fn conv2d_workspace(&self, g: &ConvGeom) -> usize {
@@ -321,7 +342,9 @@ impl Backend for Cpu {
         ws: &mut Storage,
         g: &ConvGeom,
     ) -> Result<()> {
-        with_float!(x.dtype(), T => conv::forward::<T>(T::view(x)?, T::view(w)?, T::view_mut(y)?, T::view_mut(ws)?, g));
+        let rounded = wide::rounded_operand(w, x.dtype());
+        let w = rounded.as_ref().unwrap_or(w);
+        compute!(x.dtype(), T, [x, w], [y, ws] => conv::forward::<T>(x, w, y, ws, g));
         Ok(())
     }
 
@@ -333,7 +356,9 @@ impl Backend for Cpu {
         ws: &mut Storage,
         g: &ConvGeom,
     ) -> Result<()> {
-        with_float!(dy.dtype(), T => conv::backward_data::<T>(T::view(dy)?, T::view(w)?, T::view_mut(dx)?, T::view_mut(ws)?, g));
+        let rounded = wide::rounded_operand(w, dy.dtype());
+        let w = rounded.as_ref().unwrap_or(w);
+        compute!(dy.dtype(), T, [dy, w], [dx, ws] => conv::backward_data::<T>(dy, w, dx, ws, g));
         Ok(())
     }
 
@@ -345,17 +370,17 @@ impl Backend for Cpu {
         ws: &mut Storage,
         g: &ConvGeom,
     ) -> Result<()> {
-        with_float!(x.dtype(), T => conv::backward_filter::<T>(T::view(x)?, T::view(dy)?, T::view_mut(dw)?, T::view_mut(ws)?, g));
+        compute!(x.dtype(), T, [x, dy], [dw, ws] => conv::backward_filter::<T>(x, dy, dw, ws, g));
         Ok(())
     }
 
     fn add_channel_bias(&self, y: &mut Storage, bias: &Storage, g: &ChannelGeom) -> Result<()> {
-        with_float!(y.dtype(), T => elementwise::add_channel_bias::<T>(T::view_mut(y)?, T::view(bias)?, g));
+        compute!(y.dtype(), T, [bias], [y] => elementwise::add_channel_bias::<T>(y, bias, g));
         Ok(())
     }
 
     fn channel_sum(&self, dy: &Storage, db: &mut Storage, g: &ChannelGeom) -> Result<()> {
-        with_float!(dy.dtype(), T => elementwise::channel_sum::<T>(T::view(dy)?, T::view_mut(db)?, g));
+        compute!(dy.dtype(), T, [dy], [db] => elementwise::channel_sum::<T>(dy, db, g));
         Ok(())
     }
 
@@ -370,7 +395,7 @@ impl Backend for Cpu {
         eps: f64,
         g: &ChannelGeom,
     ) -> Result<()> {
-        with_float!(x.dtype(), T => norm::forward_train::<T>(T::view(x)?, T::view(gamma)?, T::view(beta)?, T::view_mut(y)?, T::view_mut(mean)?, T::view_mut(var)?, eps, g));
+        compute!(x.dtype(), T, [x, gamma, beta], [y, mean, var] => norm::forward_train::<T>(x, gamma, beta, y, mean, var, eps, g));
         Ok(())
     }
 
@@ -385,7 +410,7 @@ impl Backend for Cpu {
         eps: f64,
         g: &ChannelGeom,
     ) -> Result<()> {
-        with_float!(x.dtype(), T => norm::forward_eval::<T>(T::view(x)?, T::view(gamma)?, T::view(beta)?, T::view(mean)?, T::view(var)?, T::view_mut(y)?, eps, g));
+        compute!(x.dtype(), T, [x, gamma, beta, mean, var], [y] => norm::forward_eval::<T>(x, gamma, beta, mean, var, y, eps, g));
         Ok(())
     }
 
@@ -402,7 +427,7 @@ impl Backend for Cpu {
         eps: f64,
         g: &ChannelGeom,
     ) -> Result<()> {
-        with_float!(x.dtype(), T => norm::backward::<T>(T::view(x)?, T::view(dy)?, None, T::view(gamma)?, T::view(mean)?, T::view(var)?, T::view_mut(dx)?, T::view_mut(dgamma)?, T::view_mut(dbeta)?, eps, g));
+        compute!(x.dtype(), T, [x, dy, gamma, mean, var], [dx, dgamma, dbeta] => norm::backward::<T>(x, dy, None, gamma, mean, var, dx, dgamma, dbeta, eps, g));
         Ok(())
     }
 
@@ -417,9 +442,9 @@ impl Backend for Cpu {
         eps: f64,
         g: &ChannelGeom,
     ) -> Result<()> {
-        with_float!(x.dtype(), T => {
-            let out = T::view_mut(y)?;
-            norm::forward_train::<T>(T::view(x)?, T::view(gamma)?, T::view(beta)?, out, T::view_mut(mean)?, T::view_mut(var)?, eps, g);
+        compute!(x.dtype(), T, [x, gamma, beta], [y, mean, var] => {
+            let out = y;
+            norm::forward_train::<T>(x, gamma, beta, out, mean, var, eps, g);
             out.par_iter_mut().for_each(|v| *v = v.max(T::of(0.0)));
         });
         Ok(())
@@ -439,7 +464,7 @@ impl Backend for Cpu {
         eps: f64,
         g: &ChannelGeom,
     ) -> Result<()> {
-        with_float!(x.dtype(), T => norm::backward::<T>(T::view(x)?, T::view(dy)?, Some(T::view(y)?), T::view(gamma)?, T::view(mean)?, T::view(var)?, T::view_mut(dx)?, T::view_mut(dgamma)?, T::view_mut(dbeta)?, eps, g));
+        compute!(x.dtype(), T, [x, dy, y, gamma, mean, var], [dx, dgamma, dbeta] => norm::backward::<T>(x, dy, Some(y), gamma, mean, var, dx, dgamma, dbeta, eps, g));
         Ok(())
     }
 
@@ -452,42 +477,42 @@ impl Backend for Cpu {
         momentum: f64,
         count: usize,
     ) -> Result<()> {
-        with_float!(mean.dtype(), T => norm::update_running::<T>(T::view_mut(running_mean)?, T::view_mut(running_var)?, T::view(mean)?, T::view(var)?, momentum, count));
+        compute!(mean.dtype(), T, [mean, var], [running_mean, running_var] => norm::update_running::<T>(running_mean, running_var, mean, var, momentum, count));
         Ok(())
     }
 
     fn relu_forward(&self, x: &Storage, y: &mut Storage) -> Result<()> {
-        with_float!(x.dtype(), T => elementwise::relu::<T>(T::view(x)?, T::view_mut(y)?));
+        compute!(x.dtype(), T, [x], [y] => elementwise::relu::<T>(x, y));
         Ok(())
     }
 
     fn relu_backward(&self, y: &Storage, dy: &Storage, dx: &mut Storage) -> Result<()> {
-        with_float!(y.dtype(), T => elementwise::relu_backward::<T>(T::view(y)?, T::view(dy)?, T::view_mut(dx)?));
+        compute!(y.dtype(), T, [y, dy], [dx] => elementwise::relu_backward::<T>(y, dy, dx));
         Ok(())
     }
 
     fn add(&self, a: &Storage, b: &Storage, y: &mut Storage) -> Result<()> {
-        with_float!(a.dtype(), T => elementwise::zip(T::view(a)?, T::view(b)?, T::view_mut(y)?, |a, b| a + b));
+        compute!(a.dtype(), T, [a, b], [y] => elementwise::zip(a, b, y, |a, b| a + b));
         Ok(())
     }
 
     fn add_assign(&self, y: &mut Storage, x: &Storage) -> Result<()> {
-        with_float!(x.dtype(), T => elementwise::add_assign::<T>(T::view_mut(y)?, T::view(x)?));
+        compute!(x.dtype(), T, [x], [y] => elementwise::add_assign::<T>(y, x));
         Ok(())
     }
 
     fn mul(&self, x: &Storage, mask: &Storage, y: &mut Storage) -> Result<()> {
-        with_float!(x.dtype(), T => elementwise::zip(T::view(x)?, T::view(mask)?, T::view_mut(y)?, |a, b| a * b));
+        compute!(x.dtype(), T, [x, mask], [y] => elementwise::zip(x, mask, y, |a, b| a * b));
         Ok(())
     }
 
     fn dropout_mask(&self, mask: &mut Storage, p: f64, seed: u64) -> Result<()> {
-        with_float!(mask.dtype(), T => elementwise::dropout_mask::<T>(T::view_mut(mask)?, p, seed));
+        compute!(mask.dtype(), T, [], [mask] => elementwise::dropout_mask::<T>(mask, p, seed));
         Ok(())
     }
 
     fn max_pool_forward(&self, x: &Storage, y: &mut Storage, g: &PoolGeom) -> Result<()> {
-        with_float!(x.dtype(), T => pool::max_forward::<T>(T::view(x)?, T::view_mut(y)?, g));
+        compute!(x.dtype(), T, [x], [y] => pool::max_forward::<T>(x, y, g));
         Ok(())
     }
 
@@ -498,22 +523,22 @@ impl Backend for Cpu {
         dx: &mut Storage,
         g: &PoolGeom,
     ) -> Result<()> {
-        with_float!(x.dtype(), T => pool::max_backward::<T>(T::view(x)?, T::view(dy)?, T::view_mut(dx)?, g));
+        compute!(x.dtype(), T, [x, dy], [dx] => pool::max_backward::<T>(x, dy, dx, g));
         Ok(())
     }
 
     fn avg_pool_forward(&self, x: &Storage, y: &mut Storage, g: &PoolGeom) -> Result<()> {
-        with_float!(x.dtype(), T => pool::avg_forward::<T>(T::view(x)?, T::view_mut(y)?, g));
+        compute!(x.dtype(), T, [x], [y] => pool::avg_forward::<T>(x, y, g));
         Ok(())
     }
 
     fn avg_pool_backward(&self, dy: &Storage, dx: &mut Storage, g: &PoolGeom) -> Result<()> {
-        with_float!(dy.dtype(), T => pool::avg_backward::<T>(T::view(dy)?, T::view_mut(dx)?, g));
+        compute!(dy.dtype(), T, [dy], [dx] => pool::avg_backward::<T>(dy, dx, g));
         Ok(())
     }
 
     fn adaptive_avg_pool_forward(&self, x: &Storage, y: &mut Storage, g: &PoolGeom) -> Result<()> {
-        with_float!(x.dtype(), T => pool::adaptive_avg_forward::<T>(T::view(x)?, T::view_mut(y)?, g));
+        compute!(x.dtype(), T, [x], [y] => pool::adaptive_avg_forward::<T>(x, y, g));
         Ok(())
     }
 
@@ -523,7 +548,7 @@ impl Backend for Cpu {
         dx: &mut Storage,
         g: &PoolGeom,
     ) -> Result<()> {
-        with_float!(dy.dtype(), T => pool::adaptive_avg_backward::<T>(T::view(dy)?, T::view_mut(dx)?, g));
+        compute!(dy.dtype(), T, [dy], [dx] => pool::adaptive_avg_backward::<T>(dy, dx, g));
         Ok(())
     }
 
@@ -536,7 +561,7 @@ impl Backend for Cpu {
         d_in: usize,
         d_out: usize,
     ) -> Result<()> {
-        with_float!(x.dtype(), T => gemm::<T>(n, d_out, d_in, T::view_mut(y)?, d_out, View::rows(T::view(x)?, d_in), View::rows(T::view(w)?, d_in).t(), false, true));
+        compute!(x.dtype(), T, [x, w], [y] => gemm::<T>(n, d_out, d_in, y, d_out, View::rows(x, d_in), View::rows(w, d_in).t(), false, true));
         Ok(())
     }
 
@@ -551,13 +576,10 @@ impl Backend for Cpu {
         d_in: usize,
         d_out: usize,
     ) -> Result<()> {
-        with_float!(x.dtype(), T => {
-            let dyv = T::view(dy)?;
-            if let Some(dx) = dx {
-                gemm::<T>(n, d_in, d_out, T::view_mut(dx)?, d_in, View::rows(dyv, d_out), View::rows(T::view(w)?, d_in), false, true);
-            }
-            gemm::<T>(d_out, d_in, n, T::view_mut(dw)?, d_in, View::rows(dyv, d_out).t(), View::rows(T::view(x)?, d_in), true, true);
-        });
+        if let Some(dx) = dx {
+            compute!(x.dtype(), T, [dy, w], [dx] => gemm::<T>(n, d_in, d_out, dx, d_in, View::rows(dy, d_out), View::rows(w, d_in), false, true));
+        }
+        compute!(x.dtype(), T, [x, dy], [dw] => gemm::<T>(d_out, d_in, n, dw, d_in, View::rows(dy, d_out).t(), View::rows(x, d_in), true, true));
         Ok(())
     }
 
@@ -572,7 +594,7 @@ impl Backend for Cpu {
         n: usize,
         hw: usize,
     ) -> Result<()> {
-        with_float!(src.dtype(), T => elementwise::copy_channels::<T>(T::view(src)?, T::view_mut(dst)?, src_c, dst_c, count, n, hw));
+        compute!(src.dtype(), T, [src], [dst] => elementwise::copy_channels::<T>(src, dst, src_c, dst_c, count, n, hw));
         Ok(())
     }
 
@@ -584,7 +606,7 @@ impl Backend for Cpu {
         n: usize,
         k: usize,
     ) -> Result<f64> {
-        with_float!(logits.dtype(), T => Ok(elementwise::softmax_cross_entropy::<T>(T::view(logits)?, labels, T::view_mut(probs)?, n, k)))
+        compute!(logits.dtype(), T, [logits], [probs] => Ok(elementwise::softmax_cross_entropy::<T>(logits, labels, probs, n, k)))
     }
 
     fn softmax_cross_entropy_backward(
@@ -596,7 +618,7 @@ impl Backend for Cpu {
         n: usize,
         k: usize,
     ) -> Result<()> {
-        with_float!(probs.dtype(), T => elementwise::softmax_cross_entropy_backward::<T>(T::view(probs)?, labels, T::view_mut(dlogits)?, scale, n, k));
+        compute!(probs.dtype(), T, [probs], [dlogits] => elementwise::softmax_cross_entropy_backward::<T>(probs, labels, dlogits, scale, n, k));
         Ok(())
     }
 
@@ -607,12 +629,16 @@ impl Backend for Cpu {
         momentum_buf: &mut Storage,
         step: &SgdStep,
     ) -> Result<()> {
-        with_float!(grad.dtype(), T => elementwise::sgd::<T>(T::view_mut(w)?, T::view(grad)?, T::view_mut(momentum_buf)?, step));
+        compute!(grad.dtype(), T, [grad], [w, momentum_buf] => elementwise::sgd::<T>(w, grad, momentum_buf, step));
         Ok(())
     }
 
     fn fill(&self, s: &mut Storage, value: f64) -> Result<()> {
-        with_float!(s.dtype(), T => T::view_mut(s)?.par_iter_mut().for_each(|v| *v = T::of(value)));
+        compute!(s.dtype(), T, [], [s] => s.par_iter_mut().for_each(|v| *v = T::of(value)));
         Ok(())
+    }
+
+    fn all_finite(&self, s: &Storage) -> Result<bool> {
+        compute!(s.dtype(), T, [s], [] => Ok(s.par_iter().all(|v| v.is_finite())))
     }
 }

@@ -26,9 +26,10 @@ use std::sync::{Arc, LazyLock, Mutex, MutexGuard};
 use cudarc::cudnn::{result as dnn, sys};
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
 
-use super::{alloc_zeros, dim32, driver_error, libs, Precision};
+use super::{alloc_zeros, dim32, driver_error, libs};
 use crate::backend::ConvGeom;
 use crate::memory::{human_bytes, Allocator, Category};
+use crate::tensor::Precision;
 use crate::{Error, Result};
 
 /// The most workspace one convolution's algorithms may use. cuDNN's fastest algorithms on large
@@ -567,7 +568,9 @@ impl Cudnn {
     /// The math searched with: FMA only for FP32, tensor cores (TF32) allowed for TF32.
     fn base_math(&self) -> sys::cudnnMathType_t {
         match self.precision {
-            Precision::Fp32 => sys::cudnnMathType_t::CUDNN_FMA_MATH,
+            Precision::Fp32 | Precision::Bf16 | Precision::Fp16 => {
+                sys::cudnnMathType_t::CUDNN_FMA_MATH
+            }
             Precision::Tf32 => sys::cudnnMathType_t::CUDNN_TENSOR_OP_MATH,
         }
     }
@@ -576,7 +579,7 @@ impl Cudnn {
     fn allows(&self, math: u32) -> bool {
         use sys::cudnnMathType_t::*;
         let ok: &[sys::cudnnMathType_t] = match self.precision {
-            Precision::Fp32 => &[CUDNN_FMA_MATH],
+            Precision::Fp32 | Precision::Bf16 | Precision::Fp16 => &[CUDNN_FMA_MATH],
             Precision::Tf32 => &[CUDNN_TENSOR_OP_MATH, CUDNN_DEFAULT_MATH, CUDNN_FMA_MATH],
         };
         ok.iter().any(|&m| m as u32 == math)

@@ -30,7 +30,7 @@ use cudarc::driver::{
 use super::{Backend, ChannelGeom, ConvGeom, Event, PoolGeom, SgdStep};
 use crate::memory::host::{Block, HostPool};
 use crate::memory::{Allocator, Category, Lease};
-use crate::tensor::{DType, Storage};
+use crate::tensor::{DType, Precision, Storage};
 use crate::{Error, Result};
 
 // SAFETY: the parameter structs are plain C structs (bindgen's #[repr(C)] output), passed to
@@ -44,36 +44,6 @@ unsafe impl DeviceRepr for params::GemsSgdStep {}
 unsafe impl DeviceRepr for params::GemsDropout {}
 unsafe impl DeviceRepr for params::GemsLoss {}
 unsafe impl DeviceRepr for params::GemsCopyChannels {}
-
-/// The arithmetic of convolutions and matrix products (storage is f32 either way).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
-pub enum Precision {
-    /// f32 multiply-adds on the CUDA cores.
-    #[default]
-    Fp32,
-    /// f32 storage, products on the tensor cores with 10-bit mantissas (sm_80+).
-    Tf32,
-}
-
-impl std::str::FromStr for Precision {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
-        match s {
-            "fp32" => Ok(Precision::Fp32),
-            "tf32" => Ok(Precision::Tf32),
-            _ => Err(format!("unknown precision '{s}' (fp32, tf32)")),
-        }
-    }
-}
-
-impl std::fmt::Display for Precision {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(match self {
-            Precision::Fp32 => "fp32",
-            Precision::Tf32 => "tf32",
-        })
-    }
-}
 
 /// Which kernels run convolutions on a GPU.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
@@ -266,7 +236,10 @@ impl Cuda {
         }
         let blas = CudaBlas::new(stream.clone()).map_err(blas_error)?;
         let math = match precision {
-            Precision::Fp32 => cublas::sys::cublasMath_t::CUBLAS_DEFAULT_MATH,
+            // bf16 and fp16 runs multiply their f32 tensors (linear layers) in fp32.
+            Precision::Fp32 | Precision::Bf16 | Precision::Fp16 => {
+                cublas::sys::cublasMath_t::CUBLAS_DEFAULT_MATH
+            }
             Precision::Tf32 => cublas::sys::cublasMath_t::CUBLAS_TF32_TENSOR_OP_MATH,
         };
         // SAFETY: the handle is live; the mode is a valid enumerator.
@@ -344,7 +317,7 @@ impl Cuda {
 
     fn conv_kernel(&self, pass: &str) -> String {
         let suffix = match self.precision {
-            Precision::Fp32 => "f32",
+            Precision::Fp32 | Precision::Bf16 | Precision::Fp16 => "f32",
             Precision::Tf32 => "tf32",
         };
         format!("conv2d_{pass}_{suffix}")
@@ -422,7 +395,7 @@ fn alloc_zeros<T: DeviceRepr + cudarc::driver::ValidAsZeroBits>(
 }
 
 /// The elements of `s`, copied to the host (waits for the work queued before).
-pub fn download(s: &CudaSlice<f32>) -> Result<Vec<f32>> {
+pub fn download<T: DeviceRepr + Default + Clone + Unpin>(s: &CudaSlice<T>) -> Result<Vec<T>> {
     if s.is_empty() {
         return Ok(Vec::new());
     }
@@ -430,7 +403,7 @@ pub fn download(s: &CudaSlice<f32>) -> Result<Vec<f32>> {
 }
 
 /// A device copy of `s`, on its stream.
-pub fn duplicate(s: &CudaSlice<f32>) -> Result<CudaSlice<f32>> {
+pub fn duplicate<T: DeviceRepr>(s: &CudaSlice<T>) -> Result<CudaSlice<T>> {
     if s.is_empty() {
         return s.stream().null().map_err(driver_error);
     }
@@ -1099,6 +1072,10 @@ impl Backend for Cuda {
         };
         let cfg = self.grid_1d(w.len());
         launch!(self, "sgd_f32", cfg; w, dev(grad)?, dev_mut(momentum_buf)?, &s)
+    }
+
+    fn all_finite(&self, s: &Storage) -> Result<bool> {
+        Ok(download(dev(s)?)?.iter().all(|v| v.is_finite()))
     }
 
     fn fill(&self, s: &mut Storage, value: f64) -> Result<()> {
