@@ -10,18 +10,28 @@
  *                    oh stride = h + pad - r dilation, when that divides; no scatter, no atomics)
  *   backward-filter  dw += dy im2col(x)^T  M = c_out/G, N = c_in/G kh kw, K = n h_out w_out
  *
- * Entry points (x, w, dy in; y and dx overwritten; dw accumulated, +=):
- *   conv2d_{forward,backward_data,backward_filter}_f32    f32, CUDA cores (FMA)
- *   conv2d_{forward,backward_data,backward_filter}_tf32   f32 storage, TF32 tensor cores
- *                                                         (mma.sync m16n8k8, sm_80+)
- *   conv2d_{forward,backward_data,backward_filter}_bf16   bf16 x, w, dy, y, dx; f32
- *                                                         accumulation and f32 dw (the master
- *                                                         gradient); tensor cores (mma.sync
- *                                                         m16n8k16, sm_80+)
- * The tensor cores are reached by inline PTX (mma_tf32, mma_bf16 in gems_device.h): NVRTC
- * without a CUDA toolkit has no mma.h.
+ * Entry points. x, dy, y, dx are activations in the stamp's type T; w (the master weights) and
+ * dw (their gradient) are always f32; every product is accumulated in f32. x, w, dy are read;
+ * y, dx and dw_partial are overwritten.
+ *   conv2d_forward_SUF(const T* x, const float* w, T* y, GemsConvGeom g)
+ *   conv2d_backward_data_SUF(const T* dy, const float* w, T* dx, GemsConvGeom g)
+ *   conv2d_backward_filter_SUF(const T* x, const T* dy, float* dw_partial, GemsConvGeom g)
+ * for SUF (T, math):
+ *   f32   (float)      CUDA cores (FMA), no rounding at all
+ *   tf32  (float)      TF32 tensor cores (mma.sync m16n8k8, sm_80+): both operands rounded
+ *                      to tf32 (cvt.rna) as each fragment is loaded from shared memory
+ *   bf16  (gems_bf16)  BF16 tensor cores (mma.sync m16n8k16, sm_80+)
+ *   f16   (gems_f16)   F16 tensor cores (mma.sync m16n8k16, sm_80+)
+ * What is rounded where, for bf16 and f16: the tiles are staged in shared memory as f32 (a
+ * 16-bit activation widens exactly, a weight stays f32); both operands are rounded to T
+ * (round to nearest even) when they are packed into mma fragments (pack_bf16, pack_f16), which
+ * rounds the f32 weights and is exact for the activations. The mma accumulates in f32; y and
+ * dx are rounded to T once, when stored; dw_partial stays f32. For f16 that means the weights
+ * must lie within +-65504 and lose precision below 2^-14 (subnormals), as in any f16 conv.
+ * The tensor cores are reached by inline PTX (mma_tf32, mma_bf16, mma_f16 in gems_device.h):
+ * NVRTC without a CUDA toolkit has no mma.h.
  *
- * Launch (all nine): blockDim.x = 256 (8 warps), gridDim = (ceil(N / 64), ceil(M / 64), G S).
+ * Launch (all twelve): blockDim.x = 256 (8 warps), gridDim = (ceil(N / 64), ceil(M / 64), G S).
  * A block computes one 64 x 64 tile of C for group blockIdx.z % G over slice
  * blockIdx.z / G of the K dimension in steps of 16. S (splits of K) must be 1 for forward and
  * backward-data (they overwrite); backward-filter splits its long K (every pixel of the batch)
@@ -35,8 +45,9 @@
  * Memory access: consecutive threads gather consecutive columns of the B tile (consecutive
  * output pixels of a row, for forward and backward-data), and consecutive K of the A tile
  * (contiguous weights), so global loads coalesce; for backward-filter both tiles are loaded
- * with K (the pixel index) fastest, which is contiguous in x and dy. Shared tiles are stored
- * K-major with 8 floats of padding per row, so the tensor-core fragment loads (lanes reading
+ * with K (the pixel index) fastest, which is contiguous in x and dy. A 16-bit activation
+ * gather moves the same elements per warp in half the bytes. Shared tiles are stored K-major
+ * as f32 with 8 floats of padding per row, so the tensor-core fragment loads (lanes reading
  * 4 K-rows x 8 columns) fall in 32 different banks. The CUDA-core path gives each thread a
  * 4 x 4 micro-tile strided by 16, so a warp's output stores are 16 consecutive elements.
  */
@@ -49,7 +60,7 @@
 #define THREADS 256
 
 enum { FWD = 0, BWD_DATA = 1, BWD_FILTER = 2 };
-enum { SIMT = 0, TF32 = 1, BF16 = 2 };
+enum { SIMT = 0, TF32 = 1, BF16 = 2, F16 = 3 };
 
 struct Dims {
     int m;
@@ -128,12 +139,30 @@ __device__ __forceinline__ void store_c(TO* out, const GemsConvGeom& g, int grp,
         const int64_t hw = (int64_t)g.h * g.w, n = j / hw, q = j % hw;
         st(out, (n * g.c_in + (int64_t)grp * d.m + m) * hw + q, v);
     } else {
-        ((float*)out)[((int64_t)grp * d.m + m) * d.n + j] = v;
+        st(out, ((int64_t)grp * d.m + m) * d.n + j, v);
     }
 }
 
-template <int MODE, int MATH, typename T, typename TO>
-__device__ void conv_gemm(const T* asrc, const T* bsrc, TO* out, const GemsConvGeom& g) {
+/* A 16-bit tensor-core operand register: two values rounded to MATH's type (BF16 or F16). */
+template <int MATH>
+__device__ __forceinline__ uint32_t pack16(float lo, float hi) {
+    return MATH == BF16 ? pack_bf16(lo, hi) : pack_f16(lo, hi);
+}
+
+template <int MATH>
+__device__ __forceinline__ void mma16(float* c, uint32_t a0, uint32_t a1, uint32_t a2,
+                                      uint32_t a3, uint32_t b0, uint32_t b1) {
+    if (MATH == BF16)
+        mma_bf16(c, a0, a1, a2, a3, b0, b1);
+    else
+        mma_f16(c, a0, a1, a2, a3, b0, b1);
+}
+
+/* C = A B for one tile. A and B may differ in element type (forward and backward-data: A is
+ * the f32 weights, B the activations x or dy; backward-filter: both are activations); out is
+ * y or dx (an activation) or the f32 partial dw. */
+template <int MODE, int MATH, typename TA, typename TB, typename TO>
+__device__ void conv_gemm(const TA* asrc, const TB* bsrc, TO* out, const GemsConvGeom& g) {
     __shared__ float As[BK][BM + PAD];
     __shared__ float Bs[BK][BN + PAD];
     const int tid = threadIdx.x;
@@ -212,19 +241,20 @@ __device__ void conv_gemm(const T* asrc, const T* bsrc, TO* out, const GemsConvG
                 }
             }
         } else {
+            /* BF16 or F16: the only place an operand is rounded to 16 bits. */
 #pragma unroll
             for (int mi = 0; mi < 2; mi++) {
                 const int r = wm * 32 + mi * 16 + gid, k = 2 * tig;
-                const uint32_t a0 = pack_bf16(As[k][r], As[k + 1][r]);
-                const uint32_t a1 = pack_bf16(As[k][r + 8], As[k + 1][r + 8]);
-                const uint32_t a2 = pack_bf16(As[k + 8][r], As[k + 9][r]);
-                const uint32_t a3 = pack_bf16(As[k + 8][r + 8], As[k + 9][r + 8]);
+                const uint32_t a0 = pack16<MATH>(As[k][r], As[k + 1][r]);
+                const uint32_t a1 = pack16<MATH>(As[k][r + 8], As[k + 1][r + 8]);
+                const uint32_t a2 = pack16<MATH>(As[k + 8][r], As[k + 9][r]);
+                const uint32_t a3 = pack16<MATH>(As[k + 8][r + 8], As[k + 9][r + 8]);
 #pragma unroll
                 for (int ni = 0; ni < 2; ni++) {
                     const int c = wn * 16 + ni * 8 + gid;
-                    const uint32_t b0 = pack_bf16(Bs[k][c], Bs[k + 1][c]);
-                    const uint32_t b1 = pack_bf16(Bs[k + 8][c], Bs[k + 9][c]);
-                    mma_bf16(acc[mi * 2 + ni], a0, a1, a2, a3, b0, b1);
+                    const uint32_t b0 = pack16<MATH>(Bs[k][c], Bs[k + 1][c]);
+                    const uint32_t b1 = pack16<MATH>(Bs[k + 8][c], Bs[k + 9][c]);
+                    mma16<MATH>(acc[mi * 2 + ni], a0, a1, a2, a3, b0, b1);
                 }
             }
         }
@@ -253,23 +283,25 @@ __device__ void conv_gemm(const T* asrc, const T* bsrc, TO* out, const GemsConvG
     }
 }
 
-#define STAMP(SUF, MATH, T, TW)                                                              \
-    extern "C" __global__ void __launch_bounds__(THREADS)                                   \
-        conv2d_forward_##SUF(const T* x, const T* w, T* y, GemsConvGeom g) {                 \
-        conv_gemm<FWD, MATH>(w, x, y, g);                                                    \
-    }                                                                                        \
-    extern "C" __global__ void __launch_bounds__(THREADS)                                   \
-        conv2d_backward_data_##SUF(const T* dy, const T* w, T* dx, GemsConvGeom g) {         \
-        conv_gemm<BWD_DATA, MATH>(w, dy, dx, g);                                             \
-    }                                                                                        \
-    extern "C" __global__ void __launch_bounds__(THREADS)                                   \
-        conv2d_backward_filter_##SUF(const T* x, const T* dy, TW* dw, GemsConvGeom g) {      \
-        conv_gemm<BWD_FILTER, MATH>(dy, x, dw, g);                                           \
+/* One body per (suffix, math, activation type T); the weights and dw are f32 in all four. */
+#define STAMP(SUF, MATH, T)                                                                   \
+    extern "C" __global__ void __launch_bounds__(THREADS)                                    \
+        conv2d_forward_##SUF(const T* x, const float* w, T* y, GemsConvGeom g) {              \
+        conv_gemm<FWD, MATH>(w, x, y, g);                                                     \
+    }                                                                                         \
+    extern "C" __global__ void __launch_bounds__(THREADS)                                    \
+        conv2d_backward_data_##SUF(const T* dy, const float* w, T* dx, GemsConvGeom g) {      \
+        conv_gemm<BWD_DATA, MATH>(w, dy, dx, g);                                              \
+    }                                                                                         \
+    extern "C" __global__ void __launch_bounds__(THREADS) conv2d_backward_filter_##SUF(      \
+        const T* x, const T* dy, float* dw_partial, GemsConvGeom g) {                         \
+        conv_gemm<BWD_FILTER, MATH>(dy, x, dw_partial, g);                                    \
     }
 
-STAMP(f32, SIMT, float, float)
-STAMP(tf32, TF32, float, float)
-STAMP(bf16, BF16, gems_bf16, float)
+STAMP(f32, SIMT, float)
+STAMP(tf32, TF32, float)
+STAMP(bf16, BF16, gems_bf16)
+STAMP(f16, F16, gems_f16)
 
 extern "C" __global__ void conv2d_reduce_splits_f32(const float* partial, float* dw,
                                                     int64_t numel, int32_t splits) {
