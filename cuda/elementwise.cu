@@ -1,22 +1,34 @@
 /*
- * elementwise.cu: element-wise kernels, channel concatenation and dropout.
+ * elementwise.cu: element-wise kernels, channel bias and its gradient, channel concatenation,
+ * dropout, and the casts between f32 and the 16-bit types.
  *
  * Every kernel here is a grid-stride loop over its elements: launch 1-d, blockDim.x = 256,
  * gridDim.x = min(ceil(numel / 256), 32 x SMs); any grid covers all elements. Consecutive
- * threads touch consecutive elements, so every load and store is coalesced.
+ * threads touch consecutive elements, so every load and store is coalesced. (channel_sum is
+ * the one reduction: one block per channel.)
  *
- *   add_{f32,bf16}            y = a + b
- *   add_assign_{f32,bf16}     y += x (gradient accumulation)
- *   mul_{f32,bf16}            y = x * mask (dropout forward and backward)
- *   fill_{f32,bf16}           s = value
- *   add_channel_bias_f32      y[n, c, :] += bias[c]
- *   channel_sum_f32           db[c] += sum over n and the plane of dy[n, c, :]; one block per
- *                             channel (gridDim.x = c, blockDim.x = 256), a block reduction in
- *                             double, then one add per channel: no atomics, deterministic
- *   copy_channels_{f32,bf16}  concat (and its backward): channels [src_off, src_off + count)
- *                             of src into [dst_off, dst_off + count) of dst
- *   dropout_mask_{f32,bf16}   mask[i] = uniform(seed, i) < p ? 0 : 1 / (1 - p), the CPU
- *                             backend's generator, so masks match bit for bit
+ * SUF is f32, bf16 or f16: the activation type T (float, gems_bf16, gems_f16). Loads widen
+ * to f32, arithmetic is f32, and a store to a 16-bit tensor rounds to nearest even (the only
+ * rounding). Biases and their gradients are parameters, f32 in every stamp.
+ *
+ *   add_SUF                   y = a + b
+ *   add_assign_SUF            y += x (gradient accumulation)
+ *   mul_SUF                   y = x * mask (dropout forward and backward)
+ *   fill_SUF                  s = value
+ *   add_channel_bias_SUF      y[n, c, :] += bias[c] (T* y, const float* bias)
+ *   channel_sum_SUF           db[c] += sum over n and the plane of dy[n, c, :] (const T* dy,
+ *                             float* db); one block per channel (gridDim.x = c,
+ *                             blockDim.x = 256), a block reduction in double, then one add
+ *                             per channel: no atomics, deterministic
+ *   copy_channels_SUF         concat (and its backward): channels [src_off, src_off + count)
+ *                             of src into [dst_off, dst_off + count) of dst (a bit copy)
+ *   dropout_mask_SUF          mask[i] = uniform(seed, i) < p ? 0 : 1 / (1 - p), the CPU
+ *                             backend's generator, so masks match bit for bit; the mask is in
+ *                             T: 1 / (1 - p) is computed as f32 (as T::of does) and then
+ *                             rounded to T by the store
+ *   cast_f32_bf16, cast_bf16_f32, cast_f32_f16, cast_f16_f32
+ *                             (const FROM* x, TO* y, int64_t numel): y = x converted (exact
+ *                             widening, or rounding to nearest even)
  */
 #include "gems_device.h"
 
@@ -30,10 +42,13 @@
 
 STAMP_BINARY(add_f32, float, x0 + x1)
 STAMP_BINARY(add_bf16, gems_bf16, x0 + x1)
+STAMP_BINARY(add_f16, gems_f16, x0 + x1)
 STAMP_BINARY(mul_f32, float, x0 * x1)
 STAMP_BINARY(mul_bf16, gems_bf16, x0 * x1)
+STAMP_BINARY(mul_f16, gems_f16, x0 * x1)
 
-#define STAMP_UNARY(T, SUF)                                                                  \
+/* The remaining kernels of one activation type T. */
+#define STAMP_TYPED(T, SUF)                                                                  \
     extern "C" __global__ void add_assign_##SUF(T* y, const T* x, int64_t numel) {           \
         GEMS_FOR(i, numel) st(y, i, ld(y, i) + ld(x, i));                                     \
     }                                                                                         \
@@ -51,26 +66,45 @@ STAMP_BINARY(mul_bf16, gems_bf16, x0 * x1)
         }                                                                                     \
     }                                                                                         \
     extern "C" __global__ void dropout_mask_##SUF(T* mask, GemsDropout d) {                  \
-        /* 1 / (1 - p) in double, then rounded once to the storage type, as T::of does. */    \
+        /* 1 / (1 - p) in double, rounded to f32 as T::of does; st then rounds it to T. */    \
         float keep = (float)(1.0 / (1.0 - d.p));                                              \
         GEMS_FOR(i, d.numel) st(mask, i, uniform(d.seed, (uint64_t)i) < d.p ? 0.0f : keep);   \
+    }                                                                                         \
+    extern "C" __global__ void add_channel_bias_##SUF(T* y, const float* bias,               \
+                                                      GemsChannelGeom g) {                    \
+        GEMS_FOR(i, (int64_t)g.n * g.c * g.hw) st(y, i, ld(y, i) + bias[(i / g.hw) % g.c]);   \
+    }                                                                                         \
+    extern "C" __global__ void channel_sum_##SUF(const T* dy, float* db, GemsChannelGeom g) {  \
+        channel_sum(dy, db, g);                                                               \
     }
 
-STAMP_UNARY(float, f32)
-STAMP_UNARY(gems_bf16, bf16)
-
-extern "C" __global__ void add_channel_bias_f32(float* y, const float* bias, GemsChannelGeom g) {
-    GEMS_FOR(i, (int64_t)g.n * g.c * g.hw) y[i] += bias[(i / g.hw) % g.c];
-}
-
-extern "C" __global__ void channel_sum_f32(const float* dy, float* db, GemsChannelGeom g) {
+/* db[c] += the sum of channel c (block c) of dy, accumulated in double. Threads stride each
+ * contiguous (n, c) plane: coalesced reads. */
+template <typename T>
+__device__ void channel_sum(const T* dy, float* db, GemsChannelGeom g) {
     __shared__ double scratch[32];
     int c = blockIdx.x;
     double acc = 0.0;
     for (int n = 0; n < g.n; n++) {
-        const float* plane = dy + ((int64_t)n * g.c + c) * g.hw;
-        for (int j = threadIdx.x; j < g.hw; j += blockDim.x) acc += plane[j];
+        const T* plane = dy + ((int64_t)n * g.c + c) * g.hw;
+        for (int j = threadIdx.x; j < g.hw; j += blockDim.x) acc += ld(plane, j);
     }
     acc = block_sum(acc, scratch);
     if (threadIdx.x == 0) db[c] += (float)acc;
 }
+
+STAMP_TYPED(float, f32)
+STAMP_TYPED(gems_bf16, bf16)
+STAMP_TYPED(gems_f16, f16)
+
+/* Conversions between an f32 tensor and a 16-bit one (activations entering or leaving the
+ * 16-bit graph): grid-stride, blockDim.x = 256, one element per thread per step, coalesced. */
+#define STAMP_CAST(NAME, FROM, TO)                                                            \
+    extern "C" __global__ void NAME(const FROM* x, TO* y, int64_t numel) {                    \
+        GEMS_FOR(i, numel) st(y, i, ld(x, i));                                                \
+    }
+
+STAMP_CAST(cast_f32_bf16, float, gems_bf16)
+STAMP_CAST(cast_bf16_f32, gems_bf16, float)
+STAMP_CAST(cast_f32_f16, float, gems_f16)
+STAMP_CAST(cast_f16_f32, gems_f16, float)
