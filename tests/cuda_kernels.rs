@@ -107,6 +107,10 @@ const ENTRIES: &[(&str, &[&str])] = &[
         &[
             "softmax_cross_entropy_f32",
             "softmax_cross_entropy_backward_f32",
+            "softmax_cross_entropy_bf16",
+            "softmax_cross_entropy_backward_bf16",
+            "softmax_cross_entropy_f16",
+            "softmax_cross_entropy_backward_f16",
         ],
     ),
     ("optim", &["sgd_f32"]),
