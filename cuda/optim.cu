@@ -1,7 +1,9 @@
 /*
- * optim.cu: the optimizer update.
+ * optim.cu: the optimizer update, and the check for non-finite gradients that dynamic loss
+ * scaling makes before it.
  *
- *   sgd_f32   one SGD-with-momentum step of w from grad and the momentum buffer, PyTorch's
+ *   sgd_f32(float* w, const float* grad, float* buf, GemsSgdStep s)
+ *             one SGD-with-momentum step of w from grad and the momentum buffer, PyTorch's
  *             formula (see GemsSgdStep in gems_kernels.h). With dampening = 0 and
  *             first_step = 0 it is the CPU backend's update (src/backend/cpu/elementwise.rs)
  *             operation for operation, and gives the same bits: the hyper-parameters are
@@ -9,17 +11,29 @@
  *             explicitly rounded intrinsic (__fmul_rn, __fadd_rn), because NVRTC would
  *             otherwise contract a*b + c into an FMA, which Rust never does.
  *
- * Launch: 1-d grid-stride, blockDim.x = 256, gridDim.x = min(ceil(numel / 256), 32 x SMs);
- * w, grad and buf are read and written at the same index by consecutive threads (coalesced).
+ *             g = grad_scale grad + weight_decay w: grad_scale (1 / the loss scale under
+ *             mixed precision, 1 otherwise) is rounded to float and multiplies grad first;
+ *             1 * grad is grad exactly, so without loss scaling the bits do not change.
+ *             w, grad, buf are the f32 master copies in every precision.
+ *   nonfinite_f32(const float* x, int64_t numel, uint32_t* found)
+ *             *found = 1 when any x[i] is inf or NaN (the check of the unscaled gradients
+ *             before a step under dynamic loss scaling). Never writes 0: the host zeroes
+ *             *found first, and may run it over several tensors before reading it once.
+ *             One vote per warp (__any_sync), so at most one lane per warp stores; the stores
+ *             all write 1, so their order does not matter.
+ *
+ * Launch (both): 1-d grid-stride, blockDim.x = 256,
+ * gridDim.x = min(ceil(numel / 256), 32 x SMs); w, grad and buf (and nonfinite's x) are read
+ * and written at the same index by consecutive threads (coalesced).
  */
 #include "gems_device.h"
 
 extern "C" __global__ void sgd_f32(float* w, const float* grad, float* buf, GemsSgdStep s) {
     const float lr = (float)s.lr, mom = (float)s.momentum, wd = (float)s.weight_decay;
-    const float damp = 1.0f - (float)s.dampening;
+    const float damp = 1.0f - (float)s.dampening, gs = (float)s.grad_scale;
     GEMS_FOR(i, s.numel) {
         float wi = w[i];
-        float g = __fadd_rn(grad[i], __fmul_rn(wd, wi));
+        float g = __fadd_rn(__fmul_rn(gs, grad[i]), __fmul_rn(wd, wi));
         float b;
         if (s.first_step) {
             b = g;
@@ -31,4 +45,13 @@ extern "C" __global__ void sgd_f32(float* w, const float* grad, float* buf, Gems
         float step = s.nesterov ? __fadd_rn(g, __fmul_rn(mom, b)) : b;
         w[i] = __fsub_rn(wi, __fmul_rn(lr, step));
     }
+}
+
+extern "C" __global__ void nonfinite_f32(const float* x, int64_t numel, uint32_t* found) {
+    bool bad = false;
+    /* inf and NaN are the floats whose exponent bits are all ones. */
+    GEMS_FOR(i, numel) bad |= (__float_as_uint(x[i]) & 0x7f800000u) == 0x7f800000u;
+    /* Every lane reaches the vote (the loop above is the only divergence and it has ended);
+     * blockDim.x is a multiple of 32, so the full mask names live lanes. */
+    if (__any_sync(0xffffffffu, bad) && (threadIdx.x & 31) == 0) *found = 1u;
 }

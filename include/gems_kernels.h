@@ -86,17 +86,20 @@ typedef struct GemsBnRunning {
 } GemsBnRunning;
 
 /* One SGD step as PyTorch defines it:
- *   g = grad + weight_decay w
+ *   g = grad_scale grad + weight_decay w
  *   buf = g                                        on the first step (first_step != 0)
  *   buf = momentum buf + (1 - dampening) g         afterwards
  *   w -= lr (nesterov ? g + momentum buf : buf)
  * The CPU backend has no dampening and starts from a zero buffer, which is this formula with
- * dampening = 0 and first_step = 0. */
+ * dampening = 0 and first_step = 0. grad_scale unscales a gradient computed from a scaled loss
+ * (mixed precision: 1 / the loss scale, a power of two, so exact); it is 1 without loss
+ * scaling, and then g is bit for bit grad + weight_decay w. */
 typedef struct GemsSgdStep {
     int64_t numel;
     double lr;
     double momentum;
     double weight_decay;
+    double grad_scale;
     double dampening;
     int32_t nesterov;
     int32_t first_step;

@@ -1066,6 +1066,7 @@ impl Backend for Cuda {
             lr: step.lr,
             momentum: step.momentum,
             weight_decay: step.weight_decay,
+            grad_scale: 1.0,
             dampening: 0.0,
             nesterov: step.nesterov as i32,
             first_step: 0,

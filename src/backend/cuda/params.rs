@@ -199,13 +199,14 @@ pub struct GemsSgdStep {
     pub lr: f64,
     pub momentum: f64,
     pub weight_decay: f64,
+    pub grad_scale: f64,
     pub dampening: f64,
     pub nesterov: i32,
     pub first_step: i32,
 }
 #[allow(clippy::unnecessary_operation, clippy::identity_op)]
 const _: () = {
-    ["Size of GemsSgdStep"][::std::mem::size_of::<GemsSgdStep>() - 48usize];
+    ["Size of GemsSgdStep"][::std::mem::size_of::<GemsSgdStep>() - 56usize];
     ["Alignment of GemsSgdStep"][::std::mem::align_of::<GemsSgdStep>() - 8usize];
     [
         "Offset of field: GemsSgdStep::numel",
@@ -220,14 +221,17 @@ const _: () = {
         "Offset of field: GemsSgdStep::weight_decay",
     ][::std::mem::offset_of!(GemsSgdStep, weight_decay) - 24usize];
     [
+        "Offset of field: GemsSgdStep::grad_scale",
+    ][::std::mem::offset_of!(GemsSgdStep, grad_scale) - 32usize];
+    [
         "Offset of field: GemsSgdStep::dampening",
-    ][::std::mem::offset_of!(GemsSgdStep, dampening) - 32usize];
+    ][::std::mem::offset_of!(GemsSgdStep, dampening) - 40usize];
     [
         "Offset of field: GemsSgdStep::nesterov",
-    ][::std::mem::offset_of!(GemsSgdStep, nesterov) - 40usize];
+    ][::std::mem::offset_of!(GemsSgdStep, nesterov) - 48usize];
     [
         "Offset of field: GemsSgdStep::first_step",
-    ][::std::mem::offset_of!(GemsSgdStep, first_step) - 44usize];
+    ][::std::mem::offset_of!(GemsSgdStep, first_step) - 52usize];
 };
 #[repr(C)]
 #[derive(Debug, Default, Copy, Clone, PartialEq)]
