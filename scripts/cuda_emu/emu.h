@@ -48,8 +48,18 @@ inline float __fmul_rn(float a, float b) { return a * b; }
 inline float atomicAdd(float* p, float v) { static std::mutex m; std::lock_guard<std::mutex> g(m); float o = *p; *p = o + v; return o; }
 inline uint32_t to_tf32(float f) { uint32_t u = __float_as_uint(f); u += 0x1000u; return u & ~0x1fffu; }
 inline float bf(uint32_t v, int hi) { return __uint_as_float((hi ? (v >> 16) : (v & 0xffff)) << 16); }
+inline float hf(uint32_t v, int hi) { uint16_t b = hi ? (v >> 16) : (v & 0xffff); _Float16 h; memcpy(&h, &b, 2); return (float)h; }
+inline bool __any_sync(unsigned, bool v) {
+    int w = threadIdx.x / 32, l = threadIdx.x % 32;
+    g_wbuf[w][l] = v ? 1.0 : 0.0;
+    g_wbar[w]->arrive_and_wait();
+    bool r = false; for (int i = 0; i < 32; i++) r = r || g_wbuf[w][i] != 0.0;
+    g_wbar[w]->arrive_and_wait();
+    return r;
+}
 // fragments: regs 0..3 = a0..a3, 4..5 = b0, b1
-inline void mma_generic(float* c, uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0, uint32_t b1, bool is_bf16) {
+inline void mma_generic(float* c, uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0, uint32_t b1, int kind) { /* 0 tf32, 1 bf16, 2 f16 */
+    bool is_bf16 = kind != 0; auto half = kind == 1 ? bf : hf;
     int w = threadIdx.x / 32, l = threadIdx.x % 32;
     uint32_t r[6] = {a0, a1, a2, a3, b0, b1};
     memcpy(g_wfrag[w][l], r, sizeof r);
@@ -58,11 +68,11 @@ inline void mma_generic(float* c, uint32_t a0, uint32_t a1, uint32_t a2, uint32_
     int K = is_bf16 ? 16 : 8;
     auto A = [&](int row, int k) -> float {
         if (!is_bf16) { int lane = (row % 8) * 4 + (k % 4); int reg = (row >= 8) + 2 * (k >= 4); return __uint_as_float(g_wfrag[w][lane][reg]); }
-        int lane = (row % 8) * 4 + (k % 8) / 2; int reg = (row >= 8) + 2 * (k >= 8); return bf(g_wfrag[w][lane][reg], k % 2);
+        int lane = (row % 8) * 4 + (k % 8) / 2; int reg = (row >= 8) + 2 * (k >= 8); return half(g_wfrag[w][lane][reg], k % 2);
     };
     auto B = [&](int k, int n) -> float {
         if (!is_bf16) { int lane = n * 4 + (k % 4); int reg = 4 + (k >= 4); return __uint_as_float(g_wfrag[w][lane][reg]); }
-        int lane = n * 4 + (k % 8) / 2; int reg = 4 + (k >= 8); return bf(g_wfrag[w][lane][reg], k % 2);
+        int lane = n * 4 + (k % 8) / 2; int reg = 4 + (k >= 8); return half(g_wfrag[w][lane][reg], k % 2);
     };
     int rows[4] = {gid, gid, gid + 8, gid + 8}, cols[4] = {2 * tig, 2 * tig + 1, 2 * tig, 2 * tig + 1};
     float out[4];
@@ -70,8 +80,13 @@ inline void mma_generic(float* c, uint32_t a0, uint32_t a1, uint32_t a2, uint32_
     g_wbar[w]->arrive_and_wait();
     for (int i = 0; i < 4; i++) c[i] = out[i];
 }
-inline void mma_tf32(float* c, uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0, uint32_t b1) { mma_generic(c, a0, a1, a2, a3, b0, b1, false); }
-inline void mma_bf16(float* c, uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0, uint32_t b1) { mma_generic(c, a0, a1, a2, a3, b0, b1, true); }
+inline void mma_tf32(float* c, uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0, uint32_t b1) { mma_generic(c, a0, a1, a2, a3, b0, b1, 0); }
+inline void mma_bf16(float* c, uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0, uint32_t b1) { mma_generic(c, a0, a1, a2, a3, b0, b1, 1); }
+inline void mma_f16(float* c, uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0, uint32_t b1) { mma_generic(c, a0, a1, a2, a3, b0, b1, 2); }
+// f16 conversions (declared in gems_device.h, which defines gems_f16): see EMU_F16_IMPL.
+#define EMU_F16_IMPL \
+    float f16_to_f32(gems_f16 v) { _Float16 h; memcpy(&h, &v.bits, 2); return (float)h; } \
+    gems_f16 f32_to_f16(float f) { _Float16 h = (_Float16)f; gems_f16 r; memcpy(&r.bits, &h, 2); return r; }
 template <typename F> void launch(uint3 grid, unsigned block, F f) {
     gridDim = grid; blockDim = uint3{block, 1, 1};
     for (unsigned z = 0; z < grid.z; z++) for (unsigned y = 0; y < grid.y; y++) for (unsigned x = 0; x < grid.x; x++) {

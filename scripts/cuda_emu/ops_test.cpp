@@ -8,6 +8,7 @@
 #include <cstdio>
 #include <random>
 #include <algorithm>
+EMU_F16_IMPL
 int fails = 0;
 std::mt19937 rng(7);
 std::vector<float> rnd(size_t n) { std::uniform_real_distribution<float> U(-2, 2); std::vector<float> v(n); for (auto& x : v) x = U(rng); return v; }
@@ -113,7 +114,7 @@ void misc() {
     // SGD, bit for bit the CPU formula (no FMA)
     for (int nest = 0; nest < 2; nest++) {
         size_t N = 1000; auto w = rnd(N), g = rnd(N), b = rnd(N); auto w2 = w, b2 = b;
-        GemsSgdStep s{(int64_t)N, 0.1, 0.9, 5e-4, 0.0, nest, 0};
+        GemsSgdStep s{(int64_t)N, 0.1, 0.9, 5e-4, 1.0, 0.0, nest, 0};
         launch(uint3{2, 1, 1}, 256, [&] { sgd_f32(w.data(), g.data(), b.data(), s); });
         float lr_ = 0.1f, mom = 0.9f, wd = (float)5e-4;
         for (size_t i = 0; i < N; i++) { volatile float gg = g[i] + wd * w2[i]; volatile float bb = mom * b2[i] + gg; b2[i] = bb; volatile float st = nest ? gg + mom * bb : bb; w2[i] -= lr_ * st; }

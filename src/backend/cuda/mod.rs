@@ -1066,7 +1066,7 @@ impl Backend for Cuda {
             lr: step.lr,
             momentum: step.momentum,
             weight_decay: step.weight_decay,
-            grad_scale: 1.0,
+            grad_scale: step.grad_scale,
             dampening: 0.0,
             nesterov: step.nesterov as i32,
             first_step: 0,
