@@ -3,12 +3,17 @@
 //! as the planner predicts, and fp16's loss scale skips exactly the steps that overflow, on
 //! every rank together.
 
+use gems::backend::cpu::Cpu;
+use gems::backend::{Backend, ChannelGeom, ConvGeom, PoolGeom};
 use gems::runtime::executor::{run_local, RunConfig};
 use gems::runtime::optim::{LossScale, SgdConfig};
 use gems::runtime::schedule::{Decay, LrSchedule};
 use gems::schemes::{Kind, Order, Scheme};
+use gems::tensor::Storage;
 use gems::train::{TrainConfig, Trainer};
 use gems::{Category, DType, Error, Precision};
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
 
 fn config(precision: Precision, batch: usize, steps: usize) -> TrainConfig {
     TrainConfig {
@@ -25,6 +30,270 @@ fn config(precision: Precision, batch: usize, steps: usize) -> TrainConfig {
         },
         precision,
         ..TrainConfig::new("resnet20v2", 32, 10, batch, steps)
+    }
+}
+
+/// Random values in ±[0.05, 1] as the 16-bit storage of `dtype` and as f32 storage of the
+/// same (exactly representable) values.
+fn pair(rng: &mut ChaCha8Rng, n: usize, dtype: DType) -> (Storage, Storage) {
+    let v: Vec<f32> = (0..n)
+        .map(|_| {
+            let m: f32 = rng.random_range(0.05..1.0);
+            dtype.round(if rng.random_bool(0.5) { m } else { -m })
+        })
+        .collect();
+    let narrow = Cpu.upload(&v.iter().map(|&x| x as f64).collect::<Vec<_>>(), dtype);
+    (narrow.unwrap(), Storage::F32(v))
+}
+
+fn f32s(rng: &mut ChaCha8Rng, n: usize) -> Storage {
+    pair(rng, n, DType::F32).1
+}
+
+fn zeros(n: usize, dtype: DType) -> Storage {
+    Cpu.zeros(n, dtype).unwrap()
+}
+
+/// `narrow` is `wide` rounded once to its type, bit for bit.
+fn rounded_once(what: &str, narrow: &Storage, wide: &Storage) {
+    let dtype = narrow.dtype();
+    let (n, w) = (narrow.to_f64_vec().unwrap(), wide.to_f64_vec().unwrap());
+    assert_eq!(n.len(), w.len(), "{what}");
+    let bad = n
+        .iter()
+        .zip(&w)
+        .filter(|(a, b)| a.to_bits() != (dtype.round(**b as f32) as f64).to_bits())
+        .count();
+    assert_eq!(
+        bad,
+        0,
+        "{what} in {}: {bad} of {} elements",
+        dtype.name(),
+        n.len()
+    );
+}
+
+fn same(what: &str, a: &Storage, b: &Storage) {
+    assert!(
+        a.to_f64_vec().unwrap() == b.to_f64_vec().unwrap(),
+        "{what}: f32 results differ"
+    );
+}
+
+/// The semantics the CUDA kernels are checked against: a 16-bit op is the f32 op on the same
+/// values, its 16-bit outputs rounded once (to nearest, ties to even), its f32 outputs
+/// (parameter gradients, batch statistics, probabilities) untouched; convolution weights are
+/// rounded to the activation type first, as the tensor cores take them.
+#[test]
+fn every_op_in_16_bits_is_the_f32_op_rounded_once() {
+    let mut rng = ChaCha8Rng::seed_from_u64(5);
+    for dtype in [DType::BF16, DType::F16] {
+        let be = Cpu;
+        let g = ConvGeom {
+            n: 2,
+            c_in: 6,
+            h: 9,
+            w: 7,
+            c_out: 4,
+            kh: 3,
+            kw: 3,
+            stride: (2, 1),
+            pad: (1, 1),
+            dilation: (1, 1),
+            groups: 2,
+            h_out: 5,
+            w_out: 7,
+        };
+        let (xn, yn) = (g.n * g.c_in * g.h * g.w, g.n * g.c_out * g.h_out * g.w_out);
+        let wn = g.c_out * g.c_in / g.groups * g.kh * g.kw;
+        let ws = be.conv2d_workspace(&g);
+        let (x16, x32) = pair(&mut rng, xn, dtype);
+        let (dy16, dy32) = pair(&mut rng, yn, dtype);
+        let w = f32s(&mut rng, wn);
+        let wr = Storage::F32(
+            w.to_f64_vec()
+                .unwrap()
+                .iter()
+                .map(|&v| dtype.round(v as f32))
+                .collect(),
+        );
+        let (mut a, mut b) = (zeros(yn, dtype), zeros(yn, DType::F32));
+        be.conv2d_forward(&x16, &w, &mut a, &mut zeros(ws, DType::F32), &g)
+            .unwrap();
+        be.conv2d_forward(&x32, &wr, &mut b, &mut zeros(ws, DType::F32), &g)
+            .unwrap();
+        rounded_once("conv forward", &a, &b);
+        let (mut a, mut b) = (zeros(xn, dtype), zeros(xn, DType::F32));
+        be.conv2d_backward_data(&dy16, &w, &mut a, &mut zeros(ws, DType::F32), &g)
+            .unwrap();
+        be.conv2d_backward_data(&dy32, &wr, &mut b, &mut zeros(ws, DType::F32), &g)
+            .unwrap();
+        rounded_once("conv backward-data", &a, &b);
+        let (mut a, mut b) = (zeros(wn, DType::F32), zeros(wn, DType::F32));
+        be.conv2d_backward_filter(&x16, &dy16, &mut a, &mut zeros(ws, DType::F32), &g)
+            .unwrap();
+        be.conv2d_backward_filter(&x32, &dy32, &mut b, &mut zeros(ws, DType::F32), &g)
+            .unwrap();
+        same("conv backward-filter", &a, &b);
+
+        // Batch norm, plain and fused with ReLU, over x (n × c × hw).
+        let cg = ChannelGeom { n: 2, c: 6, hw: 63 };
+        let (gamma, beta) = (f32s(&mut rng, 6), f32s(&mut rng, 6));
+        let (dy16, dy32) = pair(&mut rng, xn, dtype);
+        for relu in [false, true] {
+            let stats = || (zeros(6, DType::F32), zeros(6, DType::F32));
+            let ((mut m16, mut v16), (mut m32, mut v32)) = (stats(), stats());
+            let (mut y16, mut y32) = (zeros(xn, dtype), zeros(xn, DType::F32));
+            let forward = match relu {
+                false => Cpu::batchnorm_forward_train,
+                true => Cpu::batchnorm_relu_forward_train,
+            };
+            forward(
+                &be, &x16, &gamma, &beta, &mut y16, &mut m16, &mut v16, 1e-5, &cg,
+            )
+            .unwrap();
+            forward(
+                &be, &x32, &gamma, &beta, &mut y32, &mut m32, &mut v32, 1e-5, &cg,
+            )
+            .unwrap();
+            rounded_once("batch norm forward", &y16, &y32);
+            same("batch norm mean", &m16, &m32);
+            same("batch norm variance", &v16, &v32);
+            let (mut dx16, mut dx32) = (zeros(xn, dtype), zeros(xn, DType::F32));
+            let grads = || (zeros(6, DType::F32), zeros(6, DType::F32));
+            let ((mut dg16, mut db16), (mut dg32, mut db32)) = (grads(), grads());
+            // The fused backward reads the 16-bit output, so both sides take that one.
+            let y = Storage::F32(
+                y16.to_f64_vec()
+                    .unwrap()
+                    .iter()
+                    .map(|&v| v as f32)
+                    .collect(),
+            );
+            match relu {
+                false => {
+                    be.batchnorm_backward(
+                        &x16, &dy16, &gamma, &m16, &v16, &mut dx16, &mut dg16, &mut db16, 1e-5, &cg,
+                    )
+                    .unwrap();
+                    be.batchnorm_backward(
+                        &x32, &dy32, &gamma, &m32, &v32, &mut dx32, &mut dg32, &mut db32, 1e-5, &cg,
+                    )
+                    .unwrap();
+                }
+                true => {
+                    be.batchnorm_relu_backward(
+                        &x16, &y16, &dy16, &gamma, &m16, &v16, &mut dx16, &mut dg16, &mut db16,
+                        1e-5, &cg,
+                    )
+                    .unwrap();
+                    be.batchnorm_relu_backward(
+                        &x32, &y, &dy32, &gamma, &m32, &v32, &mut dx32, &mut dg32, &mut db32, 1e-5,
+                        &cg,
+                    )
+                    .unwrap();
+                }
+            }
+            rounded_once("batch norm backward", &dx16, &dx32);
+            same("batch norm dgamma", &dg16, &dg32);
+            same("batch norm dbeta", &db16, &db32);
+        }
+
+        // Elementwise ops, a pool, a linear layer and the loss.
+        let (b16, b32) = pair(&mut rng, xn, dtype);
+        let (mut a, mut b) = (zeros(xn, dtype), zeros(xn, DType::F32));
+        be.add(&x16, &b16, &mut a).unwrap();
+        be.add(&x32, &b32, &mut b).unwrap();
+        rounded_once("add", &a, &b);
+        let mut a32 = Storage::F32(a.to_f64_vec().unwrap().iter().map(|&v| v as f32).collect());
+        be.add_assign(&mut a, &x16).unwrap();
+        be.add_assign(&mut a32, &x32).unwrap();
+        rounded_once("add_assign", &a, &a32);
+        be.relu_forward(&x16, &mut a).unwrap();
+        be.relu_forward(&x32, &mut b).unwrap();
+        rounded_once("relu", &a, &b);
+        be.dropout_mask(&mut a, 0.3, 9).unwrap();
+        be.dropout_mask(&mut b, 0.3, 9).unwrap();
+        rounded_once("dropout mask", &a, &b);
+        let pg = PoolGeom {
+            n: 2,
+            c: 6,
+            h: 9,
+            w: 7,
+            kh: 3,
+            kw: 3,
+            stride: (2, 2),
+            pad: (1, 1),
+            h_out: 5,
+            w_out: 4,
+        };
+        let pn = 2 * 6 * 5 * 4;
+        let (mut a, mut b) = (zeros(pn, dtype), zeros(pn, DType::F32));
+        be.avg_pool_forward(&x16, &mut a, &pg).unwrap();
+        be.avg_pool_forward(&x32, &mut b, &pg).unwrap();
+        rounded_once("average pool", &a, &b);
+        let (pdy16, pdy32) = pair(&mut rng, pn, dtype);
+        let (mut a, mut b) = (zeros(xn, dtype), zeros(xn, DType::F32));
+        be.max_pool_backward(&x16, &pdy16, &mut a, &pg).unwrap();
+        be.max_pool_backward(&x32, &pdy32, &mut b, &pg).unwrap();
+        rounded_once("max pool backward", &a, &b);
+
+        let (n, d_in, d_out) = (3, 40, 7);
+        let (lx16, lx32) = pair(&mut rng, n * d_in, dtype);
+        let lw = f32s(&mut rng, d_out * d_in);
+        let (mut a, mut b) = (zeros(n * d_out, dtype), zeros(n * d_out, DType::F32));
+        be.linear_forward(&lx16, &lw, &mut a, n, d_in, d_out)
+            .unwrap();
+        be.linear_forward(&lx32, &lw, &mut b, n, d_in, d_out)
+            .unwrap();
+        rounded_once("linear forward (weights not rounded)", &a, &b);
+        let (ldy16, ldy32) = pair(&mut rng, n * d_out, dtype);
+        let (mut dx16, mut dx32) = (zeros(n * d_in, dtype), zeros(n * d_in, DType::F32));
+        let (mut dw16, mut dw32) = (
+            zeros(d_out * d_in, DType::F32),
+            zeros(d_out * d_in, DType::F32),
+        );
+        be.linear_backward(
+            &lx16,
+            &lw,
+            &ldy16,
+            Some(&mut dx16),
+            &mut dw16,
+            n,
+            d_in,
+            d_out,
+        )
+        .unwrap();
+        be.linear_backward(
+            &lx32,
+            &lw,
+            &ldy32,
+            Some(&mut dx32),
+            &mut dw32,
+            n,
+            d_in,
+            d_out,
+        )
+        .unwrap();
+        rounded_once("linear backward-data", &dx16, &dx32);
+        same("linear backward-weights", &dw16, &dw32);
+
+        let labels = [1, 6, 0];
+        let (mut p16, mut p32) = (zeros(n * d_out, DType::F32), zeros(n * d_out, DType::F32));
+        let l16 = be
+            .softmax_cross_entropy(&ldy16, &labels, &mut p16, n, d_out)
+            .unwrap();
+        let l32 = be
+            .softmax_cross_entropy(&ldy32, &labels, &mut p32, n, d_out)
+            .unwrap();
+        assert_eq!(l16.to_bits(), l32.to_bits(), "loss");
+        same("probabilities", &p16, &p32);
+        let (mut a, mut b) = (zeros(n * d_out, dtype), zeros(n * d_out, DType::F32));
+        be.softmax_cross_entropy_backward(&p16, &labels, &mut a, 1024.0 / 3.0, n, d_out)
+            .unwrap();
+        be.softmax_cross_entropy_backward(&p32, &labels, &mut b, 1024.0 / 3.0, n, d_out)
+            .unwrap();
+        rounded_once("loss gradient", &a, &b);
     }
 }
 
@@ -52,25 +321,24 @@ fn relative_error(a: &[Vec<f64>], b: &[Vec<f64>]) -> f64 {
     (diff / norm).sqrt()
 }
 
+/// A whole model's gradients cannot be held to a few units of rounding: at initialisation,
+/// with BN over micro-batches of 8 and ReLUs that flip on any perturbation of values near 0,
+/// even f32 against f64 differs by about 1e-3 relative (thousands of f32 units; measured
+/// here). What is checked is what a wrong scale, sign or missing term would break: the
+/// gradients keep their size and direction (bf16 measured 0.22, fp16 0.05 on this model),
+/// and more bits bring them closer. The ops themselves are held to their exact semantics in
+/// `every_op_in_16_bits_is_the_f32_op_rounded_once`.
 #[test]
-fn gradients_match_f32_to_within_the_activation_type() {
+fn model_gradients_keep_their_size_and_direction() {
     let reference = gradients(Precision::Fp32);
-    // Unit roundoff: 2⁻⁸ for bf16 (8 significant bits), 2⁻¹¹ for f16. Every activation and
-    // activation gradient of the 20 layers is rounded once where it is stored; their errors
-    // add up roughly as a random walk, so a few units over the whole model.
-    for (precision, unit) in [
-        (Precision::Bf16, 2f64.powi(-8)),
-        (Precision::Fp16, 2f64.powi(-11)),
-    ] {
-        let err = relative_error(&gradients(precision), &reference);
-        eprintln!(
-            "{precision}: gradients within {err:.2e} of f32 ({:.1} units)",
-            err / unit
-        );
-        assert!(err < 8.0 * unit, "{precision}: relative error {err:e}");
-        // Not the f32 gradients themselves: the activations really were rounded.
-        assert!(err > unit / 16.0, "{precision}: relative error {err:e}");
-    }
+    let bf16 = relative_error(&gradients(Precision::Bf16), &reference);
+    let fp16 = relative_error(&gradients(Precision::Fp16), &reference);
+    eprintln!("relative error of the gradients: bf16 {bf16:.3}, fp16 {fp16:.3}");
+    assert!(bf16 < 0.4 && fp16 < 0.1, "bf16 {bf16}, fp16 {fp16}");
+    assert!(
+        fp16 < bf16 / 2.0,
+        "fp16 {fp16} should be well below bf16 {bf16}"
+    );
 }
 
 #[test]
@@ -124,6 +392,15 @@ fn the_plan_predicts_mixed_precision_memory() {
     }
 }
 
+/// The trainable parameters (a skipped step still updates BN's running statistics, as
+/// PyTorch's does).
+fn weights(t: &Trainer) -> Vec<Vec<f64>> {
+    (t.params.values.iter().zip(&t.graph.params))
+        .filter(|(_, p)| p.spec.trainable)
+        .map(|(v, _)| v.to_f64_vec().unwrap())
+        .collect()
+}
+
 #[test]
 fn an_overflow_skips_the_step_and_halves_the_scale() {
     // 2⁴⁰ overflows f16 in the loss gradient itself: steps are skipped, the weights untouched,
@@ -131,12 +408,7 @@ fn an_overflow_skips_the_step_and_halves_the_scale() {
     let mut c = config(Precision::Fp16, 8, 40);
     c.loss_scale = 2f64.powi(40);
     let mut t = Trainer::new(c).unwrap();
-    let initial: Vec<Vec<f64>> = t
-        .params
-        .values
-        .iter()
-        .map(|v| v.to_f64_vec().unwrap())
-        .collect();
+    let initial = weights(&t);
     let mut scale = 2f64.powi(40);
     let mut first_applied = None;
     for step in 0..40 {
@@ -147,13 +419,10 @@ fn an_overflow_skips_the_step_and_halves_the_scale() {
                 first_applied.is_none(),
                 "step {step} skipped after one was applied"
             );
-            let now: Vec<Vec<f64>> = t
-                .params
-                .values
-                .iter()
-                .map(|v| v.to_f64_vec().unwrap())
-                .collect();
-            assert!(now == initial, "skipped step {step} changed the weights");
+            assert!(
+                weights(&t) == initial,
+                "skipped step {step} changed the weights"
+            );
             scale /= 2.0;
         } else {
             first_applied.get_or_insert(step);
@@ -165,13 +434,7 @@ fn an_overflow_skips_the_step_and_halves_the_scale() {
         "2^40 should overflow for a while, applied at {first}"
     );
     assert_eq!(t.loss_scale.as_ref().unwrap().skipped(), first);
-    let now: Vec<Vec<f64>> = t
-        .params
-        .values
-        .iter()
-        .map(|v| v.to_f64_vec().unwrap())
-        .collect();
-    assert!(now != initial, "applied steps change the weights");
+    assert!(weights(&t) != initial, "applied steps change the weights");
 }
 
 #[test]
@@ -225,7 +488,11 @@ fn every_rank_skips_an_overflowing_step() {
     let t = Trainer::new(config(Precision::Fp16, 4, 3)).unwrap();
     for r in &reports {
         assert_eq!(r.skipped_steps, 3, "rank {}", r.rank);
-        for (_, id, v) in &r.params {
+        for (_, id, v) in r
+            .params
+            .iter()
+            .filter(|p| t.graph.params[p.1].spec.trainable)
+        {
             assert_eq!(
                 v,
                 &t.params.values[*id].to_f64_vec().unwrap(),
