@@ -755,7 +755,7 @@ fn train(a: TrainArgs) -> anyhow::Result<()> {
         config.classes,
         config.batch_size,
         total,
-        config.dtype.name(),
+        config.numerics(),
         trainer.device.backend().name(),
     );
     let bar = if std::io::stderr().is_terminal() {
@@ -837,6 +837,13 @@ fn train(a: TrainArgs) -> anyhow::Result<()> {
         100.0 / config.classes as f64
     );
     println!("  throughput {:.1} images/s", images as f64 / secs);
+    if let Some(s) = &trainer.loss_scale {
+        println!(
+            "  loss scale {} ({} steps skipped: their gradients overflowed f16)",
+            s.factor(),
+            s.skipped()
+        );
+    }
     let waited: f64 = history.iter().map(|r| r.data_wait).sum();
     println!(
         "  waited for data {waited:.2} s ({:.1}% of the loop)",
@@ -1022,7 +1029,7 @@ fn plan(a: TrainArgs) -> anyhow::Result<()> {
         s.replicas,
         s.dp,
         c.train.batch_size,
-        c.train.dtype.name()
+        c.train.numerics()
     );
     let costs = layout.costs.total();
     println!(
@@ -1471,7 +1478,7 @@ fn simulate(a: SimulateArgs) -> anyhow::Result<()> {
         s.parts,
         s.replicas,
         c.train.batch_size,
-        c.train.dtype.name(),
+        c.train.numerics(),
         a.profile
     );
     let points = simulate::weak_scaling(&c, &a.profile, a.gpus)?;
@@ -1534,8 +1541,8 @@ fn train_spread(a: TrainArgs) -> anyhow::Result<()> {
     let header = || {
         let g = &layout.graph;
         println!(
-            "training {} with {}: P={} stages, m={} micro-batches, η={} replicas, D={} groups on {} ranks ({}); {per_step} images per step",
-            g.name, scheme.kind, scheme.stages, scheme.parts, scheme.replicas, scheme.dp, scheme.world(), a.spread.transport
+            "training {} with {}: P={} stages, m={} micro-batches, η={} replicas, D={} groups on {} ranks ({}); {per_step} images per step, {}",
+            g.name, scheme.kind, scheme.stages, scheme.parts, scheme.replicas, scheme.dp, scheme.world(), a.spread.transport, c.train.numerics()
         );
         for (s, r) in layout.partition.stages.iter().enumerate() {
             let (first, last) = (&g.nodes[r.start].name, &g.nodes[r.end - 1].name);
@@ -1582,6 +1589,12 @@ fn train_spread(a: TrainArgs) -> anyhow::Result<()> {
         "  throughput {:.1} images/s",
         (steps * per_step) as f64 / secs
     );
+    if c.train.precision.scales_loss() {
+        println!(
+            "  {} steps skipped: their gradients overflowed f16's loss scale",
+            reports[0].skipped_steps
+        );
+    }
     if let Some((_, e)) = validation.last() {
         print_validation(e);
     }

@@ -54,6 +54,21 @@ impl TrainConfig {
         self.precision.activations(self.dtype)
     }
 
+    /// The numbers a run computes with, for headers: `f32`, `f32 (tf32 products)`, or the
+    /// activations' and the weights' types.
+    pub fn numerics(&self) -> String {
+        let weights = self.dtype.name();
+        match self.precision {
+            Precision::Fp32 => weights.to_string(),
+            Precision::Tf32 => format!("{weights} (tf32 products)"),
+            Precision::Bf16 => format!("bf16 activations, {weights} weights"),
+            Precision::Fp16 => format!(
+                "f16 activations (loss scale from {}), {weights} weights",
+                self.loss_scale
+            ),
+        }
+    }
+
     /// `model` on `image_size`² images of `classes` classes, `batch_size` images per step for
     /// `steps` steps; SGD with momentum 0.9 and weight decay 5e-4 at a constant 0.05; seed 0,
     /// f32 on the CPU, no capacity, synthetic data. Change the fields for anything else.

@@ -74,7 +74,18 @@ impl Drop for MpiComm {
     }
 }
 
-/// [rank, dims..., dtype] as little-endian u64s, then the elements.
+/// The dtypes of the wire, by their code in the header (a match, so a new dtype must be
+/// given one).
+fn wire_code(d: DType) -> u64 {
+    match d {
+        DType::F32 => 0,
+        DType::F64 => 1,
+        DType::BF16 => 2,
+        DType::F16 => 3,
+    }
+}
+
+/// [rank, dims..., dtype code] as little-endian u64s, then the elements.
 fn encode(m: Message) -> Result<Box<[u8]>> {
     let mut out =
         Vec::with_capacity(8 * (m.shape.rank() + 2) + m.storage.len() * m.storage.dtype().size());
@@ -82,7 +93,7 @@ fn encode(m: Message) -> Result<Box<[u8]>> {
     for &d in m.shape.dims() {
         out.extend((d as u64).to_le_bytes());
     }
-    out.extend(((m.storage.dtype() == DType::F64) as u64).to_le_bytes());
+    out.extend(wire_code(m.storage.dtype()).to_le_bytes());
     out.extend(m.storage.to_le_bytes()?);
     Ok(out.into_boxed_slice())
 }
@@ -97,11 +108,11 @@ fn decode(b: &[u8]) -> Result<Message> {
     let dims = (1..=rank)
         .map(|i| word(i).map(|d| d as usize))
         .collect::<Result<Vec<_>>>()?;
-    let dtype = if word(rank + 1)? == 1 {
-        DType::F64
-    } else {
-        DType::F32
-    };
+    let code = word(rank + 1)?;
+    let dtype = [DType::F32, DType::F64, DType::BF16, DType::F16]
+        .into_iter()
+        .find(|&d| wire_code(d) == code)
+        .ok_or_else(|| Error::Comm(format!("a message of unknown dtype code {code}")))?;
     let storage = Storage::from_le_bytes(&b[8 * (rank + 2)..], dtype);
     let shape = Shape(dims);
     if storage.len() != shape.numel() {
@@ -166,6 +177,16 @@ mod tests {
         for storage in [
             Storage::F32(vec![1.5, -2.0, 3.25, 0.0, 7.0, 8.0]),
             Storage::F64(vec![0.1, 0.2, 0.3, 0.4, 0.5, 0.6]),
+            Storage::BF16(
+                [1.5, -2.0, 3.25, 0.0, 7.0, 8.0]
+                    .map(half::bf16::from_f32)
+                    .to_vec(),
+            ),
+            Storage::F16(
+                [1.5, -2.0, 3.25, 0.0, 7.0, 8.0]
+                    .map(half::f16::from_f32)
+                    .to_vec(),
+            ),
         ] {
             let bytes = storage.to_le_bytes().unwrap();
             let dtype = storage.dtype();
