@@ -1452,7 +1452,7 @@ fn calibrate(a: CalibrateArgs) -> anyhow::Result<()> {
         t.image_size,
         t.classes,
         micro,
-        t.dtype,
+        (t.dtype, t.activations()),
         &device,
         a.repeats.max(1),
     )?;
@@ -1460,7 +1460,7 @@ fn calibrate(a: CalibrateArgs) -> anyhow::Result<()> {
     let (f, b): (f64, f64) = (cal.forward.iter().sum(), cal.backward.iter().sum());
     println!(
         "calibrated {} ops of {} at {}², micro-batch {micro}, {} in {:.1} s: forward {:.2} ms, backward {:.2} ms per micro-batch; wrote {}",
-        g.nodes.len(), t.model, t.image_size, t.dtype.name(), started.elapsed().as_secs_f64(), 1e3 * f, 1e3 * b, a.out.display()
+        g.nodes.len(), t.model, t.image_size, t.numerics(), started.elapsed().as_secs_f64(), 1e3 * f, 1e3 * b, a.out.display()
     );
     Ok(())
 }

@@ -49,7 +49,17 @@ fn calibrated_step_time_predictions_hold() {
     let mut cals = Vec::new();
     let mut measured = vec![Vec::new(); configs.len()];
     for _ in 0..ROUNDS {
-        let cal = calibrate(&g, "resnet20v2", 32, 10, MICRO, DType::F32, &device, 3).unwrap();
+        let cal = calibrate(
+            &g,
+            "resnet20v2",
+            32,
+            10,
+            MICRO,
+            (DType::F32, DType::F32),
+            &device,
+            3,
+        )
+        .unwrap();
         for (i, &(stages, parts)) in configs.iter().enumerate() {
             let reports = run_local(&run(stages, parts, &cal)).unwrap();
             measured[i].extend(&reports[0].step_seconds[1..]);

@@ -23,6 +23,7 @@ pub struct Calibration {
     pub image_size: usize,
     pub classes: usize,
     pub micro_batch: usize,
+    /// The activations' dtype, which op times depend on.
     pub dtype: DType,
     pub device: String,
     pub forward: Vec<f64>,
@@ -106,8 +107,9 @@ fn random(
     device.upload(shape, &data, dtype, Category::Activations)
 }
 
-/// Times every node of `graph` (forward, then backward) on `device` at `micro` images, the
-/// median of `repeats` runs after one warm-up.
+/// Times every node of `graph` (forward, then backward) on `device` at `micro` images, with
+/// parameters in `dtype` and activations in `activations`, the median of `repeats` runs after
+/// one warm-up.
 #[allow(clippy::too_many_arguments)]
 pub fn calibrate(
     graph: &Graph,
@@ -115,7 +117,7 @@ pub fn calibrate(
     image_size: usize,
     classes: usize,
     micro: usize,
-    dtype: DType,
+    (dtype, activations): (DType, DType),
     device: &Device,
     repeats: usize,
 ) -> Result<Calibration> {
@@ -134,7 +136,7 @@ pub fn calibrate(
             .collect();
         let xs = shapes
             .iter()
-            .map(|s| random(device, s.clone(), dtype, &mut rng, false))
+            .map(|s| random(device, s.clone(), activations, &mut rng, false))
             .collect::<Result<Vec<_>>>()?;
         let specs: Vec<_> = node.params.clone().map(|p| &graph.params[p].spec).collect();
         let mut params = specs
@@ -157,7 +159,7 @@ pub fn calibrate(
         let dy = random(
             device,
             batched(micro, &graph.values[node.output].shape),
-            dtype,
+            activations,
             &mut rng,
             false,
         )?;
@@ -205,7 +207,7 @@ pub fn calibrate(
         let x = device.upload(
             batched(micro, graph.input_shape()),
             &pixels,
-            dtype,
+            activations,
             Category::Activations,
         )?;
         data.push(start.elapsed().as_secs_f64());
@@ -232,7 +234,7 @@ pub fn calibrate(
         image_size,
         classes,
         micro_batch: micro,
-        dtype,
+        dtype: activations,
         device: device.backend().name(),
         forward,
         backward,

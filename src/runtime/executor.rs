@@ -98,7 +98,7 @@ impl Layout {
         let micro = t.batch_size / c.scheme.parts;
         let costs = match &c.calibration {
             Some(cal) => {
-                cal.check(&t.model, t.image_size, t.classes, micro, t.dtype)?;
+                cal.check(&t.model, t.image_size, t.classes, micro, t.activations())?;
                 cal.costs()
             }
             None => NodeCosts::analytic(&graph, micro, t.activations(), &DeviceProfile::CPU),
