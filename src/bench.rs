@@ -73,7 +73,7 @@ pub fn time(device: &Device, repeats: usize, mut f: impl FnMut() -> Result<()>) 
     Ok(t[t.len() / 2])
 }
 
-fn random(device: &Device, n: usize, seed: u64) -> Result<Storage> {
+fn random(device: &Device, n: usize, seed: u64, dtype: DType) -> Result<Storage> {
     // Cheap, deterministic, never zero: values in ±[0.05, 1).
     let data: Vec<f64> = (0..n as u64)
         .map(|i| {
@@ -86,11 +86,17 @@ fn random(device: &Device, n: usize, seed: u64) -> Result<Storage> {
             }
         })
         .collect();
-    device.backend().upload(&data, DType::F32)
+    device.backend().upload(&data, dtype)
 }
 
-/// Seconds of forward, backward-data and backward-filter of one convolution.
-pub fn conv_passes(device: &Device, g: &ConvGeom, repeats: usize) -> Result<[f64; 3]> {
+/// Seconds of forward, backward-data and backward-filter of one convolution over activations
+/// of `dtype` (the weights and their gradient f32, as in training).
+pub fn conv_passes(
+    device: &Device,
+    g: &ConvGeom,
+    dtype: DType,
+    repeats: usize,
+) -> Result<[f64; 3]> {
     let be = device.backend();
     let (nx, nw, ny) = (
         g.n * g.c_in * g.h * g.w,
@@ -98,16 +104,16 @@ pub fn conv_passes(device: &Device, g: &ConvGeom, repeats: usize) -> Result<[f64
         g.n * g.c_out * g.h_out * g.w_out,
     );
     let (x, w, dy) = (
-        random(device, nx, 1)?,
-        random(device, nw, 2)?,
-        random(device, ny, 3)?,
+        random(device, nx, 1, dtype)?,
+        random(device, nw, 2, DType::F32)?,
+        random(device, ny, 3, dtype)?,
     );
     let (mut y, mut dx, mut dw) = (
-        be.zeros(ny, DType::F32)?,
-        be.zeros(nx, DType::F32)?,
+        be.zeros(ny, dtype)?,
+        be.zeros(nx, dtype)?,
         be.zeros(nw, DType::F32)?,
     );
-    let mut ws = be.zeros(be.conv2d_workspace(g), DType::F32)?;
+    let mut ws = be.zeros(be.conv2d_workspace(g), dtype.compute())?;
     Ok([
         time(device, repeats, || {
             be.conv2d_forward(&x, &w, &mut y, &mut ws, g)
@@ -137,14 +143,24 @@ impl Bandwidth {
 }
 
 /// Copy, ReLU forward and backward, batch normalization's training forward and backward, and
-/// the two fused with ReLU, over an N×C×HW tensor of f32.
-pub fn memory_bound(device: &Device, g: &ChannelGeom, repeats: usize) -> Result<Vec<Bandwidth>> {
+/// the two fused with ReLU, over an N×C×HW tensor of `dtype` (BN's parameters and statistics
+/// f32).
+pub fn memory_bound(
+    device: &Device,
+    g: &ChannelGeom,
+    dtype: DType,
+    repeats: usize,
+) -> Result<Vec<Bandwidth>> {
     let be = device.backend();
     let numel = g.n * g.c * g.hw;
-    let b = (numel * 4) as u64;
-    let (x, dy) = (random(device, numel, 4)?, random(device, numel, 5)?);
-    let (gamma, beta) = (random(device, g.c, 6)?, random(device, g.c, 7)?);
-    let (mut y, mut dx) = (be.zeros(numel, DType::F32)?, be.zeros(numel, DType::F32)?);
+    let b = (numel * dtype.size()) as u64;
+    let (x, dy) = (
+        random(device, numel, 4, dtype)?,
+        random(device, numel, 5, dtype)?,
+    );
+    let f32s = |n, seed| random(device, n, seed, DType::F32);
+    let (gamma, beta) = (f32s(g.c, 6)?, f32s(g.c, 7)?);
+    let (mut y, mut dx) = (be.zeros(numel, dtype)?, be.zeros(numel, dtype)?);
     let (mut mean, mut var) = (be.zeros(g.c, DType::F32)?, be.zeros(g.c, DType::F32)?);
     let (mut dgamma, mut dbeta) = (be.zeros(g.c, DType::F32)?, be.zeros(g.c, DType::F32)?);
     let eps = 1e-5;
@@ -231,7 +247,7 @@ pub fn memory_bound(device: &Device, g: &ChannelGeom, repeats: usize) -> Result<
 pub fn host_link(device: &Device, bytes: usize, repeats: usize) -> Result<Vec<Bandwidth>> {
     let be = device.backend();
     let numel = bytes / 4;
-    let on_device = random(device, numel, 8)?;
+    let on_device = random(device, numel, 8, DType::F32)?;
     let mut back = be.zeros(numel, DType::F32)?;
     let pool = HostPool::new();
     let mut out = Vec::new();
@@ -381,7 +397,7 @@ mod tests {
         let d = Device::cpu("bench", None);
         let g = crate::models::build("resnet20v2", 32, 10).unwrap();
         let shape = &conv_shapes(&g, 2).unwrap()[1];
-        let t = conv_passes(&d, &shape.geom, 3).unwrap();
+        let t = conv_passes(&d, &shape.geom, DType::F32, 3).unwrap();
         assert!(t.iter().all(|&s| s > 0.0 && s < 10.0), "{t:?}");
         let bw = memory_bound(
             &d,
@@ -390,6 +406,7 @@ mod tests {
                 c: 16,
                 hw: 1024,
             },
+            DType::BF16,
             3,
         )
         .unwrap();

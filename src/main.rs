@@ -1141,6 +1141,7 @@ fn plan(a: TrainArgs) -> anyhow::Result<()> {
 fn bench_kernels(a: BenchKernelsArgs) -> anyhow::Result<()> {
     use gems::bench;
     let kind = a.on.kind(DType::F32)?;
+    let dtype = a.on.precision().activations(DType::F32);
     let convs = match a.conv {
         BenchConv::One(c) => vec![c],
         BenchConv::Both => vec![ConvImpl::Native, ConvImpl::Cudnn],
@@ -1153,10 +1154,11 @@ fn bench_kernels(a: BenchKernelsArgs) -> anyhow::Result<()> {
     let g = models::build(&a.model, a.image_size, 1000)?;
     let shapes = bench::conv_shapes(&g, a.batch)?;
     println!(
-        "{} at {}², batch {}: {} distinct convolutions on {}",
+        "{} at {}², batch {}, {} activations: {} distinct convolutions on {}",
         a.model,
         a.image_size,
         a.batch,
+        dtype.name(),
         shapes.len(),
         devices
             .iter()
@@ -1198,7 +1200,7 @@ fn bench_kernels(a: BenchKernelsArgs) -> anyhow::Result<()> {
     for s in &shapes {
         let t = devices
             .iter()
-            .map(|d| bench::conv_passes(d, &s.geom, a.repeats))
+            .map(|d| bench::conv_passes(d, &s.geom, dtype, a.repeats))
             .collect::<gems::Result<Vec<_>>>()?;
         let f = s.flops();
         let cells: Vec<String> = (0..3)
@@ -1262,9 +1264,13 @@ fn bench_kernels(a: BenchKernelsArgs) -> anyhow::Result<()> {
         c,
         hw: h * w,
     };
-    let bw = bench::memory_bound(device, &geom, a.repeats)?;
+    let bw = bench::memory_bound(device, &geom, dtype, a.repeats)?;
     let copy = bw[0].gb_per_s();
-    println!("memory-bound kernels over {}×{c}×{h}×{w} f32:", a.batch);
+    println!(
+        "memory-bound kernels over {}×{c}×{h}×{w} {}:",
+        a.batch,
+        dtype.name()
+    );
     for b in &bw {
         println!(
             "  {:<24} {:>8.1} GB/s  {:>5.1}% of copy",

@@ -4,9 +4,10 @@
 #   info     gems info, nvidia-smi
 #   suite    the GPU suite (every op against the CPU, whole steps, offload bit-identity)
 #   kernels  gems bench kernels: resnet110v2 at 1024² and resnet50 at 224², fp32 and tf32,
-#            native kernels and cuDNN side by side (--conv both)
+#            native kernels and cuDNN side by side (--conv both); bf16 and fp16 native
 #   train    training images/s: resnet50 224² B=64 and resnet110v2 1024² at the largest batch
-#            the GPU's memory holds, fp32 and tf32, native and cuDNN convolutions; and
+#            the GPU's memory holds, fp32 and tf32, native and cuDNN convolutions, bf16 and
+#            fp16 native (mixed precision: cuDNN runs fp32/tf32 only here); and
 #            resnet110v2 at 1024² fed from a whole-slide image (does the loader keep up?)
 #   offload  gems bench offload: GEMS's offload study (4 models × 6 variants) and the host link
 #   torch    scripts/torch_reference.py all (PyTorch on the same GPU; see scripts/gpu_session.md)
@@ -45,6 +46,16 @@ for part in "${parts[@]}"; do
                 --image-size 224 --batch 64 --json "$OUT/kernels-resnet50-$p.json" 2>&1 |
                 tee -a "$OUT/kernels.txt"
         done
+        for p in bf16 fp16; do
+            step "kernels resnet110v2 $p native"
+            $G bench kernels --device cuda --precision $p --conv native --model resnet110v2 \
+                --image-size 1024 --batch 4 --json "$OUT/kernels-resnet110v2-$p.json" 2>&1 |
+                tee -a "$OUT/kernels.txt"
+            step "kernels resnet50 $p native"
+            $G bench kernels --device cuda --precision $p --conv native --model resnet50 \
+                --image-size 224 --batch 64 --json "$OUT/kernels-resnet50-$p.json" 2>&1 |
+                tee -a "$OUT/kernels.txt"
+        done
         ;;
     train)
         for p in fp32 tf32; do
@@ -58,6 +69,14 @@ for part in "${parts[@]}"; do
                     --image-size 1024 --batch-size max --steps 10 --warmup 0 2>&1 |
                     tee -a "$OUT/train.txt"
             done
+        done
+        for p in bf16 fp16; do
+            step "train resnet50 224 B=64 $p native"
+            $G train --device cuda --precision $p --model resnet50 --image-size 224 \
+                --classes 10 --batch-size 64 --steps 30 --warmup 0 2>&1 | tee -a "$OUT/train.txt"
+            step "train resnet110v2 1024 largest batch $p native"
+            $G train --device cuda --precision $p --model resnet110v2 --image-size 1024 \
+                --batch-size max --steps 10 --warmup 0 2>&1 | tee -a "$OUT/train.txt"
         done
         step "train resnet110v2 1024 B=8 tf32 from slide tiles"
         slides=/tmp/gems-slides
