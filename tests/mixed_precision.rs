@@ -512,3 +512,43 @@ fn mixed_precision_needs_f32_parameters() {
         Ok(_) => panic!("bf16 with f64 parameters was accepted"),
     }
 }
+
+#[test]
+fn offload_and_recompute_leave_16_bit_training_bit_identical() {
+    use gems::graph::policy::{Keep, SavePolicy};
+    let n = gems::models::build("resnet20v2", 32, 10)
+        .unwrap()
+        .nodes
+        .len();
+    for precision in [Precision::Bf16, Precision::Fp16] {
+        let run = |saves: SavePolicy| {
+            let mut c = config(precision, 8, 2);
+            c.saves = saves;
+            let mut t = Trainer::new(c).unwrap();
+            let losses: Vec<u64> = (0..2).map(|_| t.step().unwrap().loss.to_bits()).collect();
+            let values: Vec<Vec<u64>> = t
+                .params
+                .values
+                .iter()
+                .map(|v| {
+                    v.to_f64_vec()
+                        .unwrap()
+                        .iter()
+                        .map(|x| x.to_bits())
+                        .collect()
+                })
+                .collect();
+            (losses, values, t.memory().peak)
+        };
+        let (losses, values, peak) = run(SavePolicy::keep_all());
+        for policy in [
+            SavePolicy::all(n, Keep::Host, 2),
+            SavePolicy::checkpointed(n),
+        ] {
+            let (l, v, p) = run(policy);
+            assert_eq!(l, losses, "{precision}: losses");
+            assert!(v == values, "{precision}: weights differ");
+            assert!(p < peak, "{precision}: peak {p} not below {peak}");
+        }
+    }
+}
