@@ -369,7 +369,7 @@ impl Trainer {
         graph::backward(g, &mut self.params, &self.device, tape, seeds, &[])?;
         let lr = self.config.schedule.lr(self.step);
         let apply = match &mut self.loss_scale {
-            Some(s) => s.update(LossScale::overflowed(&self.params, &self.device)?),
+            Some(s) => s.update(LossScale::overflowed(&self.params, &self.device)?)?,
             None => true,
         };
         if apply {
@@ -456,9 +456,11 @@ impl Trainer {
         for _ in (0..samples).step_by(batch_size) {
             let Batch { pixels, labels, .. } = loader.next_batch()?;
             let b = labels.len();
-            let x = self
-                .device
-                .input(batched(b, g.input_shape()), pixels, self.config.dtype)?;
+            let x = self.device.input(
+                batched(b, g.input_shape()),
+                pixels,
+                self.config.activations(),
+            )?;
             let (logits, _) = graph::forward(
                 g,
                 &mut self.params,

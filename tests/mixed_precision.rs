@@ -552,3 +552,21 @@ fn offload_and_recompute_leave_16_bit_training_bit_identical() {
         }
     }
 }
+
+#[test]
+fn evaluation_runs_in_16_bits() {
+    let eval = |precision| {
+        let mut t = Trainer::new(config(precision, 8, 1)).unwrap();
+        let data = t.data.train.clone();
+        t.evaluate_on(&data, Some(16), 8).unwrap().loss
+    };
+    let full = eval(Precision::Fp32);
+    for precision in [Precision::Bf16, Precision::Fp16] {
+        let loss = eval(precision);
+        // The same weights: the loss moves by the rounding of the activations only.
+        assert!(
+            (loss - full).abs() < 0.02 * full,
+            "{precision}: {loss} vs fp32 {full}"
+        );
+    }
+}

@@ -749,7 +749,7 @@ impl<'a> Rank<'a> {
                 }
                 let anywhere = self.comm.sum_f64(vec![here as u8 as f64])?[0] > 0.0;
                 let scale = self.loss_scale.as_mut().expect("scaling");
-                if !scale.update(anywhere) {
+                if !scale.update(anywhere)? {
                     report.skipped_steps += 1;
                 }
                 !anywhere

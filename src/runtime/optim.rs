@@ -91,7 +91,9 @@ impl Sgd {
 /// scale so that small gradients stay representable in f16; the optimizer divides it out. A
 /// step whose gradients hold an infinity or NaN (the scale was too large) is skipped and the
 /// scale halved; after [`LossScale::GROWTH_INTERVAL`] clean steps in a row it doubles. Powers
-/// of two, so scaling and unscaling are exact.
+/// of two, so scaling and unscaling are exact. Gradients that overflow even at
+/// [`LossScale::FLOOR`] are not a matter of scale (activations beyond f16's range, a loss
+/// that is already infinite): that is an error, not an endless run of skipped steps.
 #[derive(Clone, Debug, PartialEq)]
 pub struct LossScale {
     scale: f64,
@@ -105,11 +107,13 @@ impl LossScale {
     /// PyTorch's default first scale, 2^16.
     pub const INITIAL: f64 = 65536.0;
     pub const GROWTH_INTERVAL: usize = 2000;
+    /// The smallest scale, 2^-16: gradients as large as f16's range over this cannot be real.
+    pub const FLOOR: f64 = 1.0 / 65536.0;
 
-    /// A scale starting at `initial` (rounded down to a power of two, at least 1).
+    /// A scale starting at `initial` (rounded down to a power of two, at least the floor).
     pub fn new(initial: f64) -> LossScale {
         LossScale {
-            scale: 2f64.powi(initial.max(1.0).log2().floor() as i32),
+            scale: 2f64.powi(initial.max(Self::FLOOR).log2().floor() as i32),
             clean: 0,
             skipped: 0,
         }
@@ -125,19 +129,27 @@ impl LossScale {
     }
 
     /// Records whether this step's gradients overflowed; returns whether to apply the step.
-    pub fn update(&mut self, overflowed: bool) -> bool {
+    pub fn update(&mut self, overflowed: bool) -> Result<bool> {
         if overflowed {
-            self.scale = (self.scale / 2.0).max(1.0);
+            if self.scale <= Self::FLOOR {
+                return Err(crate::Error::Config(format!(
+                    "fp16 gradients overflow even at loss scale {} ({} steps skipped): \
+                     activations or the loss are beyond f16's range (65504); train with \
+                     --precision bf16, which has f32's range",
+                    self.scale, self.skipped
+                )));
+            }
+            self.scale /= 2.0;
             self.clean = 0;
             self.skipped += 1;
-            return false;
+            return Ok(false);
         }
         self.clean += 1;
         if self.clean == Self::GROWTH_INTERVAL {
             self.scale *= 2.0;
             self.clean = 0;
         }
-        true
+        Ok(true)
     }
 
     /// Whether any gradient in `params` holds an infinity or NaN.
@@ -158,29 +170,32 @@ mod tests {
     #[test]
     fn loss_scale_halves_on_overflow_and_doubles_after_clean_steps() {
         assert_eq!(LossScale::new(100.0).factor(), 64.0);
-        assert_eq!(LossScale::new(0.0).factor(), 1.0);
+        assert_eq!(LossScale::new(0.0).factor(), LossScale::FLOOR);
         let mut s = LossScale::new(LossScale::INITIAL);
-        assert!(!s.update(true));
+        let update = |s: &mut LossScale, overflowed| s.update(overflowed).unwrap();
+        assert!(!update(&mut s, true));
         assert_eq!((s.factor(), s.skipped()), (LossScale::INITIAL / 2.0, 1));
         for _ in 0..LossScale::GROWTH_INTERVAL - 1 {
-            assert!(s.update(false));
+            assert!(update(&mut s, false));
         }
         assert_eq!(s.factor(), LossScale::INITIAL / 2.0);
-        assert!(s.update(false));
+        assert!(update(&mut s, false));
         assert_eq!(s.factor(), LossScale::INITIAL);
         // An overflow resets the count of clean steps.
         for _ in 0..10 {
-            s.update(false);
+            update(&mut s, false);
         }
-        s.update(true);
+        update(&mut s, true);
         for _ in 0..LossScale::GROWTH_INTERVAL - 1 {
-            s.update(false);
+            update(&mut s, false);
         }
         assert_eq!(s.factor(), LossScale::INITIAL / 2.0);
-        // The scale never falls below 1.
-        for _ in 0..40 {
-            s.update(true);
+        // Down to the floor (2^15 to 2^-16: 31 halvings), then an overflow is an error.
+        for _ in 0..31 {
+            assert!(!update(&mut s, true));
         }
-        assert_eq!((s.factor(), s.skipped()), (1.0, 42));
+        assert_eq!((s.factor(), s.skipped()), (LossScale::FLOOR, 33));
+        let e = s.update(true).unwrap_err().to_string();
+        assert!(e.contains("--precision bf16"), "{e}");
     }
 }
