@@ -424,6 +424,18 @@ fn dev_mut(s: &mut Storage) -> Result<&mut CudaSlice<f32>> {
     }
 }
 
+/// A copy between storages of different element types is a bug in the caller.
+fn same_dtype(src: &Storage, dst: &Storage) -> Result<()> {
+    if src.dtype() != dst.dtype() {
+        return Err(Error::Internal(format!(
+            "a copy of {} elements into {} storage",
+            src.dtype().name(),
+            dst.dtype().name()
+        )));
+    }
+    Ok(())
+}
+
 fn not_on_device(s: &Storage) -> Error {
     Error::Internal(format!(
         "the CUDA backend got {} elements that are not in device memory",
@@ -529,40 +541,41 @@ impl Backend for Cuda {
     fn zeros(&self, numel: usize, dtype: DType) -> Result<Storage> {
         match dtype {
             DType::F32 => Ok(Storage::CudaF32(alloc_zeros(&self.stream, numel)?)),
-            other => Err(unsupported(other)),
+            DType::BF16 | DType::F16 => {
+                Ok(Storage::Cuda16(dtype, alloc_zeros(&self.stream, numel)?))
+            }
+            DType::F64 => Err(unsupported(dtype)),
         }
     }
 
     fn upload(&self, data: &[f64], dtype: DType) -> Result<Storage> {
+        // Rounded once from f64, as the CPU backend's upload.
         match dtype {
-            DType::F32 => {
-                let v: Vec<f32> = data.iter().map(|&x| x as f32).collect();
-                self.adopt(Storage::F32(v))
-            }
-            other => Err(unsupported(other)),
+            DType::F32 => self.adopt(Storage::F32(data.iter().map(|&x| x as f32).collect())),
+            DType::BF16 => self.adopt(Storage::BF16(
+                data.iter().map(|&x| half::bf16::from_f64(x)).collect(),
+            )),
+            DType::F16 => self.adopt(Storage::F16(
+                data.iter().map(|&x| half::f16::from_f64(x)).collect(),
+            )),
+            DType::F64 => Err(unsupported(dtype)),
         }
     }
 
     fn adopt(&self, s: Storage) -> Result<Storage> {
         match s {
-            Storage::F32(v) if v.is_empty() => self.zeros(0, DType::F32),
-            Storage::F32(v) => Ok(Storage::CudaF32(
-                self.stream.clone_htod(&v).map_err(driver_error)?,
+            Storage::F32(v) => Ok(Storage::CudaF32(self.to_device(&v)?)),
+            // bf16 and f16 travel as their bits (half's types are plain u16 underneath).
+            Storage::BF16(v) => Ok(Storage::Cuda16(
+                DType::BF16,
+                self.to_device::<u16>(bytemuck::cast_slice(&v))?,
             )),
-            Storage::CudaF32(v) if **v.stream() == *self.stream => Ok(Storage::CudaF32(v)),
-            Storage::CudaF32(v) => {
-                // Another device's buffer (another rank's message): once its stream has
-                // written it, copy it onto ours, and let the copy finish before the original
-                // is freed on its own stream.
-                v.stream().synchronize().map_err(driver_error)?;
-                let mine = if v.is_empty() {
-                    self.stream.null().map_err(driver_error)?
-                } else {
-                    self.stream.clone_dtod(&v).map_err(driver_error)?
-                };
-                self.synchronize()?;
-                Ok(Storage::CudaF32(mine))
-            }
+            Storage::F16(v) => Ok(Storage::Cuda16(
+                DType::F16,
+                self.to_device::<u16>(bytemuck::cast_slice(&v))?,
+            )),
+            Storage::CudaF32(v) => Ok(Storage::CudaF32(self.onto_stream(v)?)),
+            Storage::Cuda16(d, v) => Ok(Storage::Cuda16(d, self.onto_stream(v)?)),
             other => Err(unsupported(other.dtype())),
         }
     }
@@ -573,12 +586,13 @@ impl Backend for Cuda {
         dtype: DType,
         pool: Option<&Arc<HostPool>>,
     ) -> Result<Storage> {
-        if dtype != DType::F32 {
-            return Err(unsupported(dtype));
-        }
-        match pool {
-            None => Ok(Storage::F32(vec![0.0; numel])),
-            Some(p) => Ok(Storage::Host(p.take(numel, dtype, |bytes| {
+        match (dtype, pool) {
+            (DType::F64, _) => Err(unsupported(dtype)),
+            (DType::F32, None) => Ok(Storage::F32(vec![0.0; numel])),
+            (DType::BF16, None) => Ok(Storage::BF16(vec![half::bf16::ZERO; numel])),
+            (DType::F16, None) => Ok(Storage::F16(vec![half::f16::ZERO; numel])),
+            // The block is sized by the dtype's bytes and carries the dtype.
+            (_, Some(p)) => Ok(Storage::Host(p.take(numel, dtype, |bytes| {
                 if bytes == 0 {
                     return Ok(Block::Pageable(Vec::new()));
                 }
@@ -597,24 +611,13 @@ impl Backend for Cuda {
         dst: &mut Storage,
         on_copy_stream: bool,
     ) -> Result<Option<Event>> {
-        let (src, dst) = (dev(src)?, dst.host_bytes_mut()?);
-        if dst.len() != src.num_bytes() {
-            return Err(Error::Internal(format!(
-                "a copy of {} device bytes into {} host bytes",
-                src.num_bytes(),
-                dst.len()
-            )));
+        same_dtype(src, dst)?;
+        let dst = dst.host_bytes_mut()?;
+        match src {
+            Storage::CudaF32(s) => self.download_into(s, dst, on_copy_stream),
+            Storage::Cuda16(_, s) => self.download_into(s, dst, on_copy_stream),
+            other => Err(not_on_device(other)),
         }
-        if dst.is_empty() {
-            return Ok(None);
-        }
-        let stream = self.copy_stream_for(on_copy_stream)?;
-        let (ptr, _no_record) = src.device_ptr(stream);
-        // SAFETY: `dst` holds exactly the source's bytes; it stays alive until the copy is
-        // complete (the caller keeps both until the returned event, or we synchronize).
-        unsafe { driver::result::memcpy_dtoh_async(dst, ptr, stream.cu_stream()) }
-            .map_err(driver_error)?;
-        self.copy_done(on_copy_stream)
     }
 
     fn copy_in(
@@ -623,23 +626,13 @@ impl Backend for Cuda {
         dst: &mut Storage,
         on_copy_stream: bool,
     ) -> Result<Option<Event>> {
-        let (src, dst) = (src.host_bytes()?, dev_mut(dst)?);
-        if src.len() != dst.num_bytes() {
-            return Err(Error::Internal(format!(
-                "a copy of {} host bytes into {} device bytes",
-                src.len(),
-                dst.num_bytes()
-            )));
+        same_dtype(src, dst)?;
+        let src = src.host_bytes()?;
+        match dst {
+            Storage::CudaF32(d) => self.upload_into(src, d, on_copy_stream),
+            Storage::Cuda16(_, d) => self.upload_into(src, d, on_copy_stream),
+            other => Err(not_on_device(other)),
         }
-        if src.is_empty() {
-            return Ok(None);
-        }
-        let stream = self.copy_stream_for(on_copy_stream)?;
-        let (ptr, _no_record) = dst.device_ptr_mut(stream);
-        // SAFETY: as in copy_out, the other way.
-        unsafe { driver::result::memcpy_htod_async(ptr, src, stream.cu_stream()) }
-            .map_err(driver_error)?;
-        self.copy_done(on_copy_stream)
     }
 
     fn wait(&self, event: &Event) -> Result<()> {
@@ -647,11 +640,24 @@ impl Backend for Cuda {
     }
 
     fn copy(&self, src: &Storage, dst: &mut Storage) -> Result<()> {
-        let (src, dst) = (dev(src)?, dev_mut(dst)?);
+        same_dtype(src, dst)?;
+        if src.len() != dst.len() {
+            return Err(Error::Internal(format!(
+                "a copy of {} elements into {}",
+                src.len(),
+                dst.len()
+            )));
+        }
         if src.is_empty() {
             return Ok(());
         }
-        self.stream.memcpy_dtod(src, dst).map_err(driver_error)
+        match (src, dst) {
+            (Storage::CudaF32(s), Storage::CudaF32(d)) => self.stream.memcpy_dtod(s, d),
+            (Storage::Cuda16(_, s), Storage::Cuda16(_, d)) => self.stream.memcpy_dtod(s, d),
+            (Storage::CudaF32(_) | Storage::Cuda16(..), other) => return Err(not_on_device(other)),
+            (other, _) => return Err(not_on_device(other)),
+        }
+        .map_err(driver_error)
     }
 
     fn synchronize(&self) -> Result<()> {
@@ -1149,6 +1155,86 @@ impl Cuda {
         }
     }
 
+    /// Host elements copied into a new buffer on this device's stream.
+    fn to_device<T: DeviceRepr + cudarc::driver::ValidAsZeroBits>(
+        &self,
+        v: &[T],
+    ) -> Result<CudaSlice<T>> {
+        if v.is_empty() {
+            return alloc_zeros(&self.stream, 0);
+        }
+        self.stream.clone_htod(v).map_err(driver_error)
+    }
+
+    /// A device buffer as one ordered on this device's stream: itself when it is, else a copy.
+    fn onto_stream<T: DeviceRepr>(&self, v: CudaSlice<T>) -> Result<CudaSlice<T>> {
+        if **v.stream() == *self.stream {
+            return Ok(v);
+        }
+        // Another device's buffer (another rank's message): once its stream has written it,
+        // copy it onto ours, and let the copy finish before the original is freed on its own
+        // stream.
+        v.stream().synchronize().map_err(driver_error)?;
+        let mine = if v.is_empty() {
+            self.stream.null().map_err(driver_error)?
+        } else {
+            self.stream.clone_dtod(&v).map_err(driver_error)?
+        };
+        self.synchronize()?;
+        Ok(mine)
+    }
+
+    /// Copies device elements `src` into host bytes `dst` (see [`Backend::copy_out`]).
+    fn download_into<T>(
+        &self,
+        src: &CudaSlice<T>,
+        dst: &mut [u8],
+        on_copy_stream: bool,
+    ) -> Result<Option<Event>> {
+        if dst.len() != src.num_bytes() {
+            return Err(Error::Internal(format!(
+                "a copy of {} device bytes into {} host bytes",
+                src.num_bytes(),
+                dst.len()
+            )));
+        }
+        if dst.is_empty() {
+            return Ok(None);
+        }
+        let stream = self.copy_stream_for(on_copy_stream)?;
+        let (ptr, _no_record) = src.device_ptr(stream);
+        // SAFETY: `dst` holds exactly the source's bytes; it stays alive until the copy is
+        // complete (the caller keeps both until the returned event, or we synchronize).
+        unsafe { driver::result::memcpy_dtoh_async(dst, ptr, stream.cu_stream()) }
+            .map_err(driver_error)?;
+        self.copy_done(on_copy_stream)
+    }
+
+    /// Copies host bytes `src` into device elements `dst` (see [`Backend::copy_in`]).
+    fn upload_into<T>(
+        &self,
+        src: &[u8],
+        dst: &mut CudaSlice<T>,
+        on_copy_stream: bool,
+    ) -> Result<Option<Event>> {
+        if src.len() != dst.num_bytes() {
+            return Err(Error::Internal(format!(
+                "a copy of {} host bytes into {} device bytes",
+                src.len(),
+                dst.num_bytes()
+            )));
+        }
+        if src.is_empty() {
+            return Ok(None);
+        }
+        let stream = self.copy_stream_for(on_copy_stream)?;
+        let (ptr, _no_record) = dst.device_ptr_mut(stream);
+        // SAFETY: as in download_into, the other way.
+        unsafe { driver::result::memcpy_htod_async(ptr, src, stream.cu_stream()) }
+            .map_err(driver_error)?;
+        self.copy_done(on_copy_stream)
+    }
+
     /// The stream a host-tier copy runs on: the copy stream, once it is ordered after the work
     /// queued so far on the compute stream (which wrote the source, or allocated the
     /// destination), or the compute stream itself.
@@ -1217,7 +1303,7 @@ fn gemm_config(
 
 fn unsupported(dtype: DType) -> Error {
     Error::Config(format!(
-        "the CUDA backend stores f32 tensors, not {}; run {} models on --device cpu",
+        "the CUDA backend stores f32, bf16 and f16 tensors, not {}; run {} models on --device cpu",
         dtype.name(),
         dtype.name()
     ))
