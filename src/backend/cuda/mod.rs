@@ -1,6 +1,16 @@
-//! The CUDA backend: f32 tensors in device memory, the handwritten kernels of `cuda/*.cu`
-//! (compiled at run time by NVRTC for the device's architecture and cached on disk), cuBLAS for
-//! linear layers, and cuDNN for convolutions when asked ([`ConvImpl::Cudnn`], [`cudnn`]).
+//! The CUDA backend: f32, bf16 and f16 tensors in device memory, the handwritten kernels of
+//! `cuda/*.cu` (compiled at run time by NVRTC for the device's architecture and cached on
+//! disk), cuBLAS for linear layers, and cuDNN for convolutions when asked ([`ConvImpl::Cudnn`],
+//! [`cudnn`]).
+//!
+//! Mixed precision: activations and their gradients may be bf16 or f16
+//! (`Storage::Cuda16`, their bits in a `CudaSlice<u16>`); every kernel is stamped `op_f32`,
+//! `op_bf16`, `op_f16` and the stamp is picked by the activation storage's dtype (`Ty`).
+//! Parameters, their gradients, optimizer state, batch statistics, softmax probabilities and
+//! workspace stay f32 in every stamp. Convolutions of bf16/f16 tensors run on the matching
+//! tensor cores whatever the precision; f32 tensors run f32 or tf32 kernels as the precision
+//! says. Linear layers widen 16-bit operands into f32 workspace, multiply in f32 (cuBLAS SGEMM)
+//! and round the output once, as the CPU reference computes them. cuDNN runs f32 only.
 //!
 //! Everything runs in order on one stream per device. Device memory comes from the driver's
 //! stream-ordered pool with its release threshold raised to the maximum, so freed blocks stay
@@ -315,10 +325,13 @@ impl Cuda {
         Ok((alloc_zeros(&self.stream, numel)?, lease))
     }
 
-    fn conv_kernel(&self, pass: &str) -> String {
-        let suffix = match self.precision {
-            Precision::Fp32 | Precision::Bf16 | Precision::Fp16 => "f32",
-            Precision::Tf32 => "tf32",
+    /// The convolution kernel of `pass` for activations of type `t`: f32 tensors run the
+    /// f32 (CUDA cores) or tf32 (tensor cores) stamp as the precision says; bf16 and f16
+    /// tensors run their own stamp (bf16 or f16 tensor cores) whatever the precision.
+    fn conv_kernel(&self, pass: &str, t: Ty) -> String {
+        let suffix = match (t.0, self.precision) {
+            (DType::F32, Precision::Tf32) => "tf32",
+            (d, _) => d.name(),
         };
         format!("conv2d_{pass}_{suffix}")
     }
@@ -434,6 +447,97 @@ fn same_dtype(src: &Storage, dst: &Storage) -> Result<()> {
         )));
     }
     Ok(())
+}
+
+/// The activation type of a launch: which stamp of a kernel runs (`op_f32`, `op_bf16`,
+/// `op_f16`) and the storage its `T*` arguments must have. Parameters, statistics and
+/// workspace are f32 in every stamp and pass through [`dev`] as before.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Ty(DType);
+
+impl Ty {
+    /// The element type of activation storage `s`: f32, bf16 or f16 in device memory.
+    fn of(s: &Storage) -> Result<Ty> {
+        match s {
+            Storage::CudaF32(_) | Storage::Cuda16(..) => Ok(Ty(s.dtype())),
+            other => Err(not_on_device(other)),
+        }
+    }
+
+    /// The stamp of `op` for this type: `op_f32`, `op_bf16` or `op_f16`.
+    fn kernel(self, op: &str) -> String {
+        format!("{op}_{}", self.0.name())
+    }
+
+    /// `s` as a `const T*` argument; an error unless it holds this type.
+    fn arg(self, s: &Storage) -> Result<Act<'_>> {
+        match s {
+            Storage::CudaF32(v) if self.0 == DType::F32 => Ok(Act::F32(v)),
+            Storage::Cuda16(d, v) if *d == self.0 => Ok(Act::Half(v)),
+            other => Err(self.mismatch(other)),
+        }
+    }
+
+    /// `s` as a `T*` argument the kernel writes; an error unless it holds this type.
+    fn arg_mut(self, s: &mut Storage) -> Result<ActMut<'_>> {
+        if s.dtype() != self.0 {
+            return Err(self.mismatch(s));
+        }
+        match s {
+            Storage::CudaF32(v) => Ok(ActMut::F32(v)),
+            Storage::Cuda16(_, v) => Ok(ActMut::Half(v)),
+            other => Err(self.mismatch(other)),
+        }
+    }
+
+    fn mismatch(self, s: &Storage) -> Error {
+        match s {
+            Storage::CudaF32(_) | Storage::Cuda16(..) => Error::Internal(format!(
+                "a {} kernel got {} elements for one of its {} tensors",
+                self.0.name(),
+                s.dtype().name(),
+                self.0.name()
+            )),
+            other => not_on_device(other),
+        }
+    }
+}
+
+/// An activation tensor passed to a kernel's `const T*`: f32 elements, or bf16/f16 ones as
+/// the u16 slice of their bits. The kernels' gems_bf16 and gems_f16 are 2-byte structs of
+/// one `unsigned short`, so a pointer to the u16 elements is a pointer to T.
+#[derive(Clone, Copy)]
+enum Act<'a> {
+    F32(&'a CudaSlice<f32>),
+    Half(&'a CudaSlice<u16>),
+}
+
+/// An activation tensor passed to a kernel's `T*` (written).
+enum ActMut<'a> {
+    F32(&'a mut CudaSlice<f32>),
+    Half(&'a mut CudaSlice<u16>),
+}
+
+// SAFETY: each pushes the slice's device pointer exactly as cudarc's own impls for
+// `&CudaSlice<T>` and `&mut CudaSlice<T>` do (they are what runs); the kernel's parameter is
+// a pointer to the elements' type (see `Act`).
+unsafe impl<'a, 'b: 'a> PushKernelArg<Act<'b>> for driver::LaunchArgs<'a> {
+    fn arg(&mut self, arg: Act<'b>) -> &mut Self {
+        match arg {
+            Act::F32(s) => self.arg(s),
+            Act::Half(s) => self.arg(s),
+        }
+    }
+}
+
+// SAFETY: as for `Act`.
+unsafe impl<'a, 'b: 'a> PushKernelArg<ActMut<'b>> for driver::LaunchArgs<'a> {
+    fn arg(&mut self, arg: ActMut<'b>) -> &mut Self {
+        match arg {
+            ActMut::F32(s) => self.arg(s),
+            ActMut::Half(s) => self.arg(s),
+        }
+    }
 }
 
 fn not_on_device(s: &Storage) -> Error {
@@ -689,9 +793,11 @@ impl Backend for Cuda {
         if let Some(c) = &self.cudnn {
             return c.forward(dev(x)?, dev(w)?, dev_mut(y)?, dev_mut(ws)?, g);
         }
+        let t = Ty::of(x)?;
         let p = conv_params(g)?;
         let cfg = conv_grid(g.c_out / g.groups, g.n * g.h_out * g.w_out, g.groups)?;
-        launch!(self, self.conv_kernel("forward"), cfg; dev(x)?, dev(w)?, dev_mut(y)?, &p)
+        launch!(self, self.conv_kernel("forward", t), cfg;
+            t.arg(x)?, dev(w)?, t.arg_mut(y)?, &p)
     }
 
     fn conv2d_backward_data(
@@ -705,9 +811,11 @@ impl Backend for Cuda {
         if let Some(c) = &self.cudnn {
             return c.backward_data(dev(dy)?, dev(w)?, dev_mut(dx)?, dev_mut(ws)?, g);
         }
+        let t = Ty::of(dy)?;
         let p = conv_params(g)?;
         let cfg = conv_grid(g.c_in / g.groups, g.n * g.h * g.w, g.groups)?;
-        launch!(self, self.conv_kernel("backward_data"), cfg; dev(dy)?, dev(w)?, dev_mut(dx)?, &p)
+        launch!(self, self.conv_kernel("backward_data", t), cfg;
+            t.arg(dy)?, dev(w)?, t.arg_mut(dx)?, &p)
     }
 
     fn conv2d_backward_filter(
@@ -721,6 +829,7 @@ impl Backend for Cuda {
         if let Some(c) = &self.cudnn {
             return c.backward_filter(dev(x)?, dev(dy)?, dev_mut(dw)?, dev_mut(ws)?, g);
         }
+        let t = Ty::of(x)?;
         let p = conv_params(g)?;
         let splits = filter_splits(g, self.multiprocessors);
         let numel = g.c_out * g.col_rows();
@@ -733,20 +842,23 @@ impl Backend for Cuda {
             )));
         }
         let cfg = conv_grid(g.c_out / g.groups, g.col_rows(), g.groups * splits)?;
-        launch!(self, self.conv_kernel("backward_filter"), cfg; dev(x)?, dev(dy)?, &mut *partial, &p)?;
+        launch!(self, self.conv_kernel("backward_filter", t), cfg;
+            t.arg(x)?, t.arg(dy)?, &mut *partial, &p)?;
         let (numel64, splits32) = (numel as i64, splits as i32);
         launch!(self, "conv2d_reduce_splits_f32", self.grid_1d(numel);
             &*partial, dev_mut(dw)?, &numel64, &splits32)
     }
 
     fn add_channel_bias(&self, y: &mut Storage, bias: &Storage, g: &ChannelGeom) -> Result<()> {
-        let p = channel_params(g)?;
-        launch!(self, "add_channel_bias_f32", self.grid_1d(g.n * g.c * g.hw); dev_mut(y)?, dev(bias)?, &p)
+        let (t, p) = (Ty::of(y)?, channel_params(g)?);
+        launch!(self, t.kernel("add_channel_bias"), self.grid_1d(g.n * g.c * g.hw);
+            t.arg_mut(y)?, dev(bias)?, &p)
     }
 
     fn channel_sum(&self, dy: &Storage, db: &mut Storage, g: &ChannelGeom) -> Result<()> {
-        let p = channel_params(g)?;
-        launch!(self, "channel_sum_f32", Self::per_item(g.c, 256)?; dev(dy)?, dev_mut(db)?, &p)
+        let (t, p) = (Ty::of(dy)?, channel_params(g)?);
+        launch!(self, t.kernel("channel_sum"), Self::per_item(g.c, 256)?;
+            t.arg(dy)?, dev_mut(db)?, &p)
     }
 
     fn batchnorm_forward_train(
@@ -760,7 +872,7 @@ impl Backend for Cuda {
         eps: f64,
         g: &ChannelGeom,
     ) -> Result<()> {
-        self.bn_train("batchnorm_apply_f32", x, gamma, beta, y, mean, var, eps, g)
+        self.bn_train("batchnorm_apply", x, gamma, beta, y, mean, var, eps, g)
     }
 
     fn batchnorm_forward_eval(
@@ -774,9 +886,9 @@ impl Backend for Cuda {
         eps: f64,
         g: &ChannelGeom,
     ) -> Result<()> {
-        let bn = bn_params(eps, g)?;
-        launch!(self, "batchnorm_apply_f32", self.grid_1d(g.n * g.c * g.hw);
-            dev(x)?, dev(gamma)?, dev(beta)?, dev(mean)?, dev(var)?, dev_mut(y)?, &bn)
+        let (t, bn) = (Ty::of(x)?, bn_params(eps, g)?);
+        launch!(self, t.kernel("batchnorm_apply"), self.grid_1d(g.n * g.c * g.hw);
+            t.arg(x)?, dev(gamma)?, dev(beta)?, dev(mean)?, dev(var)?, t.arg_mut(y)?, &bn)
     }
 
     fn batchnorm_backward(
@@ -806,17 +918,7 @@ impl Backend for Cuda {
         eps: f64,
         g: &ChannelGeom,
     ) -> Result<()> {
-        self.bn_train(
-            "batchnorm_apply_relu_f32",
-            x,
-            gamma,
-            beta,
-            y,
-            mean,
-            var,
-            eps,
-            g,
-        )
+        self.bn_train("batchnorm_apply_relu", x, gamma, beta, y, mean, var, eps, g)
     }
 
     fn batchnorm_relu_backward(
@@ -861,50 +963,46 @@ impl Backend for Cuda {
     }
 
     fn relu_forward(&self, x: &Storage, y: &mut Storage) -> Result<()> {
-        let x = dev(x)?;
-        let n = x.len() as i64;
-        launch!(self, "relu_forward_f32", self.grid_1d(x.len()); x, dev_mut(y)?, &n)
+        let (t, n) = (Ty::of(x)?, x.len() as i64);
+        launch!(self, t.kernel("relu_forward"), self.grid_1d(x.len()); t.arg(x)?, t.arg_mut(y)?, &n)
     }
 
     fn relu_backward(&self, y: &Storage, dy: &Storage, dx: &mut Storage) -> Result<()> {
-        let y = dev(y)?;
-        let n = y.len() as i64;
-        launch!(self, "relu_backward_f32", self.grid_1d(y.len()); y, dev(dy)?, dev_mut(dx)?, &n)
+        let (t, n) = (Ty::of(y)?, y.len() as i64);
+        launch!(self, t.kernel("relu_backward"), self.grid_1d(y.len());
+            t.arg(y)?, t.arg(dy)?, t.arg_mut(dx)?, &n)
     }
 
     fn add(&self, a: &Storage, b: &Storage, y: &mut Storage) -> Result<()> {
-        let a = dev(a)?;
-        let n = a.len() as i64;
-        launch!(self, "add_f32", self.grid_1d(a.len()); a, dev(b)?, dev_mut(y)?, &n)
+        let (t, n) = (Ty::of(a)?, a.len() as i64);
+        launch!(self, t.kernel("add"), self.grid_1d(a.len()); t.arg(a)?, t.arg(b)?, t.arg_mut(y)?, &n)
     }
 
     fn add_assign(&self, y: &mut Storage, x: &Storage) -> Result<()> {
-        let x = dev(x)?;
-        let n = x.len() as i64;
-        launch!(self, "add_assign_f32", self.grid_1d(x.len()); dev_mut(y)?, x, &n)
+        let (t, n) = (Ty::of(x)?, x.len() as i64);
+        launch!(self, t.kernel("add_assign"), self.grid_1d(x.len()); t.arg_mut(y)?, t.arg(x)?, &n)
     }
 
     fn mul(&self, x: &Storage, mask: &Storage, y: &mut Storage) -> Result<()> {
-        let x = dev(x)?;
-        let n = x.len() as i64;
-        launch!(self, "mul_f32", self.grid_1d(x.len()); x, dev(mask)?, dev_mut(y)?, &n)
+        let (t, n) = (Ty::of(x)?, x.len() as i64);
+        launch!(self, t.kernel("mul"), self.grid_1d(x.len()); t.arg(x)?, t.arg(mask)?, t.arg_mut(y)?, &n)
     }
 
     fn dropout_mask(&self, mask: &mut Storage, p: f64, seed: u64) -> Result<()> {
-        let mask = dev_mut(mask)?;
+        let t = Ty::of(mask)?;
         let d = params::GemsDropout {
             numel: mask.len() as i64,
             p,
             seed,
         };
         let cfg = self.grid_1d(mask.len());
-        launch!(self, "dropout_mask_f32", cfg; mask, &d)
+        launch!(self, t.kernel("dropout_mask"), cfg; t.arg_mut(mask)?, &d)
     }
 
     fn max_pool_forward(&self, x: &Storage, y: &mut Storage, g: &PoolGeom) -> Result<()> {
-        let p = pool_params(g)?;
-        launch!(self, "max_pool_forward_f32", self.grid_1d(g.n * g.c * g.h_out * g.w_out);
-            dev(x)?, dev_mut(y)?, &p)
+        let (t, p) = (Ty::of(x)?, pool_params(g)?);
+        launch!(self, t.kernel("max_pool_forward"), self.grid_1d(g.n * g.c * g.h_out * g.w_out);
+            t.arg(x)?, t.arg_mut(y)?, &p)
     }
 
     fn max_pool_backward(
@@ -914,32 +1012,32 @@ impl Backend for Cuda {
         dx: &mut Storage,
         g: &PoolGeom,
     ) -> Result<()> {
-        let p = pool_params(g)?;
-        launch!(self, "max_pool_backward_f32", self.grid_1d(g.n * g.c * g.h * g.w);
-            dev(x)?, dev(dy)?, dev_mut(dx)?, &p)
+        let (t, p) = (Ty::of(x)?, pool_params(g)?);
+        launch!(self, t.kernel("max_pool_backward"), self.grid_1d(g.n * g.c * g.h * g.w);
+            t.arg(x)?, t.arg(dy)?, t.arg_mut(dx)?, &p)
     }
 
     fn avg_pool_forward(&self, x: &Storage, y: &mut Storage, g: &PoolGeom) -> Result<()> {
-        let p = pool_params(g)?;
-        launch!(self, "avg_pool_forward_f32", self.grid_1d(g.n * g.c * g.h_out * g.w_out);
-            dev(x)?, dev_mut(y)?, &p)
+        let (t, p) = (Ty::of(x)?, pool_params(g)?);
+        launch!(self, t.kernel("avg_pool_forward"), self.grid_1d(g.n * g.c * g.h_out * g.w_out);
+            t.arg(x)?, t.arg_mut(y)?, &p)
     }
 
     fn avg_pool_backward(&self, dy: &Storage, dx: &mut Storage, g: &PoolGeom) -> Result<()> {
-        let p = pool_params(g)?;
-        launch!(self, "avg_pool_backward_f32", self.grid_1d(g.n * g.c * g.h * g.w);
-            dev(dy)?, dev_mut(dx)?, &p)
+        let (t, p) = (Ty::of(dy)?, pool_params(g)?);
+        launch!(self, t.kernel("avg_pool_backward"), self.grid_1d(g.n * g.c * g.h * g.w);
+            t.arg(dy)?, t.arg_mut(dx)?, &p)
     }
 
     fn adaptive_avg_pool_forward(&self, x: &Storage, y: &mut Storage, g: &PoolGeom) -> Result<()> {
-        let p = pool_params(g)?;
+        let (t, p) = (Ty::of(x)?, pool_params(g)?);
         if (g.h_out, g.w_out) == (1, 1) {
             // The global average: one block reduces each contiguous plane.
-            return launch!(self, "global_avg_pool_forward_f32", Self::per_item(g.n * g.c, 256)?;
-                dev(x)?, dev_mut(y)?, &p);
+            return launch!(self, t.kernel("global_avg_pool_forward"), Self::per_item(g.n * g.c, 256)?;
+                t.arg(x)?, t.arg_mut(y)?, &p);
         }
-        launch!(self, "adaptive_avg_pool_forward_f32", self.grid_1d(g.n * g.c * g.h_out * g.w_out);
-            dev(x)?, dev_mut(y)?, &p)
+        launch!(self, t.kernel("adaptive_avg_pool_forward"), self.grid_1d(g.n * g.c * g.h_out * g.w_out);
+            t.arg(x)?, t.arg_mut(y)?, &p)
     }
 
     fn adaptive_avg_pool_backward(
@@ -948,13 +1046,14 @@ impl Backend for Cuda {
         dx: &mut Storage,
         g: &PoolGeom,
     ) -> Result<()> {
-        let p = pool_params(g)?;
+        let (t, p) = (Ty::of(dy)?, pool_params(g)?);
         let name = if (g.h_out, g.w_out) == (1, 1) {
-            "global_avg_pool_backward_f32"
+            "global_avg_pool_backward"
         } else {
-            "adaptive_avg_pool_backward_f32"
+            "adaptive_avg_pool_backward"
         };
-        launch!(self, name, self.grid_1d(g.n * g.c * g.h * g.w); dev(dy)?, dev_mut(dx)?, &p)
+        launch!(self, t.kernel(name), self.grid_1d(g.n * g.c * g.h * g.w);
+            t.arg(dy)?, t.arg_mut(dx)?, &p)
     }
 
     fn linear_forward(
@@ -1006,6 +1105,7 @@ impl Backend for Cuda {
         n: usize,
         hw: usize,
     ) -> Result<()> {
+        let t = Ty::of(src)?;
         let p = params::GemsCopyChannels {
             n: dim32(n, "batch")?,
             hw: dim32(hw, "plane")?,
@@ -1015,7 +1115,8 @@ impl Backend for Cuda {
             dst_off: dim32(dst_c.1, "channels")?,
             count: dim32(count, "channels")?,
         };
-        launch!(self, "copy_channels_f32", self.grid_1d(n * count * hw); dev(src)?, dev_mut(dst)?, &p)
+        launch!(self, t.kernel("copy_channels"), self.grid_1d(n * count * hw);
+            t.arg(src)?, t.arg_mut(dst)?, &p)
     }
 
     fn softmax_cross_entropy(
@@ -1033,8 +1134,9 @@ impl Backend for Cuda {
         };
         let (labels, _l1) = self.labels(labels)?;
         let (mut rows, _l2) = self.scratch::<f32>(n)?;
-        launch!(self, "softmax_cross_entropy_f32", Self::per_item(n, 256)?;
-            dev(logits)?, &labels, dev_mut(probs)?, &mut rows, &l)?;
+        let t = Ty::of(logits)?;
+        launch!(self, t.kernel("softmax_cross_entropy"), Self::per_item(n, 256)?;
+            t.arg(logits)?, &labels, dev_mut(probs)?, &mut rows, &l)?;
         // The mean in f64 on the host, in row order, as the CPU backend adds it.
         let rows = download(&rows)?;
         Ok(rows.iter().map(|&r| r as f64).sum::<f64>() / n.max(1) as f64)
@@ -1055,8 +1157,9 @@ impl Backend for Cuda {
             scale,
         };
         let (labels, _lease) = self.labels(labels)?;
-        launch!(self, "softmax_cross_entropy_backward_f32", self.grid_1d(n * k);
-            dev(probs)?, &labels, dev_mut(dlogits)?, &l)
+        let t = Ty::of(dlogits)?;
+        launch!(self, t.kernel("softmax_cross_entropy_backward"), self.grid_1d(n * k);
+            dev(probs)?, &labels, t.arg_mut(dlogits)?, &l)
     }
 
     fn sgd_update(
@@ -1086,16 +1189,17 @@ impl Backend for Cuda {
     }
 
     fn fill(&self, s: &mut Storage, value: f64) -> Result<()> {
-        let s = dev_mut(s)?;
-        let (n, v) = (s.len() as i64, value as f32);
+        // The value as f32, rounded to a 16-bit type by the store (as the CPU's T::of, then
+        // its rounding at the store).
+        let (t, n, v) = (Ty::of(s)?, s.len() as i64, value as f32);
         let cfg = self.grid_1d(s.len());
-        launch!(self, "fill_f32", cfg; s, &v, &n)
+        launch!(self, t.kernel("fill"), cfg; t.arg_mut(s)?, &v, &n)
     }
 }
 
 impl Cuda {
     /// Batch statistics in one pass, then `apply` (the plain normalization or the one fused
-    /// with ReLU).
+    /// with ReLU; the stamp is added from x's type).
     #[allow(clippy::too_many_arguments)]
     fn bn_train(
         &self,
@@ -1109,11 +1213,11 @@ impl Cuda {
         eps: f64,
         g: &ChannelGeom,
     ) -> Result<()> {
-        let bn = bn_params(eps, g)?;
-        launch!(self, "batchnorm_stats_f32", Self::per_item(g.c, 512)?;
-            dev(x)?, dev_mut(mean)?, dev_mut(var)?, &bn)?;
-        launch!(self, apply, self.grid_1d(g.n * g.c * g.hw);
-            dev(x)?, dev(gamma)?, dev(beta)?, dev(mean)?, dev(var)?, dev_mut(y)?, &bn)
+        let (t, bn) = (Ty::of(x)?, bn_params(eps, g)?);
+        launch!(self, t.kernel("batchnorm_stats"), Self::per_item(g.c, 512)?;
+            t.arg(x)?, dev_mut(mean)?, dev_mut(var)?, &bn)?;
+        launch!(self, t.kernel(apply), self.grid_1d(g.n * g.c * g.hw);
+            t.arg(x)?, dev(gamma)?, dev(beta)?, dev(mean)?, dev(var)?, t.arg_mut(y)?, &bn)
     }
 
     /// BN's backward: per-channel sums (added to dgamma, dbeta), then dx. With the fused op's
@@ -1133,24 +1237,25 @@ impl Cuda {
         eps: f64,
         g: &ChannelGeom,
     ) -> Result<()> {
-        let bn = bn_params(eps, g)?;
+        let (t, bn) = (Ty::of(x)?, bn_params(eps, g)?);
         let (reduce, elementwise) = (Self::per_item(g.c, 512)?, self.grid_1d(g.n * g.c * g.hw));
         let (mut sums, _lease) = self.scratch::<f32>(2 * g.c)?;
         match relu_out {
             None => {
-                launch!(self, "batchnorm_backward_reduce_f32", reduce;
-                    dev(x)?, dev(dy)?, dev(mean)?, dev(var)?, dev_mut(dgamma)?, dev_mut(dbeta)?,
-                    &mut sums, &bn)?;
-                launch!(self, "batchnorm_backward_dx_f32", elementwise;
-                    dev(x)?, dev(dy)?, dev(gamma)?, dev(mean)?, dev(var)?, &sums, dev_mut(dx)?, &bn)
+                launch!(self, t.kernel("batchnorm_backward_reduce"), reduce;
+                    t.arg(x)?, t.arg(dy)?, dev(mean)?, dev(var)?, dev_mut(dgamma)?,
+                    dev_mut(dbeta)?, &mut sums, &bn)?;
+                launch!(self, t.kernel("batchnorm_backward_dx"), elementwise;
+                    t.arg(x)?, t.arg(dy)?, dev(gamma)?, dev(mean)?, dev(var)?, &sums,
+                    t.arg_mut(dx)?, &bn)
             }
             Some(y) => {
-                launch!(self, "batchnorm_backward_reduce_relu_f32", reduce;
-                    dev(x)?, dev(y)?, dev(dy)?, dev(mean)?, dev(var)?, dev_mut(dgamma)?,
+                launch!(self, t.kernel("batchnorm_backward_reduce_relu"), reduce;
+                    t.arg(x)?, t.arg(y)?, t.arg(dy)?, dev(mean)?, dev(var)?, dev_mut(dgamma)?,
                     dev_mut(dbeta)?, &mut sums, &bn)?;
-                launch!(self, "batchnorm_backward_dx_relu_f32", elementwise;
-                    dev(x)?, dev(y)?, dev(dy)?, dev(gamma)?, dev(mean)?, dev(var)?, &sums,
-                    dev_mut(dx)?, &bn)
+                launch!(self, t.kernel("batchnorm_backward_dx_relu"), elementwise;
+                    t.arg(x)?, t.arg(y)?, t.arg(dy)?, dev(gamma)?, dev(mean)?, dev(var)?, &sums,
+                    t.arg_mut(dx)?, &bn)
             }
         }
     }
