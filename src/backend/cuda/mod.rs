@@ -1068,8 +1068,12 @@ impl Backend for Cuda {
         // Row-major Y (n × out) = X Wᵀ is column-major Yᵀ (out × n) = W' Xᵀ, where W (out × in,
         // row-major) read column-major is Wᵀ, transposed back by OP_T.
         let cfg = gemm_config((true, false), (d_out, n, d_in), (d_in, d_in, d_out), 0.0)?;
+        // bf16 and f16 activations: computed in f32 from the widened x, y rounded once.
+        let x = self.widen(x)?;
+        let mut y = self.wide_out(y)?;
         // SAFETY: the buffers hold n·in, out·in and n·out elements, as the shapes say.
-        unsafe { self.blas.gemm(cfg, dev(w)?, dev(x)?, dev_mut(y)?) }.map_err(blas_error)
+        unsafe { self.blas.gemm(cfg, dev(w)?, x.get(), y.get_mut()) }.map_err(blas_error)?;
+        self.narrow(y)
     }
 
     fn linear_backward(
@@ -1083,16 +1087,22 @@ impl Backend for Cuda {
         d_in: usize,
         d_out: usize,
     ) -> Result<()> {
+        // bf16 and f16 activations: computed in f32 from widened copies, dx rounded once; dw
+        // (f32) accumulates directly.
+        let dy = self.widen(dy)?;
         if let Some(dx) = dx {
             // dX (n × in) = dY W: column-major dXᵀ (in × n) = Wᵀ dYᵀ, both as stored.
             let cfg = gemm_config((false, false), (d_in, n, d_out), (d_in, d_out, d_in), 0.0)?;
+            let mut dx = self.wide_out(dx)?;
             // SAFETY: as in linear_forward.
-            unsafe { self.blas.gemm(cfg, dev(w)?, dev(dy)?, dev_mut(dx)?) }.map_err(blas_error)?;
+            unsafe { self.blas.gemm(cfg, dev(w)?, dy.get(), dx.get_mut()) }.map_err(blas_error)?;
+            self.narrow(dx)?;
         }
         // dW (out × in) += dYᵀ X: column-major dWᵀ (in × out) += Xᵀ dY, dY read transposed.
         let cfg = gemm_config((false, true), (d_in, d_out, n), (d_in, d_out, d_in), 1.0)?;
+        let x = self.widen(x)?;
         // SAFETY: as in linear_forward.
-        unsafe { self.blas.gemm(cfg, dev(x)?, dev(dy)?, dev_mut(dw)?) }.map_err(blas_error)
+        unsafe { self.blas.gemm(cfg, x.get(), dy.get(), dev_mut(dw)?) }.map_err(blas_error)
     }
 
     fn copy_channels(
@@ -1340,6 +1350,58 @@ impl Cuda {
         self.copy_done(on_copy_stream)
     }
 
+    /// The f32 elements of activation `s` for cuBLAS: f32 storage itself, or bf16 or f16
+    /// widened (exactly) into workspace leased for as long as the result lives.
+    fn widen<'a>(&self, s: &'a Storage) -> Result<Wide<'a>> {
+        match s {
+            Storage::CudaF32(v) => Ok(Wide::Direct(v)),
+            Storage::Cuda16(d, v) => {
+                let (mut wide, lease) = self.scratch::<f32>(v.len())?;
+                let n = v.len() as i64;
+                launch!(self, format!("cast_{}_f32", d.name()), self.grid_1d(v.len());
+                    v, &mut wide, &n)?;
+                Ok(Wide::Widened {
+                    wide,
+                    _lease: lease,
+                })
+            }
+            other => Err(not_on_device(other)),
+        }
+    }
+
+    /// Where cuBLAS writes activation output `s`: f32 storage itself, or f32 workspace that
+    /// [`Cuda::narrow`] rounds into the bf16 or f16 storage. Overwritten outputs only (β = 0):
+    /// the workspace does not hold the output's old values.
+    fn wide_out<'a>(&self, s: &'a mut Storage) -> Result<WideOut<'a>> {
+        match s {
+            Storage::CudaF32(v) => Ok(WideOut::Direct(v)),
+            Storage::Cuda16(d, v) => {
+                let (wide, lease) = self.scratch::<f32>(v.len())?;
+                Ok(WideOut::Staged {
+                    wide,
+                    _lease: lease,
+                    dtype: *d,
+                    out: v,
+                })
+            }
+            other => Err(not_on_device(other)),
+        }
+    }
+
+    /// Rounds a staged output into its bf16 or f16 storage (to nearest even, once).
+    fn narrow(&self, o: WideOut) -> Result<()> {
+        match o {
+            WideOut::Direct(_) => Ok(()),
+            WideOut::Staged {
+                wide, dtype, out, ..
+            } => {
+                let n = wide.len() as i64;
+                launch!(self, format!("cast_f32_{}", dtype.name()), self.grid_1d(wide.len());
+                    &wide, out, &n)
+            }
+        }
+    }
+
     /// The stream a host-tier copy runs on: the copy stream, once it is ordered after the work
     /// queued so far on the compute stream (which wrote the source, or allocated the
     /// destination), or the compute stream itself.
@@ -1374,6 +1436,41 @@ impl Cuda {
             self.stream.clone_htod(labels).map_err(driver_error)?
         };
         Ok((slice, lease))
+    }
+}
+
+/// An activation's f32 elements for cuBLAS (see [`Cuda::widen`]).
+enum Wide<'a> {
+    Direct(&'a CudaSlice<f32>),
+    Widened { wide: CudaSlice<f32>, _lease: Lease },
+}
+
+impl Wide<'_> {
+    fn get(&self) -> &CudaSlice<f32> {
+        match self {
+            Wide::Direct(v) => v,
+            Wide::Widened { wide, .. } => wide,
+        }
+    }
+}
+
+/// An activation output cuBLAS writes in f32 (see [`Cuda::wide_out`]).
+enum WideOut<'a> {
+    Direct(&'a mut CudaSlice<f32>),
+    Staged {
+        wide: CudaSlice<f32>,
+        _lease: Lease,
+        dtype: DType,
+        out: &'a mut CudaSlice<u16>,
+    },
+}
+
+impl WideOut<'_> {
+    fn get_mut(&mut self) -> &mut CudaSlice<f32> {
+        match self {
+            WideOut::Direct(v) => v,
+            WideOut::Staged { wide, .. } => wide,
+        }
     }
 }
 
