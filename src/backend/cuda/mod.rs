@@ -1195,7 +1195,31 @@ impl Backend for Cuda {
     }
 
     fn all_finite(&self, s: &Storage) -> Result<bool> {
-        Ok(download(dev(s)?)?.iter().all(|v| v.is_finite()))
+        if s.is_empty() {
+            return Ok(true);
+        }
+        // One flag on the device, zeroed (alloc_zeros), set by any inf or NaN; one u32 read back.
+        let (mut found, _lease) = self.scratch::<u32>(1)?;
+        match s {
+            Storage::CudaF32(v) => {
+                let n = v.len() as i64;
+                launch!(self, "nonfinite_f32", self.grid_1d(v.len()); v, &n, &mut found)?;
+            }
+            Storage::Cuda16(d, v) => {
+                // Widened (exactly: inf and NaN stay inf and NaN) a chunk at a time, so the
+                // workspace stays small whatever the tensor.
+                let (mut wide, _wide) = self.scratch::<f32>(v.len().min(NONFINITE_CHUNK))?;
+                let cast = format!("cast_{}_f32", d.name());
+                for start in (0..v.len()).step_by(NONFINITE_CHUNK) {
+                    let len = NONFINITE_CHUNK.min(v.len() - start);
+                    let (part, n) = (v.slice(start..start + len), len as i64);
+                    launch!(self, cast, self.grid_1d(len); &part, &mut wide, &n)?;
+                    launch!(self, "nonfinite_f32", self.grid_1d(len); &wide, &n, &mut found)?;
+                }
+            }
+            other => return Err(not_on_device(other)),
+        }
+        Ok(download(&found)?[0] == 0)
     }
 
     fn fill(&self, s: &mut Storage, value: f64) -> Result<()> {
@@ -1473,6 +1497,9 @@ impl WideOut<'_> {
         }
     }
 }
+
+/// Elements of a bf16 or f16 tensor widened at a time by `all_finite` (4 MiB of f32).
+const NONFINITE_CHUNK: usize = 1 << 20;
 
 /// cuBLAS's column-major C (m × n) = α op(A) op(B) + β C with (transpose A, transpose B),
 /// (m, n, k) and leading dimensions (lda, ldb, ldc).
