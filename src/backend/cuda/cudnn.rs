@@ -17,6 +17,11 @@
 //!
 //! Results follow the `Backend` contract: y and dx are overwritten (β = 0), dw accumulates
 //! (β = 1).
+//!
+//! Mixed precision is not run here: cuDNN takes x, w and y in one type, and the engine keeps
+//! f32 master weights beside bf16/f16 activations. `--conv cudnn` with `--precision bf16|fp16`
+//! is refused when the device opens ([`super::check_conv`]), and a 16-bit tensor reaching
+//! these convolutions is a configuration error, never a panic.
 
 use std::collections::HashMap;
 use std::ffi::{c_int, c_void};

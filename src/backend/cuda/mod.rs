@@ -169,6 +169,21 @@ fn arch_for(cc: (i32, i32)) -> Result<&'static str> {
         })
 }
 
+/// Why `--conv cudnn` refuses bf16 and f16 activations.
+pub const CUDNN_16BIT: &str =
+    "--conv cudnn runs fp32/tf32; use --conv native with --precision bf16/fp16";
+
+/// Refuses what the GPU backend cannot run together: cuDNN's convolutions with 16-bit
+/// activations (`--precision bf16|fp16`). Needs no GPU, so a run can check it first.
+pub fn check_conv(precision: Precision, conv: ConvImpl) -> Result<()> {
+    match (conv, precision) {
+        (ConvImpl::Cudnn, Precision::Bf16 | Precision::Fp16) => {
+            Err(Error::Config(CUDNN_16BIT.into()))
+        }
+        _ => Ok(()),
+    }
+}
+
 /// Bytes of device memory left to the CUDA libraries' own allocations (cuBLAS workspace,
 /// loaded modules) when the capacity is the free memory.
 pub const RESERVE: u64 = 512 << 20;
@@ -207,6 +222,7 @@ impl Cuda {
         conv: ConvImpl,
         allocator: Arc<Allocator>,
     ) -> Result<(Cuda, u64)> {
+        check_conv(precision, conv)?;
         let count = device_count()?;
         if ordinal >= count {
             return Err(Error::Device(format!(
@@ -434,6 +450,18 @@ fn dev_mut(s: &mut Storage) -> Result<&mut CudaSlice<f32>> {
     match s {
         Storage::CudaF32(v) => Ok(v),
         other => Err(not_on_device(other)),
+    }
+}
+
+/// cuDNN runs f32 tensors only (its convolutions take one type for x, w and y, and the
+/// weights stay f32): a clear error for bf16 or f16 activations.
+fn cudnn_types(tensors: &[&Storage]) -> Result<()> {
+    match tensors.iter().find(|s| s.dtype() != DType::F32) {
+        Some(s) => Err(Error::Config(format!(
+            "{CUDNN_16BIT} (got {} tensors)",
+            s.dtype().name()
+        ))),
+        None => Ok(()),
     }
 }
 
@@ -791,6 +819,7 @@ impl Backend for Cuda {
         g: &ConvGeom,
     ) -> Result<()> {
         if let Some(c) = &self.cudnn {
+            cudnn_types(&[x, &*y])?;
             return c.forward(dev(x)?, dev(w)?, dev_mut(y)?, dev_mut(ws)?, g);
         }
         let t = Ty::of(x)?;
@@ -809,6 +838,7 @@ impl Backend for Cuda {
         g: &ConvGeom,
     ) -> Result<()> {
         if let Some(c) = &self.cudnn {
+            cudnn_types(&[dy, &*dx])?;
             return c.backward_data(dev(dy)?, dev(w)?, dev_mut(dx)?, dev_mut(ws)?, g);
         }
         let t = Ty::of(dy)?;
@@ -827,6 +857,7 @@ impl Backend for Cuda {
         g: &ConvGeom,
     ) -> Result<()> {
         if let Some(c) = &self.cudnn {
+            cudnn_types(&[x, dy])?;
             return c.backward_filter(dev(x)?, dev(dy)?, dev_mut(dw)?, dev_mut(ws)?, g);
         }
         let t = Ty::of(x)?;
