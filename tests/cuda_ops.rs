@@ -8,6 +8,16 @@
 //! into (+=) start from the same random values on both devices. Tolerances follow the
 //! arithmetic: 1e-5 of the output's largest magnitude for f32, 2e-3 for TF32 tensor cores.
 //!
+//! Mixed precision: every op also runs on bf16 and f16 activations (f32 parameters and
+//! statistics), the GPU's kernels against the CPU reference on the same 16-bit inputs. Both
+//! widen the inputs exactly, compute in f32 and round each 16-bit output once, at the store
+//! (and round f32 convolution weights to the activation type, as the tensor cores take them),
+//! so they differ only by summation order and then by that one rounding: one unit in the last
+//! place at most, 2⁻⁷ of the largest output for bf16 and 2⁻¹⁰ for f16 (tolerances 1e-2 and
+//! 2e-3). Ops that round one exactly computed f32 value (add, mul, bias) or move bits (ReLU,
+//! copies, masks) match to the bit; f32 outputs (statistics, probabilities, parameter
+//! gradients) are f32 sums of the same inputs, 1e-4.
+//!
 //! Convolutions are checked on both GPU paths: the native kernels and cuDNN (`--conv cudnn`).
 
 use std::cell::RefCell;
@@ -22,6 +32,27 @@ use rand_chacha::ChaCha8Rng;
 
 const F32_TOL: f64 = 1e-5;
 const TF32_TOL: f64 = 2e-3;
+/// f32 outputs of ops on 16-bit inputs (statistics, probabilities, parameter gradients).
+const SUM_TOL: f64 = 1e-4;
+
+/// One unit in the last place of the largest output, and a little more: bf16 keeps 8
+/// significant bits, f16 11.
+fn tol16(dtype: DType) -> f64 {
+    match dtype {
+        DType::BF16 => 1e-2,
+        DType::F16 => 2e-3,
+        other => panic!("{} is not a 16-bit type", other.name()),
+    }
+}
+
+/// The precision whose activations are `dtype`.
+fn precision16(dtype: DType) -> Precision {
+    match dtype {
+        DType::BF16 => Precision::Bf16,
+        DType::F16 => Precision::Fp16,
+        other => panic!("{} is not a 16-bit type", other.name()),
+    }
+}
 
 fn gpu(precision: Precision, conv: ConvImpl) -> Device {
     Device::cuda("cuda:0", 0, precision, conv, None).unwrap_or_else(|e| {
@@ -65,22 +96,35 @@ impl Pair {
     }
 
     fn both(&self, data: &[f64]) -> (Storage, Storage) {
+        self.both_as(data, DType::F32)
+    }
+
+    /// `data` rounded to `dtype` on both devices (the same bits).
+    fn both_as(&self, data: &[f64], dtype: DType) -> (Storage, Storage) {
         (
-            self.cpu.backend().upload(data, DType::F32).unwrap(),
-            self.gpu.backend().upload(data, DType::F32).unwrap(),
+            self.cpu.backend().upload(data, dtype).unwrap(),
+            self.gpu.backend().upload(data, dtype).unwrap(),
         )
     }
 
     /// A random input of `n` elements.
     fn input(&self, n: usize) -> (Storage, Storage) {
+        self.input_as(n, DType::F32)
+    }
+
+    fn input_as(&self, n: usize, dtype: DType) -> (Storage, Storage) {
         let v = self.values(n);
-        self.both(&v)
+        self.both_as(&v, dtype)
     }
 
     /// An output the kernels overwrite: zeros on the CPU, NaN on the GPU.
     fn output(&self, n: usize) -> (Storage, Storage) {
-        let cpu = self.cpu.backend().zeros(n, DType::F32).unwrap();
-        let mut gpu = self.gpu.backend().zeros(n, DType::F32).unwrap();
+        self.output_as(n, DType::F32)
+    }
+
+    fn output_as(&self, n: usize, dtype: DType) -> (Storage, Storage) {
+        let cpu = self.cpu.backend().zeros(n, dtype).unwrap();
+        let mut gpu = self.gpu.backend().zeros(n, dtype).unwrap();
         self.gpu.backend().fill(&mut gpu, f64::NAN).unwrap();
         (cpu, gpu)
     }
@@ -92,9 +136,10 @@ impl Pair {
     /// Fails unless every GPU element is a number within `tol` × the largest CPU magnitude.
     fn check(&self, what: &str, cpu: &Storage, gpu: &Storage, tol: f64) {
         let want = match cpu {
-            Storage::F32(v) => v.iter().map(|&x| x as f64).collect::<Vec<_>>(),
+            Storage::F32(_) | Storage::BF16(_) | Storage::F16(_) => self.host(cpu),
             other => panic!("{what}: the CPU result is {other:?}"),
         };
+        assert_eq!(gpu.dtype(), cpu.dtype(), "{what}: dtypes");
         let got = self.host(gpu);
         assert_eq!(got.len(), want.len(), "{what}: lengths");
         let scale = want.iter().fold(1e-30f64, |m, x| m.max(x.abs()));
@@ -649,6 +694,543 @@ fn sgd_matches_cpu_bit_for_bit() {
     }
 }
 
+/// Convolutions of bf16 or f16 activations (the tensor-core stamps) against the CPU reference:
+/// x and dy in `dtype`, the weights and their gradient f32, over every shape of
+/// [`conv_cases`].
+fn conv16_matches(dtype: DType) {
+    let p = Pair::new(precision16(dtype));
+    let tol = tol16(dtype);
+    for g in conv_cases() {
+        let (nx, nw, ny) = (
+            g.n * g.c_in * g.h * g.w,
+            g.c_out * g.col_rows(),
+            g.n * g.c_out * g.h_out * g.w_out,
+        );
+        let (x, xg) = p.input_as(nx, dtype);
+        let (w, wg) = p.input(nw);
+        let (dy, dyg) = p.input_as(ny, dtype);
+        let (cpu, gpu) = (p.cpu.backend(), p.gpu.backend());
+        let mut ws = cpu.zeros(cpu.conv2d_workspace(&g), DType::F32).unwrap();
+        let mut wsg = gpu.zeros(gpu.conv2d_workspace(&g), DType::F32).unwrap();
+        let name = format!("{} conv {g:?}", dtype.name());
+
+        let (mut y, mut yg) = p.output_as(ny, dtype);
+        cpu.conv2d_forward(&x, &w, &mut y, &mut ws, &g).unwrap();
+        gpu.conv2d_forward(&xg, &wg, &mut yg, &mut wsg, &g).unwrap();
+        p.check(&format!("{name} forward"), &y, &yg, tol);
+
+        let (mut dx, mut dxg) = p.output_as(nx, dtype);
+        cpu.conv2d_backward_data(&dy, &w, &mut dx, &mut ws, &g)
+            .unwrap();
+        gpu.conv2d_backward_data(&dyg, &wg, &mut dxg, &mut wsg, &g)
+            .unwrap();
+        p.check(&format!("{name} backward-data"), &dx, &dxg, tol);
+
+        // dw (f32) accumulates: both start from the same values.
+        let (mut dw, mut dwg) = p.input(nw);
+        cpu.conv2d_backward_filter(&x, &dy, &mut dw, &mut ws, &g)
+            .unwrap();
+        gpu.conv2d_backward_filter(&xg, &dyg, &mut dwg, &mut wsg, &g)
+            .unwrap();
+        p.check(&format!("{name} backward-filter"), &dw, &dwg, tol);
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn conv_bf16_matches_cpu() {
+    conv16_matches(DType::BF16);
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn conv_f16_matches_cpu() {
+    conv16_matches(DType::F16);
+}
+
+/// Batch normalization and the fused BN+ReLU on 16-bit activations; gamma, beta, the batch
+/// statistics and the parameter gradients are f32.
+fn batchnorm16_matches(dtype: DType) {
+    let p = Pair::new(precision16(dtype));
+    let tol = tol16(dtype);
+    for g in [
+        ChannelGeom { n: 1, c: 3, hw: 7 },
+        ChannelGeom {
+            n: 4,
+            c: 16,
+            hw: 33 * 31,
+        },
+        ChannelGeom { n: 2, c: 70, hw: 1 },
+        ChannelGeom {
+            n: 8,
+            c: 64,
+            hw: 56 * 56,
+        },
+    ] {
+        let (cpu, gpu) = (p.cpu.backend(), p.gpu.backend());
+        let numel = g.n * g.c * g.hw;
+        let name = format!("{} batchnorm {g:?}", dtype.name());
+        let xs: Vec<f64> = p
+            .values(numel)
+            .iter()
+            .enumerate()
+            .map(|(i, v)| 3.0 + v * (1.0 + (i / g.hw % g.c) as f64 * 0.1))
+            .collect();
+        let (x, xg) = p.both_as(&xs, dtype);
+        let (gamma, gammag) = p.input(g.c);
+        let (beta, betag) = p.input(g.c);
+        let (mut y, mut yg) = p.output_as(numel, dtype);
+        let (mut mean, mut meang) = p.output(g.c);
+        let (mut var, mut varg) = p.output(g.c);
+        cpu.batchnorm_forward_train(&x, &gamma, &beta, &mut y, &mut mean, &mut var, 1e-5, &g)
+            .unwrap();
+        gpu.batchnorm_forward_train(
+            &xg, &gammag, &betag, &mut yg, &mut meang, &mut varg, 1e-5, &g,
+        )
+        .unwrap();
+        p.check(&format!("{name} mean"), &mean, &meang, SUM_TOL);
+        p.check(&format!("{name} var"), &var, &varg, SUM_TOL);
+        p.check(&format!("{name} forward"), &y, &yg, tol);
+
+        let (mut ye, mut yeg) = p.output_as(numel, dtype);
+        cpu.batchnorm_forward_eval(&x, &gamma, &beta, &mean, &var, &mut ye, 1e-5, &g)
+            .unwrap();
+        gpu.batchnorm_forward_eval(&xg, &gammag, &betag, &meang, &varg, &mut yeg, 1e-5, &g)
+            .unwrap();
+        p.check(&format!("{name} eval"), &ye, &yeg, tol);
+
+        let (dy, dyg) = p.input_as(numel, dtype);
+        let (mut dx, mut dxg) = p.output_as(numel, dtype);
+        let (mut dgamma, mut dgammag) = p.input(g.c);
+        let (mut dbeta, mut dbetag) = p.input(g.c);
+        cpu.batchnorm_backward(
+            &x,
+            &dy,
+            &gamma,
+            &mean,
+            &var,
+            &mut dx,
+            &mut dgamma,
+            &mut dbeta,
+            1e-5,
+            &g,
+        )
+        .unwrap();
+        gpu.batchnorm_backward(
+            &xg,
+            &dyg,
+            &gammag,
+            &meang,
+            &varg,
+            &mut dxg,
+            &mut dgammag,
+            &mut dbetag,
+            1e-5,
+            &g,
+        )
+        .unwrap();
+        p.check(&format!("{name} dx"), &dx, &dxg, tol);
+        p.check(&format!("{name} dgamma"), &dgamma, &dgammag, SUM_TOL);
+        p.check(&format!("{name} dbeta"), &dbeta, &dbetag, SUM_TOL);
+
+        let (mut yr, mut yrg) = p.output_as(numel, dtype);
+        let (mut mr, mut mrg) = p.output(g.c);
+        let (mut vr, mut vrg) = p.output(g.c);
+        cpu.batchnorm_relu_forward_train(&x, &gamma, &beta, &mut yr, &mut mr, &mut vr, 1e-5, &g)
+            .unwrap();
+        gpu.batchnorm_relu_forward_train(
+            &xg, &gammag, &betag, &mut yrg, &mut mrg, &mut vrg, 1e-5, &g,
+        )
+        .unwrap();
+        p.check(&format!("{name} fused forward"), &yr, &yrg, tol);
+        p.check(&format!("{name} fused mean"), &mr, &mrg, SUM_TOL);
+        p.check(&format!("{name} fused var"), &vr, &vrg, SUM_TOL);
+        let (mut dxr, mut dxrg) = p.output_as(numel, dtype);
+        let (mut dgr, mut dgrg) = p.input(g.c);
+        let (mut dbr, mut dbrg) = p.input(g.c);
+        cpu.batchnorm_relu_backward(
+            &x, &yr, &dy, &gamma, &mr, &vr, &mut dxr, &mut dgr, &mut dbr, 1e-5, &g,
+        )
+        .unwrap();
+        gpu.batchnorm_relu_backward(
+            &xg, &yrg, &dyg, &gammag, &mrg, &vrg, &mut dxrg, &mut dgrg, &mut dbrg, 1e-5, &g,
+        )
+        .unwrap();
+        p.check(&format!("{name} fused dx"), &dxr, &dxrg, tol);
+        p.check(&format!("{name} fused dgamma"), &dgr, &dgrg, SUM_TOL);
+        p.check(&format!("{name} fused dbeta"), &dbr, &dbrg, SUM_TOL);
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn batchnorm_bf16_matches_cpu() {
+    batchnorm16_matches(DType::BF16);
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn batchnorm_f16_matches_cpu() {
+    batchnorm16_matches(DType::F16);
+}
+
+/// The element-wise ops on 16-bit tensors: one f32 operation rounded once, or bits moved, so
+/// the same bits as the CPU; channel_sum's f32 sums to f32 rounding.
+fn elementwise16_matches(dtype: DType) {
+    let p = Pair::new(precision16(dtype));
+    let d = dtype.name();
+    for n in [1, 255, 4097, 1 << 20] {
+        let (cpu, gpu) = (p.cpu.backend(), p.gpu.backend());
+        let (a, ag) = p.input_as(n, dtype);
+        let (b, bg) = p.input_as(n, dtype);
+
+        let (mut y, mut yg) = p.output_as(n, dtype);
+        cpu.relu_forward(&a, &mut y).unwrap();
+        gpu.relu_forward(&ag, &mut yg).unwrap();
+        p.check(&format!("{d} relu {n}"), &y, &yg, 0.0);
+
+        let (mut dx, mut dxg) = p.output_as(n, dtype);
+        cpu.relu_backward(&y, &b, &mut dx).unwrap();
+        gpu.relu_backward(&yg, &bg, &mut dxg).unwrap();
+        p.check(&format!("{d} relu backward {n}"), &dx, &dxg, 0.0);
+
+        let (mut s, mut sg) = p.output_as(n, dtype);
+        cpu.add(&a, &b, &mut s).unwrap();
+        gpu.add(&ag, &bg, &mut sg).unwrap();
+        p.check(&format!("{d} add {n}"), &s, &sg, 0.0);
+
+        cpu.add_assign(&mut s, &a).unwrap();
+        gpu.add_assign(&mut sg, &ag).unwrap();
+        p.check(&format!("{d} add_assign {n}"), &s, &sg, 0.0);
+
+        let (mut m, mut mg) = p.output_as(n, dtype);
+        cpu.mul(&a, &b, &mut m).unwrap();
+        gpu.mul(&ag, &bg, &mut mg).unwrap();
+        p.check(&format!("{d} mul {n}"), &m, &mg, 0.0);
+
+        let (mut mask, mut maskg) = p.output_as(n, dtype);
+        cpu.dropout_mask(&mut mask, 0.3, 99).unwrap();
+        gpu.dropout_mask(&mut maskg, 0.3, 99).unwrap();
+        p.check(&format!("{d} dropout mask {n}"), &mask, &maskg, 0.0);
+        let (mut dropped, mut droppedg) = p.output_as(n, dtype);
+        cpu.mul(&a, &mask, &mut dropped).unwrap();
+        gpu.mul(&ag, &maskg, &mut droppedg).unwrap();
+        p.check(&format!("{d} dropout {n}"), &dropped, &droppedg, 0.0);
+
+        let (mut f, mut fg) = p.output_as(n, dtype);
+        cpu.fill(&mut f, 0.3).unwrap();
+        gpu.fill(&mut fg, 0.3).unwrap();
+        p.check(&format!("{d} fill {n}"), &f, &fg, 0.0);
+
+        let (mut c, mut cg) = p.output_as(n, dtype);
+        cpu.copy(&a, &mut c).unwrap();
+        gpu.copy(&ag, &mut cg).unwrap();
+        p.check(&format!("{d} copy {n}"), &c, &cg, 0.0);
+    }
+    let g = ChannelGeom { n: 3, c: 5, hw: 77 };
+    let numel = g.n * g.c * g.hw;
+    let (cpu, gpu) = (p.cpu.backend(), p.gpu.backend());
+    let (mut y, mut yg) = p.input_as(numel, dtype);
+    let (bias, biasg) = p.input(g.c);
+    cpu.add_channel_bias(&mut y, &bias, &g).unwrap();
+    gpu.add_channel_bias(&mut yg, &biasg, &g).unwrap();
+    p.check(&format!("{d} add_channel_bias"), &y, &yg, 0.0);
+    let (mut db, mut dbg) = p.input(g.c);
+    cpu.channel_sum(&y, &mut db, &g).unwrap();
+    gpu.channel_sum(&yg, &mut dbg, &g).unwrap();
+    p.check(&format!("{d} channel_sum"), &db, &dbg, SUM_TOL);
+
+    let (n, hw) = (3, 77);
+    let (src, srcg) = p.input_as(n * 5 * hw, dtype);
+    let (mut dst, mut dstg) = p.input_as(n * 6 * hw, dtype);
+    cpu.copy_channels(&src, &mut dst, (5, 2), (6, 1), 3, n, hw)
+        .unwrap();
+    gpu.copy_channels(&srcg, &mut dstg, (5, 2), (6, 1), 3, n, hw)
+        .unwrap();
+    p.check(&format!("{d} copy_channels"), &dst, &dstg, 0.0);
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn elementwise_bf16_matches_cpu() {
+    elementwise16_matches(DType::BF16);
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn elementwise_f16_matches_cpu() {
+    elementwise16_matches(DType::F16);
+}
+
+fn pools16_matches(dtype: DType) {
+    let p = Pair::new(precision16(dtype));
+    let (tol, d) = (tol16(dtype), dtype.name());
+    for g in [
+        pool(2, 3, (9, 11), 3, 2, 1, false),
+        pool(1, 4, (8, 8), 2, 2, 0, false),
+        pool(2, 5, (7, 10), 3, 2, 1, true),
+        pool(3, 64, (56, 56), 3, 2, 1, false),
+    ] {
+        let (cpu, gpu) = (p.cpu.backend(), p.gpu.backend());
+        let (nx, ny) = (g.n * g.c * g.h * g.w, g.n * g.c * g.h_out * g.w_out);
+        let (x, xg) = p.input_as(nx, dtype);
+        let (dy, dyg) = p.input_as(ny, dtype);
+        let name = format!("{d} pool {g:?}");
+        let (mut y, mut yg) = p.output_as(ny, dtype);
+        cpu.max_pool_forward(&x, &mut y, &g).unwrap();
+        gpu.max_pool_forward(&xg, &mut yg, &g).unwrap();
+        p.check(&format!("max {name}"), &y, &yg, 0.0);
+        let (mut dx, mut dxg) = p.output_as(nx, dtype);
+        cpu.max_pool_backward(&x, &dy, &mut dx, &g).unwrap();
+        gpu.max_pool_backward(&xg, &dyg, &mut dxg, &g).unwrap();
+        p.check(&format!("max backward {name}"), &dx, &dxg, tol);
+        let (mut a, mut ag) = p.output_as(ny, dtype);
+        cpu.avg_pool_forward(&x, &mut a, &g).unwrap();
+        gpu.avg_pool_forward(&xg, &mut ag, &g).unwrap();
+        p.check(&format!("avg {name}"), &a, &ag, tol);
+        let (mut da, mut dag) = p.output_as(nx, dtype);
+        cpu.avg_pool_backward(&dy, &mut da, &g).unwrap();
+        gpu.avg_pool_backward(&dyg, &mut dag, &g).unwrap();
+        p.check(&format!("avg backward {name}"), &da, &dag, tol);
+    }
+    for (h, w, ho, wo) in [(10, 7, 3, 4), (13, 13, 5, 5), (8, 8, 1, 1), (32, 17, 1, 1)] {
+        let (cpu, gpu) = (p.cpu.backend(), p.gpu.backend());
+        let g = PoolGeom {
+            n: 2,
+            c: 6,
+            h,
+            w,
+            kh: 0,
+            kw: 0,
+            stride: (1, 1),
+            pad: (0, 0),
+            h_out: ho,
+            w_out: wo,
+        };
+        let (nx, ny) = (g.n * g.c * h * w, g.n * g.c * ho * wo);
+        let (x, xg) = p.input_as(nx, dtype);
+        let (dy, dyg) = p.input_as(ny, dtype);
+        let name = format!("{d} adaptive {h}x{w} -> {ho}x{wo}");
+        let (mut y, mut yg) = p.output_as(ny, dtype);
+        cpu.adaptive_avg_pool_forward(&x, &mut y, &g).unwrap();
+        gpu.adaptive_avg_pool_forward(&xg, &mut yg, &g).unwrap();
+        p.check(&name, &y, &yg, tol);
+        let (mut dx, mut dxg) = p.output_as(nx, dtype);
+        cpu.adaptive_avg_pool_backward(&dy, &mut dx, &g).unwrap();
+        gpu.adaptive_avg_pool_backward(&dyg, &mut dxg, &g).unwrap();
+        p.check(&format!("{name} backward"), &dx, &dxg, tol);
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn pools_bf16_match_cpu() {
+    pools16_matches(DType::BF16);
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn pools_f16_match_cpu() {
+    pools16_matches(DType::F16);
+}
+
+/// Linear layers on 16-bit x and dy with f32 weights: computed in f32 on both (cuBLAS on
+/// widened copies on the GPU), y and dx rounded once, dw accumulated in f32.
+fn linear16_matches(dtype: DType) {
+    let p = Pair::new(precision16(dtype));
+    let tol = tol16(dtype);
+    for (n, d_in, d_out) in [(1, 1, 1), (3, 7, 5), (64, 2048, 1000), (17, 64, 10)] {
+        let (cpu, gpu) = (p.cpu.backend(), p.gpu.backend());
+        let name = format!("{} linear {n}x{d_in} -> {d_out}", dtype.name());
+        let (x, xg) = p.input_as(n * d_in, dtype);
+        let (w, wg) = p.input(d_out * d_in);
+        let (dy, dyg) = p.input_as(n * d_out, dtype);
+        let (mut y, mut yg) = p.output_as(n * d_out, dtype);
+        cpu.linear_forward(&x, &w, &mut y, n, d_in, d_out).unwrap();
+        gpu.linear_forward(&xg, &wg, &mut yg, n, d_in, d_out)
+            .unwrap();
+        p.check(&format!("{name} forward"), &y, &yg, tol);
+        let (mut dx, mut dxg) = p.output_as(n * d_in, dtype);
+        let (mut dw, mut dwg) = p.input(d_out * d_in);
+        cpu.linear_backward(&x, &w, &dy, Some(&mut dx), &mut dw, n, d_in, d_out)
+            .unwrap();
+        gpu.linear_backward(&xg, &wg, &dyg, Some(&mut dxg), &mut dwg, n, d_in, d_out)
+            .unwrap();
+        p.check(&format!("{name} dx"), &dx, &dxg, tol);
+        p.check(&format!("{name} dw"), &dw, &dwg, SUM_TOL);
+        cpu.linear_backward(&x, &w, &dy, None, &mut dw, n, d_in, d_out)
+            .unwrap();
+        gpu.linear_backward(&xg, &wg, &dyg, None, &mut dwg, n, d_in, d_out)
+            .unwrap();
+        p.check(&format!("{name} dw again"), &dw, &dwg, SUM_TOL);
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn linear_bf16_matches_cpu() {
+    linear16_matches(DType::BF16);
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn linear_f16_matches_cpu() {
+    linear16_matches(DType::F16);
+}
+
+/// Softmax cross-entropy of 16-bit logits: f32 probabilities and loss, dlogits in the
+/// logits' type (with a loss scale, as fp16 training passes it).
+fn loss16_matches(dtype: DType) {
+    let p = Pair::new(precision16(dtype));
+    let d = dtype.name();
+    for (n, k) in [(1, 2), (5, 10), (64, 1000), (3, 300)] {
+        let (cpu, gpu) = (p.cpu.backend(), p.gpu.backend());
+        let logits: Vec<f64> = p.values(n * k).iter().map(|v| 4.0 * v).collect();
+        let (x, xg) = p.both_as(&logits, dtype);
+        let labels: Vec<u32> = (0..n).map(|i| ((i * 7 + 3) % k) as u32).collect();
+        let (mut probs, mut probsg) = p.output(n * k);
+        let l = cpu
+            .softmax_cross_entropy(&x, &labels, &mut probs, n, k)
+            .unwrap();
+        let lg = gpu
+            .softmax_cross_entropy(&xg, &labels, &mut probsg, n, k)
+            .unwrap();
+        assert!(
+            (l - lg).abs() <= SUM_TOL * l.abs().max(1.0),
+            "{d} loss {n}x{k}: CPU {l}, GPU {lg}"
+        );
+        p.check(&format!("{d} softmax {n}x{k}"), &probs, &probsg, SUM_TOL);
+        let (mut dl, mut dlg) = p.output_as(n * k, dtype);
+        let scale = 1024.0 / n as f64;
+        cpu.softmax_cross_entropy_backward(&probs, &labels, &mut dl, scale, n, k)
+            .unwrap();
+        gpu.softmax_cross_entropy_backward(&probsg, &labels, &mut dlg, scale, n, k)
+            .unwrap();
+        p.check(
+            &format!("{d} softmax backward {n}x{k}"),
+            &dl,
+            &dlg,
+            tol16(dtype),
+        );
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn loss_bf16_matches_cpu() {
+    loss16_matches(DType::BF16);
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn loss_f16_matches_cpu() {
+    loss16_matches(DType::F16);
+}
+
+/// 16-bit tensors keep their bits through every way in and out of the GPU: upload, download,
+/// a device copy, adoption of host elements and of another device's (another rank's stream)
+/// buffer, and the host tier's copies (pageable or pinned, blocking or on the copy stream).
+#[test]
+#[ignore = "needs a CUDA device"]
+fn bf16_and_f16_round_trip_bit_for_bit() {
+    let p = Pair::new(Precision::Bf16);
+    let other = gpu(Precision::Bf16, ConvImpl::Native);
+    let pool = gems::memory::host::HostPool::new();
+    for dtype in [DType::BF16, DType::F16] {
+        for n in [0, 1, 4097] {
+            let what = format!("{} x {n}", dtype.name());
+            let (cpu, gpu) = (p.cpu.backend(), p.gpu.backend());
+            // Values beyond f16's range and below its normal range as well.
+            let mut data = p.values(n);
+            if n > 2 {
+                data[0] = 70000.0;
+                data[1] = 1e-6;
+            }
+            let (host, dev) = p.both_as(&data, dtype);
+            assert_eq!(dev.dtype(), dtype, "{what}");
+            let want = p.host(&host);
+            assert_eq!(p.host(&dev), want, "{what}: upload and download");
+
+            let (_, mut copied) = p.output_as(n, dtype);
+            gpu.copy(&dev, &mut copied).unwrap();
+            assert_eq!(p.host(&copied), want, "{what}: copy");
+
+            let adopted = gpu.adopt(cpu.upload(&data, dtype).unwrap()).unwrap();
+            assert_eq!(p.host(&adopted), want, "{what}: adopted host elements");
+
+            let theirs = other.backend().upload(&data, dtype).unwrap();
+            let mine = gpu.adopt(theirs).unwrap();
+            assert_eq!(p.host(&mine), want, "{what}: adopted from another stream");
+
+            for pinned in [false, true] {
+                for on_copy_stream in [false, true] {
+                    let how = format!("{what} (pinned {pinned}, copy stream {on_copy_stream})");
+                    let mut tier = gpu.host_zeros(n, dtype, pinned.then_some(&pool)).unwrap();
+                    assert_eq!(tier.dtype(), dtype, "{how}");
+                    if let Some(e) = gpu.copy_out(&dev, &mut tier, on_copy_stream).unwrap() {
+                        e.synchronize().unwrap();
+                    }
+                    assert_eq!(p.host(&tier), want, "{how}: to the host tier");
+                    let (_, mut back) = p.output_as(n, dtype);
+                    if let Some(e) = gpu.copy_in(&tier, &mut back, on_copy_stream).unwrap() {
+                        gpu.wait(&e).unwrap();
+                    }
+                    assert_eq!(p.host(&back), want, "{how}: back from the host tier");
+                }
+            }
+        }
+    }
+}
+
+/// The non-finite check runs on the device for f32, bf16 and f16 tensors, large ones (more
+/// than one chunk of the 16-bit widening) included, and agrees with the CPU.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn all_finite_flags_inf_and_nan() {
+    let p = Pair::new(Precision::Fp16);
+    for dtype in [DType::F32, DType::BF16, DType::F16] {
+        for n in [1, 4097, (1 << 20) + 3, 3 << 20] {
+            let clean = p.values(n);
+            for (what, bad) in [
+                ("clean", None),
+                ("inf", Some(f64::INFINITY)),
+                ("-inf", Some(f64::NEG_INFINITY)),
+                ("NaN", Some(f64::NAN)),
+            ] {
+                // The bad element last, in the last chunk, where a short loop would miss it.
+                let mut data = clean.clone();
+                if let Some(v) = bad {
+                    data[n - 1] = v;
+                }
+                let (c, g) = p.both_as(&data, dtype);
+                let want = bad.is_none();
+                let name = format!("{} x {n}, {what}", dtype.name());
+                assert_eq!(
+                    p.cpu.backend().all_finite(&c).unwrap(),
+                    want,
+                    "{name} (CPU)"
+                );
+                assert_eq!(p.gpu.backend().all_finite(&g).unwrap(), want, "{name}");
+            }
+            if n > 2 {
+                // The first element too, and an f16 overflow (finite in f32 and bf16).
+                let mut data = clean.clone();
+                data[0] = f64::NAN;
+                let (_, g) = p.both_as(&data, dtype);
+                assert!(!p.gpu.backend().all_finite(&g).unwrap(), "NaN first");
+                data[0] = 1e6;
+                let (_, g) = p.both_as(&data, dtype);
+                assert_eq!(
+                    p.gpu.backend().all_finite(&g).unwrap(),
+                    dtype != DType::F16,
+                    "1e6 in {}",
+                    dtype.name()
+                );
+            }
+        }
+    }
+}
+
 fn trainer(model: &str, size: usize, batch: usize, steps: usize, device: DeviceKind) -> Trainer {
     trainer_with(model, size, batch, steps, device, ConvImpl::Native)
 }
@@ -718,6 +1300,120 @@ fn step_matches_cpu(conv: ConvImpl) {
             err / scale
         );
     }
+}
+
+/// One resnet20v2 training step in bf16 or fp16 on the GPU against the same step on the CPU,
+/// from the same weights and batch. The 16-bit activations round the same values at the same
+/// places on both; where the f32 results of the two differ (summation order) a value may round
+/// to the neighbouring 16-bit number, so each trainable parameter's update (after - before)
+/// agrees to the activation type's tolerance, over the parameter as a whole (relative norm),
+/// and so do the BN running statistics (their values).
+fn mixed_step_matches_cpu(precision: Precision) {
+    let tol = tol16(precision.activations(DType::F32));
+    let config = |device| TrainConfig {
+        device,
+        precision,
+        ..TrainConfig::new("resnet20v2", 32, 10, 8, 1)
+    };
+    let mut on_cpu = Trainer::new(config(DeviceKind::Cpu)).unwrap();
+    let mut on_gpu = Trainer::new(config(DeviceKind::Cuda { ordinal: 0 }))
+        .unwrap_or_else(|e| panic!("{precision} on the GPU: {e}"));
+    let before = values(&on_cpu);
+    assert_eq!(before, values(&on_gpu), "both start from the same weights");
+    let (rc, rg) = (on_cpu.step().unwrap(), on_gpu.step().unwrap());
+    assert!(!rc.skipped && !rg.skipped, "{precision}: {rc:?} {rg:?}");
+    assert_eq!(rc.loss_scale, rg.loss_scale, "{precision}: loss scales");
+    assert!(
+        (rc.loss - rg.loss).abs() <= tol * rc.loss,
+        "{precision} loss: CPU {}, GPU {}",
+        rc.loss,
+        rg.loss
+    );
+    let (after_cpu, after_gpu) = (values(&on_cpu), values(&on_gpu));
+    for (i, ((b, c), g)) in before.iter().zip(&after_cpu).zip(&after_gpu).enumerate() {
+        let trainable = on_cpu.params.grads[i].is_some();
+        let (mut diff, mut norm) = (0.0f64, 1e-300f64);
+        for ((b, c), g) in b.iter().zip(c).zip(g) {
+            // The update of a parameter; the value of a running statistic.
+            let (dc, dg) = if trainable { (c - b, g - b) } else { (*c, *g) };
+            diff += (dc - dg) * (dc - dg);
+            norm += dc * dc;
+        }
+        let err = (diff / norm).sqrt();
+        assert!(
+            err <= tol,
+            "{precision} parameter {i} (trainable {trainable}): differs by {err:.2e} \
+             (relative norm)"
+        );
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn resnet20v2_bf16_step_matches_cpu() {
+    mixed_step_matches_cpu(Precision::Bf16);
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn resnet20v2_fp16_step_matches_cpu() {
+    mixed_step_matches_cpu(Precision::Fp16);
+}
+
+/// fp16's dynamic loss scale on the GPU skips the same steps as on the CPU: 2⁴⁰ overflows
+/// f16 in the loss gradient itself, so steps are skipped (the weights untouched) and the
+/// scale halved until it fits, then steps apply, on both devices at the same step.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn fp16_loss_scale_skips_the_steps_the_cpu_skips() {
+    let config = |device| TrainConfig {
+        device,
+        precision: Precision::Fp16,
+        loss_scale: 2f64.powi(40),
+        ..TrainConfig::new("resnet20v2", 32, 10, 8, 40)
+    };
+    let mut on_cpu = Trainer::new(config(DeviceKind::Cpu)).unwrap();
+    let mut on_gpu = Trainer::new(config(DeviceKind::Cuda { ordinal: 0 })).unwrap();
+    // The trainable parameters: BN's running statistics are committed by every forward,
+    // skipped step or not.
+    let trainable = |t: &Trainer| -> Vec<Vec<f64>> {
+        values(t)
+            .into_iter()
+            .zip(&t.params.grads)
+            .filter(|(_, g)| g.is_some())
+            .map(|(v, _)| v)
+            .collect()
+    };
+    let initial = trainable(&on_gpu);
+    let mut applied = 0;
+    for step in 0..40 {
+        let (rc, rg) = (on_cpu.step().unwrap(), on_gpu.step().unwrap());
+        assert_eq!(
+            (rg.skipped, rg.loss_scale),
+            (rc.skipped, rc.loss_scale),
+            "step {step}: GPU (skipped, scale) against the CPU's"
+        );
+        if rg.skipped {
+            assert_eq!(applied, 0, "step {step} skipped after one was applied");
+            assert!(
+                trainable(&on_gpu) == initial,
+                "skipped step {step} changed the GPU's weights"
+            );
+        } else {
+            applied += 1;
+            if applied == 3 {
+                break;
+            }
+        }
+    }
+    assert!(applied > 0, "no step applied within 40");
+    let skipped = |t: &Trainer| t.loss_scale.as_ref().unwrap().skipped();
+    assert!(skipped(&on_gpu) >= 10, "2^40 should overflow for a while");
+    assert_eq!(skipped(&on_gpu), skipped(&on_cpu));
+    assert!(
+        trainable(&on_gpu) != initial,
+        "applied steps change the weights"
+    );
 }
 
 #[test]
@@ -992,4 +1688,39 @@ fn the_cudnn_path_opens_or_says_why_not() {
     assert_eq!("native".parse::<ConvImpl>(), Ok(ConvImpl::Native));
     assert_eq!(ConvImpl::Cudnn.to_string(), "cudnn");
     assert!("cuddn".parse::<ConvImpl>().is_err());
+}
+
+/// Runs everywhere: cuDNN's convolutions run f32 only, so `--conv cudnn` with bf16 or fp16
+/// activations is a configuration error naming the way out, raised before any work (before
+/// the driver is asked anything, where the backend is opened); fp32 and tf32 pass the check.
+#[test]
+fn cudnn_with_16_bit_activations_is_refused_with_a_clear_error() {
+    for precision in [Precision::Bf16, Precision::Fp16] {
+        match cuda::check_conv(precision, ConvImpl::Cudnn) {
+            Err(gems::Error::Config(e)) => {
+                assert!(e.contains("--conv native"), "{precision}: {e}")
+            }
+            other => panic!("{precision} with cuDNN: {other:?}"),
+        }
+        cuda::check_conv(precision, ConvImpl::Native).unwrap();
+        let opened = Device::open(
+            DeviceKind::Cuda { ordinal: 0 },
+            precision,
+            ConvImpl::Cudnn,
+            "cuda:0",
+            0,
+            None,
+        );
+        let e = opened
+            .expect_err("cuDNN opened for 16-bit activations")
+            .to_string();
+        if matches!(cuda::device_count(), Ok(n) if n > 0) {
+            assert!(e.contains(cuda::CUDNN_16BIT), "{precision}: {e}");
+        } else {
+            assert!(e.contains("CUDA"), "unclear error: {e}");
+        }
+    }
+    for precision in [Precision::Fp32, Precision::Tf32] {
+        cuda::check_conv(precision, ConvImpl::Cudnn).unwrap();
+    }
 }
