@@ -520,6 +520,7 @@ impl Device {
             )),
             DeviceKind::Cpu => Ok(Device::cpu(name, capacity)),
             DeviceKind::Cuda { ordinal } => {
+                cuda::check_conv(precision, conv)?;
                 let count = cuda::device_count()?;
                 if ordinal >= count {
                     return Err(crate::Error::Device(format!(
