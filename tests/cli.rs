@@ -18,6 +18,18 @@ fn bad_input_gets_one_line_and_a_failure() {
             vec!["train", "--dtype", "f64", "--precision", "bf16"],
             "needs f32 parameters",
         ),
+        (
+            vec![
+                "train",
+                "--device",
+                "cuda",
+                "--conv",
+                "cudnn",
+                "--precision",
+                "fp16",
+            ],
+            "use --conv native",
+        ),
         (vec!["train", "--val", "0.1"], "endless stream"),
         (vec!["train", "--conv", "cuddn"], "unknown convolution path"),
         (
