@@ -74,12 +74,23 @@ fn replicas_auto_follows_the_memory_mast_needs() {
         Scheme::new(Kind::Mast, 2, 2, 2, 1, Order::GPipe),
         None,
     );
-    let need = memory::per_rank(&mast)
+    let balanced = memory::per_rank(&mast)
         .unwrap()
         .iter()
         .map(|m| m.peak)
         .max()
         .unwrap();
+    // What the overlapped pair needs: the least capacity it fits, over the splits a capacity
+    // makes the partitioner choose (often less than the split balanced by cost holds).
+    let (mut lo, mut hi) = (0, balanced);
+    while hi - lo > 1 {
+        let mid = (lo + hi) / 2;
+        match memory::fits(&mast, mid).unwrap() {
+            true => hi = mid,
+            false => lo = mid,
+        }
+    }
+    let need = hi;
     // Just enough: the overlapped pair.
     let chosen = memory::choose_replicas(&mast, need).unwrap();
     assert_eq!((chosen.scheme.replicas, chosen.max_in_flight), (2, None));

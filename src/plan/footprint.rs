@@ -56,6 +56,16 @@ struct Carried {
     saved_at: Option<usize>,
 }
 
+/// A gradient that the whole-graph model shares with another (a sum hands its `dy` to all its
+/// inputs as one buffer) but that a stage ending before the sum receives as a message of its
+/// own: one more buffer of `bytes`, live in backward from the stage's end down to node `from`
+/// (its value's producer).
+#[derive(Clone, Copy, Debug)]
+struct SplitGradient {
+    bytes: u64,
+    from: usize,
+}
+
 /// Range maxima in O(1) after O(n log n) preparation.
 struct SparseMax(Vec<Vec<u64>>);
 
@@ -98,6 +108,8 @@ pub struct Footprint {
     backward: SparseMax,
     /// Per boundary that a cut may use, the values it carries that were saved before it.
     carried: Vec<Option<Vec<Carried>>>,
+    /// Per boundary that a cut may use, the gradients a stage ending there receives apart.
+    split: Vec<Vec<SplitGradient>>,
 }
 
 impl Footprint {
@@ -220,7 +232,34 @@ impl Footprint {
                 })
                 .collect(),
         );
-        let carried = crate::plan::partition::carried(g)
+        let crossing = crate::plan::partition::carried(g);
+        // Of the values crossing a boundary whose gradients the model shares (the same last
+        // consumer, one that hands on `dy`), all but the earliest produced arrive as buffers
+        // of their own.
+        let split = crossing
+            .iter()
+            .map(|values| {
+                let mut shared: Vec<(usize, usize)> = values
+                    .iter()
+                    .flatten()
+                    .filter_map(|&v| {
+                        let (p, last) = (g.values[v].producer?, last_use(v)?);
+                        let shares = requires_grad[v] && !is_output(v) && ops[last].passes_dy;
+                        shares.then_some((last, p))
+                    })
+                    .collect();
+                shared.sort_unstable();
+                shared
+                    .windows(2)
+                    .filter(|w| w[0].0 == w[1].0)
+                    .map(|w| SplitGradient {
+                        bytes: bytes(g.nodes[w[1].1].output),
+                        from: w[1].1,
+                    })
+                    .collect()
+            })
+            .collect();
+        let carried = crossing
             .into_iter()
             .enumerate()
             .map(|(at, values)| {
@@ -243,6 +282,7 @@ impl Footprint {
             forward: SparseMax::new(forward),
             backward: SparseMax::new(backward),
             carried,
+            split,
         })
     }
 }
@@ -259,6 +299,7 @@ impl StageMemory for Footprint {
         let carried = self.carried[a]
             .as_deref()
             .expect("stages start at cut points");
+        let split = self.split.get(b).map_or(&[][..], Vec::as_slice);
         let base = self.saved[a];
         let saved = self.saved[b] - base
             + carried
@@ -266,9 +307,9 @@ impl StageMemory for Footprint {
                 .filter(|c| c.saved_at.is_some_and(|s| s < b))
                 .map(|c| c.bytes)
                 .sum::<u64>();
-        // Where the carried values' contributions change, the ranges between are maximized
-        // with the tables.
-        let mut cuts = [b; 2 + 2 * MAX_CUT_VALUES];
+        // Where the carried values' and split gradients' contributions change, the ranges
+        // between are maximized with the tables.
+        let mut cuts = [b; 2 + 3 * MAX_CUT_VALUES];
         cuts[0] = a;
         let mut n = 2;
         for c in carried {
@@ -278,6 +319,10 @@ impl StageMemory for Footprint {
                 cuts[n] = s.clamp(a, b);
                 n += 1;
             }
+        }
+        for s in split {
+            cuts[n] = s.from.clamp(a, b);
+            n += 1;
         }
         let cuts = &mut cuts[..n];
         cuts.sort_unstable();
@@ -293,7 +338,12 @@ impl StageMemory for Footprint {
                 .iter()
                 .filter(|c| c.saved_at.is_some_and(|s| s <= i))
                 .map(|c| c.bytes)
-                .sum();
+                .sum::<u64>()
+                + split
+                    .iter()
+                    .filter(|s| s.from <= i)
+                    .map(|s| s.bytes)
+                    .sum::<u64>();
             forward = forward.max(self.forward.max(w[0]..w[1]) + fwd);
             backward = backward.max(self.backward.max(w[0]..w[1]) + bwd);
         }

@@ -395,7 +395,7 @@ impl Backend for Cpu {
         eps: f64,
         g: &ChannelGeom,
     ) -> Result<()> {
-        compute!(x.dtype(), T, [x, gamma, beta], [y, mean, var] => norm::forward_train::<T>(x, gamma, beta, y, mean, var, eps, g));
+        compute!(x.dtype(), T, [x, gamma, beta], [y, mean, var] => norm::forward_train::<T>(x, gamma, beta, y, mean, var, eps, g, false));
         Ok(())
     }
 
@@ -410,7 +410,7 @@ impl Backend for Cpu {
         eps: f64,
         g: &ChannelGeom,
     ) -> Result<()> {
-        compute!(x.dtype(), T, [x, gamma, beta, mean, var], [y] => norm::forward_eval::<T>(x, gamma, beta, mean, var, y, eps, g));
+        compute!(x.dtype(), T, [x, gamma, beta, mean, var], [y] => norm::forward_eval::<T>(x, gamma, beta, mean, var, y, eps, g, false));
         Ok(())
     }
 
@@ -442,11 +442,7 @@ impl Backend for Cpu {
         eps: f64,
         g: &ChannelGeom,
     ) -> Result<()> {
-        compute!(x.dtype(), T, [x, gamma, beta], [y, mean, var] => {
-            let out = y;
-            norm::forward_train::<T>(x, gamma, beta, out, mean, var, eps, g);
-            out.par_iter_mut().for_each(|v| *v = v.max(T::of(0.0)));
-        });
+        compute!(x.dtype(), T, [x, gamma, beta], [y, mean, var] => norm::forward_train::<T>(x, gamma, beta, y, mean, var, eps, g, true));
         Ok(())
     }
 

@@ -30,15 +30,17 @@ fn stats<T: Float>(x: &[T], g: &ChannelGeom) -> Vec<(T, T)> {
         .collect()
 }
 
-/// y = (x - mean) · scale[c] + shift[c] over planes.
-fn affine<T: Float>(x: &[T], y: &mut [T], g: &ChannelGeom, coef: &[(T, T)]) {
+/// y = x · scale[c] + shift[c] over planes (shift holding the mean's part), then with `relu`
+/// max(y, 0) in the same pass.
+fn affine<T: Float>(x: &[T], y: &mut [T], g: &ChannelGeom, coef: &[(T, T)], relu: bool) {
     y.par_chunks_mut(g.hw)
         .zip(x.par_chunks(g.hw))
         .enumerate()
         .for_each(|(p, (yp, xp))| {
             let (scale, shift) = coef[p % g.c];
             for (y, &x) in yp.iter_mut().zip(xp) {
-                *y = x * scale + shift;
+                let v = x * scale + shift;
+                *y = if relu { v.max(T::zero()) } else { v };
             }
         });
 }
@@ -53,13 +55,14 @@ pub fn forward_train<T: Float>(
     var: &mut [T],
     eps: f64,
     g: &ChannelGeom,
+    relu: bool,
 ) {
     let st = stats(x, g);
     for (c, &(m, v)) in st.iter().enumerate() {
         mean[c] = m;
         var[c] = v;
     }
-    forward_eval(x, gamma, beta, mean, var, y, eps, g);
+    forward_eval(x, gamma, beta, mean, var, y, eps, g, relu);
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -72,6 +75,7 @@ pub fn forward_eval<T: Float>(
     y: &mut [T],
     eps: f64,
     g: &ChannelGeom,
+    relu: bool,
 ) {
     let coef: Vec<(T, T)> = (0..g.c)
         .map(|c| {
@@ -79,7 +83,7 @@ pub fn forward_eval<T: Float>(
             (scale, beta[c] - mean[c] * scale)
         })
         .collect();
-    affine(x, y, g, &coef);
+    affine(x, y, g, &coef, relu);
 }
 
 /// dx = γ·invstd/M · (M·dy - Σdy - x̂·Σ(dy·x̂)); dγ += Σ(dy·x̂); dβ += Σdy. With `relu_out`
@@ -98,20 +102,23 @@ pub fn backward<T: Float>(
     eps: f64,
     g: &ChannelGeom,
 ) {
-    let zero = T::of(0.0);
-    // As ReLU's backward: the gradient passes where the output is positive (not NaN).
-    let d = |i: usize| match relu_out {
-        Some(y) if y[i] > zero => dy[i],
-        Some(_) => zero,
-        None => dy[i],
-    };
+    let zero = T::zero();
+    let plane = |p: usize| p * g.hw..(p + 1) * g.hw;
     let m = T::of((g.n * g.hw) as f64);
+    let invstd = |c: usize| T::one() / (var[c] + T::of(eps)).sqrt();
     let sums: Vec<(T, T)> = (0..g.c)
         .into_par_iter()
         .map(|c| {
-            let invstd = T::one() / (var[c] + T::of(eps)).sqrt();
-            let sdy = channel_fold(c, g, d);
-            let sdyx = channel_fold(c, g, |i| d(i) * (x[i] - mean[c]) * invstd);
+            let (invstd, mean) = (invstd(c), mean[c]);
+            let (mut sdy, mut sdyx) = (zero, zero);
+            for n in 0..g.n {
+                let p = n * g.c + c;
+                let xs = &x[plane(p)];
+                each_gradient(&dy[plane(p)], relu_out.map(|y| &y[plane(p)]), |j, d| {
+                    sdy += d;
+                    sdyx += d * (xs[j] - mean) * invstd;
+                });
+            }
             (sdy, sdyx)
         })
         .collect();
@@ -121,15 +128,26 @@ pub fn backward<T: Float>(
     }
     dx.par_chunks_mut(g.hw).enumerate().for_each(|(p, dxp)| {
         let c = p % g.c;
-        let invstd = T::one() / (var[c] + T::of(eps)).sqrt();
-        let (sdy, sdyx) = sums[c];
+        let (invstd, mean, (sdy, sdyx)) = (invstd(c), mean[c], sums[c]);
         let k = gamma[c] * invstd / m;
-        for (j, dx) in dxp.iter_mut().enumerate() {
-            let i = p * g.hw + j;
-            let xhat = (x[i] - mean[c]) * invstd;
-            *dx = k * (m * d(i) - sdy - xhat * sdyx);
-        }
+        let xs = &x[plane(p)];
+        each_gradient(&dy[plane(p)], relu_out.map(|y| &y[plane(p)]), |j, d| {
+            let xhat = (xs[j] - mean) * invstd;
+            dxp[j] = k * (m * d - sdy - xhat * sdyx);
+        });
     });
+}
+
+/// `f(j, d)` over a plane's gradient `dy`, or with `relu_out`, over it masked as ReLU's
+/// backward does (passing where the output is positive, not NaN). Generic, so each use
+/// compiles to one loop.
+fn each_gradient<T: Float>(dy: &[T], relu_out: Option<&[T]>, mut f: impl FnMut(usize, T)) {
+    match relu_out {
+        Some(y) => (dy.iter().zip(y))
+            .enumerate()
+            .for_each(|(j, (&d, &y))| f(j, if y > T::zero() { d } else { T::zero() })),
+        None => dy.iter().enumerate().for_each(|(j, &d)| f(j, d)),
+    }
 }
 
 pub fn update_running<T: Float>(
