@@ -23,11 +23,13 @@
  *                                   accumulation, one block per channel as stats); adds them
  *                                   to dbeta[c] and dgamma[c] and keeps them in sums[2c],
  *                                   sums[2c + 1] for the dx pass.
- *   batchnorm_backward_reduce_relu_SUF   the same with dy masked by y > 0 (y: the fused
- *                                   output), so the ReLU's gradient never goes to memory.
+ *   batchnorm_backward_reduce_relu_SUF   the same with dy masked where the fused output is
+ *                                   not positive, the mask recomputed from x exactly as
+ *                                   apply computed it (bn_affine): the fused op keeps x
+ *                                   only, and the ReLU's gradient never goes to memory.
  *   batchnorm_backward_dx_SUF       dx = gamma invstd / M (M dy - sdy - xhat sdyx),
  *                                   M = n hw, as the CPU backend (src/backend/cpu/norm.rs).
- *   batchnorm_backward_dx_relu_SUF  the same with dy masked by y > 0.
+ *   batchnorm_backward_dx_relu_SUF  the same with dy masked likewise.
  *   batchnorm_update_running_f32    running = (1 - momentum) running + momentum batch, the
  *                                   variance unbiased by count / (count - 1); one thread per
  *                                   channel. One stamp only: it touches only f32 statistics.
@@ -63,6 +65,15 @@ __device__ void stats(const T* x, float* mean, float* var, GemsBatchNorm bn) {
     }
 }
 
+/* The normalized element before any ReLU: x scale + shift, scale = gamma / sqrt(var + eps),
+ * shift = beta - mean scale. The fused backward recomputes it for the ReLU's mask, so apply
+ * and the backward must compute it the same way: one function, one explicit fma. */
+__device__ __forceinline__ float bn_affine(float x, int c, const float* gamma, const float* beta,
+                                           const float* mean, const float* var, float eps) {
+    const float scale = gamma[c] / sqrtf(var[c] + eps);
+    return fmaf(x, scale, beta[c] - mean[c] * scale);
+}
+
 template <bool RELU, typename T>
 __device__ void apply(const T* x, const float* gamma, const float* beta, const float* mean,
                       const float* var, T* y, GemsBatchNorm bn) {
@@ -70,29 +81,30 @@ __device__ void apply(const T* x, const float* gamma, const float* beta, const f
     const float eps = (float)bn.eps;
     GEMS_FOR(i, (int64_t)g.n * g.c * g.hw) {
         int c = (int)((i / g.hw) % g.c);
-        float scale = gamma[c] / sqrtf(var[c] + eps);
-        float v = ld(x, i) * scale + (beta[c] - mean[c] * scale);
+        float v = bn_affine(ld(x, i), c, gamma, beta, mean, var, eps);
         st(y, i, RELU ? fmaxf(v, 0.0f) : v);
     }
 }
 
-/* y is read only when RELU (the fused output, as stored: the mask is y > 0 of the stored
- * value, as relu_backward's); dy is masked where y <= 0. */
+/* gamma and beta are read only when RELU: dy is masked where the fused output,
+ * max(bn_affine(x), 0), is not positive (NaN included), as relu_backward masks. */
 template <bool RELU, typename T>
-__device__ void backward_reduce(const T* x, const T* y, const T* dy, const float* mean,
-                                const float* var, float* dgamma, float* dbeta, float* sums,
-                                GemsBatchNorm bn) {
+__device__ void backward_reduce(const T* x, const float* gamma, const float* beta, const T* dy,
+                                const float* mean, const float* var, float* dgamma,
+                                float* dbeta, float* sums, GemsBatchNorm bn) {
     __shared__ double scratch[32];
     const GemsChannelGeom g = bn.geom;
     const int c = blockIdx.x;
     const float mu = mean[c];
-    const float invstd = 1.0f / sqrtf(var[c] + (float)bn.eps);
+    const float eps = (float)bn.eps;
+    const float invstd = 1.0f / sqrtf(var[c] + eps);
     double sdy = 0.0, sdyx = 0.0;
     for (int n = 0; n < g.n; n++) {
         const int64_t base = ((int64_t)n * g.c + c) * g.hw;
         for (int j = threadIdx.x; j < g.hw; j += blockDim.x) {
             float d = ld(dy, base + j);
-            if (RELU && !(ld(y, base + j) > 0.0f)) d = 0.0f;
+            if (RELU && !(bn_affine(ld(x, base + j), c, gamma, beta, mean, var, eps) > 0.0f))
+                d = 0.0f;
             sdy += d;
             sdyx += (double)d * ((ld(x, base + j) - mu) * invstd);
         }
@@ -108,17 +120,19 @@ __device__ void backward_reduce(const T* x, const T* y, const T* dy, const float
 }
 
 template <bool RELU, typename T>
-__device__ void backward_dx(const T* x, const T* y, const T* dy, const float* gamma,
+__device__ void backward_dx(const T* x, const T* dy, const float* gamma, const float* beta,
                             const float* mean, const float* var, const float* sums, T* dx,
                             GemsBatchNorm bn) {
     const GemsChannelGeom g = bn.geom;
     const float m = (float)((double)g.n * g.hw);
+    const float eps = (float)bn.eps;
     GEMS_FOR(i, (int64_t)g.n * g.c * g.hw) {
         int c = (int)((i / g.hw) % g.c);
-        float invstd = 1.0f / sqrtf(var[c] + (float)bn.eps);
+        float invstd = 1.0f / sqrtf(var[c] + eps);
+        const float xi = ld(x, i);
         float d = ld(dy, i);
-        if (RELU && !(ld(y, i) > 0.0f)) d = 0.0f;
-        float xhat = (ld(x, i) - mean[c]) * invstd;
+        if (RELU && !(bn_affine(xi, c, gamma, beta, mean, var, eps) > 0.0f)) d = 0.0f;
+        float xhat = (xi - mean[c]) * invstd;
         st(dx, i, gamma[c] * invstd / m * (m * d - sums[2 * c] - xhat * sums[2 * c + 1]));
     }
 }
@@ -143,22 +157,22 @@ __device__ void backward_dx(const T* x, const T* y, const T* dy, const float* ga
     extern "C" __global__ void batchnorm_backward_reduce_##SUF(                               \
         const T* x, const T* dy, const float* mean, const float* var, float* dgamma,          \
         float* dbeta, float* sums, GemsBatchNorm bn) {                                        \
-        backward_reduce<false>(x, (const T*)nullptr, dy, mean, var, dgamma, dbeta, sums, bn); \
+        backward_reduce<false>(x, nullptr, nullptr, dy, mean, var, dgamma, dbeta, sums, bn);  \
     }                                                                                         \
     extern "C" __global__ void batchnorm_backward_reduce_relu_##SUF(                          \
-        const T* x, const T* y, const T* dy, const float* mean, const float* var,             \
-        float* dgamma, float* dbeta, float* sums, GemsBatchNorm bn) {                         \
-        backward_reduce<true>(x, y, dy, mean, var, dgamma, dbeta, sums, bn);                  \
+        const T* x, const float* gamma, const float* beta, const T* dy, const float* mean,    \
+        const float* var, float* dgamma, float* dbeta, float* sums, GemsBatchNorm bn) {       \
+        backward_reduce<true>(x, gamma, beta, dy, mean, var, dgamma, dbeta, sums, bn);        \
     }                                                                                         \
     extern "C" __global__ void batchnorm_backward_dx_##SUF(                                   \
         const T* x, const T* dy, const float* gamma, const float* mean, const float* var,     \
         const float* sums, T* dx, GemsBatchNorm bn) {                                         \
-        backward_dx<false>(x, (const T*)nullptr, dy, gamma, mean, var, sums, dx, bn);         \
+        backward_dx<false>(x, dy, gamma, nullptr, mean, var, sums, dx, bn);                   \
     }                                                                                         \
     extern "C" __global__ void batchnorm_backward_dx_relu_##SUF(                              \
-        const T* x, const T* y, const T* dy, const float* gamma, const float* mean,           \
+        const T* x, const float* gamma, const float* beta, const T* dy, const float* mean,    \
         const float* var, const float* sums, T* dx, GemsBatchNorm bn) {                       \
-        backward_dx<true>(x, y, dy, gamma, mean, var, sums, dx, bn);                          \
+        backward_dx<true>(x, dy, gamma, beta, mean, var, sums, dx, bn);                       \
     }
 
 STAMP(float, f32)

@@ -210,7 +210,7 @@ pub fn memory_bound(
         bytes: 5 * b,
         seconds: backward,
     });
-    // Fused with ReLU: the same passes; backward also reads y for the mask.
+    // Fused with ReLU: the same passes (backward recomputes the ReLU's mask from x).
     let fused_forward = time(device, repeats, || {
         be.batchnorm_relu_forward_train(&x, &gamma, &beta, &mut y, &mut mean, &mut var, eps, g)
     })?;
@@ -222,9 +222,9 @@ pub fn memory_bound(
     let fused_backward = time(device, repeats, || {
         be.batchnorm_relu_backward(
             &x,
-            &y,
             &dy,
             &gamma,
+            &beta,
             &mean,
             &var,
             &mut dx,
@@ -236,7 +236,7 @@ pub fn memory_bound(
     })?;
     out.push(Bandwidth {
         kernel: "batchnorm+relu backward",
-        bytes: 7 * b,
+        bytes: 5 * b,
         seconds: fused_backward,
     });
     Ok(out)

@@ -421,11 +421,11 @@ fn batchnorm_matches(precision: Precision) {
         let (mut dgr, mut dgrg) = p.input(g.c);
         let (mut dbr, mut dbrg) = p.input(g.c);
         cpu.batchnorm_relu_backward(
-            &x, &yr, &dy, &gamma, &mr, &vr, &mut dxr, &mut dgr, &mut dbr, 1e-5, &g,
+            &x, &dy, &gamma, &beta, &mr, &vr, &mut dxr, &mut dgr, &mut dbr, 1e-5, &g,
         )
         .unwrap();
         gpu.batchnorm_relu_backward(
-            &xg, &yrg, &dyg, &gammag, &mrg, &vrg, &mut dxrg, &mut dgrg, &mut dbrg, 1e-5, &g,
+            &xg, &dyg, &gammag, &betag, &mrg, &vrg, &mut dxrg, &mut dgrg, &mut dbrg, 1e-5, &g,
         )
         .unwrap();
         p.check(&format!("{name} fused dx"), &dxr, &dxrg, dx_tol);

@@ -360,6 +360,11 @@ fn batchnorm_training() {
         "batchnorm batch 1",
         one(Op::BatchNorm(norm::BatchNorm::default()), &[2, 3, 3], 1),
     );
+    let fused = norm::BatchNorm {
+        relu: true,
+        ..Default::default()
+    };
+    check_gradients("batchnorm+relu", one(Op::BatchNorm(fused), &[3, 4, 5], 4));
 }
 
 #[test]

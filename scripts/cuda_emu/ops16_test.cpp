@@ -65,14 +65,15 @@ template <class T> void bn() {
     for (int relu = 0; relu < 2; relu++) {
         std::vector<float> dg(g.c, 1), db(g.c, 1), sums(2 * g.c); auto dxt = poison<T>(N);
         if (relu) {
-            launch(uint3{(unsigned)g.c, 1, 1}, 512, [&] { K<T>::bn_red_relu(xt.data(), yrt.data(), dyt.data(), mean.data(), var.data(), dg.data(), db.data(), sums.data(), b); });
-            launch(uint3{3, 1, 1}, 256, [&] { K<T>::bn_dx_relu(xt.data(), yrt.data(), dyt.data(), gamma.data(), mean.data(), var.data(), sums.data(), dxt.data(), b); });
+            launch(uint3{(unsigned)g.c, 1, 1}, 512, [&] { K<T>::bn_red_relu(xt.data(), gamma.data(), beta.data(), dyt.data(), mean.data(), var.data(), dg.data(), db.data(), sums.data(), b); });
+            launch(uint3{3, 1, 1}, 256, [&] { K<T>::bn_dx_relu(xt.data(), gamma.data(), beta.data(), dyt.data(), mean.data(), var.data(), sums.data(), dxt.data(), b); });
         } else {
             launch(uint3{(unsigned)g.c, 1, 1}, 512, [&] { K<T>::bn_red(xt.data(), dyt.data(), mean.data(), var.data(), dg.data(), db.data(), sums.data(), b); });
             launch(uint3{3, 1, 1}, 256, [&] { K<T>::bn_dx(xt.data(), dyt.data(), gamma.data(), mean.data(), var.data(), sums.data(), dxt.data(), b); });
         }
         auto dx = from(dxt);
-        // analytic reference in double (the mask from the stored y, as the kernels)
+        // analytic reference in double (the mask from the stored y: the kernels recompute it
+        // from x in f32, which differs only where a positive value rounds to 0 in 16 bits)
         std::vector<double> dx_ref(N), db_ref(g.c, 1), dg_ref(g.c, 1), sdy(g.c, 0), sdyx(g.c, 0);
         for (size_t i = 0; i < N; i++) { int c = (i / g.hw) % g.c; double xh = (x[i] - m_ref[c]) / std::sqrt(v_ref[c] + 1e-5); double d = dy[i]; if (relu && !(yr[i] > 0)) d = 0; sdy[c] += d; sdyx[c] += d * xh; }
         for (int c = 0; c < g.c; c++) { db_ref[c] += sdy[c]; dg_ref[c] += sdyx[c]; }

@@ -37,8 +37,8 @@ void bn() {
     for (int relu = 0; relu < 2; relu++) {
         std::vector<float> dg(g.c, 1), db(g.c, 1), sums(2 * g.c), dx(N, NAN);
         if (relu) {
-            launch(uint3{(unsigned)g.c, 1, 1}, 512, [&] { batchnorm_backward_reduce_relu_f32(x.data(), yr.data(), dy.data(), mean.data(), var.data(), dg.data(), db.data(), sums.data(), b); });
-            launch(uint3{3, 1, 1}, 256, [&] { batchnorm_backward_dx_relu_f32(x.data(), yr.data(), dy.data(), gamma.data(), mean.data(), var.data(), sums.data(), dx.data(), b); });
+            launch(uint3{(unsigned)g.c, 1, 1}, 512, [&] { batchnorm_backward_reduce_relu_f32(x.data(), gamma.data(), beta.data(), dy.data(), mean.data(), var.data(), dg.data(), db.data(), sums.data(), b); });
+            launch(uint3{3, 1, 1}, 256, [&] { batchnorm_backward_dx_relu_f32(x.data(), gamma.data(), beta.data(), dy.data(), mean.data(), var.data(), sums.data(), dx.data(), b); });
         } else {
             launch(uint3{(unsigned)g.c, 1, 1}, 512, [&] { batchnorm_backward_reduce_f32(x.data(), dy.data(), mean.data(), var.data(), dg.data(), db.data(), sums.data(), b); });
             launch(uint3{3, 1, 1}, 256, [&] { batchnorm_backward_dx_f32(x.data(), dy.data(), gamma.data(), mean.data(), var.data(), sums.data(), dx.data(), b); });

@@ -196,9 +196,9 @@ impl Backend for Meter {
     fn batchnorm_relu_backward(
         &self,
         _x: &Storage,
-        _y: &Storage,
         _dy: &Storage,
         _gamma: &Storage,
+        _beta: &Storage,
         _mean: &Storage,
         _var: &Storage,
         _dx: &mut Storage,

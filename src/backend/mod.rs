@@ -218,14 +218,16 @@ pub trait Backend: Send + Sync {
         eps: f64,
         g: &ChannelGeom,
     ) -> Result<()>;
-    /// The fused op's backward from its output `y`: `dy` where y > 0, then BN's backward.
+    /// The fused op's backward from its input alone: `dy` where the output was positive
+    /// (recomputed from x, gamma, beta and the batch statistics exactly as the forward
+    /// computed it), then BN's backward.
     #[allow(clippy::too_many_arguments)]
     fn batchnorm_relu_backward(
         &self,
         x: &Storage,
-        y: &Storage,
         dy: &Storage,
         gamma: &Storage,
+        beta: &Storage,
         mean: &Storage,
         var: &Storage,
         dx: &mut Storage,

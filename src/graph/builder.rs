@@ -114,6 +114,14 @@ impl GraphBuilder {
     pub fn batchnorm(&mut self, name: &str, x: ValueId) -> Result<ValueId> {
         self.op(name, Op::BatchNorm(norm::BatchNorm::default()), &[x])
     }
+    /// Batch normalization and the ReLU after it, as one op (see [`norm::BatchNorm`]).
+    pub fn batchnorm_relu(&mut self, name: &str, x: ValueId) -> Result<ValueId> {
+        let bn = norm::BatchNorm {
+            relu: true,
+            ..Default::default()
+        };
+        self.op(name, Op::BatchNorm(bn), &[x])
+    }
     pub fn relu(&mut self, name: &str, x: ValueId) -> Result<ValueId> {
         self.op(name, Op::Relu(activation::Relu), &[x])
     }

@@ -134,10 +134,10 @@ fn basic_init(
         b.set_init("weight", Init::Normal(std))?;
         let bn = BatchNorm {
             eps: 1e-3,
+            relu: true,
             ..BatchNorm::default()
         };
-        let x = b.op("bn", Op::BatchNorm(bn), &[x])?;
-        b.relu("relu", x)
+        b.op("bn", Op::BatchNorm(bn), &[x])
     })
 }
 

@@ -73,8 +73,7 @@ pub fn build(name: &str, spec: &ResNetSpec, image_size: usize, classes: usize) -
     let (mut b, x) = GraphBuilder::new(name, kind, Shape::new([3, image_size, image_size]));
     let mut x = b.conv("conv1", x, Conv2d::new(16, 3, 1, 1))?;
     if spec.version == Version::V1 {
-        x = b.batchnorm("bn1", x)?;
-        x = b.relu("relu", x)?;
+        x = b.batchnorm_relu("bn1", x)?;
     }
     for stage in 0..3 {
         let width = 16 << stage;
@@ -95,8 +94,7 @@ pub fn build(name: &str, spec: &ResNetSpec, image_size: usize, classes: usize) -
         })?;
     }
     if spec.version == Version::V2 {
-        x = b.batchnorm("bn", x)?;
-        x = b.relu("relu", x)?;
+        x = b.batchnorm_relu("bn", x)?;
     }
     let x = b.global_avg_pool("avgpool", x)?;
     let x = b.flatten("flatten", x)?;
@@ -117,19 +115,16 @@ fn preact_bottleneck(
     stride: usize,
 ) -> Result<ValueId> {
     let out = 4 * width;
-    let pre = b.batchnorm("bn1", x)?;
-    let pre = b.relu("relu1", pre)?;
+    let pre = b.batchnorm_relu("bn1", x)?;
     let shortcut = if stride != 1 || b.shape(x).dim(0) != out {
         b.conv("shortcut", pre, Conv2d::new(out, 1, stride, 0))?
     } else {
         x
     };
     let h = b.conv("conv1", pre, Conv2d::new(width, 1, 1, 0))?;
-    let h = b.batchnorm("bn2", h)?;
-    let h = b.relu("relu2", h)?;
+    let h = b.batchnorm_relu("bn2", h)?;
     let h = b.conv("conv2", h, Conv2d::new(width, 3, stride, 1))?;
-    let h = b.batchnorm("bn3", h)?;
-    let h = b.relu("relu3", h)?;
+    let h = b.batchnorm_relu("bn3", h)?;
     let h = b.conv("conv3", h, Conv2d::new(out, 1, 1, 0))?;
     b.add("add", h, shortcut)
 }
@@ -137,8 +132,7 @@ fn preact_bottleneck(
 /// conv3×3(stride)-BN-ReLU-conv3×3-BN, plus identity or a 1×1 projection with BN, then ReLU.
 fn basic_block(b: &mut GraphBuilder, x: ValueId, width: usize, stride: usize) -> Result<ValueId> {
     let h = b.conv("conv1", x, Conv2d::new(width, 3, stride, 1))?;
-    let h = b.batchnorm("bn1", h)?;
-    let h = b.relu("relu1", h)?;
+    let h = b.batchnorm_relu("bn1", h)?;
     let h = b.conv("conv2", h, Conv2d::new(width, 3, 1, 1))?;
     let h = b.batchnorm("bn2", h)?;
     let shortcut = if stride != 1 || b.shape(x).dim(0) != width {

@@ -182,8 +182,7 @@ fn alexnet(image_size: usize, classes: usize) -> Result<Graph> {
 fn resnet50(image_size: usize, classes: usize) -> Result<Graph> {
     let (mut b, x) = input(Arch::ResNet50, "ResNet", image_size);
     let x = b.conv("conv1", x, Conv2d::new(64, 7, 2, 3))?;
-    let x = b.batchnorm("bn1", x)?;
-    let x = b.relu("relu", x)?;
+    let x = b.batchnorm_relu("bn1", x)?;
     let mut x = b.max_pool("maxpool", x, Window::square(3, 2, 1))?;
     for (stage, blocks) in [3, 4, 6, 3].into_iter().enumerate() {
         let planes = 64 << stage;
@@ -210,11 +209,9 @@ fn resnet50(image_size: usize, classes: usize) -> Result<Graph> {
 fn bottleneck(b: &mut GraphBuilder, x: ValueId, planes: usize, stride: usize) -> Result<ValueId> {
     let out = 4 * planes;
     let h = b.conv("conv1", x, Conv2d::new(planes, 1, 1, 0))?;
-    let h = b.batchnorm("bn1", h)?;
-    let h = b.relu("relu1", h)?;
+    let h = b.batchnorm_relu("bn1", h)?;
     let h = b.conv("conv2", h, Conv2d::new(planes, 3, stride, 1))?;
-    let h = b.batchnorm("bn2", h)?;
-    let h = b.relu("relu2", h)?;
+    let h = b.batchnorm_relu("bn2", h)?;
     let h = b.conv("conv3", h, Conv2d::new(out, 1, 1, 0))?;
     let h = b.batchnorm("bn3", h)?;
     let shortcut = if stride != 1 || b.shape(x).dim(0) != out {

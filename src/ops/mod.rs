@@ -157,6 +157,7 @@ impl Op {
     pub fn describe(&self) -> String {
         match self {
             Op::Conv2d(c) => c.to_string(),
+            Op::BatchNorm(b) if b.relu => "batchnorm+relu".into(),
             Op::BatchNorm(_) => "batchnorm".into(),
             Op::Relu(_) => "relu".into(),
             Op::Add(_) => "add".into(),

@@ -2,6 +2,11 @@
 //! Training forward does not touch the running statistics: it leaves its batch statistics in
 //! what it saves, and the runtime commits them ([`BatchNorm::commit`], PyTorch's momentum
 //! rule) in the order of the reference run, which pipelines and replicas need.
+//!
+//! With `relu`, the ReLU after it runs in the same op (the models' BN→ReLU pairs): one pass
+//! writes max(BN(x), 0), so the normalized tensor before the ReLU never exists, and backward
+//! recomputes the ReLU's mask from x, so the op keeps only x, as a plain BN does. The same
+//! numbers as the two ops in turn.
 
 use super::{Backward, Ctx, Init, Operator, ParamSpec, Saved, SavesFor};
 use crate::backend::ChannelGeom;
@@ -12,6 +17,8 @@ use crate::Result;
 pub struct BatchNorm {
     pub eps: f64,
     pub momentum: f64,
+    /// A ReLU fused after the normalization.
+    pub relu: bool,
 }
 
 impl Default for BatchNorm {
@@ -19,6 +26,7 @@ impl Default for BatchNorm {
         BatchNorm {
             eps: 1e-5,
             momentum: 0.1,
+            relu: false,
         }
     }
 }
@@ -115,21 +123,37 @@ impl Operator for BatchNorm {
             ));
         };
         if !ctx.training {
+            // Evaluation is not where memory binds: the normalized tensor goes through scratch.
+            let mut normalized = match self.relu {
+                true => Some(ctx.workspace(x.numel(), x.dtype())?),
+                false => None,
+            };
             be.batchnorm_forward_eval(
                 x.storage(),
                 gamma.storage(),
                 beta.storage(),
                 rmean.storage(),
                 rvar.storage(),
-                y.storage_mut()?,
+                match &mut normalized {
+                    Some(t) => t.storage_mut()?,
+                    None => y.storage_mut()?,
+                },
                 self.eps,
                 &g,
             )?;
+            if let Some(t) = normalized {
+                be.relu_forward(t.storage(), y.storage_mut()?)?;
+            }
             return Ok((y, Saved::default()));
         }
         let mut mean = ctx.statistics(Shape::new([g.c]), x)?;
         let mut var = ctx.statistics(Shape::new([g.c]), x)?;
-        be.batchnorm_forward_train(
+        let forward = match self.relu {
+            true => crate::backend::Backend::batchnorm_relu_forward_train,
+            false => crate::backend::Backend::batchnorm_forward_train,
+        };
+        forward(
+            be,
             x.storage(),
             gamma.storage(),
             beta.storage(),
@@ -157,24 +181,44 @@ impl Operator for BatchNorm {
         let g = geom(x);
         let mut dx = ctx.activation(x.shape().clone(), x)?;
         let (dgamma, rest) = grads.split_at_mut(1);
-        ctx.device.backend().batchnorm_backward(
-            x.storage(),
-            b.dy.storage(),
-            params[0].storage(),
-            mean.storage(),
-            var.storage(),
-            dx.storage_mut()?,
-            dgamma[0].storage_mut()?,
-            rest[0].storage_mut()?,
-            self.eps,
-            &g,
-        )?;
+        let be = ctx.device.backend();
+        let (dy, gamma, beta) = (b.dy.storage(), params[0].storage(), params[1].storage());
+        let (dgamma, dbeta) = (dgamma[0].storage_mut()?, rest[0].storage_mut()?);
+        let (mean, var, eps) = (mean.storage(), var.storage(), self.eps);
+        let x = x.storage();
+        match self.relu {
+            true => be.batchnorm_relu_backward(
+                x,
+                dy,
+                gamma,
+                beta,
+                mean,
+                var,
+                dx.storage_mut()?,
+                dgamma,
+                dbeta,
+                eps,
+                &g,
+            )?,
+            false => be.batchnorm_backward(
+                x,
+                dy,
+                gamma,
+                mean,
+                var,
+                dx.storage_mut()?,
+                dgamma,
+                dbeta,
+                eps,
+                &g,
+            )?,
+        }
         Ok(vec![Some(dx)])
     }
 
     fn flops(&self, _inputs: &[&Shape], output: &Shape) -> u64 {
-        // statistics (2 passes) and the affine map
-        4 * output.numel() as u64
+        // statistics (2 passes) and the affine map, and the ReLU's max
+        (4 + self.relu as u64) * output.numel() as u64
     }
 
     fn saves(&self, inputs: &[&Shape]) -> SavesFor {

@@ -449,9 +449,9 @@ impl Backend for Cpu {
     fn batchnorm_relu_backward(
         &self,
         x: &Storage,
-        y: &Storage,
         dy: &Storage,
         gamma: &Storage,
+        beta: &Storage,
         mean: &Storage,
         var: &Storage,
         dx: &mut Storage,
@@ -460,7 +460,7 @@ impl Backend for Cpu {
         eps: f64,
         g: &ChannelGeom,
     ) -> Result<()> {
-        compute!(x.dtype(), T, [x, dy, y, gamma, mean, var], [dx, dgamma, dbeta] => norm::backward::<T>(x, dy, Some(y), gamma, mean, var, dx, dgamma, dbeta, eps, g));
+        compute!(x.dtype(), T, [x, dy, gamma, beta, mean, var], [dx, dgamma, dbeta] => norm::backward::<T>(x, dy, Some(beta), gamma, mean, var, dx, dgamma, dbeta, eps, g));
         Ok(())
     }
 

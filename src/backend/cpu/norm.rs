@@ -30,6 +30,17 @@ fn stats<T: Float>(x: &[T], g: &ChannelGeom) -> Vec<(T, T)> {
         .collect()
 }
 
+/// Per channel (scale, shift) of the normalization as an affine map: scale = γ/√(var + eps),
+/// shift = β - mean·scale. The fused BN+ReLU's backward recomputes its mask with them.
+fn coefficients<T: Float>(gamma: &[T], beta: &[T], mean: &[T], var: &[T], eps: f64) -> Vec<(T, T)> {
+    (0..gamma.len())
+        .map(|c| {
+            let scale = gamma[c] / (var[c] + T::of(eps)).sqrt();
+            (scale, beta[c] - mean[c] * scale)
+        })
+        .collect()
+}
+
 /// y = x · scale[c] + shift[c] over planes (shift holding the mean's part), then with `relu`
 /// max(y, 0) in the same pass.
 fn affine<T: Float>(x: &[T], y: &mut [T], g: &ChannelGeom, coef: &[(T, T)], relu: bool) {
@@ -77,22 +88,17 @@ pub fn forward_eval<T: Float>(
     g: &ChannelGeom,
     relu: bool,
 ) {
-    let coef: Vec<(T, T)> = (0..g.c)
-        .map(|c| {
-            let scale = gamma[c] / (var[c] + T::of(eps)).sqrt();
-            (scale, beta[c] - mean[c] * scale)
-        })
-        .collect();
-    affine(x, y, g, &coef, relu);
+    affine(x, y, g, &coefficients(gamma, beta, mean, var, eps), relu);
 }
 
-/// dx = γ·invstd/M · (M·dy - Σdy - x̂·Σ(dy·x̂)); dγ += Σ(dy·x̂); dβ += Σdy. With `relu_out`
-/// (the output of a fused BN+ReLU), dy counts only where that output is positive.
+/// dx = γ·invstd/M · (M·dy - Σdy - x̂·Σ(dy·x̂)); dγ += Σ(dy·x̂); dβ += Σdy. With the β of a
+/// fused BN+ReLU (`relu_beta`), dy counts only where its output was positive, recomputed
+/// from x as the forward computed it.
 #[allow(clippy::too_many_arguments)]
 pub fn backward<T: Float>(
     x: &[T],
     dy: &[T],
-    relu_out: Option<&[T]>,
+    relu_beta: Option<&[T]>,
     gamma: &[T],
     mean: &[T],
     var: &[T],
@@ -104,6 +110,9 @@ pub fn backward<T: Float>(
 ) {
     let zero = T::zero();
     let plane = |p: usize| p * g.hw..(p + 1) * g.hw;
+    let coef = relu_beta.map(|beta| coefficients(gamma, beta, mean, var, eps));
+    // The ReLU's mask of plane p: its input x and the channel's affine map.
+    let mask = |p: usize| coef.as_ref().map(|k| (&x[plane(p)], k[p % g.c]));
     let m = T::of((g.n * g.hw) as f64);
     let invstd = |c: usize| T::one() / (var[c] + T::of(eps)).sqrt();
     let sums: Vec<(T, T)> = (0..g.c)
@@ -114,7 +123,7 @@ pub fn backward<T: Float>(
             for n in 0..g.n {
                 let p = n * g.c + c;
                 let xs = &x[plane(p)];
-                each_gradient(&dy[plane(p)], relu_out.map(|y| &y[plane(p)]), |j, d| {
+                each_gradient(&dy[plane(p)], mask(p), |j, d| {
                     sdy += d;
                     sdyx += d * (xs[j] - mean) * invstd;
                 });
@@ -131,21 +140,28 @@ pub fn backward<T: Float>(
         let (invstd, mean, (sdy, sdyx)) = (invstd(c), mean[c], sums[c]);
         let k = gamma[c] * invstd / m;
         let xs = &x[plane(p)];
-        each_gradient(&dy[plane(p)], relu_out.map(|y| &y[plane(p)]), |j, d| {
+        each_gradient(&dy[plane(p)], mask(p), |j, d| {
             let xhat = (xs[j] - mean) * invstd;
             dxp[j] = k * (m * d - sdy - xhat * sdyx);
         });
     });
 }
 
-/// `f(j, d)` over a plane's gradient `dy`, or with `relu_out`, over it masked as ReLU's
-/// backward does (passing where the output is positive, not NaN). Generic, so each use
-/// compiles to one loop.
-fn each_gradient<T: Float>(dy: &[T], relu_out: Option<&[T]>, mut f: impl FnMut(usize, T)) {
-    match relu_out {
-        Some(y) => (dy.iter().zip(y))
-            .enumerate()
-            .for_each(|(j, (&d, &y))| f(j, if y > T::zero() { d } else { T::zero() })),
+/// `f(j, d)` over a plane's gradient `dy`, or with a ReLU's `mask` (the plane's input and
+/// affine map), over it masked as ReLU's backward does: passing where the output
+/// x·scale + shift is positive (not NaN). Generic, so each use compiles to one loop.
+fn each_gradient<T: Float>(dy: &[T], mask: Option<(&[T], (T, T))>, mut f: impl FnMut(usize, T)) {
+    match mask {
+        Some((x, (scale, shift))) => (dy.iter().zip(x)).enumerate().for_each(|(j, (&d, &x))| {
+            f(
+                j,
+                if x * scale + shift > T::zero() {
+                    d
+                } else {
+                    T::zero()
+                },
+            )
+        }),
         None => dy.iter().enumerate().for_each(|(j, &d)| f(j, d)),
     }
 }
@@ -211,7 +227,7 @@ mod tests {
         .unwrap();
         let (mut fdx, mut fdg, mut fdb) = (zeros(n), zeros(g.c), zeros(g.c));
         Cpu.batchnorm_relu_backward(
-            &x, &fused, &dy, &gamma, &mean, &var, &mut fdx, &mut fdg, &mut fdb, 1e-5, &g,
+            &x, &dy, &gamma, &beta, &mean, &var, &mut fdx, &mut fdg, &mut fdb, 1e-5, &g,
         )
         .unwrap();
         assert_eq!(f64s(&fdx), f64s(&dx));

@@ -955,9 +955,9 @@ impl Backend for Cuda {
     fn batchnorm_relu_backward(
         &self,
         x: &Storage,
-        y: &Storage,
         dy: &Storage,
         gamma: &Storage,
+        beta: &Storage,
         mean: &Storage,
         var: &Storage,
         dx: &mut Storage,
@@ -966,7 +966,19 @@ impl Backend for Cuda {
         eps: f64,
         g: &ChannelGeom,
     ) -> Result<()> {
-        self.bn_backward(Some(y), x, dy, gamma, mean, var, dx, dgamma, dbeta, eps, g)
+        self.bn_backward(
+            Some(beta),
+            x,
+            dy,
+            gamma,
+            mean,
+            var,
+            dx,
+            dgamma,
+            dbeta,
+            eps,
+            g,
+        )
     }
 
     fn batchnorm_update_running(
@@ -1286,11 +1298,11 @@ impl Cuda {
     }
 
     /// BN's backward: per-channel sums (added to dgamma, dbeta), then dx. With the fused op's
-    /// output `relu_out`, dy counts only where that output is positive.
+    /// `beta` (`relu_with`), dy counts only where the fused output was positive.
     #[allow(clippy::too_many_arguments)]
     fn bn_backward(
         &self,
-        relu_out: Option<&Storage>,
+        relu_with: Option<&Storage>,
         x: &Storage,
         dy: &Storage,
         gamma: &Storage,
@@ -1305,7 +1317,7 @@ impl Cuda {
         let (t, bn) = (Ty::of(x)?, bn_params(eps, g)?);
         let (reduce, elementwise) = (Self::per_item(g.c, 512)?, self.grid_1d(g.n * g.c * g.hw));
         let (mut sums, _lease) = self.scratch::<f32>(2 * g.c)?;
-        match relu_out {
+        match relu_with {
             None => {
                 launch!(self, t.kernel("batchnorm_backward_reduce"), reduce;
                     t.arg(x)?, t.arg(dy)?, dev(mean)?, dev(var)?, dev_mut(dgamma)?,
@@ -1314,13 +1326,13 @@ impl Cuda {
                     t.arg(x)?, t.arg(dy)?, dev(gamma)?, dev(mean)?, dev(var)?, &sums,
                     t.arg_mut(dx)?, &bn)
             }
-            Some(y) => {
+            Some(beta) => {
                 launch!(self, t.kernel("batchnorm_backward_reduce_relu"), reduce;
-                    t.arg(x)?, t.arg(y)?, t.arg(dy)?, dev(mean)?, dev(var)?, dev_mut(dgamma)?,
-                    dev_mut(dbeta)?, &mut sums, &bn)?;
+                    t.arg(x)?, dev(gamma)?, dev(beta)?, t.arg(dy)?, dev(mean)?, dev(var)?,
+                    dev_mut(dgamma)?, dev_mut(dbeta)?, &mut sums, &bn)?;
                 launch!(self, t.kernel("batchnorm_backward_dx_relu"), elementwise;
-                    t.arg(x)?, t.arg(y)?, t.arg(dy)?, dev(gamma)?, dev(mean)?, dev(var)?, &sums,
-                    t.arg_mut(dx)?, &bn)
+                    t.arg(x)?, dev(gamma)?, dev(beta)?, t.arg(dy)?, dev(mean)?, dev(var)?,
+                    &sums, t.arg_mut(dx)?, &bn)
             }
         }
     }
