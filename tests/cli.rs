@@ -73,7 +73,7 @@ fn bad_input_gets_one_line_and_a_failure() {
         ),
         (
             vec!["train", "--scheme", "mp", "--split", "500"],
-            "at most 69 stages",
+            "at most 50 stages",
         ),
         (
             vec!["train", "--scheme", "mast", "--split", "2", "--ranks", "3"],
