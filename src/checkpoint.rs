@@ -48,7 +48,7 @@ fn metadata(t: &Trainer) -> HashMap<String, String> {
     let (c, step) = (&t.config, t.steps_done());
     let s = &c.schedule;
     let loss_scale = t.loss_scale.as_ref().map_or(c.loss_scale, |l| l.factor());
-    [
+    let mut meta: HashMap<String, String> = [
         ("format", FORMAT.to_string()),
         ("model", c.model.clone()),
         ("image_size", c.image_size.to_string()),
@@ -73,7 +73,13 @@ fn metadata(t: &Trainer) -> HashMap<String, String> {
     ]
     .into_iter()
     .map(|(k, v)| (k.to_string(), v))
-    .collect()
+    .collect();
+    if let Some(l) = &t.loss_scale {
+        // The whole state, so a resumed run grows and skips as the uninterrupted one would.
+        let state = serde_json::to_string(l).expect("a loss scale serializes");
+        meta.insert("loss_scale_state".into(), state);
+    }
+    meta
 }
 
 /// Writes the trainer's whole state to `path` atomically.
@@ -319,6 +325,10 @@ impl Checkpoint {
             *v = device.adopt(p.spec.shape.clone(), data, crate::Category::Weights)?;
         }
         t.sgd.load_buffers(&device, buffers)?;
+        if let (Some(json), Some(scale)) = (self.meta.get("loss_scale_state"), &mut t.loss_scale) {
+            *scale = serde_json::from_str(json)
+                .map_err(|e| Error::Config(format!("{file}: the loss scale's state: {e}")))?;
+        }
         t.set_step(self.step()?);
         Ok(())
     }

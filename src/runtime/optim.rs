@@ -94,7 +94,7 @@ impl Sgd {
 /// of two, so scaling and unscaling are exact. Gradients that overflow even at
 /// [`LossScale::FLOOR`] are not a matter of scale (activations beyond f16's range, a loss
 /// that is already infinite): that is an error, not an endless run of skipped steps.
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct LossScale {
     scale: f64,
     /// Clean steps since the scale last changed.
