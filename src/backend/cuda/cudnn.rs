@@ -32,7 +32,7 @@ use cudarc::cudnn::{result as dnn, sys};
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
 
 use super::{alloc_zeros, dim32, driver_error, libs};
-use crate::backend::ConvGeom;
+use crate::backend::{ChannelGeom, ConvGeom};
 use crate::memory::{human_bytes, Allocator, Category};
 use crate::tensor::Precision;
 use crate::{Error, Result};
@@ -414,6 +414,10 @@ struct Plan {
 struct State {
     handle: Handle,
     plans: HashMap<ConvGeom, Plan>,
+    /// Batch-normalization descriptors by (n, c, hw), created on first use.
+    bn: HashMap<BnKey, BnDescriptors>,
+    /// How many batch-normalization calls (forward and backward) cuDNN has run.
+    bn_calls: usize,
 }
 
 // SAFETY: cuDNN handles and descriptors may be used from any host thread, one thread at a time
@@ -452,6 +456,66 @@ fn shape(g: &ConvGeom) -> String {
     )
 }
 
+/// A batch-normalization geometry: (n, c, hw).
+type BnKey = (usize, usize, usize);
+
+/// Whether cuDNN runs batch normalization of `g` (n × c × hw) here: more than one value per
+/// channel (the engine's statistics come from cuDNN's unbiased running variance, see
+/// [`Cudnn::batchnorm_forward_train`], which one value leaves undefined) and a tensor cuDNN's
+/// 32-bit ints index. Elsewhere the handwritten kernels run it.
+pub fn batchnorm_supported(g: &ChannelGeom) -> bool {
+    let m = g.n * g.hw;
+    m > 1 && g.c > 0 && i32::try_from(g.n * g.c * g.hw).is_ok() && i32::try_from(g.hw).is_ok()
+}
+
+/// The descriptors of one batch-normalization geometry: x (and y, dy, dx) as an NCHW tensor
+/// n × c × hw × 1, and the per-channel tensor 1 × c × 1 × 1 of gamma, beta, their gradients
+/// and the statistics (what `cudnnDeriveBNTensorDescriptor` derives for spatial mode).
+struct BnDescriptors {
+    x: sys::cudnnTensorDescriptor_t,
+    channel: sys::cudnnTensorDescriptor_t,
+}
+
+impl BnDescriptors {
+    fn new(&(n, c, hw): &BnKey) -> Result<BnDescriptors> {
+        let (float, nchw) = (
+            sys::cudnnDataType_t::CUDNN_DATA_FLOAT,
+            sys::cudnnTensorFormat_t::CUDNN_TENSOR_NCHW,
+        );
+        let i = dim32;
+        let x_dims = [i(n, "batch")?, i(c, "channels")?, i(hw, "plane")?, 1];
+        let c_dims = [1, i(c, "channels")?, 1, 1];
+        // Null until created, so that drop destroys only what exists.
+        let mut d = BnDescriptors {
+            x: null_mut(),
+            channel: null_mut(),
+        };
+        d.x = dnn::create_tensor_descriptor()?;
+        d.channel = dnn::create_tensor_descriptor()?;
+        // SAFETY: the descriptors were just created; everything else is plain values.
+        unsafe {
+            dnn::set_tensor4d_descriptor(d.x, nchw, float, x_dims)?;
+            dnn::set_tensor4d_descriptor(d.channel, nchw, float, c_dims)?;
+        }
+        Ok(d)
+    }
+}
+
+impl Drop for BnDescriptors {
+    fn drop(&mut self) {
+        // SAFETY: each non-null descriptor was created by this struct and is destroyed once;
+        // errors are ignored as in `Handle`.
+        unsafe {
+            if !self.x.is_null() {
+                let _ = dnn::destroy_tensor_descriptor(self.x);
+            }
+            if !self.channel.is_null() {
+                let _ = dnn::destroy_tensor_descriptor(self.channel);
+            }
+        }
+    }
+}
+
 /// cuDNN's convolutions on one device's stream.
 pub struct Cudnn {
     stream: Arc<CudaStream>,
@@ -484,6 +548,8 @@ impl Cudnn {
             state: Mutex::new(State {
                 handle,
                 plans: HashMap::new(),
+                bn: HashMap::new(),
+                bn_calls: 0,
             }),
         })
     }
@@ -493,11 +559,22 @@ impl Cudnn {
         format!("cuDNN {}", version_string(self.version))
     }
 
-    /// One line per convolution geometry run so far, in order: the algorithm of each pass.
+    /// One line per convolution geometry run so far, in order: the algorithm of each pass;
+    /// then, where batch normalization ran through cuDNN, one line saying so.
     pub fn algorithms(&self) -> Vec<String> {
         let s = lock(&self.state);
         let mut plans: Vec<_> = s.plans.iter().collect();
         plans.sort_by_key(|(_, p)| p.seq);
+        let bn = (s.bn_calls > 0).then(|| {
+            format!(
+                "batch norm: cuDNN (spatial), {} shape{}, {} call{} (fused BN+ReLU and eval: \
+                 handwritten kernels)",
+                s.bn.len(),
+                if s.bn.len() == 1 { "" } else { "s" },
+                s.bn_calls,
+                if s.bn_calls == 1 { "" } else { "s" },
+            )
+        });
         plans
             .into_iter()
             .map(|(g, p)| match &p.ready {
@@ -511,6 +588,7 @@ impl Cudnn {
                 }
                 Err(e) => format!("{}: not run: {e}", shape(g)),
             })
+            .chain(bn)
             .collect()
     }
 
@@ -564,6 +642,206 @@ impl Cudnn {
         g: &ConvGeom,
     ) -> Result<()> {
         self.run(Pass::BackwardFilter, g, (x, dy), dw, ws)
+    }
+
+    /// Batch normalization's training forward through `cudnnBatchNormalizationForwardTraining`
+    /// (spatial mode: statistics over n × hw per channel): y, and the batch mean and the
+    /// BIASED batch variance per channel in `mean` and `var`, as the `Backend` contract and
+    /// the handwritten kernels give them. No running statistics are touched (the runtime
+    /// commits them separately, from `mean` and `var`).
+    ///
+    /// cuDNN hands out the batch variance in two forms only: 1/sqrt(var + eps) (its "saved
+    /// inverse variance") and, blended into its running variance, the UNBIASED variance
+    /// Σ(x - mean)² / (m - 1), m = n hw. Recovering var from the first, 1/invstd² - eps,
+    /// cancels catastrophically where var is small beside eps. So `mean` and `var` are passed
+    /// as cuDNN's "running" buffers with an exponential-average factor of 1 (running = batch:
+    /// they are zeroed first, as 0 · NaN would poison the blend), and var is then scaled by
+    /// (m - 1)/m with `cudnnScaleTensor`. That costs two f32 roundings beyond cuDNN's own
+    /// variance (the factor (m - 1)/m rounded to f32, and the product): a few units in the last
+    /// place of var, where the handwritten kernel rounds a double-accumulated variance once.
+    /// y is computed by cuDNN from its own statistics (not read back from `var`).
+    ///
+    /// `save` (2c f32, scratch leased by the caller) receives cuDNN's saved mean and inverse
+    /// standard deviation, which nothing reads afterwards: the engine's backward gets `mean`
+    /// and `var` again and recomputes invstd from them.
+    #[allow(clippy::too_many_arguments)]
+    pub fn batchnorm_forward_train(
+        &self,
+        x: &CudaSlice<f32>,
+        gamma: &CudaSlice<f32>,
+        beta: &CudaSlice<f32>,
+        y: &mut CudaSlice<f32>,
+        mean: &mut CudaSlice<f32>,
+        var: &mut CudaSlice<f32>,
+        save: &mut CudaSlice<f32>,
+        eps: f64,
+        g: &ChannelGeom,
+    ) -> Result<()> {
+        let numel = g.n * g.c * g.hw;
+        bn_lengths(
+            "forward",
+            g,
+            &[
+                (x.len(), numel),
+                (y.len(), numel),
+                (gamma.len(), g.c),
+                (beta.len(), g.c),
+                (mean.len(), g.c),
+                (var.len(), g.c),
+                (save.len(), 2 * g.c),
+            ],
+        )?;
+        let m = g.n * g.hw;
+        let mut s = lock(&self.state);
+        self.bind()?;
+        let key = (g.n, g.c, g.hw);
+        if !s.bn.contains_key(&key) {
+            let d = BnDescriptors::new(&key)?;
+            s.bn.insert(key, d);
+        }
+        let (h, d) = (&s.handle, &s.bn[&key]);
+        self.stream.memset_zeros(mean).map_err(driver_error)?;
+        self.stream.memset_zeros(var).map_err(driver_error)?;
+        let (one, zero) = (1.0f32, 0.0f32);
+        // Biased from unbiased: × (m - 1)/m, the factor rounded once to f32.
+        let unbias = ((m - 1) as f64 / m as f64) as f32;
+        let (xp, _gx) = x.device_ptr(&self.stream);
+        let (gp, _gg) = gamma.device_ptr(&self.stream);
+        let (bp, _gb) = beta.device_ptr(&self.stream);
+        let (yp, _gy) = y.device_ptr_mut(&self.stream);
+        let (mp, _gm) = mean.device_ptr_mut(&self.stream);
+        let (vp, _gv) = var.device_ptr_mut(&self.stream);
+        let (sp, _gs) = save.device_ptr_mut(&self.stream);
+        let save_mean = sp as *mut c_void;
+        // The second half of `save`: c f32 after the first.
+        let save_inv = (sp + (4 * g.c) as u64) as *mut c_void;
+        // SAFETY: the descriptors describe g, and every buffer holds as many f32 as they say
+        // (checked above); alpha, beta and the scale point to f32 on the stack, as cuDNN wants
+        // for float data. All on the handle's stream, the backend's only one.
+        unsafe {
+            sys::cudnnBatchNormalizationForwardTraining(
+                h.0,
+                sys::cudnnBatchNormMode_t::CUDNN_BATCHNORM_SPATIAL,
+                (&one as *const f32).cast(),
+                (&zero as *const f32).cast(),
+                d.x,
+                xp as *const c_void,
+                d.x,
+                yp as *mut c_void,
+                d.channel,
+                gp as *const c_void,
+                bp as *const c_void,
+                1.0,
+                mp as *mut c_void,
+                vp as *mut c_void,
+                eps,
+                save_mean,
+                save_inv,
+            )
+            .result()?;
+            sys::cudnnScaleTensor(
+                h.0,
+                d.channel,
+                vp as *mut c_void,
+                (&unbias as *const f32).cast(),
+            )
+            .result()?;
+        }
+        drop(s);
+        self.count_bn();
+        Ok(())
+    }
+
+    /// Batch normalization's backward through `cudnnBatchNormalizationBackward` (spatial
+    /// mode): dx is overwritten (alphaDataDiff 1, betaDataDiff 0); dgamma and dbeta ACCUMULATE
+    /// (alphaParamDiff 1, betaParamDiff 1), as the `Backend` contract wants. cuDNN takes the
+    /// statistics as the batch mean and the inverse standard deviation: `inv_std` holds
+    /// 1/sqrtf(var + eps) per channel, computed by the caller from the engine's biased `var`
+    /// exactly as the handwritten kernels compute it, so the gradient is that of the
+    /// statistics the forward stored.
+    #[allow(clippy::too_many_arguments)]
+    pub fn batchnorm_backward(
+        &self,
+        x: &CudaSlice<f32>,
+        dy: &CudaSlice<f32>,
+        gamma: &CudaSlice<f32>,
+        mean: &CudaSlice<f32>,
+        inv_std: &CudaSlice<f32>,
+        dx: &mut CudaSlice<f32>,
+        dgamma: &mut CudaSlice<f32>,
+        dbeta: &mut CudaSlice<f32>,
+        eps: f64,
+        g: &ChannelGeom,
+    ) -> Result<()> {
+        let numel = g.n * g.c * g.hw;
+        bn_lengths(
+            "backward",
+            g,
+            &[
+                (x.len(), numel),
+                (dy.len(), numel),
+                (dx.len(), numel),
+                (gamma.len(), g.c),
+                (mean.len(), g.c),
+                (inv_std.len(), g.c),
+                (dgamma.len(), g.c),
+                (dbeta.len(), g.c),
+            ],
+        )?;
+        let mut s = lock(&self.state);
+        self.bind()?;
+        let key = (g.n, g.c, g.hw);
+        if !s.bn.contains_key(&key) {
+            let d = BnDescriptors::new(&key)?;
+            s.bn.insert(key, d);
+        }
+        let (h, d) = (&s.handle, &s.bn[&key]);
+        let (one, zero) = (1.0f32, 0.0f32);
+        let (one, zero) = (
+            (&one as *const f32).cast::<c_void>(),
+            (&zero as *const f32).cast::<c_void>(),
+        );
+        let (xp, _gx) = x.device_ptr(&self.stream);
+        let (dyp, _gdy) = dy.device_ptr(&self.stream);
+        let (gp, _gg) = gamma.device_ptr(&self.stream);
+        let (mp, _gm) = mean.device_ptr(&self.stream);
+        let (ip, _gi) = inv_std.device_ptr(&self.stream);
+        let (dxp, _gdx) = dx.device_ptr_mut(&self.stream);
+        let (dgp, _gdg) = dgamma.device_ptr_mut(&self.stream);
+        let (dbp, _gdb) = dbeta.device_ptr_mut(&self.stream);
+        // SAFETY: as in the forward: the descriptors describe g and the buffers their sizes
+        // (checked above); the four blend factors point to f32 on the stack.
+        unsafe {
+            sys::cudnnBatchNormalizationBackward(
+                h.0,
+                sys::cudnnBatchNormMode_t::CUDNN_BATCHNORM_SPATIAL,
+                one,
+                zero,
+                one,
+                one,
+                d.x,
+                xp as *const c_void,
+                d.x,
+                dyp as *const c_void,
+                d.x,
+                dxp as *mut c_void,
+                d.channel,
+                gp as *const c_void,
+                dgp as *mut c_void,
+                dbp as *mut c_void,
+                eps,
+                mp as *const c_void,
+                ip as *const c_void,
+            )
+        }
+        .result()?;
+        drop(s);
+        self.count_bn();
+        Ok(())
+    }
+
+    fn count_bn(&self) {
+        lock(&self.state).bn_calls += 1;
     }
 
     fn bind(&self) -> Result<()> {
@@ -928,6 +1206,18 @@ impl Drop for Cudnn {
         // The handle (dropped after this) is destroyed with its context current.
         let _ = self.bind();
     }
+}
+
+/// An error unless each (length, expected) pair agrees.
+fn bn_lengths(pass: &str, g: &ChannelGeom, pairs: &[(usize, usize)]) -> Result<()> {
+    if pairs.iter().any(|(got, want)| got != want) {
+        return Err(Error::Internal(format!(
+            "cuDNN batch-norm {pass} of {g:?}: buffers of {:?} elements, {:?} expected",
+            pairs.iter().map(|p| p.0).collect::<Vec<_>>(),
+            pairs.iter().map(|p| p.1).collect::<Vec<_>>()
+        )));
+    }
+    Ok(())
 }
 
 /// cuDNN's ranking of the algorithms of `pass`, without running them.

@@ -903,6 +903,20 @@ impl Backend for Cuda {
         eps: f64,
         g: &ChannelGeom,
     ) -> Result<()> {
+        if let Some(c) = self.cudnn_bn(&[x, &*y], g) {
+            let (mut save, _lease) = self.scratch::<f32>(2 * g.c)?;
+            return c.batchnorm_forward_train(
+                dev(x)?,
+                dev(gamma)?,
+                dev(beta)?,
+                dev_mut(y)?,
+                dev_mut(mean)?,
+                dev_mut(var)?,
+                &mut save,
+                eps,
+                g,
+            );
+        }
         self.bn_train("batchnorm_apply", x, gamma, beta, y, mean, var, eps, g)
     }
 
@@ -935,6 +949,21 @@ impl Backend for Cuda {
         eps: f64,
         g: &ChannelGeom,
     ) -> Result<()> {
+        if let Some(c) = self.cudnn_bn(&[x, dy, &*dx], g) {
+            let inv_std = self.inv_std(var, eps, g)?;
+            return c.batchnorm_backward(
+                dev(x)?,
+                dev(dy)?,
+                dev(gamma)?,
+                dev(mean)?,
+                &inv_std.0,
+                dev_mut(dx)?,
+                dev_mut(dgamma)?,
+                dev_mut(dbeta)?,
+                eps,
+                g,
+            );
+        }
         self.bn_backward(None, x, dy, gamma, mean, var, dx, dgamma, dbeta, eps, g)
     }
 
@@ -1275,6 +1304,42 @@ impl Backend for Cuda {
 }
 
 impl Cuda {
+    /// cuDNN, where it runs the plain batch normalization of `g` (training forward and
+    /// backward): with `--conv cudnn`, on f32 activations, for a geometry cuDNN runs here
+    /// ([`cudnn::batchnorm_supported`]). Elsewhere, and always for the eval forward and the
+    /// fused BN+ReLU (forward and backward), the handwritten kernels of cuda/batchnorm.cu run:
+    /// cuDNN's BN+ReLU (`cudnnBatchNormalizationForwardTrainingEx` with an activation) keeps
+    /// y for its backward, while the engine's fused op keeps only x and recomputes the mask.
+    fn cudnn_bn(&self, activations: &[&Storage], g: &ChannelGeom) -> Option<&cudnn::Cudnn> {
+        let f32s = activations.iter().all(|s| matches!(s, Storage::CudaF32(_)));
+        self.cudnn
+            .as_ref()
+            .filter(|_| f32s && cudnn::batchnorm_supported(g))
+    }
+
+    /// 1/sqrtf(var + eps) per channel, for cuDNN's backward, in leased scratch (held as long
+    /// as the returned lease). Computed by the handwritten `batchnorm_apply_f32` on a 1 × c × 1
+    /// batch of ones with gamma 1, beta 0 and mean 0, so that it is exactly the scale the
+    /// handwritten kernels compute (gamma / sqrtf(var + eps), correctly rounded sqrt and
+    /// division, here with gamma = 1), then fmaf(1, scale, 0 - 0 · scale) = scale. cuDNN then
+    /// multiplies it by gamma: one rounding more than the handwritten kernels' single division.
+    fn inv_std(&self, var: &Storage, eps: f64, g: &ChannelGeom) -> Result<(CudaSlice<f32>, Lease)> {
+        let one = ChannelGeom {
+            n: 1,
+            c: g.c,
+            hw: 1,
+        };
+        let (mut ones, _ones) = self.scratch::<f32>(g.c)?;
+        let (value, c64) = (1.0f32, g.c as i64);
+        launch!(self, "fill_f32", self.grid_1d(g.c); &mut ones, &value, &c64)?;
+        let (zeros, _zeros) = self.scratch::<f32>(g.c)?;
+        let (mut inv, lease) = self.scratch::<f32>(g.c)?;
+        let bn = bn_params(eps, &one)?;
+        launch!(self, "batchnorm_apply_f32", self.grid_1d(g.c);
+            &ones, &ones, &zeros, &zeros, dev(var)?, &mut inv, &bn)?;
+        Ok((inv, lease))
+    }
+
     /// Batch statistics in one pass, then `apply` (the plain normalization or the one fused
     /// with ReLU; the stamp is added from x's type).
     #[allow(clippy::too_many_arguments)]
