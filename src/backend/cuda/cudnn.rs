@@ -695,9 +695,8 @@ impl Cudnn {
         let mut s = lock(&self.state);
         self.bind()?;
         let key = (g.n, g.c, g.hw);
-        if !s.bn.contains_key(&key) {
-            let d = BnDescriptors::new(&key)?;
-            s.bn.insert(key, d);
+        if let std::collections::hash_map::Entry::Vacant(e) = s.bn.entry(key) {
+            e.insert(BnDescriptors::new(&key)?);
         }
         let (h, d) = (&s.handle, &s.bn[&key]);
         self.stream.memset_zeros(mean).map_err(driver_error)?;
@@ -791,9 +790,8 @@ impl Cudnn {
         let mut s = lock(&self.state);
         self.bind()?;
         let key = (g.n, g.c, g.hw);
-        if !s.bn.contains_key(&key) {
-            let d = BnDescriptors::new(&key)?;
-            s.bn.insert(key, d);
+        if let std::collections::hash_map::Entry::Vacant(e) = s.bn.entry(key) {
+            e.insert(BnDescriptors::new(&key)?);
         }
         let (h, d) = (&s.handle, &s.bn[&key]);
         let (one, zero) = (1.0f32, 0.0f32);
