@@ -740,21 +740,20 @@ impl<'a> Rank<'a> {
         let start = Instant::now();
         let lr = self.c.train.schedule.lr(step);
         let unscale = 1.0 / self.loss_scale.as_ref().map_or(1.0, LossScale::factor);
-        let apply = match self.loss_scale.is_some() {
+        let apply = match &mut self.loss_scale {
             // Every rank skips together: an overflow anywhere is an overflow of the step.
-            true => {
+            Some(scale) => {
                 let mut here = false;
                 for copy in &self.copies {
                     here |= LossScale::overflowed(&copy.params, &self.device)?;
                 }
                 let anywhere = self.comm.sum_f64(vec![here as u8 as f64])?[0] > 0.0;
-                let scale = self.loss_scale.as_mut().expect("scaling");
                 if !scale.update(anywhere)? {
                     report.skipped_steps += 1;
                 }
                 !anywhere
             }
-            false => true,
+            None => true,
         };
         for copy in &mut self.copies {
             if apply {
