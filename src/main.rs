@@ -1406,7 +1406,17 @@ fn info() -> anyhow::Result<()> {
         }
     }
     match cuda::kernels::nvrtc_version() {
-        Some((major, minor)) => println!("  NVRTC {major}.{minor} compiles the kernels"),
+        Some((major, minor)) => {
+            let archs = cuda::kernels::known_archs()
+                .map(|a| {
+                    a.iter()
+                        .map(|a| format!("sm_{a}"))
+                        .collect::<Vec<_>>()
+                        .join(" ")
+                })
+                .unwrap_or_else(|e| e.to_string());
+            println!("  NVRTC {major}.{minor} compiles the kernels to machine code for {archs}")
+        }
         None => println!(
             "  NVRTC cannot be used: cudarc opens it as libnvrtc.so or libnvrtc.so.<major>; \
              link the library found under one of those names in a folder on LD_LIBRARY_PATH"

@@ -1,5 +1,6 @@
-//! The CUDA kernels without a GPU: every source in `cuda/` compiles with NVRTC for sm_80 and
-//! sm_90 and exports the entry points the backend launches, and `src/backend/cuda/params.rs`
+//! The CUDA kernels without a GPU: every source in `cuda/` compiles with NVRTC to machine code
+//! for sm_80 and sm_90 (so ptxas checks every kernel, inline PTX included) and exports the
+//! entry points the backend launches, the target a GPU gets follows what NVRTC knows, and `src/backend/cuda/params.rs`
 //! is bindgen's current output for `include/gems_kernels.h`.
 //!
 //! NVRTC is found as scripts/test.sh provides it: `libnvrtc.so` on `LD_LIBRARY_PATH`
@@ -13,7 +14,7 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use gems::backend::cuda::kernels::{self, ARCHS, SOURCES};
+use gems::backend::cuda::kernels::{self, Target, CI_TARGETS, SOURCES};
 
 /// Entry points each kernel family must export.
 const ENTRIES: &[(&str, &[&str])] = &[
@@ -205,54 +206,116 @@ fn with_nvrtc(test: &str, body: impl FnOnce()) {
 }
 
 #[test]
-fn every_kernel_compiles_for_sm80_and_sm90() {
-    with_nvrtc("every_kernel_compiles_for_sm80_and_sm90", || {
+fn every_kernel_compiles_to_machine_code_for_sm80_and_sm90() {
+    let test = "every_kernel_compiles_to_machine_code_for_sm80_and_sm90";
+    with_nvrtc(test, || {
         let names: Vec<&str> = SOURCES.iter().map(|(n, _)| *n).collect();
         let expected: Vec<&str> = ENTRIES.iter().map(|(n, _)| *n).collect();
         assert_eq!(names, expected, "every source has its list of entry points");
 
         let started = std::time::Instant::now();
-        let results: Vec<(String, &str, Result<String, String>)> = std::thread::scope(|s| {
+        type Compiled = (String, Target, Result<kernels::Module, String>);
+        let results: Vec<Compiled> = std::thread::scope(|s| {
             let jobs: Vec<_> = SOURCES
                 .iter()
-                .flat_map(|(name, _)| ARCHS.iter().map(move |arch| (*name, *arch)))
-                .map(|(name, arch)| {
+                .flat_map(|(name, _)| CI_TARGETS.iter().map(move |t| (*name, *t)))
+                .map(|(name, target)| {
                     s.spawn(move || {
-                        let ptx = kernels::compile(name, arch).map_err(|e| e.to_string());
-                        (name.to_string(), arch, ptx)
+                        let module = kernels::compile(name, target).map_err(|e| e.to_string());
+                        (name.to_string(), target, module)
                     })
                 })
                 .collect();
             jobs.into_iter().map(|j| j.join().unwrap()).collect()
         });
         let mut failures = Vec::new();
-        for (name, arch, ptx) in &results {
-            match ptx {
-                Err(e) => failures.push(e.clone()),
-                Ok(ptx) => {
-                    let got = kernels::entries(ptx);
-                    let want = ENTRIES.iter().find(|(n, _)| n == name).unwrap().1;
-                    for w in want {
-                        if !got.iter().any(|g| g == w) {
-                            failures.push(format!("cuda/{name}.cu ({arch}): no entry {w}"));
-                        }
-                    }
-                    for g in &got {
-                        if !want.contains(&g.as_str()) {
-                            failures.push(format!("cuda/{name}.cu ({arch}): unlisted entry {g}"));
-                        }
-                    }
-                    println!("cuda/{name}.cu {arch}: {} entries", got.len());
+        for (name, target, module) in &results {
+            let module = match module {
+                Err(e) => {
+                    failures.push(e.clone());
+                    continue;
+                }
+                Ok(module) => module,
+            };
+            match &module.cubin {
+                Some(cubin) if cubin.starts_with(b"\x7fELF") => {}
+                _ => failures.push(format!("cuda/{name}.cu ({target}): no cubin (ELF)")),
+            }
+            let got = module.entries();
+            let want = ENTRIES.iter().find(|(n, _)| n == name).unwrap().1;
+            for w in want {
+                if !got.iter().any(|g| g == w) {
+                    failures.push(format!("cuda/{name}.cu ({target}): no entry {w}"));
                 }
             }
+            for g in &got {
+                if !want.contains(&g.as_str()) {
+                    failures.push(format!("cuda/{name}.cu ({target}): unlisted entry {g}"));
+                }
+            }
+            println!("cuda/{name}.cu {target}: {} entries", got.len());
         }
         println!(
-            "{} compilations in {:.1} s",
+            "{} compilations by NVRTC {:?} in {:.1} s",
             results.len(),
+            kernels::nvrtc_version().unwrap(),
             started.elapsed().as_secs_f64()
         );
         assert!(failures.is_empty(), "{}", failures.join("\n"));
     });
+}
+
+#[test]
+fn a_gpu_newer_than_nvrtc_gets_ptx_for_the_newest_architecture_it_knows() {
+    with_nvrtc(
+        "a_gpu_newer_than_nvrtc_gets_ptx_for_the_newest_architecture_it_knows",
+        || {
+            let known = kernels::known_archs().unwrap();
+            assert!(known.contains(&80) && known.contains(&90), "{known:?}");
+            let newer = known.iter().max().unwrap() + 1;
+            let target = kernels::target_for((newer as i32 / 10, newer as i32 % 10), &known);
+            assert_eq!(target, Ok(Target::Ptx(*known.iter().max().unwrap())));
+            let module = kernels::compile("activation", Target::Ptx(90)).unwrap();
+            assert!(
+                module.cubin.is_none(),
+                "PTX targets leave machine code to the driver"
+            );
+            assert!(
+                module.ptx.contains(".target sm_90"),
+                "{}",
+                &module.ptx[..200]
+            );
+            assert!(module.entries().iter().any(|e| e == "relu_forward_f32"));
+        },
+    );
+}
+
+#[test]
+fn each_gpu_gets_its_own_machine_code_when_nvrtc_knows_its_architecture() {
+    let nvrtc_13 = [75, 80, 86, 87, 88, 89, 90, 100, 103, 110, 120, 121];
+    let cases = [
+        ((8, 0), Ok(Target::Sass(80))),
+        ((8, 6), Ok(Target::Sass(86))),
+        ((9, 0), Ok(Target::Sass(90))),
+        ((12, 0), Ok(Target::Sass(120))),
+        // Unknown to this NVRTC: the newest older architecture's PTX, never a newer one's.
+        ((10, 1), Ok(Target::Ptx(100))),
+        ((13, 0), Ok(Target::Ptx(121))),
+    ];
+    for (cc, want) in cases {
+        assert_eq!(
+            kernels::target_for(cc, &nvrtc_13),
+            want,
+            "compute capability {cc:?}"
+        );
+    }
+    let refused = kernels::target_for((7, 5), &nvrtc_13).unwrap_err();
+    assert!(refused.contains("below 8.0"), "{refused}");
+    let nvrtc_too_old = kernels::target_for((9, 0), &[70, 75]).unwrap_err();
+    assert!(
+        nvrtc_too_old.contains("none of sm_80 to sm_90"),
+        "{nvrtc_too_old}"
+    );
 }
 
 /// bindgen's output for include/gems_kernels.h, as committed in src/backend/cuda/params.rs.

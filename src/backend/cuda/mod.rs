@@ -1,5 +1,5 @@
 //! The CUDA backend: f32, bf16 and f16 tensors in device memory, the handwritten kernels of
-//! `cuda/*.cu` (compiled at run time by NVRTC for the device's architecture and cached on
+//! `cuda/*.cu` (compiled at run time by NVRTC to the device's machine code and cached on
 //! disk), cuBLAS for linear layers, and cuDNN for convolutions when asked ([`ConvImpl::Cudnn`],
 //! [`cudnn`]).
 //!
@@ -148,25 +148,11 @@ pub fn devices() -> Result<Vec<GpuInfo>> {
         .collect()
 }
 
-/// The newest kernel architecture in [`kernels::ARCHS`] the device can run.
-fn arch_for(cc: (i32, i32)) -> Result<&'static str> {
-    let have = cc.0 * 10 + cc.1;
-    kernels::ARCHS
-        .iter()
-        .rev()
-        .find(|a| {
-            a.trim_start_matches("compute_")
-                .parse::<i32>()
-                .unwrap_or(i32::MAX)
-                <= have
-        })
-        .copied()
-        .ok_or_else(|| {
-            Error::Device(format!(
-                "compute capability {}.{} is below 8.0; the kernels need sm_80 or newer",
-                cc.0, cc.1
-            ))
-        })
+/// What the kernels are compiled to for a GPU of compute capability `cc`
+/// ([`kernels::target_for`] with the architectures the loaded NVRTC knows).
+fn target_for(cc: (i32, i32)) -> Result<kernels::Target> {
+    let known = kernels::known_archs().map_err(|e| Error::Device(e.to_string()))?;
+    kernels::target_for(cc, &known).map_err(Error::Device)
 }
 
 /// Why `--conv cudnn` refuses bf16 and f16 activations.
@@ -207,7 +193,8 @@ pub struct Cuda {
     allocator: Arc<Allocator>,
     precision: Precision,
     multiprocessors: u32,
-    arch: &'static str,
+    /// What the kernels were compiled to.
+    target: kernels::Target,
     /// cuDNN, where it runs the convolutions (`--conv cudnn`).
     cudnn: Option<cudnn::Cudnn>,
 }
@@ -236,14 +223,13 @@ impl Cuda {
         let stream = ctx.new_stream().map_err(driver_error)?;
         let copy_stream = ctx.new_stream().map_err(driver_error)?;
         keep_freed_memory_cached(&ctx)?;
-        let arch = arch_for(ctx.compute_capability().map_err(driver_error)?)?;
+        let target = target_for(ctx.compute_capability().map_err(driver_error)?)?;
         let mut functions = HashMap::new();
         for (family, _) in kernels::SOURCES {
-            let ptx = kernels::ptx(family, arch).map_err(|e| Error::Device(e.to_string()))?;
-            let module = ctx
-                .load_module(cudarc::nvrtc::Ptx::from_src(ptx.clone()))
-                .map_err(driver_error)?;
-            for entry in kernels::entries(&ptx) {
+            let compiled =
+                kernels::module(family, target).map_err(|e| Error::Device(e.to_string()))?;
+            let module = ctx.load_module(compiled.image()).map_err(driver_error)?;
+            for entry in compiled.entries() {
                 let f = module.load_function(&entry).map_err(driver_error)?;
                 functions.insert(entry, f);
             }
@@ -294,7 +280,7 @@ impl Cuda {
                 allocator,
                 precision,
                 multiprocessors,
-                arch,
+                target,
                 cudnn,
             },
             free as u64,
@@ -362,7 +348,7 @@ impl Cuda {
             "cuda:{} {} ({}, {} SMs, {}, {conv})",
             self.ctx.ordinal(),
             self.ctx.name().unwrap_or_else(|_| "GPU".into()),
-            self.arch,
+            self.target,
             self.multiprocessors,
             self.precision
         )
