@@ -87,14 +87,21 @@ inline void mma_f16(float* c, uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3
 #define EMU_F16_IMPL \
     float f16_to_f32(gems_f16 v) { _Float16 h; memcpy(&h, &v.bits, 2); return (float)h; } \
     gems_f16 f32_to_f16(float f) { _Float16 h = (_Float16)f; gems_f16 r; memcpy(&r.bits, &h, 2); return r; }
+// A block's threads are made once per launch and walk the blocks in order, meeting at a
+// barrier between blocks (so __shared__ is not overwritten while a slower thread still reads).
 template <typename F> void launch(uint3 grid, unsigned block, F f) {
     gridDim = grid; blockDim = uint3{block, 1, 1};
-    for (unsigned z = 0; z < grid.z; z++) for (unsigned y = 0; y < grid.y; y++) for (unsigned x = 0; x < grid.x; x++) {
-        std::barrier<> bar(block); g_bar = &bar;
-        std::vector<std::unique_ptr<std::barrier<>>> wb;
-        for (unsigned w = 0; w < block / 32; w++) { wb.emplace_back(new std::barrier<>(32)); g_wbar[w] = wb.back().get(); }
-        std::vector<std::thread> ts;
-        for (unsigned t = 0; t < block; t++) ts.emplace_back([&, t] { threadIdx = uint3{t, 0, 0}; blockIdx = uint3{x, y, z}; f(); });
-        for (auto& t : ts) t.join();
-    }
+    std::barrier<> bar(block); g_bar = &bar;
+    std::vector<std::unique_ptr<std::barrier<>>> wb;
+    for (unsigned w = 0; w < block / 32; w++) { wb.emplace_back(new std::barrier<>(32)); g_wbar[w] = wb.back().get(); }
+    std::vector<std::thread> ts;
+    for (unsigned t = 0; t < block; t++) ts.emplace_back([&, t] {
+        threadIdx = uint3{t, 0, 0};
+        for (unsigned z = 0; z < grid.z; z++) for (unsigned y = 0; y < grid.y; y++) for (unsigned x = 0; x < grid.x; x++) {
+            blockIdx = uint3{x, y, z};
+            f();
+            bar.arrive_and_wait();
+        }
+    });
+    for (auto& t : ts) t.join();
 }
