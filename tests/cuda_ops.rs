@@ -908,24 +908,35 @@ fn step_matches_cpu(conv: ConvImpl) {
 }
 
 /// One resnet20v2 training step in bf16 or fp16 on the GPU against the same step on the CPU,
-/// from the same weights and batch. The 16-bit activations round the same values at the same
-/// places on both; where the f32 results of the two differ (summation order) a value may round
-/// to the neighbouring 16-bit number, so each trainable parameter's update (after - before)
-/// agrees to the activation type's tolerance, over the parameter as a whole (relative norm),
-/// and so do the BN running statistics (their values).
+/// from the same weights and batch, both measured against the fp32 step on the CPU.
+///
+/// The two 16-bit runs round the same values at the same places, but where their f32 sums
+/// differ in order a value rounds to the neighbouring 16-bit number, and through twenty
+/// layers of batch normalization those flips grow: on the emulated GPU (scripts/cuda_emu) the
+/// two runs' updates of a parameter differ by 7–18% (bf16) and 2–11% (fp16), and either
+/// run's differs from fp32's by up to 77% (bf16) and 18% (fp16). So the check is that the
+/// GPU's update is no
+/// further from fp32's than the CPU's is (a wrong kernel lands far further), that the losses
+/// agree to the activation type's tolerance, and that the BN running statistics (from the
+/// forward pass alone) agree value by value.
 fn mixed_step_matches_cpu(precision: Precision) {
     let tol = tol(precision);
-    let config = |device| TrainConfig {
-        device,
-        precision,
-        ..TrainConfig::new("resnet20v2", 32, 10, 8, 1)
+    let step = |device, precision| {
+        let mut t = Trainer::new(TrainConfig {
+            device,
+            precision,
+            ..TrainConfig::new("resnet20v2", 32, 10, 8, 1)
+        })
+        .unwrap_or_else(|e| panic!("{precision} on {device}: {e}"));
+        let before = values(&t);
+        let report = t.step().unwrap();
+        let trainable: Vec<bool> = t.params.grads.iter().map(Option::is_some).collect();
+        (before, values(&t), report, trainable)
     };
-    let mut on_cpu = Trainer::new(config(DeviceKind::Cpu)).unwrap();
-    let mut on_gpu = Trainer::new(config(DeviceKind::Cuda { ordinal: 0 }))
-        .unwrap_or_else(|e| panic!("{precision} on the GPU: {e}"));
-    let before = values(&on_cpu);
-    assert_eq!(before, values(&on_gpu), "both start from the same weights");
-    let (rc, rg) = (on_cpu.step().unwrap(), on_gpu.step().unwrap());
+    let (before, fp32, _, trainable) = step(DeviceKind::Cpu, Precision::Fp32);
+    let (_, on_cpu, rc, _) = step(DeviceKind::Cpu, precision);
+    let (gpu_before, on_gpu, rg, _) = step(DeviceKind::Cuda { ordinal: 0 }, precision);
+    assert_eq!(before, gpu_before, "both start from the same weights");
     assert!(!rc.skipped && !rg.skipped, "{precision}: {rc:?} {rg:?}");
     assert_eq!(rc.loss_scale, rg.loss_scale, "{precision}: loss scales");
     assert!(
@@ -934,23 +945,39 @@ fn mixed_step_matches_cpu(precision: Precision) {
         rc.loss,
         rg.loss
     );
-    let (after_cpu, after_gpu) = (values(&on_cpu), values(&on_gpu));
-    for (i, ((b, c), g)) in before.iter().zip(&after_cpu).zip(&after_gpu).enumerate() {
-        let trainable = on_cpu.params.grads[i].is_some();
+    // Each trainable parameter's update against fp32's, as a relative norm.
+    let distance = |after: &[Vec<f64>], i: usize| {
         let (mut diff, mut norm) = (0.0f64, 1e-300f64);
-        for ((b, c), g) in b.iter().zip(c).zip(g) {
-            // The update of a parameter; the value of a running statistic.
-            let (dc, dg) = if trainable { (c - b, g - b) } else { (*c, *g) };
-            diff += (dc - dg) * (dc - dg);
-            norm += dc * dc;
+        for ((b, r), a) in before[i].iter().zip(&fp32[i]).zip(&after[i]) {
+            let (want, got) = (r - b, a - b);
+            diff += (got - want) * (got - want);
+            norm += want * want;
         }
-        let err = (diff / norm).sqrt();
+        (diff / norm).sqrt()
+    };
+    let (mut cpu_worst, mut gpu_worst) = (0.0f64, 0.0f64);
+    for i in 0..before.len() {
+        if !trainable[i] {
+            for (c, g) in on_cpu[i].iter().zip(&on_gpu[i]) {
+                assert!(
+                    (c - g).abs() <= tol * c.abs().max(1.0),
+                    "{precision} running statistic {i}: CPU {c}, GPU {g}"
+                );
+            }
+            continue;
+        }
+        let (cpu, gpu) = (distance(&on_cpu, i), distance(&on_gpu, i));
+        (cpu_worst, gpu_worst) = (cpu_worst.max(cpu), gpu_worst.max(gpu));
         assert!(
-            err <= tol,
-            "{precision} parameter {i} (trainable {trainable}): differs by {err:.2e} \
-             (relative norm)"
+            gpu <= 1.5 * cpu + tol,
+            "{precision} parameter {i}: the GPU's update is {gpu:.2e} from fp32's, the CPU's \
+             {cpu:.2e} (relative norms)"
         );
     }
+    println!(
+        "{precision}: updates from fp32's at most {cpu_worst:.2e} on the CPU, {gpu_worst:.2e} on \
+         the GPU (relative norm, worst parameter)"
+    );
 }
 
 #[test]

@@ -2,41 +2,58 @@
 // without a GPU (scripts/cuda_emu/run.sh). Tensor-core mma is emulated from the fragment
 // layouts written in include/gems_device.h, so it checks the kernels against those layouts,
 // not against the hardware.
-// CPU emulation of the CUDA subset the kernels use: a block = blockDim.x std::threads with
-// barriers; blocks run one after another (so __shared__ can be static).
+// CPU emulation of the CUDA subset the kernels use: a block's threads are fibers (ucontext)
+// on the launching OS thread, switched at barriers; blocks run one after another (so
+// __shared__ can be static). A barrier that some thread never reaches is reported and aborts,
+// where a GPU would hang or misbehave.
 #pragma once
 #define GEMS_CPU_EMULATION 1
-#include <atomic>
-#include <barrier>
+#include <ucontext.h>
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <memory>
 #include <mutex>
-#include <thread>
 #include <vector>
 using std::uint32_t;
 struct uint3 { unsigned x = 0, y = 0, z = 0; };
-inline thread_local uint3 threadIdx, blockIdx;
-inline uint3 blockDim, gridDim;
+inline uint3 threadIdx, blockIdx, blockDim, gridDim;
 #define __global__
 #define __device__
 #define __forceinline__ inline
 #define __launch_bounds__(x)
 #define __shared__ static
-inline std::barrier<>* g_bar;
-inline std::barrier<>* g_wbar[32];
+
+// The fibers of the running block, and barriers over the block and over each warp.
+struct Fiber { ucontext_t ctx; std::unique_ptr<char[]> stack; bool done = false; };
+inline ucontext_t g_sched;
+inline std::vector<Fiber> g_fibers;
+inline unsigned g_current;
+inline bool g_progress;  // something happened this round (else the block is stuck)
+inline std::function<void()> g_body;
+struct Barrier { unsigned expected = 0, arrived = 0, gen = 0; };
+inline Barrier g_bar, g_wbar[32];
+inline void fiber_yield() { swapcontext(&g_fibers[g_current].ctx, &g_sched); }
+inline void fiber_wait(Barrier& b) {
+    g_progress = true;
+    unsigned my = b.gen;
+    if (++b.arrived == b.expected) { b.arrived = 0; b.gen++; return; }
+    while (b.gen == my) fiber_yield();
+}
+inline void warp_sync() { fiber_wait(g_wbar[threadIdx.x / 32]); }
 inline double g_wbuf[32][32];
 inline uint32_t g_wfrag[32][32][6];
-inline float g_wc[32][32][4];
-inline void __syncthreads() { g_bar->arrive_and_wait(); }
+inline void __syncthreads() { fiber_wait(g_bar); }
 template <typename T> T __shfl_xor_sync(unsigned, T v, int o) {
     int w = threadIdx.x / 32, l = threadIdx.x % 32;
     g_wbuf[w][l] = (double)v;
-    g_wbar[w]->arrive_and_wait();
+    warp_sync();
     T r = (T)g_wbuf[w][l ^ o];
-    g_wbar[w]->arrive_and_wait();
+    warp_sync();
     return r;
 }
 inline float __uint_as_float(unsigned u) { float f; memcpy(&f, &u, 4); return f; }
@@ -52,9 +69,9 @@ inline float hf(uint32_t v, int hi) { uint16_t b = hi ? (v >> 16) : (v & 0xffff)
 inline bool __any_sync(unsigned, bool v) {
     int w = threadIdx.x / 32, l = threadIdx.x % 32;
     g_wbuf[w][l] = v ? 1.0 : 0.0;
-    g_wbar[w]->arrive_and_wait();
+    warp_sync();
     bool r = false; for (int i = 0; i < 32; i++) r = r || g_wbuf[w][i] != 0.0;
-    g_wbar[w]->arrive_and_wait();
+    warp_sync();
     return r;
 }
 // fragments: regs 0..3 = a0..a3, 4..5 = b0, b1
@@ -63,7 +80,7 @@ inline void mma_generic(float* c, uint32_t a0, uint32_t a1, uint32_t a2, uint32_
     int w = threadIdx.x / 32, l = threadIdx.x % 32;
     uint32_t r[6] = {a0, a1, a2, a3, b0, b1};
     memcpy(g_wfrag[w][l], r, sizeof r);
-    g_wbar[w]->arrive_and_wait();
+    warp_sync();
     int gid = l >> 2, tig = l & 3;
     int K = is_bf16 ? 16 : 8;
     auto A = [&](int row, int k) -> float {
@@ -77,7 +94,7 @@ inline void mma_generic(float* c, uint32_t a0, uint32_t a1, uint32_t a2, uint32_
     int rows[4] = {gid, gid, gid + 8, gid + 8}, cols[4] = {2 * tig, 2 * tig + 1, 2 * tig, 2 * tig + 1};
     float out[4];
     for (int i = 0; i < 4; i++) { float s = c[i]; for (int k = 0; k < K; k++) s += A(rows[i], k) * B(k, cols[i]); out[i] = s; }
-    g_wbar[w]->arrive_and_wait();
+    warp_sync();
     for (int i = 0; i < 4; i++) c[i] = out[i];
 }
 inline void mma_tf32(float* c, uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0, uint32_t b1) { mma_generic(c, a0, a1, a2, a3, b0, b1, 0); }
@@ -87,21 +104,46 @@ inline void mma_f16(float* c, uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3
 #define EMU_F16_IMPL \
     float f16_to_f32(gems_f16 v) { _Float16 h; memcpy(&h, &v.bits, 2); return (float)h; } \
     gems_f16 f32_to_f16(float f) { _Float16 h = (_Float16)f; gems_f16 r; memcpy(&r.bits, &h, 2); return r; }
-// A block's threads are made once per launch and walk the blocks in order, meeting at a
-// barrier between blocks (so __shared__ is not overwritten while a slower thread still reads).
+inline void fiber_main() {
+    g_body();
+    g_fibers[g_current].done = true;
+    g_progress = true;
+}
+// Runs f as every thread of every block of the grid.
 template <typename F> void launch(uint3 grid, unsigned block, F f) {
+    constexpr std::size_t STACK = 256 << 10;
     gridDim = grid; blockDim = uint3{block, 1, 1};
-    std::barrier<> bar(block); g_bar = &bar;
-    std::vector<std::unique_ptr<std::barrier<>>> wb;
-    for (unsigned w = 0; w < block / 32; w++) { wb.emplace_back(new std::barrier<>(32)); g_wbar[w] = wb.back().get(); }
-    std::vector<std::thread> ts;
-    for (unsigned t = 0; t < block; t++) ts.emplace_back([&, t] {
-        threadIdx = uint3{t, 0, 0};
-        for (unsigned z = 0; z < grid.z; z++) for (unsigned y = 0; y < grid.y; y++) for (unsigned x = 0; x < grid.x; x++) {
-            blockIdx = uint3{x, y, z};
-            f();
-            bar.arrive_and_wait();
+    g_body = f;
+    if (g_fibers.size() < block) g_fibers.resize(block);
+    for (unsigned t = 0; t < block; t++)
+        if (!g_fibers[t].stack) g_fibers[t].stack.reset(new char[STACK]);
+    for (unsigned z = 0; z < grid.z; z++) for (unsigned y = 0; y < grid.y; y++) for (unsigned x = 0; x < grid.x; x++) {
+        blockIdx = uint3{x, y, z};
+        g_bar = Barrier{block};
+        for (unsigned w = 0; w * 32 < block; w++) g_wbar[w] = Barrier{std::min(32u, block - w * 32)};
+        for (unsigned t = 0; t < block; t++) {
+            Fiber& fb = g_fibers[t];
+            fb.done = false;
+            getcontext(&fb.ctx);
+            fb.ctx.uc_stack.ss_sp = fb.stack.get();
+            fb.ctx.uc_stack.ss_size = STACK;
+            fb.ctx.uc_link = &g_sched;
+            makecontext(&fb.ctx, fiber_main, 0);
         }
-    });
-    for (auto& t : ts) t.join();
+        for (unsigned live = block; live;) {
+            g_progress = false;
+            live = 0;
+            for (unsigned t = 0; t < block; t++) {
+                if (g_fibers[t].done) continue;
+                threadIdx = uint3{t, 0, 0};
+                g_current = t;
+                swapcontext(&g_sched, &g_fibers[t].ctx);
+                live += !g_fibers[t].done;
+            }
+            if (live && !g_progress) {
+                std::fprintf(stderr, "emulation: block (%u, %u, %u) is stuck: %u threads wait at a barrier others never reach\n", x, y, z, live);
+                std::abort();
+            }
+        }
+    }
 }
