@@ -6,7 +6,7 @@ set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 out="${1:-$here/../../target/cuda_emu}"
 mkdir -p "$out"
-flags=(-std=c++20 -O1 -ffp-contract=off -fPIC -shared -I"$here/../../include" -include "$here/emu.h")
+flags=(-std=c++20 -O2 -ffp-contract=off -fPIC -shared -I"$here/../../include" -include "$here/emu.h")
 [[ -n "${EMU_SANITIZE:-}" ]] && flags+=(-fsanitize="$EMU_SANITIZE" -fno-omit-frame-pointer)
 # Every kernel, by name, from the sources as the preprocessor stamps them.
 cat "$here"/../../cuda/*.cu | g++ "${flags[@]}" -E -P -x c++ - 2>/dev/null \

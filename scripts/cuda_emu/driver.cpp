@@ -245,11 +245,12 @@ CUresult cuLaunchKernel(void* f, unsigned gx, unsigned gy, unsigned gz, unsigned
                      k->name.c_str(), gx, gy, gz, bx, by, bz, shared);
         return INVALID_VALUE;
     }
-    if (trace())
-        std::fprintf(stderr, "launch %s grid (%u, %u, %u) block %u\n", k->name.c_str(), gx, gy, gz, bx);
     Bound body = k->bind(params);
     std::lock_guard<std::mutex> g(launch_mutex);
+    double start = now_ms();
     launch(uint3{gx, gy, gz}, bx, body);
+    if (trace())
+        std::fprintf(stderr, "launch %s grid (%u, %u, %u) block %u: %.1f ms\n", k->name.c_str(), gx, gy, gz, bx, now_ms() - start);
     return OK;
 }
 

@@ -2,12 +2,14 @@
 // without a GPU (scripts/cuda_emu/run.sh). Tensor-core mma is emulated from the fragment
 // layouts written in include/gems_device.h, so it checks the kernels against those layouts,
 // not against the hardware.
-// CPU emulation of the CUDA subset the kernels use: a block's threads are fibers (ucontext)
-// on the launching OS thread, switched at barriers; blocks run one after another (so
-// __shared__ can be static). A barrier that some thread never reaches is reported and aborts,
-// where a GPU would hang or misbehave.
+// CPU emulation of the CUDA subset the kernels use: a block's threads are fibers on the
+// launching OS thread (made with ucontext, switched with _setjmp/_longjmp, which save no
+// signal mask and so make no system call), switched at barriers; blocks run one after another
+// (so __shared__ can be static). A barrier that some thread never reaches is reported and
+// aborts, where a GPU would hang or misbehave.
 #pragma once
 #define GEMS_CPU_EMULATION 1
+#include <setjmp.h>
 #include <ucontext.h>
 #include <algorithm>
 #include <cmath>
@@ -28,21 +30,26 @@ inline uint3 threadIdx, blockIdx, blockDim, gridDim;
 #define __launch_bounds__(x)
 #define __shared__ static
 
-// The fibers of the running block, and barriers over the block and over each warp.
-struct Fiber { ucontext_t ctx; std::unique_ptr<char[]> stack; bool done = false; };
-inline ucontext_t g_sched;
+// The fibers of a launch (one a thread of the block, each running every block in turn), and
+// barriers over the block and over each warp.
+struct Fiber { jmp_buf jb; ucontext_t start; std::unique_ptr<char[]> stack; bool started = false, done = false; };
+inline jmp_buf g_sched;
 inline std::vector<Fiber> g_fibers;
 inline unsigned g_current;
 inline bool g_progress;  // something happened this round (else the block is stuck)
 inline std::function<void()> g_body;
 struct Barrier { unsigned expected = 0, arrived = 0, gen = 0; };
-inline Barrier g_bar, g_wbar[32];
-inline void fiber_yield() { swapcontext(&g_fibers[g_current].ctx, &g_sched); }
-inline void fiber_wait(Barrier& b) {
+inline Barrier g_bar, g_block_end, g_wbar[32];
+inline void fiber_yield() {
+    if (!_setjmp(g_fibers[g_current].jb)) _longjmp(g_sched, 1);
+}
+// Returns true to the thread whose arrival completed the barrier.
+inline bool fiber_wait(Barrier& b) {
     g_progress = true;
     unsigned my = b.gen;
-    if (++b.arrived == b.expected) { b.arrived = 0; b.gen++; return; }
+    if (++b.arrived == b.expected) { b.arrived = 0; b.gen++; return true; }
     while (b.gen == my) fiber_yield();
+    return false;
 }
 inline void warp_sync() { fiber_wait(g_wbar[threadIdx.x / 32]); }
 inline double g_wbuf[32][32];
@@ -104,46 +111,57 @@ inline void mma_f16(float* c, uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3
 #define EMU_F16_IMPL \
     float f16_to_f32(gems_f16 v) { _Float16 h; memcpy(&h, &v.bits, 2); return (float)h; } \
     gems_f16 f32_to_f16(float f) { _Float16 h = (_Float16)f; gems_f16 r; memcpy(&r.bits, &h, 2); return r; }
+// A fiber: thread threadIdx of every block in order; the last to finish a block moves
+// blockIdx on, so no thread starts a block (and its __shared__) before all left the last.
 inline void fiber_main() {
-    g_body();
+    for (;;) {
+        g_body();
+        if (fiber_wait(g_block_end)) {
+            uint3& b = blockIdx;
+            if (++b.x == gridDim.x) { b.x = 0; if (++b.y == gridDim.y) { b.y = 0; ++b.z; } }
+        }
+        if (blockIdx.z == gridDim.z) break;
+    }
     g_fibers[g_current].done = true;
     g_progress = true;
+    _longjmp(g_sched, 1);
 }
 // Runs f as every thread of every block of the grid.
 template <typename F> void launch(uint3 grid, unsigned block, F f) {
     constexpr std::size_t STACK = 256 << 10;
-    gridDim = grid; blockDim = uint3{block, 1, 1};
+    gridDim = grid; blockDim = uint3{block, 1, 1}; blockIdx = uint3{};
     g_body = f;
+    g_bar = g_block_end = Barrier{block};
+    for (unsigned w = 0; w * 32 < block; w++) g_wbar[w] = Barrier{std::min(32u, block - w * 32)};
     if (g_fibers.size() < block) g_fibers.resize(block);
-    for (unsigned t = 0; t < block; t++)
-        if (!g_fibers[t].stack) g_fibers[t].stack.reset(new char[STACK]);
-    for (unsigned z = 0; z < grid.z; z++) for (unsigned y = 0; y < grid.y; y++) for (unsigned x = 0; x < grid.x; x++) {
-        blockIdx = uint3{x, y, z};
-        g_bar = Barrier{block};
-        for (unsigned w = 0; w * 32 < block; w++) g_wbar[w] = Barrier{std::min(32u, block - w * 32)};
+    for (unsigned t = 0; t < block; t++) {
+        Fiber& fb = g_fibers[t];
+        if (!fb.stack) fb.stack.reset(new char[STACK]);
+        fb.started = fb.done = false;
+        getcontext(&fb.start);
+        fb.start.uc_stack.ss_sp = fb.stack.get();
+        fb.start.uc_stack.ss_size = STACK;
+        fb.start.uc_link = nullptr;
+        makecontext(&fb.start, fiber_main, 0);
+    }
+    for (unsigned live = block; live;) {
+        g_progress = false;
+        live = 0;
         for (unsigned t = 0; t < block; t++) {
             Fiber& fb = g_fibers[t];
-            fb.done = false;
-            getcontext(&fb.ctx);
-            fb.ctx.uc_stack.ss_sp = fb.stack.get();
-            fb.ctx.uc_stack.ss_size = STACK;
-            fb.ctx.uc_link = &g_sched;
-            makecontext(&fb.ctx, fiber_main, 0);
+            if (fb.done) continue;
+            threadIdx = uint3{t, 0, 0};
+            g_current = t;
+            if (!_setjmp(g_sched)) {
+                if (!fb.started) { fb.started = true; setcontext(&fb.start); }
+                _longjmp(fb.jb, 1);
+            }
+            live += !fb.done;
         }
-        for (unsigned live = block; live;) {
-            g_progress = false;
-            live = 0;
-            for (unsigned t = 0; t < block; t++) {
-                if (g_fibers[t].done) continue;
-                threadIdx = uint3{t, 0, 0};
-                g_current = t;
-                swapcontext(&g_sched, &g_fibers[t].ctx);
-                live += !g_fibers[t].done;
-            }
-            if (live && !g_progress) {
-                std::fprintf(stderr, "emulation: block (%u, %u, %u) is stuck: %u threads wait at a barrier others never reach\n", x, y, z, live);
-                std::abort();
-            }
+        if (live && !g_progress) {
+            std::fprintf(stderr, "emulation: block (%u, %u, %u) is stuck: %u threads wait at a barrier others never reach\n",
+                         blockIdx.x, blockIdx.y, blockIdx.z, live);
+            std::abort();
         }
     }
 }
