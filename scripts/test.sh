@@ -5,15 +5,21 @@
 #      Ubuntu via apt, only what is missing; a fast no-op otherwise):
 #        - OpenMPI        openmpi-bin libopenmpi-dev   (mpirun, mpicc)
 #        - libclang       libclang-dev                 (bindgen)
+#        - g++            g++                          (the emulated CUDA driver)
 #        - NVRTC          libnvrtc11.2 (Debian non-free / Ubuntu multiverse;
 #                         libnvrtc12 where 11.2 is not offered)
 #      and exposes NVRTC under the plain name libnvrtc.so via the symlink
 #      target/nvrtc/libnvrtc.so (LD_LIBRARY_PATH, GEMS_NVRTC_LIB);
 #   2. runs the whole suite: cargo test --release --features mpi (extra arguments are
-#      passed on; without OpenMPI, a warning and the suite without the MPI transport).
+#      passed on; without OpenMPI, a warning and the suite without the MPI transport);
+#   3. without extra arguments, also the GPU suite's op tests and a resnet110v2 step on the
+#      emulated CUDA driver (scripts/cuda_emu/suite.sh): the CUDA backend's host code end to
+#      end, without a GPU. The rest of that suite (offload, schemes, training, fp16's loss
+#      scale; 25 minutes on 2 cores) runs with scripts/cuda_emu/suite.sh alone.
 #
 # Environment:
 #   GEMS_SKIP_APT=1   do not install anything (only check and warn).
+#   GEMS_SKIP_EMU=1   skip step 3.
 set -euo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -192,7 +198,7 @@ elif ! have_apt; then
     warn "no apt-get/dpkg on this system: cannot install OpenMPI, libclang, NVRTC automatically"
 else
     missing=()
-    for p in openmpi-bin libopenmpi-dev libclang-dev; do
+    for p in openmpi-bin libopenmpi-dev libclang-dev g++; do
         pkg_installed "$p" || missing+=("$p")
     done
 
@@ -268,3 +274,9 @@ fi
 
 log "== cargo test --release ${features[*]}"
 cargo test --release "${features[@]}" "$@"
+
+if [ "$#" -eq 0 ] && [ -z "${GEMS_SKIP_EMU:-}" ]; then
+    log "== the GPU suite on the emulated CUDA driver (ops and a resnet110v2 step)"
+    GEMS_FEATURES="${features[*]}" bash "$ROOT/scripts/cuda_emu/suite.sh" --skip offload --skip schemes --skip learns \
+        --skip loss_scale --skip resnet20v2
+fi
