@@ -40,12 +40,9 @@ enum : CUresult {
     OK = 0,
     INVALID_VALUE = 1,
     OUT_OF_MEMORY = 2,
-    NOT_INITIALIZED = 3,
     INVALID_DEVICE = 101,
     INVALID_IMAGE = 200,
-    INVALID_HANDLE = 400,
     NOT_FOUND = 500,
-    LAUNCH_FAILED = 719,
 };
 
 namespace {
@@ -129,7 +126,6 @@ int dummy;  // handles that need only be distinct and non-null point here
 extern "C" {
 
 CUresult cuInit(unsigned) { return OK; }
-CUresult cuDriverGetVersion(int* v) { *v = 13000; return OK; }
 CUresult cuDeviceGetCount(int* n) { *n = 1; return OK; }
 CUresult cuDeviceGet(CUdevice* d, int ordinal) { if (ordinal != 0) return INVALID_DEVICE; *d = 0; return OK; }
 CUresult cuDeviceGetName(char* name, int len, CUdevice) {
@@ -152,14 +148,12 @@ CUresult cuDevicePrimaryCtxRelease_v2(CUdevice) { return OK; }
 CUresult cuCtxSetCurrent(void*) { return OK; }
 CUresult cuCtxGetCurrent(void** ctx) { *ctx = &dummy; return OK; }
 CUresult cuCtxSynchronize() { return OK; }
-CUresult cuCtxGetDevice(CUdevice* d) { *d = 0; return OK; }
 
 CUresult cuStreamCreate(void** s, unsigned) { *s = new int(0); return OK; }
 CUresult cuStreamCreateWithPriority(void** s, unsigned, int) { *s = new int(0); return OK; }
 CUresult cuStreamDestroy_v2(void* s) { delete static_cast<int*>(s); return OK; }
 CUresult cuStreamSynchronize(void*) { return OK; }
 CUresult cuStreamWaitEvent(void*, void*, unsigned) { return OK; }
-CUresult cuStreamQuery(void*) { return OK; }
 CUresult cuLaunchHostFunc(void*, void (*f)(void*), void* data) { f(data); return OK; }
 
 CUresult cuEventCreate(void** e, unsigned) { *e = new double(now_ms()); return OK; }
@@ -194,7 +188,6 @@ CUresult cuMemHostAlloc(void** p, std::size_t n, unsigned) {
 }
 CUresult cuMemAllocHost_v2(void** p, std::size_t n) { return cuMemHostAlloc(p, n, 0); }
 CUresult cuMemFreeHost(void* p) { std::free(p); return OK; }
-CUresult cuPointerGetAttribute(void*, int, CUdeviceptr) { return INVALID_VALUE; }
 
 CUresult cuMemcpyHtoD_v2(CUdeviceptr d, const void* h, std::size_t n) { return copy(reinterpret_cast<void*>(d), h, n, d, 0); }
 CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr d, const void* h, std::size_t n, void*) { return cuMemcpyHtoD_v2(d, h, n); }
