@@ -30,7 +30,7 @@ use gems::backend::cuda::{self, ConvImpl};
 use gems::backend::{ChannelGeom, ConvGeom, CopyMode, Device, DeviceKind, PoolGeom, SgdStep};
 use gems::graph::policy::SavePolicy;
 use gems::tensor::{DType, Precision, Storage};
-use gems::train::{TrainConfig, Trainer};
+use gems::train::{StepReport, TrainConfig, Trainer};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
@@ -864,6 +864,22 @@ fn values(t: &Trainer) -> Vec<Vec<f64>> {
         .collect()
 }
 
+/// One training step of a new trainer: its parameters before and after, and the step's report.
+fn one_step(config: TrainConfig) -> (Vec<Vec<f64>>, Vec<Vec<f64>>, StepReport) {
+    let what = format!(
+        "{} {} {} on {} ({} convolutions)",
+        config.model,
+        config.dtype.name(),
+        config.precision,
+        config.device,
+        config.conv
+    );
+    let mut t = Trainer::new(config).unwrap_or_else(|e| panic!("{what}: {e}"));
+    let before = values(&t);
+    let report = t.step().unwrap_or_else(|e| panic!("{what}: {e}"));
+    (before, values(&t), report)
+}
+
 /// How far `got` moved the parameter from `before` against how `want` moved it: the relative
 /// norm of the difference of the two updates.
 fn update_distance(before: &[f64], want: &[f64], got: &[f64]) -> f64 {
@@ -934,24 +950,21 @@ fn resnet110v2_cudnn_step_matches_cpu() {
 
 fn step_matches_cpu(conv: ConvImpl) {
     let step = |device, dtype, conv| {
-        let mut t = Trainer::new(TrainConfig {
+        one_step(TrainConfig {
             device,
             dtype,
             conv,
             ..TrainConfig::new("resnet110v2", 32, 10, 8, 1)
         })
-        .unwrap_or_else(|e| panic!("resnet110v2 on {device} ({conv} convolutions): {e}"));
-        let before = values(&t);
-        let loss = t.step().unwrap().loss;
-        (before, values(&t), loss)
     };
     let (before, exact, _) = step(DeviceKind::Cpu, DType::F64, ConvImpl::Native);
-    let (_, on_cpu, lc) = step(DeviceKind::Cpu, DType::F32, ConvImpl::Native);
-    let (gpu_before, on_gpu, lg) = step(DeviceKind::Cuda { ordinal: 0 }, DType::F32, conv);
+    let (_, on_cpu, rc) = step(DeviceKind::Cpu, DType::F32, ConvImpl::Native);
+    let (gpu_before, on_gpu, rg) = step(DeviceKind::Cuda { ordinal: 0 }, DType::F32, conv);
     assert_eq!(
         before.iter().map(|v| v.len()).collect::<Vec<_>>(),
         gpu_before.iter().map(|v| v.len()).collect::<Vec<_>>()
     );
+    let (lc, lg) = (rc.loss, rg.loss);
     assert!((lc - lg).abs() < 1e-4 * lc, "loss: CPU {lc}, GPU {lg}");
     no_further_than_cpu(
         &format!("resnet110v2 fp32 ({conv} convolutions)"),
@@ -970,15 +983,11 @@ fn step_matches_cpu(conv: ConvImpl) {
 fn mixed_step_matches_cpu(precision: Precision) {
     let tol = tol(precision);
     let step = |device, precision| {
-        let mut t = Trainer::new(TrainConfig {
+        one_step(TrainConfig {
             device,
             precision,
             ..TrainConfig::new("resnet20v2", 32, 10, 8, 1)
         })
-        .unwrap_or_else(|e| panic!("{precision} on {device}: {e}"));
-        let before = values(&t);
-        let report = t.step().unwrap();
-        (before, values(&t), report)
     };
     let (before, fp32, _) = step(DeviceKind::Cpu, Precision::Fp32);
     let (_, on_cpu, rc) = step(DeviceKind::Cpu, precision);
