@@ -121,6 +121,21 @@ double now_ms() {
 }
 int dummy;  // handles that need only be distinct and non-null point here
 
+// The errors this driver returns: cudarc asks for their names and texts.
+struct ErrorText { CUresult code; const char* name; const char* text; };
+const ErrorText ERRORS[] = {
+    {INVALID_VALUE, "CUDA_ERROR_INVALID_VALUE", "invalid argument (emulated device; see its message above)"},
+    {OUT_OF_MEMORY, "CUDA_ERROR_OUT_OF_MEMORY", "out of memory (emulated device)"},
+    {INVALID_DEVICE, "CUDA_ERROR_INVALID_DEVICE", "invalid device ordinal (emulated device)"},
+    {INVALID_IMAGE, "CUDA_ERROR_INVALID_IMAGE", "neither a cubin nor PTX (emulated device)"},
+    {NOT_FOUND, "CUDA_ERROR_NOT_FOUND", "no kernel of that name in cuda/*.cu (emulated device)"},
+};
+ErrorText error_of(CUresult e) {
+    for (const ErrorText& t : ERRORS)
+        if (t.code == e) return t;
+    return {e, "CUDA_ERROR_UNKNOWN", "error (emulated device)"};
+}
+
 }  // namespace
 
 extern "C" {
@@ -247,23 +262,7 @@ CUresult cuLaunchKernel(void* f, unsigned gx, unsigned gy, unsigned gz, unsigned
     return OK;
 }
 
-CUresult cuGetErrorString(CUresult e, const char** s) {
-    switch (e) {
-        case OUT_OF_MEMORY: *s = "out of memory (emulated device)"; break;
-        case INVALID_VALUE: *s = "invalid argument (emulated device; see its message above)"; break;
-        case NOT_FOUND: *s = "named symbol not found (emulated device)"; break;
-        default: *s = "error (emulated device)";
-    }
-    return OK;
-}
-CUresult cuGetErrorName(CUresult e, const char** s) {
-    switch (e) {
-        case OUT_OF_MEMORY: *s = "CUDA_ERROR_OUT_OF_MEMORY"; break;
-        case INVALID_VALUE: *s = "CUDA_ERROR_INVALID_VALUE"; break;
-        case NOT_FOUND: *s = "CUDA_ERROR_NOT_FOUND"; break;
-        default: *s = "CUDA_ERROR_UNKNOWN";
-    }
-    return OK;
-}
+CUresult cuGetErrorString(CUresult e, const char** s) { *s = error_of(e).text; return OK; }
+CUresult cuGetErrorName(CUresult e, const char** s) { *s = error_of(e).name; return OK; }
 
 }  // extern "C"
