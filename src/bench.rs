@@ -7,17 +7,11 @@
 
 use std::time::Instant;
 
-use crate::backend::{ChannelGeom, ConvGeom, CopyMode, Device};
-use crate::graph::policy::{Keep, SavePolicy};
+use crate::backend::{ChannelGeom, ConvGeom, Device};
 use crate::graph::Graph;
 use crate::memory::host::HostPool;
-use crate::memory::human_bytes;
 use crate::ops::{batched, Op};
-use crate::plan::offload::{self, HostLink};
-use crate::runtime::executor::RunConfig;
-use crate::schemes::Scheme;
 use crate::tensor::{DType, Storage};
-use crate::train::{TrainConfig, Trainer};
 use crate::Result;
 
 /// One distinct convolution of a model and how often it occurs.
@@ -276,100 +270,6 @@ pub fn host_link(device: &Device, bytes: usize, repeats: usize) -> Result<Vec<Ba
     Ok(out)
 }
 
-/// One line of the offload study: a way of keeping saved activations, and what an epoch cost.
-#[derive(Clone, Debug, serde::Serialize)]
-pub struct OffloadRun {
-    pub model: String,
-    /// `baseline`, a copy mode (everything offloaded), or `auto` (the planner's choice under
-    /// a cap 40% below the baseline's peak).
-    pub variant: String,
-    /// Seconds for the epoch (after one warm-up step), or why it did not run.
-    pub seconds: std::result::Result<f64, String>,
-    pub device_peak: u64,
-    pub host_peak: u64,
-}
-
-/// GEMS's offload study on `device`: for each model, an epoch of `images` images in batches of
-/// `batch` (the last batch may be short of a whole one: whole batches are run and the time is
-/// scaled to `images`), kept on the device, offloaded in each copy mode, and as
-/// `--offload auto` chooses under a cap 40% below the baseline's measured peak.
-pub fn offload_study(
-    base: &TrainConfig,
-    models: &[String],
-    images: usize,
-    link: &HostLink,
-) -> Result<Vec<OffloadRun>> {
-    let mut runs = Vec::new();
-    for model in models {
-        let config = TrainConfig {
-            model: model.clone(),
-            ..base.clone()
-        };
-        let nodes = crate::models::build(model, config.image_size, config.classes)?
-            .nodes
-            .len();
-        let steps = images.div_ceil(config.batch_size);
-        let epoch = |c: TrainConfig| -> Result<(f64, u64, u64)> {
-            let mut t = Trainer::new(c)?;
-            t.step()?;
-            let mut seconds = 0.0;
-            for _ in 0..steps {
-                seconds += t.step()?.seconds;
-            }
-            let scale = images as f64 / (steps * t.config.batch_size) as f64;
-            Ok((
-                seconds * scale,
-                t.memory().peak,
-                t.device.host_memory().peak,
-            ))
-        };
-        let mut record = |variant: String, r: Result<(f64, u64, u64)>| {
-            let (seconds, device_peak, host_peak) = match r {
-                Ok((s, d, h)) => (Ok(s), d, h),
-                Err(e) => (Err(e.to_string()), 0, 0),
-            };
-            runs.push(OffloadRun {
-                model: model.clone(),
-                variant,
-                seconds,
-                device_peak,
-                host_peak,
-            });
-        };
-        let baseline = epoch(TrainConfig {
-            saves: SavePolicy::keep_all(),
-            ..config.clone()
-        });
-        let base_peak = baseline.as_ref().map(|r| r.1).unwrap_or(0);
-        record("baseline".into(), baseline);
-        for mode in [
-            CopyMode::Naive,
-            CopyMode::Pinned,
-            CopyMode::Async,
-            CopyMode::PinnedAsync,
-        ] {
-            let c = TrainConfig {
-                saves: SavePolicy::all(nodes, Keep::Host, 2),
-                offload_copy: mode,
-                ..config.clone()
-            };
-            record(mode.to_string(), epoch(c));
-        }
-        let cap = base_peak * 6 / 10;
-        let auto = RunConfig::new(config.clone(), Scheme::single(1));
-        let chosen = offload::choose(&auto, cap, link, 2).and_then(|chosen| {
-            epoch(TrainConfig {
-                saves: chosen.policy,
-                device_memory: Some(cap),
-                offload_copy: CopyMode::PinnedAsync,
-                ..config.clone()
-            })
-        });
-        record(format!("auto (cap {})", human_bytes(cap)), chosen);
-    }
-    Ok(runs)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -415,30 +315,5 @@ mod tests {
         let link = host_link(&d, 1 << 20, 3).unwrap();
         assert_eq!(link.len(), 4);
         assert!(link.iter().all(|b| b.gb_per_s() > 0.0), "{link:?}");
-    }
-
-    #[test]
-    fn the_offload_study_runs_every_variant_and_auto_fits_its_cap() {
-        let base = TrainConfig::new("resnet20v2", 32, 2, 4, 1);
-        let runs = offload_study(&base, &["resnet20v2".into()], 10, &HostLink::CPU).unwrap();
-        let names: Vec<&str> = runs.iter().map(|r| r.variant.as_str()).collect();
-        assert_eq!(
-            &names[..5],
-            ["baseline", "naive", "pinned", "async", "pinned-async"]
-        );
-        assert!(names[5].starts_with("auto (cap "), "{names:?}");
-        let baseline = &runs[0];
-        for r in &runs {
-            assert!(r.seconds.is_ok(), "{}: {:?}", r.variant, r.seconds);
-            if r.variant != "baseline" {
-                assert!(r.device_peak < baseline.device_peak, "{r:?}");
-                assert!(r.host_peak > 0, "{r:?}");
-            }
-        }
-        assert!(
-            runs[5].device_peak <= baseline.device_peak * 6 / 10,
-            "{:?}",
-            runs[5]
-        );
     }
 }

@@ -6,8 +6,8 @@
 use gems::backend::cpu::Cpu;
 use gems::backend::{Backend, ChannelGeom, ConvGeom, PoolGeom};
 use gems::runtime::executor::{run_local, RunConfig};
-use gems::runtime::optim::SgdConfig;
-use gems::runtime::schedule::{Decay, LrSchedule};
+use gems::optim::SgdConfig;
+use gems::optim::schedule::{Decay, LrSchedule};
 use gems::schemes::{Kind, Order, Scheme};
 use gems::tensor::Storage;
 use gems::train::{TrainConfig, Trainer};

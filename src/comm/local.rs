@@ -20,7 +20,8 @@ struct Mailbox {
 /// The shared state of all ranks of one run.
 pub struct World {
     mailboxes: Vec<Mailbox>,
-    failure: Mutex<Option<String>>,
+    /// The first rank that failed, and why.
+    failure: Mutex<Option<(usize, String)>>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -28,8 +29,31 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 }
 
 impl World {
-    fn fail(&self, why: String) {
-        lock(&self.failure).get_or_insert(why);
+    /// `ranks` ranks' shared state, and a communicator over all of them for each rank (to be
+    /// moved into that rank's thread).
+    pub fn new(ranks: usize) -> (Arc<World>, Vec<Box<dyn Comm>>) {
+        let world = Arc::new(World {
+            mailboxes: (0..ranks).map(|_| Mailbox::default()).collect(),
+            failure: Mutex::new(None),
+        });
+        let comms = (0..ranks)
+            .map(|r| {
+                Box::new(LocalComm {
+                    world: Arc::clone(&world),
+                    id: 0,
+                    members: (0..ranks).collect(),
+                    rank: r,
+                    splits: std::cell::Cell::new(0),
+                }) as Box<dyn Comm>
+            })
+            .collect();
+        (world, comms)
+    }
+
+    /// Marks the world failed by `rank` (the first failure is kept): every rank waiting for a
+    /// message returns an error instead of waiting forever.
+    pub fn fail(&self, rank: usize, why: String) {
+        lock(&self.failure).get_or_insert((rank, why));
         for m in &self.mailboxes {
             let _guard = lock(&m.queue);
             m.arrived.notify_all();
@@ -83,7 +107,7 @@ impl Comm for LocalComm {
             if let Some(m) = q.get_mut(&key).and_then(VecDeque::pop_front) {
                 return Ok(m);
             }
-            if let Some(why) = lock(&self.world.failure).clone() {
+            if let Some((_, why)) = lock(&self.world.failure).clone() {
                 return Err(Error::Comm(format!(
                     "rank {} stops waiting for rank {src}: {why}",
                     self.members[self.rank]
@@ -160,37 +184,17 @@ impl Comm for LocalComm {
 /// fails (an error or a panic), the others stop at their next wait; the error of the rank that
 /// failed first is returned.
 pub fn run<T: Send>(ranks: usize, f: impl Fn(Box<dyn Comm>) -> Result<T> + Sync) -> Result<Vec<T>> {
-    let world = Arc::new(World {
-        mailboxes: (0..ranks).map(|_| Mailbox::default()).collect(),
-        failure: Mutex::new(None),
-    });
+    let (world, comms) = World::new(ranks);
     let results: Vec<Result<T>> = std::thread::scope(|s| {
-        let handles: Vec<_> = (0..ranks)
-            .map(|r| {
+        let handles: Vec<_> = comms
+            .into_iter()
+            .enumerate()
+            .map(|(r, comm)| {
                 let (world, f) = (Arc::clone(&world), &f);
                 s.spawn(move || {
-                    let comm = LocalComm {
-                        world: Arc::clone(&world),
-                        id: 0,
-                        members: (0..ranks).collect(),
-                        rank: r,
-                        splits: std::cell::Cell::new(0),
-                    };
-                    let out = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                        f(Box::new(comm))
-                    }))
-                    .unwrap_or_else(|p| {
-                        let what = p
-                            .downcast_ref::<String>()
-                            .cloned()
-                            .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()));
-                        Err(Error::Internal(format!(
-                            "panic: {}",
-                            what.unwrap_or_default()
-                        )))
-                    });
+                    let out = catch_panic(|| f(comm));
                     if let Err(e) = &out {
-                        world.fail(format!("rank {r} failed: {e}"));
+                        world.fail(r, format!("rank {r} failed: {e}"));
                     }
                     out
                 })
@@ -204,16 +208,33 @@ pub fn run<T: Send>(ranks: usize, f: impl Fn(Box<dyn Comm>) -> Result<T> + Sync)
             })
             .collect()
     });
-    let first = lock(&world.failure).clone();
-    let mut out = Vec::with_capacity(ranks);
-    for r in results {
-        match r {
-            Ok(v) => out.push(v),
-            // Report the root cause, not the ranks that stopped because of it.
-            Err(e) => return Err(first.map(Error::Comm).unwrap_or(e)),
-        }
+    root_cause(&world, results)
+}
+
+/// `f()`, with a panic turned into an error.
+pub fn catch_panic<T>(f: impl FnOnce() -> Result<T>) -> Result<T> {
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).unwrap_or_else(|p| {
+        let what = p
+            .downcast_ref::<String>()
+            .cloned()
+            .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()));
+        Err(Error::Internal(format!(
+            "panic: {}",
+            what.unwrap_or_default()
+        )))
+    })
+}
+
+/// Every rank's result, or the error of the rank that failed first, as it raised it (not
+/// those of the ranks that stopped because of it).
+pub fn root_cause<T>(world: &World, mut results: Vec<Result<T>>) -> Result<Vec<T>> {
+    if let Some((rank, why)) = lock(&world.failure).clone() {
+        return Err(match results.get_mut(rank).map(|r| std::mem::replace(r, Err(Error::Comm(String::new())))) {
+            Some(Err(e)) => e,
+            _ => Error::Comm(why),
+        });
     }
-    Ok(out)
+    results.into_iter().collect()
 }
 
 #[cfg(test)]
@@ -265,8 +286,9 @@ mod tests {
             c.recv_message(1, 0).map(|_| ())
         })
         .unwrap_err();
+        // The failing rank's own error, typed, not the others' "stopped waiting".
         assert!(
-            err.to_string().contains("rank 1 failed: disk on fire"),
+            matches!(&err, Error::Config(m) if m == "disk on fire"),
             "{err}"
         );
         assert!(start.elapsed() < Duration::from_secs(5));

@@ -148,6 +148,73 @@ pub trait Comm: Send {
     }
 }
 
+/// Every member's `value`, in rank order, on every member: typed data (reports, states)
+/// crossing ranks as JSON, 8 bytes to a word of a message.
+pub fn all_gather<T: serde::Serialize + serde::de::DeserializeOwned>(
+    comm: &dyn Comm,
+    value: &T,
+) -> Result<Vec<T>> {
+    let tag = COLLECTIVE_TAG + 5;
+    let encode = |v: &T| -> Result<Message> {
+        let json =
+            serde_json::to_vec(v).map_err(|e| crate::Error::Internal(format!("encoding: {e}")))?;
+        let mut words = vec![json.len() as f64];
+        words.extend(json.chunks(8).map(|c| {
+            let mut b = [0u8; 8];
+            b[..c.len()].copy_from_slice(c);
+            f64::from_bits(u64::from_le_bytes(b))
+        }));
+        Ok(Message {
+            shape: Shape::new([words.len()]),
+            storage: Storage::F64(words),
+        })
+    };
+    let decode = |m: Message| -> Result<T> {
+        let bad = || crate::Error::Comm("a gathered value arrived damaged".into());
+        let Storage::F64(words) = m.storage else {
+            return Err(bad());
+        };
+        let len = *words.first().ok_or_else(bad)? as usize;
+        let bytes: Vec<u8> = words[1..]
+            .iter()
+            .flat_map(|w| w.to_bits().to_le_bytes())
+            .take(len)
+            .collect();
+        serde_json::from_slice(&bytes).map_err(|_| bad())
+    };
+    if comm.rank() == 0 {
+        let mut all = vec![decode(encode(value)?)?];
+        let mut raw = Vec::new();
+        for r in 1..comm.size() {
+            let m = comm.recv_message(r, tag)?;
+            raw.push(Message {
+                shape: m.shape.clone(),
+                storage: m.storage.try_clone()?,
+            });
+            all.push(decode(m)?);
+        }
+        for r in 1..comm.size() {
+            comm.send_message(encode(value)?, r, tag)?;
+            for m in &raw {
+                comm.send_message(
+                    Message {
+                        shape: m.shape.clone(),
+                        storage: m.storage.try_clone()?,
+                    },
+                    r,
+                    tag,
+                )?;
+            }
+        }
+        Ok(all)
+    } else {
+        comm.send_message(encode(value)?, 0, tag)?;
+        (0..comm.size())
+            .map(|_| decode(comm.recv_message(0, tag)?))
+            .collect()
+    }
+}
+
 /// Groups (color, key) pairs of all members into the members of `me`'s color, ordered by key
 /// then rank: what every transport's `split` computes.
 pub fn split_members(pairs: &[(usize, usize)], me: usize) -> Vec<usize> {

@@ -1,5 +1,6 @@
-//! Prepares a known sequence of batches ahead of the training loop on worker threads, at most
-//! `depth` batches ahead of the one the loop is waiting for, handed out in order. The loop's
+//! Prepares a sequence of batches ahead of the training loop on worker threads, at most
+//! `depth` batches ahead of the one the loop is waiting for, handed out in order. The sequence
+//! is a function of the batch's index, so an open-ended run reserves nothing per step. The loop's
 //! time blocked on data is measured, so a run reports whether its loader kept up.
 
 use std::collections::BTreeMap;
@@ -27,10 +28,14 @@ struct State {
     stop: bool,
 }
 
+/// Batch i's (first position, images), or `None` past the last batch.
+pub type Requests = Box<dyn Fn(usize) -> Option<(u64, usize)> + Send + Sync>;
+
 struct Shared {
     pipeline: Arc<Pipeline>,
-    /// (first position, images) of every batch, in the order the loop takes them.
-    requests: Vec<(u64, usize)>,
+    /// (first position, images) of batch i, in the order the loop takes them; `None` past the
+    /// last.
+    requests: Requests,
     depth: usize,
     state: Mutex<State>,
     changed: Condvar,
@@ -45,16 +50,16 @@ impl Shared {
     fn work(&self) {
         loop {
             let mut s = self.lock();
-            while !s.stop && s.claimed < self.requests.len() && s.claimed >= s.next + self.depth {
+            while !s.stop && s.claimed >= s.next + self.depth {
                 s = self.changed.wait(s).unwrap_or_else(|p| p.into_inner());
             }
-            if s.stop || s.claimed == self.requests.len() {
-                return;
-            }
             let i = s.claimed;
+            let request = (self.requests)(i);
+            let Some((first, n)) = request.filter(|_| !s.stop) else {
+                return;
+            };
             s.claimed += 1;
             drop(s);
-            let (first, n) = self.requests[i];
             let batch = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
                 self.pipeline.batch(first, n)
             }))
@@ -81,14 +86,9 @@ pub struct Loader {
 }
 
 impl Loader {
-    /// Starts `workers` threads preparing `requests` ((first position, images) per batch) of
+    /// Starts `workers` threads preparing `requests` ((first position, images) of batch i) of
     /// `pipeline`, at most `depth` batches ahead.
-    pub fn new(
-        pipeline: Arc<Pipeline>,
-        requests: Vec<(u64, usize)>,
-        workers: usize,
-        depth: usize,
-    ) -> Loader {
+    pub fn new(pipeline: Arc<Pipeline>, requests: Requests, workers: usize, depth: usize) -> Loader {
         let shared = Arc::new(Shared {
             pipeline,
             requests,
@@ -116,7 +116,7 @@ impl Loader {
         let sh = &self.shared;
         let mut s = sh.lock();
         let i = s.next;
-        if i == sh.requests.len() {
+        if (sh.requests)(i).is_none() {
             return Err(Error::Internal(
                 "the loader has handed out every batch".into(),
             ));
@@ -135,13 +135,8 @@ impl Loader {
             ..b
         })
     }
-
-    /// The first position of the batch [`Loader::next_batch`] returns next, if any is left.
-    pub fn upcoming(&self) -> Option<u64> {
-        let next = self.shared.lock().next;
-        self.shared.requests.get(next).map(|r| r.0)
-    }
 }
+
 
 impl Drop for Loader {
     fn drop(&mut self) {

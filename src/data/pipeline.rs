@@ -99,6 +99,58 @@ pub struct Dataset {
     pub skipped: Vec<(String, String)>,
 }
 
+impl Dataset {
+    /// Synthetic images of `classes` classes (see [`Synthetic`]): the training stream from
+    /// `seed`, and another seed's stream held out.
+    pub fn synthetic(image_size: usize, classes: usize, seed: u64) -> Dataset {
+        Dataset::synthetic_with(image_size, classes, seed, false)
+    }
+
+    /// [`Dataset::synthetic`], the training stream augmented with `augment`.
+    fn synthetic_with(image_size: usize, classes: usize, seed: u64, augment: bool) -> Dataset {
+        let stream = |seed| {
+            Arc::new(Stream::new(Synthetic {
+                seed,
+                classes,
+                image_size,
+            }))
+        };
+        let pipeline = |source: Arc<Stream>, training| {
+            let transform = Transform {
+                augment: augment && training,
+                normalize: false,
+            };
+            Arc::new(Pipeline::new(
+                source, image_size, transform, seed, false, training,
+            ))
+        };
+        let train = stream(seed);
+        Dataset {
+            classes: train.classes().to_vec(),
+            train: pipeline(train, true),
+            val: Some(pipeline(stream(splitmix64(seed ^ HELD_OUT_STREAM)), false)),
+            skipped: vec![],
+        }
+    }
+
+    /// All of a caller's `source` for training, as `image_size`² inputs in shuffled epochs
+    /// drawn from `seed`, normalized per channel, nothing held out.
+    pub fn from_source(source: Arc<dyn Source>, image_size: usize, seed: u64) -> Dataset {
+        let transform = Transform {
+            augment: false,
+            normalize: true,
+        };
+        Dataset {
+            classes: source.classes().to_vec(),
+            train: Arc::new(Pipeline::new(
+                source, image_size, transform, seed, false, true,
+            )),
+            val: None,
+            skipped: vec![],
+        }
+    }
+}
+
 /// Opens `c`'s source for a model of `image_size`² inputs. Synthetic data has `classes`
 /// classes; other sources name theirs.
 pub fn open(c: &DataConfig, image_size: usize, classes: usize, seed: u64) -> Result<Dataset> {
@@ -135,21 +187,7 @@ pub fn open(c: &DataConfig, image_size: usize, classes: usize, seed: u64) -> Res
     };
     let (source, skipped): (Arc<dyn Source>, Vec<(String, String)>) = match &c.source {
         SourceSpec::Synthetic => {
-            let stream = |seed| {
-                Arc::new(Stream::new(Synthetic {
-                    seed,
-                    classes,
-                    image_size,
-                }))
-            };
-            let held_out = stream(splitmix64(seed ^ HELD_OUT_STREAM));
-            let train = stream(seed);
-            return Ok(Dataset {
-                classes: train.classes().to_vec(),
-                train: pipeline(train, None, false, true)?,
-                val: Some(pipeline(held_out, None, false, false)?),
-                skipped: vec![],
-            });
+            return Ok(Dataset::synthetic_with(image_size, classes, seed, c.augment))
         }
         SourceSpec::Folder(dir) => {
             let f = Folder::open(dir, c.skip_bad)?;

@@ -82,6 +82,19 @@ impl Graph {
         &self.values[self.input].shape
     }
 
+    /// The side of the square images the model takes (its input is `[C, side, side]`).
+    pub fn image_size(&self) -> usize {
+        self.input_shape().dims().last().copied().unwrap_or(0)
+    }
+
+    /// Classes the model scores: the width of its first output.
+    pub fn classes(&self) -> usize {
+        self.outputs
+            .first()
+            .and_then(|o| self.values[o.value].shape.dims().last().copied())
+            .unwrap_or(0)
+    }
+
     /// Trainable parameters of the nodes in `nodes`.
     pub fn trainable_in(&self, nodes: std::ops::Range<usize>) -> usize {
         self.nodes[nodes]

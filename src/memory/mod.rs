@@ -45,7 +45,7 @@ impl Category {
 }
 
 /// Bytes per category.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct ByCategory(pub [u64; 6]);
 
 impl ByCategory {
@@ -97,7 +97,7 @@ struct State {
 }
 
 /// Memory statistics of one device.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct MemoryStats {
     pub capacity: Option<u64>,
     pub live: ByCategory,

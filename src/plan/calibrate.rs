@@ -214,12 +214,12 @@ pub fn calibrate(
         drop(x);
     }
     let mut params = crate::graph::Params::init(graph, device, dtype, 1)?;
-    let sgd_config = crate::runtime::optim::SgdConfig {
+    let sgd_config = crate::optim::SgdConfig {
         momentum: 0.9,
         weight_decay: 5e-4,
         nesterov: false,
     };
-    let mut sgd = crate::runtime::optim::Sgd::new(&params, device, sgd_config)?;
+    let mut sgd = crate::optim::Sgd::new(&params, device, sgd_config)?;
     let mut optimizer = Vec::new();
     for _ in 0..=repeats {
         let start = Instant::now();

@@ -11,9 +11,6 @@
 use crate::graph::policy::{Keep, SavePolicy};
 use crate::graph::{saved_bytes, Graph};
 use crate::plan::cost::NodeCosts;
-use crate::plan::memory;
-use crate::runtime::executor::{Layout, RunConfig};
-use crate::{Error, Result};
 
 /// The link between a device and its host tier.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -135,7 +132,7 @@ pub fn cost_of(
 }
 
 /// The policy of the first `k` choices.
-fn take(nodes: usize, choices: &[Choice], k: usize, prefetch: usize) -> SavePolicy {
+pub fn take(nodes: usize, choices: &[Choice], k: usize, prefetch: usize) -> SavePolicy {
     let mut p = SavePolicy::all(nodes, Keep::Device, prefetch);
     for c in &choices[..k] {
         p.nodes[c.node] = c.keep;
@@ -152,57 +149,3 @@ pub struct Chosen {
     pub bytes: u64,
 }
 
-/// The policy with the least predicted exposed time under which every rank of `c` fits
-/// `cap`: nothing moves if the run fits as it is; an error if even moving every node does not
-/// fit.
-pub fn choose(c: &RunConfig, cap: u64, link: &HostLink, prefetch: usize) -> Result<Chosen> {
-    let layout = Layout::new(c)?;
-    let g = &layout.graph;
-    let micro = c.train.batch_size / c.scheme.parts;
-    let choices = candidates(
-        g,
-        &layout.costs,
-        micro,
-        c.train.activations(),
-        link,
-        prefetch,
-    );
-    let with = |k: usize| {
-        let mut t = c.clone();
-        t.train.saves = take(g.nodes.len(), &choices, k, prefetch);
-        memory::fits(&t, cap)
-    };
-    if !with(choices.len())? {
-        let mut t = c.clone();
-        t.train.saves = take(g.nodes.len(), &choices, choices.len(), prefetch);
-        let peak = memory::per_rank(&t)?
-            .iter()
-            .map(|m| m.peak)
-            .max()
-            .unwrap_or(0);
-        return Err(Error::Config(format!(
-            "even with every saved tensor offloaded or recomputed a rank needs {}, over the {} cap: use more stages or a smaller batch",
-            crate::memory::human_bytes(peak),
-            crate::memory::human_bytes(cap)
-        )));
-    }
-    // The least k that fits.
-    let (mut lo, mut hi) = (0, choices.len());
-    if with(0)? {
-        hi = 0;
-    }
-    while hi - lo > 1 {
-        let mid = (lo + hi) / 2;
-        if with(mid)? {
-            hi = mid;
-        } else {
-            lo = mid;
-        }
-    }
-    let steps_micro = c.scheme.micro_batches_per_step() as f64;
-    Ok(Chosen {
-        policy: take(g.nodes.len(), &choices, hi, prefetch),
-        exposed: choices[..hi].iter().map(|c| c.exposed).sum::<f64>() * steps_micro,
-        bytes: choices[..hi].iter().map(|c| c.bytes).sum(),
-    })
-}

@@ -8,7 +8,8 @@ use std::fmt;
 use std::str::FromStr;
 
 use super::cost::{DeviceProfile, NodeCosts};
-use crate::runtime::executor::{Layout, RunConfig};
+use crate::graph::Graph;
+use crate::plan::{Layout, RunConfig};
 use crate::schemes::schedule::{self, StageCosts};
 use crate::{Error, Result};
 
@@ -170,14 +171,19 @@ pub fn step(c: &RunConfig, layout: &Layout, profile: &Profile, groups: usize) ->
     })
 }
 
-/// Weak scaling: the same per-group work on P, 2P, 4P, … up to `max_gpus` GPUs.
-pub fn weak_scaling(c: &RunConfig, profile: &Profile, max_gpus: usize) -> Result<Vec<Point>> {
+/// Weak scaling of `c` on `g`: the same per-group work on P, 2P, 4P, … up to `max_gpus` GPUs.
+pub fn weak_scaling(
+    g: &Graph,
+    c: &RunConfig,
+    profile: &Profile,
+    max_gpus: usize,
+) -> Result<Vec<Point>> {
     if c.scheme.dp != 1 {
         return Err(Error::Config(
             "weak scaling varies the data-parallel groups itself: leave --dp at 1".into(),
         ));
     }
-    let layout = Layout::new(c)?;
+    let layout = Layout::new(g, c)?;
     let mut points = Vec::new();
     let mut groups = 1;
     while groups * c.scheme.stages <= max_gpus {

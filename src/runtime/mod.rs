@@ -1,5 +1,12 @@
-//! Running training: the optimizer and learning-rate schedules.
+//! Running training: a [`Session`] holds a model under a scheme on its ranks and runs it one
+//! step at a time for the caller's loop; checkpoints any scheme can resume from; evaluation.
 
-pub mod executor;
-pub mod optim;
-pub mod schedule;
+pub mod checkpoint;
+pub mod evaluation;
+mod rank;
+mod session;
+
+pub use checkpoint::{Checkpoint, TrainingState};
+pub use evaluation::Evaluation;
+pub use rank::RankStep;
+pub use session::{meter, DeviceSummary, Session, StepReport};

@@ -8,13 +8,13 @@
 use super::{Order, Scheme};
 use crate::{Error, Result};
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
 pub enum Pass {
     Forward,
     Backward,
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
 pub struct Task {
     pub pass: Pass,
     pub replica: usize,
@@ -43,7 +43,7 @@ impl StageCosts {
 }
 
 /// A task with its predicted start and end.
-#[derive(Clone, Copy, Debug, PartialEq)]
+#[derive(Clone, Copy, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct Timed {
     pub task: Task,
     pub start: f64,

@@ -1,12 +1,16 @@
-//! Checkpoints in safetensors. A checkpoint holds the model's parameters and BN running
-//! statistics under their dotted (torchvision-style) names, `<bn>.num_batches_tracked`, the
-//! optimizer's momentum buffers (`optimizer.<name>.momentum_buffer`), and in its metadata the
-//! training configuration and the step. Data order and dropout masks are counter-based on
-//! (seed, step), so those two numbers are the whole random state.
+//! Checkpoints in safetensors, independent of the scheme that wrote them. A checkpoint holds
+//! the whole model's parameters and BN running statistics under their dotted
+//! (torchvision-style) names, `<bn>.num_batches_tracked`, the optimizer's momentum buffers
+//! (`optimizer.<name>.momentum_buffer`), and in its metadata the model (name, image side,
+//! classes), the training configuration, the step, the data position (images consumed in the
+//! data's epoch order) and fp16's loss scale. Data order and dropout masks are counter-based on
+//! (seed, step, position), so those numbers are the whole random state: a run written as
+//! `mast` over 2 ranks resumes as `single`, or as `mp` over 4, with the same state.
 //!
 //! Files are written atomically (a temporary file in the same folder, synced, then renamed),
-//! and a file that does not match the model — a tensor missing, reshaped, of another dtype, or
-//! cut short — is refused with a message that names the tensor.
+//! and a file that does not match the model — another model, image side or class count, a
+//! tensor missing, reshaped, of another dtype, or cut short — is refused with a message that
+//! names what differs.
 
 use std::collections::HashMap;
 use std::io::Write;
@@ -15,12 +19,25 @@ use std::path::{Path, PathBuf};
 use safetensors::tensor::{Dtype, TensorView};
 use safetensors::SafeTensors;
 
+use crate::graph::Graph;
 use crate::ops::Op;
-use crate::runtime::optim::SgdConfig;
-use crate::runtime::schedule::LrSchedule;
+use crate::optim::schedule::LrSchedule;
+use crate::optim::{LossScale, SgdConfig};
+use crate::plan::TrainConfig;
 use crate::tensor::{DType, Storage};
-use crate::train::{TrainConfig, Trainer};
 use crate::{Error, Result};
+
+/// The whole model's training state on the host, indexed like the graph's parameters.
+pub struct TrainingState {
+    pub values: Vec<Storage>,
+    /// The momentum buffer of each trainable parameter.
+    pub momentum: Vec<Option<Storage>>,
+    /// Optimizer steps done.
+    pub step: usize,
+    /// Images consumed in the data's epoch order: where the next step's first image is.
+    pub position: u64,
+    pub loss_scale: Option<LossScale>,
+}
 
 const FORMAT: &str = "gems-checkpoint-1";
 
@@ -34,31 +51,32 @@ fn safetensors_dtype(d: DType) -> Dtype {
 }
 
 /// Names of the BN nodes, whose `num_batches_tracked` the checkpoint carries.
-fn batchnorm_nodes(t: &Trainer) -> Vec<&str> {
-    t.graph
-        .nodes
+fn batchnorm_nodes(g: &Graph) -> impl Iterator<Item = &str> {
+    g.nodes
         .iter()
         .filter(|n| matches!(n.op, Op::BatchNorm(_)))
         .map(|n| n.name.as_str())
-        .collect()
 }
 
-/// The configuration and progress of `t` as text, with fp16's loss scale as it stands.
-fn metadata(t: &Trainer) -> HashMap<String, String> {
-    let (c, step) = (&t.config, t.steps_done());
+/// The model, configuration and progress as text, with fp16's loss scale as it stands.
+fn metadata(g: &Graph, c: &TrainConfig, state: &TrainingState) -> HashMap<String, String> {
     let s = &c.schedule;
-    let loss_scale = t.loss_scale.as_ref().map_or(c.loss_scale, |l| l.factor());
+    let loss_scale = state
+        .loss_scale
+        .as_ref()
+        .map_or(c.loss_scale, LossScale::factor);
     let mut meta: HashMap<String, String> = [
         ("format", FORMAT.to_string()),
-        ("model", c.model.clone()),
-        ("image_size", c.image_size.to_string()),
-        ("classes", c.classes.to_string()),
+        ("model", g.name.clone()),
+        ("image_size", g.image_size().to_string()),
+        ("classes", g.classes().to_string()),
         ("batch_size", c.batch_size.to_string()),
         ("dtype", c.dtype.name().to_string()),
         ("precision", c.precision.to_string()),
         ("loss_scale", loss_scale.to_string()),
         ("seed", c.seed.to_string()),
-        ("step", step.to_string()),
+        ("step", state.step.to_string()),
+        ("position", state.position.to_string()),
         ("lr", s.base.to_string()),
         ("schedule", s.decay.to_string()),
         ("warmup", s.warmup.to_string()),
@@ -74,7 +92,7 @@ fn metadata(t: &Trainer) -> HashMap<String, String> {
     .into_iter()
     .map(|(k, v)| (k.to_string(), v))
     .collect();
-    if let Some(l) = &t.loss_scale {
+    if let Some(l) = &state.loss_scale {
         // The whole state, so a resumed run grows and skips as the uninterrupted one would.
         let state = serde_json::to_string(l).expect("a loss scale serializes");
         meta.insert("loss_scale_state".into(), state);
@@ -82,32 +100,32 @@ fn metadata(t: &Trainer) -> HashMap<String, String> {
     meta
 }
 
-/// Writes the trainer's whole state to `path` atomically.
-pub fn save(t: &Trainer, path: &Path) -> Result<()> {
-    let dtype = safetensors_dtype(t.config.dtype);
+/// Writes `state` of a run of `c` on `g` to `path` atomically.
+pub fn save(g: &Graph, c: &TrainConfig, state: &TrainingState, path: &Path) -> Result<()> {
+    let dtype = safetensors_dtype(c.dtype);
     let mut owned: Vec<(String, Vec<usize>, Vec<u8>, Dtype)> = Vec::new();
-    for (p, v) in t.graph.params.iter().zip(&t.params.values) {
+    for (p, v) in g.params.iter().zip(&state.values) {
         owned.push((
             p.name.clone(),
-            v.shape().dims().to_vec(),
-            v.storage().to_le_bytes()?,
+            p.spec.shape.dims().to_vec(),
+            v.to_le_bytes()?,
             dtype,
         ));
     }
-    for bn in batchnorm_nodes(t) {
+    for bn in batchnorm_nodes(g) {
         owned.push((
             format!("{bn}.num_batches_tracked"),
             vec![],
-            (t.steps_done() as i64).to_le_bytes().to_vec(),
+            (state.step as i64).to_le_bytes().to_vec(),
             Dtype::I64,
         ));
     }
-    for (p, buf) in t.graph.params.iter().zip(t.sgd.buffers()) {
+    for (p, buf) in g.params.iter().zip(&state.momentum) {
         if let Some(b) = buf {
             owned.push((
                 format!("optimizer.{}.momentum_buffer", p.name),
-                b.shape().dims().to_vec(),
-                b.storage().to_le_bytes()?,
+                p.spec.shape.dims().to_vec(),
+                b.to_le_bytes()?,
                 dtype,
             ));
         }
@@ -122,7 +140,7 @@ pub fn save(t: &Trainer, path: &Path) -> Result<()> {
             ))
         })
         .collect::<Result<Vec<_>>>()?;
-    let bytes = safetensors::serialize(views, Some(metadata(t)))
+    let bytes = safetensors::serialize(views, Some(metadata(g, c, state)))
         .map_err(|e| Error::Internal(format!("serializing a checkpoint: {e}")))?;
     write_atomically(path, &bytes)
 }
@@ -215,14 +233,20 @@ impl Checkpoint {
         self.get("step")
     }
 
+    /// The model the checkpoint was written for: its name, image side and classes.
+    pub fn model(&self) -> Result<(String, usize, usize)> {
+        Ok((
+            self.get("model")?,
+            self.get("image_size")?,
+            self.get("classes")?,
+        ))
+    }
+
     /// The training configuration the checkpoint was written with (capacities, the device and
     /// the saved-tensor policy, which a resumed run chooses afresh, not included).
     pub fn config(&self) -> Result<TrainConfig> {
         let decay: String = self.get("schedule")?;
         Ok(TrainConfig {
-            model: self.get("model")?,
-            image_size: self.get("image_size")?,
-            classes: self.get("classes")?,
             batch_size: self.get("batch_size")?,
             steps: self.get("total_steps")?,
             schedule: LrSchedule {
@@ -248,7 +272,7 @@ impl Checkpoint {
             device: crate::backend::DeviceKind::Cpu,
             // Checkpoints from before mixed precision hold neither.
             precision: self.get_or("precision", crate::tensor::Precision::Fp32)?,
-            loss_scale: self.get_or("loss_scale", crate::runtime::optim::LossScale::INITIAL)?,
+            loss_scale: self.get_or("loss_scale", LossScale::INITIAL)?,
             conv: crate::backend::cuda::ConvImpl::Native,
             data: match self.meta.get("data") {
                 Some(json) => serde_json::from_str(json).map_err(|e| {
@@ -259,13 +283,25 @@ impl Checkpoint {
         })
     }
 
-    /// Loads parameters, BN statistics and optimizer state into `t`, whose model must match.
-    pub fn restore(&self, t: &mut Trainer) -> Result<()> {
-        let st = SafeTensors::deserialize(&self.bytes)
-            .map_err(|e| Error::Config(format!("{}: {e}", self.path.display())))?;
-        let dtype = t.config.dtype;
-        let want = safetensors_dtype(dtype);
+    /// The state for a run of `g` with `dtype` parameters; refuses, by name, a checkpoint of
+    /// another model, image side or class count, and any tensor that does not match.
+    pub fn state(&self, g: &Graph, dtype: DType) -> Result<TrainingState> {
         let file = self.path.display();
+        let bad = |why: String| Error::BadInput {
+            path: self.path.clone(),
+            why,
+        };
+        let (model, side, classes) = self.model()?;
+        if (model.as_str(), side, classes) != (g.name.as_str(), g.image_size(), g.classes()) {
+            return Err(bad(format!(
+                "written for {model} on {side}² images with {classes} classes, not {} on {}² with {}",
+                g.name,
+                g.image_size(),
+                g.classes()
+            )));
+        }
+        let st = SafeTensors::deserialize(&self.bytes).map_err(|e| bad(e.to_string()))?;
+        let want = safetensors_dtype(dtype);
         let read = |name: &str, shape: &[usize], dt: Dtype| -> Result<TensorView<'_>> {
             let v = st
                 .tensor(name)
@@ -285,52 +321,52 @@ impl Checkpoint {
             Ok(v)
         };
         let mut expected = std::collections::HashSet::new();
-        let mut values = Vec::with_capacity(t.graph.params.len());
-        for (p, v) in t.graph.params.iter().zip(&t.params.values) {
-            let view = read(&p.name, v.shape().dims(), want)?;
-            values.push(Storage::from_le_bytes(view.data(), dtype));
+        let mut values = Vec::with_capacity(g.params.len());
+        let mut momentum = Vec::with_capacity(g.params.len());
+        for p in &g.params {
+            let shape = p.spec.shape.dims();
+            values.push(Storage::from_le_bytes(
+                read(&p.name, shape, want)?.data(),
+                dtype,
+            ));
             expected.insert(p.name.clone());
+            momentum.push(match p.spec.trainable {
+                true => {
+                    let name = format!("optimizer.{}.momentum_buffer", p.name);
+                    let data = read(&name, shape, want)?.data();
+                    expected.insert(name);
+                    Some(Storage::from_le_bytes(data, dtype))
+                }
+                false => None,
+            });
         }
-        for bn in batchnorm_nodes(t) {
+        for bn in batchnorm_nodes(g) {
             let name = format!("{bn}.num_batches_tracked");
             read(&name, &[], Dtype::I64)?;
             expected.insert(name);
         }
-        let mut buffers = Vec::new();
-        for (p, buf) in t.graph.params.iter().zip(t.sgd.buffers()) {
-            if let Some(b) = buf {
-                let name = format!("optimizer.{}.momentum_buffer", p.name);
-                buffers.push(Storage::from_le_bytes(
-                    read(&name, b.shape().dims(), want)?.data(),
-                    dtype,
-                ));
-                expected.insert(name);
-            }
-        }
         if let Some(extra) = st.names().into_iter().find(|n| !expected.contains(*n)) {
             return Err(Error::Config(format!(
                 "checkpoint {file} has tensor '{extra}', which {} does not have",
-                t.config.model
+                g.name
             )));
         }
-        // Everything checked: now overwrite.
-        let device = t.device.clone();
-        for ((p, v), data) in t
-            .graph
-            .params
-            .iter()
-            .zip(t.params.values.iter_mut())
-            .zip(values)
-        {
-            *v = device.adopt(p.spec.shape.clone(), data, crate::Category::Weights)?;
-        }
-        t.sgd.load_buffers(&device, buffers)?;
-        if let (Some(json), Some(scale)) = (self.meta.get("loss_scale_state"), &mut t.loss_scale) {
-            *scale = serde_json::from_str(json)
-                .map_err(|e| Error::Config(format!("{file}: the loss scale's state: {e}")))?;
-        }
-        t.set_step(self.step()?);
-        Ok(())
+        let loss_scale = match self.meta.get("loss_scale_state") {
+            Some(json) => Some(
+                serde_json::from_str(json)
+                    .map_err(|e| bad(format!("the loss scale's state: {e}")))?,
+            ),
+            None => None,
+        };
+        let step = self.step()?;
+        Ok(TrainingState {
+            values,
+            momentum,
+            step,
+            // Checkpoints from before data positions were recorded trained one batch a step.
+            position: self.get_or("position", (step * self.get::<usize>("batch_size")?) as u64)?,
+            loss_scale,
+        })
     }
 }
 

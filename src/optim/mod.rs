@@ -1,6 +1,8 @@
 //! SGD with momentum, weight decay and Nesterov, as PyTorch defines it, and the dynamic loss
 //! scale that fp16 training steps it with.
 
+pub mod schedule;
+
 use crate::backend::{Device, SgdStep};
 use crate::graph::Params;
 use crate::memory::Category;

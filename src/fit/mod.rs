@@ -1,0 +1,291 @@
+//! The user's `auto` and `max` choices resolved against a capacity with exact answers: each
+//! rank's memory comes from a metered run (the real task lists on devices that allocate and do
+//! not compute), and the split, the largest batch, MAST's replicas and the offload policy are
+//! searched with it. This layer sits above the runtime, which the planner below never imports.
+
+pub mod study;
+
+use std::ops::Range;
+
+use crate::backend::cuda::ConvImpl;
+use crate::backend::{Device, DeviceKind};
+use crate::graph::Graph;
+use crate::memory::MemoryStats;
+use crate::plan::offload::{self, Chosen, HostLink};
+use crate::plan::{Layout, RunConfig};
+use crate::runtime::meter;
+use crate::schemes::Kind;
+use crate::tensor::Precision;
+use crate::{Error, Result, WhatFits};
+
+/// Each rank's memory over one step of `c` on `g` (peak and bytes by category at the peak),
+/// from a metered run: the same split, schedule, ops and transfers as a real run, without
+/// computing, and without the capacity, so that it reports what the run needs.
+pub fn per_rank(g: &Graph, c: &RunConfig) -> Result<Vec<MemoryStats>> {
+    let mut metered = c.clone();
+    if c.balance.is_none() && c.train.device_memory.is_some() {
+        // The split the capacity chose, given explicitly.
+        let layout = Layout::new(g, c)?;
+        metered.balance = Some(layout.partition.balance(&layout.graph));
+    }
+    metered.train.device_memory = None;
+    meter(g, metered)
+}
+
+/// Whether `c` keeps every rank within `cap` with the split it would run with under that
+/// capacity.
+pub fn fits(g: &Graph, c: &RunConfig, cap: u64) -> Result<bool> {
+    let mut t = c.clone();
+    t.train.device_memory = Some(cap);
+    Ok(per_rank(g, &t)?.iter().all(|m| m.peak <= cap))
+}
+
+/// The largest batch (a multiple of m, at most `limit`) with which `c` fits `cap`; 0 if none.
+pub fn largest_batch(g: &Graph, c: &RunConfig, cap: u64, limit: usize) -> Result<usize> {
+    let m = c.scheme.parts;
+    let with = |b: usize| {
+        let mut t = c.clone();
+        t.train.batch_size = b * m;
+        fits(g, &t, cap)
+    };
+    // In micro-batch sizes: grow, then bisect.
+    let (mut lo, mut hi) = (0, 1);
+    while hi * m <= limit && with(hi)? {
+        lo = hi;
+        hi *= 2;
+    }
+    hi = hi.min(limit / m + 1);
+    while hi - lo > 1 {
+        let mid = (lo + hi) / 2;
+        if with(mid)? {
+            lo = mid;
+        } else {
+            hi = mid;
+        }
+    }
+    Ok(lo * m)
+}
+
+/// MAST's replicas by memory: the overlapped pair if it fits, else the pair holding one
+/// replica's activations at a time, else one replica (MP-Basic).
+pub fn choose_replicas(g: &Graph, c: &RunConfig, cap: u64) -> Result<RunConfig> {
+    let mut pair = c.clone();
+    pair.scheme.kind = Kind::Mast;
+    pair.scheme.replicas = 2;
+    pair.max_in_flight = None;
+    if fits(g, &pair, cap)? {
+        return Ok(pair);
+    }
+    pair.max_in_flight = Some(c.scheme.parts);
+    if fits(g, &pair, cap)? {
+        return Ok(pair);
+    }
+    let mut one = c.clone();
+    one.scheme.kind = Kind::Mp;
+    one.scheme.replicas = 1;
+    Ok(one)
+}
+
+/// The fewest pipeline stages whose plan fits `cap`, the scheme becoming MP-Basic where it was
+/// single; an error naming the closest miss when even the most cut points allow do not fit.
+pub fn choose_split(g: &Graph, c: &RunConfig, cap: u64) -> Result<RunConfig> {
+    let most = most_stages(g);
+    if let Some(t) = fewest_stages(g, c, cap, 1..most + 1)? {
+        return Ok(t);
+    }
+    let mut t = with_stages(c, most);
+    t.train.device_memory = Some(cap);
+    check_fits(g, &t).map(|_| t)
+}
+
+/// The most stages `g` can be cut into.
+fn most_stages(g: &Graph) -> usize {
+    crate::plan::partition::cut_points(g).len() + 1
+}
+
+/// `c` with `p` stages (MP-Basic where it was single) and splits balanced by cost.
+fn with_stages(c: &RunConfig, p: usize) -> RunConfig {
+    let mut t = c.clone();
+    t.balance = None;
+    t.scheme.stages = p;
+    if p > 1 && t.scheme.kind == Kind::Single {
+        t.scheme.kind = Kind::Mp;
+    }
+    t
+}
+
+/// The fewest stages among `range` with which `c` fits `cap` (if any), found by doubling then
+/// bisecting: more stages never hold more per rank.
+fn fewest_stages(
+    g: &Graph,
+    c: &RunConfig,
+    cap: u64,
+    range: Range<usize>,
+) -> Result<Option<RunConfig>> {
+    if range.is_empty() {
+        return Ok(None);
+    }
+    let (mut lo, mut step) = (range.start, 1);
+    let (mut hi, mut found) = loop {
+        let p = (lo + step - 1).min(range.end - 1);
+        let t = with_stages(c, p);
+        if fits(g, &t, cap)? {
+            break (p, t);
+        }
+        if p + 1 >= range.end {
+            return Ok(None);
+        }
+        lo = p + 1;
+        step *= 2;
+    };
+    while lo < hi {
+        let mid = (lo + hi) / 2;
+        let t = with_stages(c, mid);
+        if fits(g, &t, cap)? {
+            (hi, found) = (mid, t);
+        } else {
+            lo = mid + 1;
+        }
+    }
+    Ok(Some(found))
+}
+
+/// Checks every rank's metered peak against the capacity; [`Error::DoesNotFit`] names the
+/// rank that exceeds it most, by how much, and what would fit: the largest batch with these
+/// stages, else the fewest stages with this batch.
+pub fn check_fits(g: &Graph, c: &RunConfig) -> Result<()> {
+    let Some(cap) = c.train.device_memory else {
+        return Ok(());
+    };
+    let peaks = per_rank(g, c)?;
+    let Some((rank, worst)) = peaks
+        .iter()
+        .enumerate()
+        .max_by_key(|(_, m)| m.peak)
+        .filter(|(_, m)| m.peak > cap)
+    else {
+        return Ok(());
+    };
+    let what_fits = match largest_batch(g, c, cap, c.train.batch_size)? {
+        0 => match fewest_stages(g, c, cap, c.scheme.stages + 1..most_stages(g) + 1)? {
+            Some(t) => WhatFits::Stages(t.scheme.stages),
+            None => WhatFits::Nothing,
+        },
+        b => WhatFits::Batch(b),
+    };
+    Err(Error::DoesNotFit {
+        rank,
+        needed: worst.peak,
+        capacity: cap,
+        at_peak: worst.at_peak,
+        least: crate::plan::memory::shortfall(g, c)?,
+        what_fits,
+    })
+}
+
+/// The offload policy with the least predicted exposed time under which every rank of `c`
+/// fits `cap` (`--offload auto`): nothing moves if the run fits as it is; an error if even
+/// moving every node does not fit. The candidates come from the planner's cost model; the
+/// shortest prefix of them that fits is found by bisection on metered runs.
+pub fn choose_offload(
+    g: &Graph,
+    c: &RunConfig,
+    cap: u64,
+    link: &HostLink,
+    prefetch: usize,
+) -> Result<Chosen> {
+    let layout = Layout::new(g, c)?;
+    let choices = offload::candidates(
+        g,
+        &layout.costs,
+        c.micro_batch(),
+        c.train.activations(),
+        link,
+        prefetch,
+    );
+    let policy = |k: usize| offload::take(g.nodes.len(), &choices, k, prefetch);
+    let with = |k: usize| {
+        let mut t = c.clone();
+        t.train.saves = policy(k);
+        fits(g, &t, cap)
+    };
+    if !with(choices.len())? {
+        let mut t = c.clone();
+        t.train.saves = policy(choices.len());
+        let peak = per_rank(g, &t)?.iter().map(|m| m.peak).max().unwrap_or(0);
+        return Err(Error::Config(format!(
+            "even with every saved tensor offloaded or recomputed a rank needs {}, over the {} cap: use more stages or a smaller batch",
+            crate::memory::human_bytes(peak),
+            crate::memory::human_bytes(cap)
+        )));
+    }
+    // The least k that fits.
+    let (mut lo, mut hi) = (0, choices.len());
+    if with(0)? {
+        hi = 0;
+    }
+    while hi - lo > 1 {
+        let mid = (lo + hi) / 2;
+        if with(mid)? {
+            hi = mid;
+        } else {
+            lo = mid;
+        }
+    }
+    let steps_micro = c.scheme.micro_batches_per_step() as f64;
+    Ok(Chosen {
+        policy: policy(hi),
+        exposed: choices[..hi].iter().map(|c| c.exposed).sum::<f64>() * steps_micro,
+        bytes: choices[..hi].iter().map(|c| c.bytes).sum(),
+    })
+}
+
+/// The host link of a device as measured copies show it: on a GPU the slowest pinned copy
+/// direction (copies overlap compute), on the CPU the model's memory copies.
+pub fn link_model(kind: DeviceKind, measured: &[crate::bench::Bandwidth]) -> HostLink {
+    match kind {
+        DeviceKind::Cpu => HostLink::CPU,
+        DeviceKind::Cuda { .. } => HostLink {
+            bytes_per_s: measured
+                .iter()
+                .filter(|b| b.kernel.ends_with("pinned"))
+                .map(|b| b.gb_per_s() * 1e9)
+                .fold(f64::INFINITY, f64::min),
+            overlaps: true,
+        },
+    }
+}
+
+/// The host link offload is planned with: measured on a GPU (64 MiB copies), the CPU's model
+/// otherwise.
+pub fn host_link(kind: DeviceKind, precision: Precision) -> Result<HostLink> {
+    if kind == DeviceKind::Cpu {
+        return Ok(HostLink::CPU);
+    }
+    // Copies only: the convolution path does not matter.
+    let device = Device::open(
+        kind,
+        precision,
+        ConvImpl::Native,
+        &kind.to_string(),
+        0,
+        None,
+    )?;
+    Ok(link_model(
+        kind,
+        &crate::bench::host_link(&device, 64 << 20, 3)?,
+    ))
+}
+
+/// The capacity a run's choices are made against: the configured device memory, or on a GPU
+/// what the device would offer; `None` on the CPU without a cap.
+pub fn capacity(c: &RunConfig) -> Option<u64> {
+    match (c.train.device_memory, c.train.device) {
+        (Some(cap), _) => Some(cap),
+        (None, DeviceKind::Cuda { ordinal }) => crate::backend::cuda::devices()
+            .ok()
+            .and_then(|g| g.into_iter().find(|g| g.ordinal == ordinal))
+            .map(|g| crate::backend::cuda::capacity(g.free_memory, None)),
+        (None, DeviceKind::Cpu) => None,
+    }
+}

@@ -1,0 +1,143 @@
+//! What a run is: how to train (the optimizer, numerics, memory caps, where saved tensors wait,
+//! the data's settings) and how to spread it (the scheme and its split). The model is not part
+//! of it: every planner and runtime entry point takes the [`Graph`](crate::graph::Graph) too.
+
+use std::sync::Arc;
+
+use crate::backend::cuda::ConvImpl;
+use crate::backend::{CopyMode, DeviceKind};
+use crate::data::DataConfig;
+use crate::graph::policy::SavePolicy;
+use crate::optim::schedule::{Decay, LrSchedule};
+use crate::optim::{LossScale, SgdConfig};
+use crate::plan::calibrate::Calibration;
+use crate::schemes::Scheme;
+use crate::tensor::{DType, Precision};
+
+/// How to train, whatever the model and the scheme.
+#[derive(Clone, Debug)]
+pub struct TrainConfig {
+    /// Images per replica pass (B).
+    pub batch_size: usize,
+    /// Steps the learning-rate schedule spans (and the loader prepares ahead for).
+    pub steps: usize,
+    pub schedule: LrSchedule,
+    pub sgd: SgdConfig,
+    pub seed: u64,
+    /// The parameters' dtype (f32 or f64); `precision` sets the activations'.
+    pub dtype: DType,
+    /// Device capacity in bytes (`None`: unlimited; emulated on the CPU).
+    pub device_memory: Option<u64>,
+    /// Capacity of the host tier that offloaded activations wait in (`None`: unlimited).
+    pub host_memory: Option<u64>,
+    /// How offloaded activations travel to the host tier and back.
+    pub offload_copy: CopyMode,
+    /// Where each node's saved tensors wait for backward.
+    pub saves: SavePolicy,
+    /// The loader's settings, and the source a command line names (recorded in checkpoints).
+    pub data: DataConfig,
+    /// What computes (rank r of a spread run on a GPU takes the r-th GPU from there on).
+    pub device: DeviceKind,
+    /// What activations are stored in and how products are computed (mixed precision).
+    pub precision: Precision,
+    /// Which kernels run convolutions on a GPU.
+    pub conv: ConvImpl,
+    /// fp16's first dynamic loss scale.
+    pub loss_scale: f64,
+}
+
+impl TrainConfig {
+    /// `batch_size` images per step for `steps` steps; SGD with momentum 0.9 and weight decay
+    /// 5e-4 at a constant 0.05; seed 0, f32 on the CPU, no capacity, synthetic data. Change
+    /// the fields for anything else.
+    pub fn new(batch_size: usize, steps: usize) -> TrainConfig {
+        TrainConfig {
+            batch_size,
+            steps,
+            schedule: LrSchedule {
+                base: 0.05,
+                decay: Decay::Constant,
+                warmup: 0,
+                total: steps,
+            },
+            sgd: SgdConfig {
+                momentum: 0.9,
+                weight_decay: 5e-4,
+                nesterov: false,
+            },
+            seed: 0,
+            dtype: DType::F32,
+            device_memory: None,
+            host_memory: None,
+            offload_copy: CopyMode::default(),
+            saves: SavePolicy::keep_all(),
+            data: DataConfig::default(),
+            device: DeviceKind::Cpu,
+            precision: Precision::Fp32,
+            conv: ConvImpl::Native,
+            loss_scale: LossScale::INITIAL,
+        }
+    }
+
+    /// The dtype of activations and their gradients (`dtype` is the parameters').
+    pub fn activations(&self) -> DType {
+        self.precision.activations(self.dtype)
+    }
+
+    /// The numbers a run computes with, for headers: `f32`, `f32 (tf32 products)`, or the
+    /// activations' and the weights' types.
+    pub fn numerics(&self) -> String {
+        let weights = self.dtype.name();
+        match self.precision {
+            Precision::Fp32 => weights.to_string(),
+            Precision::Tf32 => format!("{weights} (tf32 products)"),
+            Precision::Bf16 => format!("bf16 activations, {weights} weights"),
+            Precision::Fp16 => format!(
+                "f16 activations (loss scale from {}), {weights} weights",
+                self.loss_scale
+            ),
+        }
+    }
+}
+
+/// A run: what to train, and how to spread it.
+#[derive(Clone, Debug)]
+pub struct RunConfig {
+    /// `batch_size` is B: images per replica pass.
+    pub train: TrainConfig,
+    pub scheme: Scheme,
+    /// Segments per stage; when absent, balanced by predicted cost among the splits that fit
+    /// `train.device_memory`.
+    pub balance: Option<Vec<usize>>,
+    /// Forward passes whose activations a rank may hold at once (`None`: no bound).
+    pub max_in_flight: Option<usize>,
+    /// Allocate everything, compute nothing: predicts each rank's memory exactly.
+    pub metered: bool,
+    /// Measured node costs to balance and schedule with (the analytical CPU model otherwise).
+    pub calibration: Option<Arc<Calibration>>,
+}
+
+impl RunConfig {
+    /// `train` spread by `scheme`: split balanced by cost, no bound on activations held, a
+    /// real (not metered) run without calibration.
+    pub fn new(train: TrainConfig, scheme: Scheme) -> RunConfig {
+        RunConfig {
+            train,
+            scheme,
+            balance: None,
+            max_in_flight: None,
+            metered: false,
+            calibration: None,
+        }
+    }
+
+    /// Images of one micro-batch (B/m).
+    pub fn micro_batch(&self) -> usize {
+        self.train.batch_size / self.scheme.parts
+    }
+
+    /// Images one step trains on: η·B·D.
+    pub fn images_per_step(&self) -> usize {
+        self.scheme.replicas * self.train.batch_size * self.scheme.dp
+    }
+}

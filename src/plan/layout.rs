@@ -1,0 +1,147 @@
+//! Everything the ranks of a run agree on: the graph, its stages, the values crossing each
+//! boundary, and the schedule. The same layout drives the real run, the metered run and the
+//! simulator, so prediction and measurement are always comparable.
+
+use std::sync::Arc;
+
+use crate::graph::{Graph, Output, ValueId};
+use crate::plan::config::RunConfig;
+use crate::plan::cost::{DeviceProfile, NodeCosts};
+use crate::plan::partition::{self, Partition};
+use crate::schemes::schedule::{self, Schedule};
+use crate::tensor::DType;
+use crate::{Error, Result};
+
+/// A graph split into stages and scheduled.
+pub struct Layout {
+    pub graph: Arc<Graph>,
+    pub partition: Partition,
+    /// Values entering each stage (the boundary before it), in a fixed order.
+    pub inputs: Vec<Vec<ValueId>>,
+    /// Values leaving each stage for the next.
+    pub outputs: Vec<Vec<ValueId>>,
+    /// Loss outputs each stage produces.
+    pub losses: Vec<Vec<Output>>,
+    /// What each node costs: measured (a calibration) or predicted (the analytical CPU model).
+    pub costs: NodeCosts,
+    /// Seconds of one optimizer step over the whole model (0 without a calibration).
+    pub optimizer: f64,
+    pub schedule: Schedule,
+}
+
+impl Layout {
+    /// `c` on `graph`: checks the configuration, splits the graph (as `c.balance` says, else
+    /// balanced by cost among the splits that fit the capacity) and builds the schedule.
+    pub fn new(graph: &Graph, c: &RunConfig) -> Result<Layout> {
+        Layout::on(Arc::new(graph.clone()), c)
+    }
+
+    /// [`Layout::new`] on a graph already shared.
+    pub fn on(graph: Arc<Graph>, c: &RunConfig) -> Result<Layout> {
+        let t = &c.train;
+        c.scheme.validate(t.batch_size)?;
+        t.precision.check(t.dtype).map_err(Error::Config)?;
+        let micro = c.micro_batch();
+        let costs = match &c.calibration {
+            Some(cal) => {
+                cal.check(
+                    &graph.name,
+                    graph.image_size(),
+                    graph.classes(),
+                    micro,
+                    t.activations(),
+                )?;
+                cal.costs()
+            }
+            None => NodeCosts::analytic(&graph, micro, t.activations(), &DeviceProfile::CPU),
+        };
+        let partition = match &c.balance {
+            Some(b) if b.len() != c.scheme.stages => {
+                return Err(Error::Config(format!(
+                    "the balance lists {} stages but the scheme has {}",
+                    b.len(),
+                    c.scheme.stages
+                )))
+            }
+            Some(b) => partition::from_balance(&graph, b)?,
+            None => crate::plan::memory::split(c, &graph, &costs)?,
+        };
+        let stages = &partition.stages;
+        let inputs = stages
+            .iter()
+            .map(|r| partition::crossing(&graph, r.start))
+            .collect();
+        let outputs = stages
+            .iter()
+            .enumerate()
+            .map(|(s, r)| {
+                if s + 1 < stages.len() {
+                    partition::crossing(&graph, r.end)
+                } else {
+                    vec![]
+                }
+            })
+            .collect();
+        let losses = stages
+            .iter()
+            .map(|r| {
+                graph
+                    .outputs
+                    .iter()
+                    .filter(|o| {
+                        graph.values[o.value]
+                            .producer
+                            .is_some_and(|p| r.contains(&p))
+                    })
+                    .copied()
+                    .collect()
+            })
+            .collect();
+        let schedule = schedule::build(&c.scheme, &costs.stage_costs(stages), c.max_in_flight)?;
+        Ok(Layout {
+            graph,
+            partition,
+            inputs,
+            outputs,
+            losses,
+            costs,
+            optimizer: c.calibration.as_ref().map_or(0.0, |cal| cal.optimizer),
+            schedule,
+        })
+    }
+
+    /// Predicted seconds of a step: the schedule, then the optimizer. When the ranks share one
+    /// device (threads on one CPU), they also share its throughput: the step lasts at least as
+    /// long as all their work done one after another.
+    pub fn predicted_step(&self, shared_device: bool) -> f64 {
+        let busy = self.schedule.busy();
+        if shared_device {
+            self.schedule.makespan().max(busy.iter().sum()) + self.optimizer
+        } else {
+            let total: usize = self.graph.params.len().max(1);
+            let most = (0..self.partition.stages.len())
+                .map(|s| self.param_ids(s).len())
+                .max()
+                .unwrap_or(0);
+            self.schedule.makespan() + self.optimizer * most as f64 / total as f64
+        }
+    }
+
+    /// Bytes each stage saves for backward per micro-batch of `micro` images.
+    pub fn saved_per_micro_batch(&self, dtype: DType, micro: usize) -> Vec<u64> {
+        self.partition
+            .stages
+            .iter()
+            .map(|r| crate::graph::saved_bytes(&self.graph, r.clone(), dtype) * micro as u64)
+            .collect()
+    }
+
+    /// The param ids of stage `s`'s nodes.
+    pub fn param_ids(&self, s: usize) -> std::ops::Range<usize> {
+        let r = &self.partition.stages[s];
+        let nodes = &self.graph.nodes[r.clone()];
+        let first = nodes.first().map_or(0, |n| n.params.start);
+        let last = nodes.last().map_or(first, |n| n.params.end);
+        first..last
+    }
+}

@@ -1,0 +1,110 @@
+//! Evaluation on held-out samples: forward only, BN in eval mode, no dropout; the loss and a
+//! confusion matrix of the first output used outside training.
+
+use crate::backend::Device;
+use crate::data::Pipeline;
+use crate::graph::{Graph, ValueId};
+use crate::ops::loss;
+use crate::tensor::Tensor;
+use crate::{Error, Result};
+
+/// Loss, accuracy and confusion counts over held-out samples.
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct Evaluation {
+    pub samples: usize,
+    pub loss: f64,
+    pub accuracy: f64,
+    pub classes: Vec<String>,
+    /// `confusion[true][predicted]` counts.
+    pub confusion: Vec<Vec<usize>>,
+}
+
+impl Evaluation {
+    /// Samples of each true class.
+    pub fn per_class(&self) -> Vec<usize> {
+        self.confusion.iter().map(|row| row.iter().sum()).collect()
+    }
+}
+
+/// An evaluation's running totals: the loss summed over samples, and the confusion counts.
+pub(crate) struct Tally {
+    pub loss: f64,
+    pub confusion: Vec<Vec<usize>>,
+}
+
+impl Tally {
+    pub fn new(classes: usize) -> Tally {
+        Tally {
+            loss: 0.0,
+            confusion: vec![vec![0; classes]; classes],
+        }
+    }
+
+    /// Scores one batch's logits against its labels.
+    pub fn add(&mut self, device: &Device, logits: &Tensor, labels: &[u32]) -> Result<()> {
+        let (l, probs) = loss::softmax_cross_entropy(device, logits, labels)?;
+        self.loss += l * labels.len() as f64;
+        for (&t, p) in labels.iter().zip(loss::predictions(&probs)?) {
+            self.confusion[t as usize][p as usize] += 1;
+        }
+        Ok(())
+    }
+
+    /// The loss, then the counts row by row: what ranks sum.
+    pub fn to_vec(&self) -> Vec<f64> {
+        let counts = self.confusion.iter().flatten().map(|&n| n as f64);
+        std::iter::once(self.loss).chain(counts).collect()
+    }
+
+    pub fn from_vec(v: &[f64], classes: usize) -> Tally {
+        Tally {
+            loss: v[0],
+            confusion: v[1..]
+                .chunks(classes)
+                .map(|row| row.iter().map(|&n| n as usize).collect())
+                .collect(),
+        }
+    }
+
+    /// The evaluation over the samples scored: their count comes from the tally, so a batch
+    /// scored twice or not at all shows.
+    pub fn finish(self, classes: &[String]) -> Evaluation {
+        let samples: usize = self.confusion.iter().flatten().sum();
+        let correct: usize = (0..classes.len()).map(|c| self.confusion[c][c]).sum();
+        let n = samples.max(1) as f64;
+        Evaluation {
+            samples,
+            loss: self.loss / n,
+            accuracy: correct as f64 / n,
+            classes: classes.to_vec(),
+            confusion: self.confusion,
+        }
+    }
+}
+
+/// Samples an evaluation of `data` covers: `samples` of them (default: all), or an error for an
+/// endless stream without a count.
+pub(crate) fn held_out_samples(data: &Pipeline, samples: Option<usize>) -> Result<usize> {
+    let samples = match (samples, data.samples()) {
+        (Some(n), Some(len)) => n.min(len),
+        (Some(n), None) | (None, Some(n)) => n,
+        (None, None) => {
+            return Err(Error::Config(
+                "say how many samples to evaluate of an endless stream".into(),
+            ))
+        }
+    };
+    if samples == 0 {
+        return Err(Error::Config("evaluation needs at least one sample".into()));
+    }
+    Ok(samples)
+}
+
+/// The output evaluation scores: the first one used outside training.
+pub(crate) fn evaluated_output(g: &Graph) -> Result<ValueId> {
+    g.outputs
+        .iter()
+        .find(|o| !o.training_only)
+        .map(|o| o.value)
+        .ok_or_else(|| Error::Config(format!("{} has no output to evaluate", g.name)))
+}

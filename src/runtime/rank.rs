@@ -1,0 +1,841 @@
+//! One rank of a run: it executes its task list from the schedule on its own device, sends
+//! boundary activations downstream and their gradients upstream, then sums the gradients of
+//! each stage over the ranks that hold a copy of it, commits BN statistics in the reference
+//! order, and steps the optimizer. Every copy of a stage ends a step with the same bits.
+//!
+//! The reference for every scheme is `single` with the same micro-batches: a step processes
+//! M = D·η·m micro-batches of B/m images, numbered (group, replica, micro-batch); micro-batch g
+//! of a step holds the images from the step's data position + g·(B/m) onward, each
+//! micro-batch's loss counts 1/M, and BN statistics are committed in g order.
+//!
+//! A single-device run is the one-rank case. Ranks are driven one call at a time by a
+//! [`Session`](super::Session); each call is collective: every rank of the world makes it.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Instant;
+
+use crate::backend::cpu::splitmix64;
+use crate::backend::meter::ConvWorkspace;
+use crate::backend::Device;
+use crate::comm::{Comm, Message};
+use crate::data::loader::Loader;
+use crate::data::Pipeline;
+use crate::graph::{self, Params, RunningUpdate, Tape, ValueId};
+use crate::memory::{Category, MemoryStats};
+use crate::ops::{batched, loss};
+use crate::optim::{LossScale, Sgd};
+use crate::plan::{Layout, RunConfig};
+use crate::runtime::checkpoint::TrainingState;
+use crate::runtime::evaluation::{evaluated_output, Evaluation, Tally};
+use crate::schemes::schedule::{self, Pass, Task, Timed};
+use crate::schemes::Scheme;
+use crate::tensor::{Shape, Storage, Tensor};
+use crate::{Error, Result};
+
+/// One copy of a stage's parameters on a rank: even replicas use orientation 0, odd ones 1.
+struct Copy {
+    stage: usize,
+    orientation: usize,
+    params: Params,
+    sgd: Sgd,
+    /// Batch statistics gathered this step, by global micro-batch.
+    running: Vec<(usize, RunningUpdate)>,
+}
+
+/// A finished forward waiting for its backward.
+struct Pending {
+    tape: Tape,
+    seeds: Vec<(ValueId, Tensor)>,
+}
+
+/// What one rank did in one step.
+#[derive(Clone, Debug, Default, serde::Serialize, serde::Deserialize)]
+pub struct RankStep {
+    pub rank: usize,
+    /// This rank's share of the step's loss (Σ weight·loss / M over its loss outputs).
+    pub loss: f64,
+    /// Correct predictions of the first output, and images it scored, on this rank.
+    pub correct: usize,
+    pub scored: usize,
+    /// Wall seconds of the step on this rank, and of them computing (forward, backward, loss,
+    /// optimizer).
+    pub seconds: f64,
+    pub busy: f64,
+    /// Seconds stage-0 tasks waited for their images.
+    pub data_wait: f64,
+    /// fp16's loss scale the step's gradients carried, and whether they overflowed it (on any
+    /// rank), so the step was skipped.
+    pub loss_scale: Option<f64>,
+    pub skipped: bool,
+    /// The device's memory: the peak so far, and bytes by category.
+    pub memory: MemoryStats,
+    /// The host tier's high-water mark (offloaded activations).
+    pub host_peak: u64,
+    /// The step's tasks with their measured start and end (seconds from the step's start).
+    pub timeline: Vec<Timed>,
+}
+
+pub(crate) struct Rank {
+    c: Arc<RunConfig>,
+    layout: Arc<Layout>,
+    comm: Box<dyn Comm>,
+    /// The ranks holding copies of this rank's stages (its MAST pair, across groups).
+    holders: Box<dyn Comm>,
+    device: Device,
+    group: usize,
+    local: usize,
+    copies: Vec<Copy>,
+    /// The training data, where this rank makes images (stage 0) or scores a loss.
+    data: Option<Arc<Pipeline>>,
+    /// Prepares this rank's stage-0 micro-batches in the order its tasks take them.
+    loader: Option<Loader>,
+    pending: HashMap<(usize, usize), Pending>,
+    /// fp16's dynamic loss scale (the same on every rank: they skip steps together).
+    loss_scale: Option<LossScale>,
+    /// Steps done, and the position in the data's epoch order of the next step's first image.
+    step: usize,
+    position: u64,
+    /// The step being run.
+    current: RankStep,
+}
+
+/// Tag of value `vi` of (pass, replica, stage, micro).
+fn tag(
+    s: &Scheme,
+    pass: Pass,
+    replica: usize,
+    stage: usize,
+    micro: usize,
+    vi: usize,
+) -> Result<u64> {
+    let p = matches!(pass, Pass::Backward) as usize;
+    let t = ((((p * s.replicas + replica) * s.stages + stage) * s.parts + micro) * 8 + vi) as u64;
+    if t >= crate::comm::COLLECTIVE_TAG {
+        return Err(Error::Config(format!(
+            "{} replicas × {} stages × {} micro-batches are too many to tag messages",
+            s.replicas, s.stages, s.parts
+        )));
+    }
+    Ok(t)
+}
+
+fn empty() -> Message {
+    Message {
+        shape: Shape::new([0]),
+        storage: Storage::F32(vec![]),
+    }
+}
+
+/// Tag of the messages that gather a checkpoint's tensors at world rank 0.
+const STATE_TAG: u64 = crate::comm::COLLECTIVE_TAG + 48;
+
+impl Rank {
+    /// This process's or thread's rank of `comm`, with `data` where it makes images or scores
+    /// a loss (a metered run reads nothing).
+    pub fn new(
+        c: Arc<RunConfig>,
+        layout: Arc<Layout>,
+        comm: Box<dyn Comm>,
+        data: Option<Arc<Pipeline>>,
+    ) -> Result<Rank> {
+        let s = c.scheme;
+        if comm.size() != s.world() {
+            return Err(Error::Config(format!(
+                "the world has {} ranks but the scheme needs P·D = {}·{} = {}",
+                comm.size(),
+                s.stages,
+                s.dp,
+                s.world()
+            )));
+        }
+        let (group, local) = (comm.rank() / s.stages, comm.rank() % s.stages);
+        let name = format!("rank {}", comm.rank());
+        let device = if c.metered {
+            Device::meter(
+                &name,
+                c.train.device_memory,
+                ConvWorkspace::of(c.train.device),
+            )
+        } else {
+            Device::open(
+                c.train.device,
+                c.train.precision,
+                c.train.conv,
+                &name,
+                comm.rank(),
+                c.train.device_memory,
+            )?
+        }
+        .with_host_tier(c.train.host_memory, c.train.offload_copy)?;
+        let color = if s.replicas >= 2 {
+            local.min(s.stages - 1 - local)
+        } else {
+            local
+        };
+        let holders = comm.split(color, comm.rank())?;
+        let mut copies = Vec::new();
+        for orientation in 0..s.replicas.min(2) {
+            let stage = s.place(orientation, local);
+            let params = Params::init_range(
+                &layout.graph,
+                &device,
+                c.train.dtype,
+                c.train.seed,
+                layout.param_ids(stage),
+            )?;
+            let sgd = Sgd::new(&params, &device, c.train.sgd)?;
+            copies.push(Copy {
+                stage,
+                orientation,
+                params,
+                sgd,
+                running: Vec::new(),
+            });
+        }
+        // Only ranks that make images or score losses read data (never a metered run).
+        let tasks = &layout.schedule.ranks[local];
+        let reads = tasks.iter().any(|t| {
+            (t.task.pass == Pass::Forward && t.task.stage == 0)
+                || !layout.losses[t.task.stage].is_empty()
+        });
+        let data = data.filter(|_| reads && !c.metered);
+        if reads && !c.metered && data.is_none() {
+            return Err(Error::Config(format!(
+                "rank {} makes images or scores losses but was given no data",
+                comm.rank()
+            )));
+        }
+        let loss_scale = c
+            .train
+            .precision
+            .scales_loss()
+            .then(|| LossScale::new(c.train.loss_scale));
+        Ok(Rank {
+            c,
+            layout,
+            comm,
+            holders,
+            device,
+            group,
+            local,
+            copies,
+            data,
+            loader: None,
+            pending: HashMap::new(),
+            loss_scale,
+            step: 0,
+            position: 0,
+            current: RankStep::default(),
+        })
+    }
+
+    pub fn rank(&self) -> usize {
+        self.comm.rank()
+    }
+
+    pub fn comm(&self) -> &dyn Comm {
+        &*self.comm
+    }
+
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+
+    fn world_rank(&self, replica: usize, stage: usize) -> usize {
+        self.group * self.c.scheme.stages + self.c.scheme.place(replica, stage)
+    }
+
+    fn micro_size(&self) -> usize {
+        self.c.micro_batch()
+    }
+
+    /// Position (in the data's epoch order) of the first image of global micro-batch `gm` of
+    /// the step being run: consecutive micro-batches take consecutive runs of positions, so
+    /// the groups of a data-parallel run share out each epoch's samples, each used once.
+    fn first_image(&self, gm: usize) -> u64 {
+        self.position + (gm * self.micro_size()) as u64
+    }
+
+    /// The loader of this rank's stage-0 micro-batches from the current step on, open-ended:
+    /// request i is the (i mod k)-th of the k stage-0 tasks of step i / k from now.
+    fn start_loader(&self) -> Option<Loader> {
+        let data = self.data.as_ref()?;
+        let s = self.c.scheme;
+        let group = self.group;
+        let firsts: Vec<usize> = self.layout.schedule.ranks[self.local]
+            .iter()
+            .filter(|t| t.task.pass == Pass::Forward && t.task.stage == 0)
+            .map(|t| s.global_micro(group, t.task.replica, t.task.micro))
+            .collect();
+        if firsts.is_empty() {
+            return None;
+        }
+        let (mb, per_step, start) = (
+            self.micro_size() as u64,
+            (s.micro_batches_per_step() * self.micro_size()) as u64,
+            self.position,
+        );
+        let requests = move |i: usize| {
+            let (step, k) = ((i / firsts.len()) as u64, firsts[i % firsts.len()] as u64);
+            Some((start + step * per_step + k * mb, mb as usize))
+        };
+        let d = &self.c.train.data;
+        Some(Loader::new(
+            data.clone(),
+            Box::new(requests),
+            d.workers,
+            d.prefetch,
+        ))
+    }
+
+    /// Runs one step: this rank's tasks, then the gradient sums and the optimizer.
+    pub fn step(&mut self) -> Result<RankStep> {
+        self.current = RankStep {
+            rank: self.rank(),
+            loss_scale: self.loss_scale.as_ref().map(LossScale::factor),
+            ..RankStep::default()
+        };
+        if self.loader.is_none() {
+            self.loader = self.start_loader();
+        }
+        let tasks: Vec<Task> = self.layout.schedule.ranks[self.local]
+            .iter()
+            .map(|t| t.task)
+            .collect();
+        let step_start = Instant::now();
+        let mut timeline = Vec::with_capacity(tasks.len());
+        for t in tasks {
+            let computing = match t.pass {
+                Pass::Forward => self.forward(t)?,
+                Pass::Backward => self.backward(t)?,
+            };
+            timeline.push(Timed {
+                task: t,
+                start: (computing - step_start).as_secs_f64(),
+                end: step_start.elapsed().as_secs_f64(),
+            });
+        }
+        self.synchronize()?;
+        self.step += 1;
+        self.position += (self.c.images_per_step()) as u64;
+        let mut done = std::mem::take(&mut self.current);
+        done.seconds = step_start.elapsed().as_secs_f64();
+        done.memory = self.device.memory();
+        done.host_peak = self.device.host_memory().peak;
+        done.timeline = timeline;
+        Ok(done)
+    }
+
+    pub fn loss_scale(&self) -> Option<&LossScale> {
+        self.loss_scale.as_ref()
+    }
+
+    /// Every copy's parameters as (orientation, param id, values), orientation 0 first.
+    pub fn parameters(&self) -> Result<Vec<(usize, usize, Vec<f64>)>> {
+        let mut out = Vec::new();
+        for copy in &self.copies {
+            for (i, v) in copy.params.values.iter().enumerate() {
+                out.push((copy.orientation, copy.params.first + i, v.to_f64_vec()?));
+            }
+        }
+        Ok(out)
+    }
+
+    /// The whole model's state at world rank 0 (`None` on the others): each stage's values and
+    /// momentum buffers from the rank of data-parallel group 0 that holds its orientation-0
+    /// copy, the progress and the loss scale. Collective.
+    pub fn gather_state(&self) -> Result<Option<TrainingState>> {
+        let s = self.c.scheme;
+        let host = |t: &Tensor| -> Result<Message> {
+            Ok(Message {
+                shape: t.shape().clone(),
+                storage: t.storage().to_host()?,
+            })
+        };
+        let n = self.layout.graph.params.len();
+        let mut values: Vec<Option<Message>> = (0..n).map(|_| None).collect();
+        let mut momentum: Vec<Option<Message>> = (0..n).map(|_| None).collect();
+        let mine = self.copies.iter().find(|c| c.orientation == 0);
+        if self.group == 0 {
+            let copy = mine.ok_or_else(|| Error::Internal("no orientation-0 copy".into()))?;
+            for (i, v) in copy.params.values.iter().enumerate() {
+                let id = copy.params.first + i;
+                let buffer = copy.sgd.buffers()[i].as_ref().map(host).transpose()?;
+                if self.rank() == 0 {
+                    values[id] = Some(host(v)?);
+                    momentum[id] = buffer;
+                } else {
+                    self.comm.send_message(host(v)?, 0, STATE_TAG)?;
+                    if let Some(b) = buffer {
+                        self.comm.send_message(b, 0, STATE_TAG)?;
+                    }
+                }
+            }
+        }
+        if self.rank() != 0 {
+            return Ok(None);
+        }
+        for stage in 1..s.stages {
+            let from = s.place(0, stage);
+            for id in self.layout.param_ids(stage) {
+                values[id] = Some(self.comm.recv_message(from, STATE_TAG)?);
+                if self.layout.graph.params[id].spec.trainable {
+                    momentum[id] = Some(self.comm.recv_message(from, STATE_TAG)?);
+                }
+            }
+        }
+        let values = values
+            .into_iter()
+            .map(|m| m.map(|m| m.storage))
+            .collect::<Option<Vec<_>>>()
+            .ok_or_else(|| Error::Internal("a parameter no rank holds".into()))?;
+        Ok(Some(TrainingState {
+            values,
+            momentum: momentum.into_iter().map(|m| m.map(|m| m.storage)).collect(),
+            step: self.step,
+            position: self.position,
+            loss_scale: self.loss_scale.clone(),
+        }))
+    }
+
+    /// Takes up `state`: each copy's values and momentum buffers, the progress and the loss
+    /// scale. Not collective.
+    pub fn load_state(&mut self, state: &TrainingState) -> Result<()> {
+        let g = &self.layout.graph;
+        for copy in &mut self.copies {
+            let ids = copy.params.first..copy.params.first + copy.params.values.len();
+            for (v, id) in copy.params.values.iter_mut().zip(ids.clone()) {
+                let data = state.values[id].try_clone()?;
+                *v = self
+                    .device
+                    .adopt(g.params[id].spec.shape.clone(), data, Category::Weights)?;
+            }
+            let buffers = ids
+                .filter_map(|id| state.momentum[id].as_ref().map(Storage::try_clone))
+                .collect::<Result<Vec<_>>>()?;
+            copy.sgd.load_buffers(&self.device, buffers)?;
+        }
+        (self.step, self.position) = (state.step, state.position);
+        if let (Some(mine), Some(theirs)) = (&mut self.loss_scale, &state.loss_scale) {
+            *mine = theirs.clone();
+        }
+        // The data continue from the new position.
+        self.loader = None;
+        Ok(())
+    }
+
+    /// Runs a forward task; returns when its computation started (after its inputs arrived).
+    fn forward(&mut self, t: Task) -> Result<Instant> {
+        let (c, layout) = (Arc::clone(&self.c), Arc::clone(&self.layout));
+        let s = &c.scheme;
+        let g = &layout.graph;
+        let gm = s.global_micro(self.group, t.replica, t.micro);
+        let mb = self.micro_size();
+        let feeds: Vec<(ValueId, Tensor)> = if t.stage == 0 {
+            let shape = batched(mb, g.input_shape());
+            let x = if c.metered {
+                self.device
+                    .zeros(shape, c.train.activations(), Category::Activations)?
+            } else {
+                let loader = self.loader.as_mut().ok_or_else(|| {
+                    Error::Internal("a stage-0 task on a rank without a loader".into())
+                })?;
+                let batch = loader.next_batch()?;
+                self.current.data_wait += batch.waited.as_secs_f64();
+                self.device
+                    .input(shape, batch.pixels, c.train.activations())?
+            };
+            vec![(g.input, x)]
+        } else {
+            self.receive(t, t.micro)?
+        };
+        let start = Instant::now();
+        let losses = &layout.losses[t.stage];
+        let keep: Vec<ValueId> = layout.outputs[t.stage]
+            .iter()
+            .copied()
+            .chain(losses.iter().map(|o| o.value))
+            .collect();
+        let seed = splitmix64(c.train.seed ^ (self.step * s.micro_batches_per_step() + gm) as u64);
+        let copy = &mut self.copies[t.replica % 2];
+        debug_assert_eq!(copy.stage, t.stage);
+        let range = layout.partition.stages[t.stage].clone();
+        let (outs, mut tape) = graph::forward(
+            g,
+            &mut copy.params,
+            &self.device,
+            feeds,
+            range,
+            &keep,
+            Some(&c.train.saves),
+            t.stage > 0,
+            seed,
+        )?;
+        copy.running.extend(tape.running.drain(..).map(|u| (gm, u)));
+        let mut seeds = Vec::new();
+        let n_out = layout.outputs[t.stage].len();
+        if !losses.is_empty() {
+            let labels = match &self.data {
+                Some(d) => d.labels(self.first_image(gm), mb)?,
+                // A metered run computes nothing: any labels do.
+                None => vec![0; mb],
+            };
+            let m_total = s.micro_batches_per_step() as f64;
+            for (o, logits) in losses.iter().zip(&outs[n_out..]) {
+                let (l, probs) = loss::softmax_cross_entropy(&self.device, logits, &labels)?;
+                self.current.loss += o.weight * l / m_total;
+                if g.outputs.first() == Some(o) {
+                    self.current.correct += loss::correct(&probs, &labels)?;
+                    self.current.scored += mb;
+                }
+                seeds.push((
+                    o.value,
+                    loss::softmax_cross_entropy_backward(
+                        &self.device,
+                        &probs,
+                        &labels,
+                        o.weight / m_total
+                            * self.loss_scale.as_ref().map_or(1.0, LossScale::factor),
+                        c.train.activations(),
+                    )?,
+                ));
+            }
+        }
+        self.device.backend().synchronize()?;
+        self.current.busy += start.elapsed().as_secs_f64();
+        self.send(t, t.micro, &outs[..n_out])?;
+        self.pending
+            .insert((t.replica, t.micro), Pending { tape, seeds });
+        Ok(start)
+    }
+
+    /// The values entering task `t`'s stage, from the rank of the stage before (messages tagged
+    /// as micro-batch `micro`).
+    fn receive(&self, t: Task, micro: usize) -> Result<Vec<(ValueId, Tensor)>> {
+        let from = self.world_rank(t.replica, t.stage - 1);
+        let mut feeds = Vec::new();
+        for (vi, &v) in self.layout.inputs[t.stage].iter().enumerate() {
+            let tg = tag(&self.c.scheme, Pass::Forward, t.replica, t.stage, micro, vi)?;
+            feeds.push((
+                v,
+                self.comm
+                    .recv(from, tg, &self.device, Category::Communication)?,
+            ));
+        }
+        Ok(feeds)
+    }
+
+    /// Sends the values leaving task `t`'s stage to the rank of the next (see [`Rank::receive`]).
+    fn send(&self, t: Task, micro: usize, outs: &[Tensor]) -> Result<()> {
+        if outs.is_empty() {
+            return Ok(());
+        }
+        let to = self.world_rank(t.replica, t.stage + 1);
+        for (vi, out) in outs.iter().enumerate() {
+            let tg = tag(
+                &self.c.scheme,
+                Pass::Forward,
+                t.replica,
+                t.stage + 1,
+                micro,
+                vi,
+            )?;
+            self.comm.send(out, to, tg)?;
+        }
+        Ok(())
+    }
+
+    /// Loss, accuracy and confusion counts over the first `n` samples of `data`'s order, the
+    /// same on every rank. The samples go in micro-batches of B/m images, consecutive runs of
+    /// them to each group, forward through replica 0's stages in eval mode (nothing saved, no
+    /// statistics gathered); each rank adds what it scored (nothing unless it holds the
+    /// evaluated output) into one sum over the world. That sum also holds every rank until all
+    /// have finished evaluating, so the next step's messages never meet evaluation's.
+    pub fn evaluate(&mut self, data: &Arc<Pipeline>, n: usize) -> Result<Evaluation> {
+        let (c, layout) = (Arc::clone(&self.c), Arc::clone(&self.layout));
+        let (s, g) = (&c.scheme, &layout.graph);
+        let mb = self.micro_size();
+        let micro = n.div_ceil(mb);
+        let per_group = micro.div_ceil(s.dp);
+        let first = self.group * per_group;
+        let costs = layout.costs.stage_costs(&layout.partition.stages);
+        let schedule = schedule::evaluation(s, &costs, per_group.min(micro.saturating_sub(first)))?;
+        let tasks: Vec<Task> = schedule.ranks[self.local].iter().map(|t| t.task).collect();
+        // Positions of the held-out order (first, count) of this group's micro-batch `j`.
+        let span = |j: usize| {
+            let at = (first + j) * mb;
+            (at as u64, mb.min(n - at))
+        };
+        let missing = || Error::Internal("an evaluation task on a rank without the data".into());
+        let mut loader = match tasks.iter().any(|t| t.stage == 0) {
+            true => {
+                let spans: Vec<(u64, usize)> = tasks.iter().map(|t| span(t.micro)).collect();
+                Some(Loader::new(
+                    data.clone(),
+                    Box::new(move |i| spans.get(i).copied()),
+                    c.train.data.workers,
+                    c.train.data.prefetch,
+                ))
+            }
+            false => None,
+        };
+        let out = evaluated_output(g)?;
+        let classes = g.classes();
+        let mut tally = Tally::new(classes);
+        for t in tasks {
+            let (at, len) = span(t.micro);
+            let feeds = if t.stage == 0 {
+                let batch = loader.as_mut().ok_or_else(missing)?.next_batch()?;
+                self.current.data_wait += batch.waited.as_secs_f64();
+                let shape = batched(len, g.input_shape());
+                let x = self
+                    .device
+                    .input(shape, batch.pixels, c.train.activations())?;
+                vec![(g.input, x)]
+            } else {
+                // Micro-batches follow one another between two ranks under one tag (training's
+                // for micro-batch 0): both transports deliver a sender's messages of a tag in
+                // order, and the sender sent this step's training message first.
+                self.receive(t, 0)?
+            };
+            let start = Instant::now();
+            let scores = layout.losses[t.stage].iter().any(|o| o.value == out);
+            let n_out = layout.outputs[t.stage].len();
+            let keep: Vec<ValueId> = layout.outputs[t.stage]
+                .iter()
+                .copied()
+                .chain(scores.then_some(out))
+                .collect();
+            let (outs, _) = graph::forward(
+                g,
+                &mut self.copies[t.replica % 2].params,
+                &self.device,
+                feeds,
+                layout.partition.stages[t.stage].clone(),
+                &keep,
+                None,
+                false,
+                0,
+            )?;
+            if scores {
+                let labels = data.labels(at, len)?;
+                tally.add(&self.device, &outs[n_out], &labels)?;
+            }
+            self.device.backend().synchronize()?;
+            self.current.busy += start.elapsed().as_secs_f64();
+            self.send(t, 0, &outs[..n_out])?;
+        }
+        let sum = self.comm.sum_f64(tally.to_vec())?;
+        Ok(Tally::from_vec(&sum, classes).finish(data.classes()))
+    }
+
+    /// Runs a backward task; returns when its computation started.
+    fn backward(&mut self, t: Task) -> Result<Instant> {
+        let (c, layout) = (Arc::clone(&self.c), Arc::clone(&self.layout));
+        let s = &c.scheme;
+        let Pending { tape, mut seeds } = self
+            .pending
+            .remove(&(t.replica, t.micro))
+            .ok_or_else(|| Error::Internal(format!("backward before forward: {t:?}")))?;
+        if t.stage + 1 < s.stages {
+            let from = self.world_rank(t.replica, t.stage + 1);
+            for (vi, &v) in layout.outputs[t.stage].iter().enumerate() {
+                let m = self.comm.recv_message(
+                    from,
+                    tag(s, Pass::Backward, t.replica, t.stage, t.micro, vi)?,
+                )?;
+                if m.shape.numel() > 0 {
+                    seeds.push((
+                        v,
+                        self.device
+                            .adopt(m.shape, m.storage, Category::Communication)?,
+                    ));
+                }
+            }
+        }
+        let start = Instant::now();
+        let want: &[ValueId] = if t.stage > 0 {
+            &layout.inputs[t.stage]
+        } else {
+            &[]
+        };
+        let copy = &mut self.copies[t.replica % 2];
+        let grads = graph::backward(
+            &layout.graph,
+            &mut copy.params,
+            &self.device,
+            tape,
+            seeds,
+            want,
+        )?;
+        self.device.backend().synchronize()?;
+        self.current.busy += start.elapsed().as_secs_f64();
+        if t.stage > 0 {
+            let to = self.world_rank(t.replica, t.stage - 1);
+            for (vi, gr) in grads.iter().enumerate() {
+                let tg = tag(s, Pass::Backward, t.replica, t.stage - 1, t.micro, vi)?;
+                match gr {
+                    Some(gr) => self.comm.send(gr, to, tg)?,
+                    None => self.comm.send_message(empty(), to, tg)?,
+                }
+            }
+        }
+        Ok(start)
+    }
+
+    /// Sums each stage's gradients over its copies, commits BN statistics in reference order,
+    /// and steps the optimizer.
+    fn synchronize(&mut self) -> Result<()> {
+        let mut stages: Vec<usize> = self.copies.iter().map(|c| c.stage).collect();
+        stages.sort_unstable();
+        stages.dedup();
+        for stage in stages {
+            let idx: Vec<usize> = (0..self.copies.len())
+                .filter(|&i| self.copies[i].stage == stage)
+                .collect();
+            let n = self.copies[idx[0]].params.grads.len();
+            for p in 0..n {
+                if self.copies[idx[0]].params.grads[p].is_none() {
+                    continue;
+                }
+                // Copies on this rank first (orientation order), then over the holders.
+                let mut acc = self.copies[idx[0]].params.grads[p]
+                    .take()
+                    .expect("trainable");
+                for &i in &idx[1..] {
+                    let other = self.copies[i].params.grads[p].as_ref().expect("trainable");
+                    self.device
+                        .backend()
+                        .add_assign(acc.storage_mut()?, other.storage())?;
+                }
+                if self.holders.size() > 1 {
+                    self.holders.all_reduce_sum(&mut acc, &self.device)?;
+                }
+                for &i in &idx[1..] {
+                    let grad = self.copies[i].params.grads[p]
+                        .as_mut()
+                        .expect("trainable")
+                        .storage_mut()?;
+                    self.device.backend().copy(acc.storage(), grad)?;
+                }
+                self.copies[idx[0]].params.grads[p] = Some(acc);
+            }
+            let mine: Vec<(usize, RunningUpdate)> = idx
+                .iter()
+                .flat_map(|&i| std::mem::take(&mut self.copies[i].running))
+                .collect();
+            let all = self.gather_running(mine)?;
+            for &i in &idx {
+                let updates: Vec<RunningUpdate> = all.iter().map(|(_, u)| u.clone()).collect();
+                graph::commit_running(
+                    &self.layout.graph,
+                    &mut self.copies[i].params,
+                    &self.device,
+                    &updates,
+                )?;
+            }
+        }
+        let start = Instant::now();
+        let lr = self.c.train.schedule.lr(self.step);
+        let unscale = 1.0 / self.loss_scale.as_ref().map_or(1.0, LossScale::factor);
+        let apply = match &mut self.loss_scale {
+            // Every rank skips together: an overflow anywhere is an overflow of the step.
+            Some(scale) => {
+                let mut here = false;
+                for copy in &self.copies {
+                    here |= LossScale::overflowed(&copy.params, &self.device)?;
+                }
+                let anywhere = self.comm.sum_f64(vec![here as u8 as f64])?[0] > 0.0;
+                scale.update(anywhere)?;
+                self.current.skipped = anywhere;
+                !anywhere
+            }
+            None => true,
+        };
+        for copy in &mut self.copies {
+            if apply {
+                copy.sgd.step(&mut copy.params, &self.device, lr, unscale)?;
+            }
+            copy.params.zero_grads(&self.device)?;
+        }
+        self.device.backend().synchronize()?;
+        self.current.busy += start.elapsed().as_secs_f64();
+        Ok(())
+    }
+
+    /// Every holder's batch statistics of one stage, sorted by (micro-batch, node): the order
+    /// the reference commits them in.
+    fn gather_running(
+        &self,
+        mine: Vec<(usize, RunningUpdate)>,
+    ) -> Result<Vec<(usize, RunningUpdate)>> {
+        let h = &*self.holders;
+        let tag = crate::comm::COLLECTIVE_TAG + 16;
+        let encode = |list: &[(usize, RunningUpdate)]| -> Result<Vec<Message>> {
+            let header: Vec<f64> = list
+                .iter()
+                .flat_map(|(gm, u)| [*gm as f64, u.node as f64, u.stats.count as f64])
+                .collect();
+            let mut msgs = vec![Message {
+                shape: Shape::new([header.len()]),
+                storage: Storage::F64(header),
+            }];
+            for (_, u) in list {
+                for t in [&u.stats.mean, &u.stats.var] {
+                    msgs.push(Message {
+                        shape: t.shape().clone(),
+                        storage: t.storage().try_clone()?,
+                    });
+                }
+            }
+            Ok(msgs)
+        };
+        let decode = |from: usize| -> Result<Vec<(usize, RunningUpdate)>> {
+            let Storage::F64(header) = h.recv_message(from, tag)?.storage else {
+                return Err(Error::Internal("statistics header".into()));
+            };
+            let mut out = Vec::new();
+            for e in header.chunks(3) {
+                let mean = h.recv(from, tag, &self.device, Category::Activations)?;
+                let var = h.recv(from, tag, &self.device, Category::Activations)?;
+                let stats = crate::ops::norm::BatchStats {
+                    mean,
+                    var,
+                    count: e[2] as usize,
+                };
+                out.push((
+                    e[0] as usize,
+                    RunningUpdate {
+                        node: e[1] as usize,
+                        stats,
+                    },
+                ));
+            }
+            Ok(out)
+        };
+        let send = |list: &[(usize, RunningUpdate)], to: usize| -> Result<()> {
+            for m in encode(list)? {
+                h.send_message(m, to, tag)?;
+            }
+            Ok(())
+        };
+        let mut all = if h.rank() == 0 {
+            let mut all = mine;
+            for r in 1..h.size() {
+                all.extend(decode(r)?);
+            }
+            all.sort_by_key(|(gm, u)| (*gm, u.node));
+            for r in 1..h.size() {
+                send(&all, r)?;
+            }
+            all
+        } else {
+            send(&mine, 0)?;
+            decode(0)?
+        };
+        all.sort_by_key(|(gm, u)| (*gm, u.node));
+        Ok(all)
+    }
+
+}

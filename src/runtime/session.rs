@@ -1,0 +1,426 @@
+//! A run held open for the caller's loop: one executor for every scheme (`single` is the
+//! one-rank case), over ranks that are threads of this process or, one per process, MPI's.
+//!
+//! ```no_run
+//! use gems::{models, Dataset, RunConfig, Scheme, Session, TrainConfig};
+//! # fn main() -> gems::Result<()> {
+//! let graph = models::build("resnet20v2", 32, 10)?;
+//! let data = Dataset::synthetic(&graph, 0);
+//! let config = RunConfig::new(TrainConfig::new(8, 100), Scheme::single(1));
+//! let mut session = Session::new(&graph, config, data)?;
+//! for _ in 0..10 {
+//!     let report = session.step()?;
+//!     println!("step {}: loss {:.3}", report.step, report.loss);
+//! }
+//! session.save("step-10.safetensors")?;
+//! # Ok(()) }
+//! ```
+
+use std::any::Any;
+use std::path::{Path, PathBuf};
+use std::sync::mpsc::{channel, Receiver, Sender};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+
+use crate::comm::local::{catch_panic, root_cause, World};
+use crate::comm::{self, Comm};
+use crate::data::{Dataset, Pipeline};
+use crate::graph::Graph;
+use crate::memory::MemoryStats;
+use crate::plan::{Layout, RunConfig};
+use crate::runtime::checkpoint::{self, Checkpoint};
+use crate::runtime::evaluation::{held_out_samples, Evaluation};
+use crate::runtime::rank::{Rank, RankStep};
+use crate::{Error, Result};
+
+/// What one optimizer step did, over every rank.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct StepReport {
+    /// The step's index (0 for the first step of a run).
+    pub step: usize,
+    /// The step's loss: Σ weight·loss over the outputs, averaged over its micro-batches.
+    pub loss: f64,
+    /// Correct predictions of the first output, and images it scored.
+    pub correct: usize,
+    pub scored: usize,
+    /// Images the step trained on: η·B·D.
+    pub images: usize,
+    pub lr: f64,
+    /// Wall seconds of the step (its slowest rank).
+    pub seconds: f64,
+    /// Seconds the ranks waited for their images, summed.
+    pub data_wait: f64,
+    /// The loss scale the gradients carried (fp16), and whether they overflowed it, so the
+    /// step was skipped on every rank.
+    pub loss_scale: Option<f64>,
+    pub skipped: bool,
+    /// Each rank's part: busy and wall seconds, memory, the timeline of its tasks.
+    pub ranks: Vec<RankStep>,
+}
+
+impl StepReport {
+    /// Images per second of this step.
+    pub fn images_per_second(&self) -> f64 {
+        self.images as f64 / self.seconds.max(f64::MIN_POSITIVE)
+    }
+}
+
+/// A job for a rank thread; its result comes back boxed.
+type Job = Box<dyn FnOnce(&mut Rank) -> Box<dyn Any + Send> + Send>;
+
+/// A rank on a thread of its own, taking jobs in order.
+struct Worker {
+    jobs: Option<Sender<Job>>,
+    results: Receiver<Box<dyn Any + Send>>,
+    thread: Option<JoinHandle<()>>,
+}
+
+enum Ranks {
+    /// The one rank this process runs: the whole world, or one MPI process's share.
+    Here(Box<Rank>),
+    /// Every rank a thread of this process.
+    Threads {
+        workers: Vec<Worker>,
+        world: Arc<World>,
+    },
+}
+
+/// A model being trained under a scheme: [`Session::step`] runs one optimizer step on every
+/// rank, [`Session::evaluate`] scores held-out samples, [`Session::save`] and
+/// [`Session::restore`] write and read one checkpoint that any scheme can resume from.
+///
+/// Every call is collective: under MPI, every process makes the same calls in the same order
+/// (each process's `Session` is its rank's). After an error the session refuses further work.
+pub struct Session {
+    layout: Arc<Layout>,
+    config: Arc<RunConfig>,
+    ranks: Ranks,
+    held_out: Option<Arc<Pipeline>>,
+    step: usize,
+    broken: Option<String>,
+}
+
+impl Session {
+    /// `config` on `graph`, every rank a thread of this process, reading `data`.
+    pub fn new(graph: &Graph, config: RunConfig, data: Dataset) -> Result<Session> {
+        Session::start(graph, config, Some(data), None)
+    }
+
+    /// This process's rank of a run spread over the processes of `comm` (MPI: one process per
+    /// rank); the others build theirs with the same arguments.
+    pub fn on(
+        graph: &Graph,
+        config: RunConfig,
+        data: Dataset,
+        comm: Box<dyn Comm>,
+    ) -> Result<Session> {
+        Session::start(graph, config, Some(data), Some(comm))
+    }
+
+    fn start(
+        graph: &Graph,
+        config: RunConfig,
+        data: Option<Dataset>,
+        comm: Option<Box<dyn Comm>>,
+    ) -> Result<Session> {
+        let layout = Arc::new(Layout::new(graph, &config)?);
+        if let Some(d) = &data {
+            check_classes(graph, &d.classes)?;
+        }
+        let train = data.as_ref().map(|d| d.train.clone());
+        let held_out = data.and_then(|d| d.val);
+        let c = Arc::new(config);
+        let world_size = c.scheme.world();
+        let ranks = match comm {
+            Some(comm) => Ranks::Here(Box::new(Rank::new(c.clone(), layout.clone(), comm, train)?)),
+            None if world_size == 1 => {
+                let comm = World::new(1).1.pop().expect("one rank");
+                Ranks::Here(Box::new(Rank::new(c.clone(), layout.clone(), comm, train)?))
+            }
+            None => {
+                // Before the rank threads exist (see the function).
+                crate::backend::cpu::tune_host_allocator();
+                let (world, comms) = World::new(world_size);
+                let workers: Vec<Worker> = comms
+                    .into_iter()
+                    .enumerate()
+                    .map(|(r, comm)| {
+                        spawn(r, c.clone(), layout.clone(), comm, train.clone(), &world)
+                    })
+                    .collect::<Result<_>>()?;
+                let started = workers
+                    .iter()
+                    .map(|w| receive::<()>(w))
+                    .collect::<Vec<_>>();
+                root_cause(&world, started)?;
+                Ranks::Threads { workers, world }
+            }
+        };
+        Ok(Session {
+            layout,
+            config: c,
+            ranks,
+            held_out,
+            step: 0,
+            broken: None,
+        })
+    }
+
+    /// Runs `f` on every rank of this process (all of them for threads), returning their
+    /// results in rank order; the first rank's own error if one fails.
+    fn all<T: Send + 'static>(
+        &mut self,
+        f: impl Fn(&mut Rank) -> Result<T> + Send + Sync + 'static,
+    ) -> Result<Vec<T>> {
+        if let Some(why) = &self.broken {
+            return Err(Error::Config(format!(
+                "the session stopped at an earlier error: {why}"
+            )));
+        }
+        let out = match &mut self.ranks {
+            Ranks::Here(rank) => catch_panic(|| f(rank)).map(|v| vec![v]),
+            Ranks::Threads { workers, world } => {
+                let f = Arc::new(f);
+                for (r, w) in workers.iter().enumerate() {
+                    let (f, world) = (f.clone(), world.clone());
+                    let job: Job = Box::new(move |rank: &mut Rank| {
+                        let out = catch_panic(|| f(rank));
+                        if let Err(e) = &out {
+                            world.fail(r, format!("rank {r} failed: {e}"));
+                        }
+                        Box::new(out)
+                    });
+                    let lost = || Error::Internal(format!("rank {r}'s thread is gone"));
+                    w.jobs.as_ref().ok_or_else(lost)?.send(job).map_err(|_| lost())?;
+                }
+                let results = workers.iter().map(receive::<T>).collect();
+                root_cause(world, results)
+            }
+        };
+        if let Err(e) = &out {
+            self.broken = Some(e.to_string());
+        }
+        out
+    }
+
+    /// Runs one optimizer step on every rank.
+    pub fn step(&mut self) -> Result<StepReport> {
+        let ranks = self
+            .all(|r| {
+                let mine = r.step()?;
+                comm::all_gather(r.comm(), &mine)
+            })?
+            .swap_remove(0);
+        let c = &self.config;
+        let step = self.step;
+        self.step += 1;
+        let sum = |f: fn(&RankStep) -> f64| ranks.iter().map(f).sum::<f64>();
+        Ok(StepReport {
+            step,
+            loss: sum(|r| r.loss),
+            correct: ranks.iter().map(|r| r.correct).sum(),
+            scored: ranks.iter().map(|r| r.scored).sum(),
+            images: c.images_per_step(),
+            lr: c.train.schedule.lr(step),
+            seconds: ranks.iter().map(|r| r.seconds).fold(0.0, f64::max),
+            data_wait: sum(|r| r.data_wait),
+            loss_scale: ranks[0].loss_scale,
+            skipped: ranks[0].skipped,
+            ranks,
+        })
+    }
+
+    /// Loss, accuracy and confusion matrix of the first output used outside training over the
+    /// first `samples` (default: all) of `data`'s order, with BN in eval mode and no dropout,
+    /// in micro-batches of B/m images through the scheme's stages; changes nothing.
+    pub fn evaluate(&mut self, data: &Arc<Pipeline>, samples: Option<usize>) -> Result<Evaluation> {
+        let n = held_out_samples(data, samples)?;
+        if data.classes().len() != self.layout.graph.classes() {
+            check_classes(&self.layout.graph, data.classes())?;
+        }
+        let data = data.clone();
+        Ok(self.all(move |r| r.evaluate(&data, n))?.swap_remove(0))
+    }
+
+    /// [`Session::evaluate`] on the held-out samples of the session's data (a validation
+    /// split, or synthetic data's held-out stream).
+    pub fn evaluate_held_out(&mut self, samples: Option<usize>) -> Result<Evaluation> {
+        let data = self.held_out.clone().ok_or_else(|| {
+            Error::Config("nothing is held out: hold out a fraction of the data to validate".into())
+        })?;
+        self.evaluate(&data, samples)
+    }
+
+    /// Writes the whole model's state to one checkpoint at `path`, atomically, from one rank
+    /// (world rank 0); returns when the file is complete, on every rank.
+    pub fn save(&mut self, path: impl AsRef<Path>) -> Result<()> {
+        let path: PathBuf = path.as_ref().to_path_buf();
+        let (graph, train) = (self.layout.graph.clone(), self.config.train.clone());
+        self.all(move |r| {
+            if let Some(state) = r.gather_state()? {
+                checkpoint::save(&graph, &train, &state, &path)?;
+            }
+            r.comm().barrier()
+        })?;
+        Ok(())
+    }
+
+    /// Takes up the state in the checkpoint at `path`, whatever scheme wrote it: weights,
+    /// momentum, BN statistics, the loss scale, the step and the data position. Refuses, by
+    /// name, a checkpoint of another model, image side or class count.
+    pub fn restore(&mut self, path: impl AsRef<Path>) -> Result<()> {
+        let ckpt = Checkpoint::read(path.as_ref())?;
+        let state = Arc::new(ckpt.state(&self.layout.graph, self.config.train.dtype)?);
+        let step = state.step;
+        self.all(move |r| r.load_state(&state))?;
+        self.step = step;
+        Ok(())
+    }
+
+    /// fp16's dynamic loss scale as it stands (`None` for other precisions).
+    pub fn loss_scale(&mut self) -> Result<Option<crate::optim::LossScale>> {
+        Ok(self.all(|r| Ok(r.loss_scale().cloned()))?.swap_remove(0))
+    }
+
+    /// Optimizer steps done (including those of a restored checkpoint).
+    pub fn steps_done(&self) -> usize {
+        self.step
+    }
+
+    /// Every copy's parameters on the ranks of this process, per rank: (orientation, param
+    /// id, values), orientation 0 first.
+    pub fn parameters(&mut self) -> Result<Vec<Vec<(usize, usize, Vec<f64>)>>> {
+        self.all(|r| r.parameters())
+    }
+
+    /// The memory of each rank of this process: peak so far, and bytes by category.
+    pub fn memory(&mut self) -> Result<Vec<MemoryStats>> {
+        self.all(|r| Ok(r.device().memory()))
+    }
+
+    /// The host tier's high-water mark, offload pool counters and convolution algorithms of
+    /// the first rank of this process's device (what a one-device run's summary shows).
+    pub fn device_summary(&mut self) -> Result<DeviceSummary> {
+        Ok(self
+            .all(|r| {
+                let d = r.device();
+                Ok(DeviceSummary {
+                    name: d.backend().name(),
+                    host: d.host_memory(),
+                    pool: d.host_pool(),
+                    conv_algorithms: d.backend().conv_algorithms(),
+                })
+            })?
+            .swap_remove(0))
+    }
+
+    pub fn graph(&self) -> &Graph {
+        &self.layout.graph
+    }
+
+    pub fn layout(&self) -> &Layout {
+        &self.layout
+    }
+
+    pub fn config(&self) -> &RunConfig {
+        &self.config
+    }
+}
+
+/// What a device reports beside its memory.
+#[derive(Clone, Debug)]
+pub struct DeviceSummary {
+    pub name: String,
+    pub host: MemoryStats,
+    pub pool: crate::memory::host::PoolStats,
+    /// cuDNN's choices per convolution shape (empty for other kernels).
+    pub conv_algorithms: Vec<String>,
+}
+
+impl Drop for Session {
+    fn drop(&mut self) {
+        if let Ranks::Threads { workers, .. } = &mut self.ranks {
+            for w in workers.iter_mut() {
+                w.jobs = None;
+            }
+            for w in workers.iter_mut() {
+                if let Some(t) = w.thread.take() {
+                    let _ = t.join();
+                }
+            }
+        }
+    }
+}
+
+/// Starts rank `r`'s thread, which builds the rank (its device belongs to the thread) and
+/// then runs jobs until the session ends.
+fn spawn(
+    r: usize,
+    c: Arc<RunConfig>,
+    layout: Arc<Layout>,
+    comm: Box<dyn Comm>,
+    data: Option<Arc<Pipeline>>,
+    world: &Arc<World>,
+) -> Result<Worker> {
+    let (jobs, inbox) = channel::<Job>();
+    let (outbox, results) = channel::<Box<dyn Any + Send>>();
+    let world = world.clone();
+    let thread = std::thread::Builder::new()
+        .name(format!("rank {r}"))
+        .spawn(move || {
+            let rank = catch_panic(|| Rank::new(c, layout, comm, data));
+            let mut rank = match rank {
+                Ok(rank) => rank,
+                Err(e) => {
+                    world.fail(r, format!("rank {r} failed: {e}"));
+                    let _ = outbox.send(Box::new(Err::<(), Error>(e)));
+                    return;
+                }
+            };
+            if outbox.send(Box::new(Ok::<(), Error>(()))).is_err() {
+                return;
+            }
+            while let Ok(job) = inbox.recv() {
+                if outbox.send(job(&mut rank)).is_err() {
+                    return;
+                }
+            }
+        })
+        .map_err(|e| Error::Internal(format!("cannot start rank {r}'s thread: {e}")))?;
+    Ok(Worker {
+        jobs: Some(jobs),
+        results,
+        thread: Some(thread),
+    })
+}
+
+/// A worker's next result.
+fn receive<T: 'static>(w: &Worker) -> Result<T> {
+    let lost = || Error::Internal("a rank's thread ended unexpectedly".into());
+    let out = w.results.recv().map_err(|_| lost())?;
+    *out.downcast::<Result<T>>().map_err(|_| lost())?
+}
+
+/// The model's classes must be the data's.
+fn check_classes(g: &Graph, names: &[String]) -> Result<()> {
+    if names.len() == g.classes() {
+        return Ok(());
+    }
+    Err(Error::Config(format!(
+        "the data has {} classes ({}) but {} has {} outputs",
+        names.len(),
+        names.join(", "),
+        g.name,
+        g.classes()
+    )))
+}
+
+/// Each rank's memory over one step of `config` on `graph`, from a metered run: every
+/// allocation of the real task lists on devices that compute nothing. The exact memory model
+/// the planner's choices (`fit`) are made with.
+pub fn meter(graph: &Graph, mut config: RunConfig) -> Result<Vec<MemoryStats>> {
+    config.metered = true;
+    let mut s = Session::start(graph, config, None, None)?;
+    s.step()?;
+    s.memory()
+}
