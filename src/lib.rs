@@ -87,7 +87,10 @@ pub enum Error {
     },
     /// A file that cannot be used as asked (a checkpoint, a policy, a data set's file).
     #[error("{path}: {why}")]
-    BadInput { path: std::path::PathBuf, why: String },
+    BadInput {
+        path: std::path::PathBuf,
+        why: String,
+    },
     #[error("internal error: {0}")]
     Internal(String),
     #[error(transparent)]

@@ -6,8 +6,8 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use gems::checkpoint::{self, Checkpoint};
-use gems::optim::SgdConfig;
 use gems::optim::schedule::{Decay, LrSchedule};
+use gems::optim::SgdConfig;
 use gems::train::{TrainConfig, Trainer};
 
 use safetensors::tensor::TensorView;

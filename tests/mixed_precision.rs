@@ -5,9 +5,9 @@
 
 use gems::backend::cpu::Cpu;
 use gems::backend::{Backend, ChannelGeom, ConvGeom, PoolGeom};
-use gems::runtime::executor::{run_local, RunConfig};
-use gems::optim::SgdConfig;
 use gems::optim::schedule::{Decay, LrSchedule};
+use gems::optim::SgdConfig;
+use gems::runtime::executor::{run_local, RunConfig};
 use gems::schemes::{Kind, Order, Scheme};
 use gems::tensor::Storage;
 use gems::train::{TrainConfig, Trainer};

@@ -6,9 +6,9 @@
 use std::collections::HashMap;
 
 use gems::data::{DataConfig, SourceSpec};
-use gems::runtime::executor::{run_local, RankReport, RunConfig};
-use gems::optim::SgdConfig;
 use gems::optim::schedule::{Decay, LrSchedule};
+use gems::optim::SgdConfig;
+use gems::runtime::executor::{run_local, RankReport, RunConfig};
 use gems::schemes::{Kind, Order, Scheme};
 use gems::train::{Evaluation, TrainConfig, Trainer};
 use gems::{Category, DType};

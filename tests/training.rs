@@ -1,7 +1,7 @@
 //! Single-device training: it learns, it repeats bit for bit, and memory is exactly accounted.
 
-use gems::optim::SgdConfig;
 use gems::optim::schedule::{Decay, LrSchedule};
+use gems::optim::SgdConfig;
 use gems::train::{TrainConfig, Trainer};
 use gems::{Category, DType, Error};
 

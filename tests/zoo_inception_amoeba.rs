@@ -7,8 +7,8 @@ mod common;
 use common::{check_model_gradients, Spot};
 use gems::models;
 use gems::ops::Op;
-use gems::optim::SgdConfig;
 use gems::optim::schedule::{Decay, LrSchedule};
+use gems::optim::SgdConfig;
 use gems::train::{TrainConfig, Trainer};
 
 #[test]

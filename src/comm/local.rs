@@ -229,10 +229,15 @@ pub fn catch_panic<T>(f: impl FnOnce() -> Result<T>) -> Result<T> {
 /// those of the ranks that stopped because of it).
 pub fn root_cause<T>(world: &World, mut results: Vec<Result<T>>) -> Result<Vec<T>> {
     if let Some((rank, why)) = lock(&world.failure).clone() {
-        return Err(match results.get_mut(rank).map(|r| std::mem::replace(r, Err(Error::Comm(String::new())))) {
-            Some(Err(e)) => e,
-            _ => Error::Comm(why),
-        });
+        return Err(
+            match results
+                .get_mut(rank)
+                .map(|r| std::mem::replace(r, Err(Error::Comm(String::new()))))
+            {
+                Some(Err(e)) => e,
+                _ => Error::Comm(why),
+            },
+        );
     }
     results.into_iter().collect()
 }

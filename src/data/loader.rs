@@ -88,7 +88,12 @@ pub struct Loader {
 impl Loader {
     /// Starts `workers` threads preparing `requests` ((first position, images) of batch i) of
     /// `pipeline`, at most `depth` batches ahead.
-    pub fn new(pipeline: Arc<Pipeline>, requests: Requests, workers: usize, depth: usize) -> Loader {
+    pub fn new(
+        pipeline: Arc<Pipeline>,
+        requests: Requests,
+        workers: usize,
+        depth: usize,
+    ) -> Loader {
         let shared = Arc::new(Shared {
             pipeline,
             requests,
@@ -136,7 +141,6 @@ impl Loader {
         })
     }
 }
-
 
 impl Drop for Loader {
     fn drop(&mut self) {

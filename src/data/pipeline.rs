@@ -187,7 +187,9 @@ pub fn open(c: &DataConfig, image_size: usize, classes: usize, seed: u64) -> Res
     };
     let (source, skipped): (Arc<dyn Source>, Vec<(String, String)>) = match &c.source {
         SourceSpec::Synthetic => {
-            return Ok(Dataset::synthetic_with(image_size, classes, seed, c.augment))
+            return Ok(Dataset::synthetic_with(
+                image_size, classes, seed, c.augment,
+            ))
         }
         SourceSpec::Folder(dir) => {
             let f = Folder::open(dir, c.skip_bad)?;

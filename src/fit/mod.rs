@@ -289,3 +289,71 @@ pub fn capacity(c: &RunConfig) -> Option<u64> {
         (None, DeviceKind::Cpu) => None,
     }
 }
+
+/// Which of a run's sizes the planner chooses against the capacity (the rest are as given).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Auto {
+    /// The fewest pipeline stages that fit.
+    pub split: bool,
+    /// MAST's pair where memory holds it (overlapped, else one replica's activations at a
+    /// time), else one replica.
+    pub replicas: bool,
+    /// The largest batch that fits.
+    pub batch: bool,
+    /// Where saved tensors wait, with offloaded ones fetched this many nodes ahead.
+    pub offload: Option<usize>,
+}
+
+/// A run with its `auto` sizes chosen, and the offload policy's predicted cost if chosen.
+pub struct Resolved {
+    pub config: RunConfig,
+    pub offload: Option<Chosen>,
+}
+
+/// Chooses the sizes `auto` leaves open for `c` on `g`, in order: the split, MAST's replicas,
+/// the batch, then the offload policy, each against [`capacity`] with metered runs.
+pub fn resolve(g: &Graph, mut c: RunConfig, auto: Auto) -> Result<Resolved> {
+    let capacity = capacity(&c);
+    let cap = |what: &str| {
+        capacity.ok_or_else(|| {
+            Error::Config(format!(
+                "choosing {what} needs a device capacity (or a GPU) to choose against"
+            ))
+        })
+    };
+    if auto.split {
+        c = choose_split(g, &c, cap("the split")?)?;
+    }
+    if auto.replicas {
+        if c.scheme.kind != Kind::Mast {
+            return Err(Error::Config(
+                "choosing replicas chooses between MAST's pair and one replica: use it with mast"
+                    .into(),
+            ));
+        }
+        c = choose_replicas(g, &c, cap("the replicas")?)?;
+    }
+    if auto.batch {
+        let cap = cap("the batch size")?;
+        c.train.batch_size = match largest_batch(g, &c, cap, 1 << 20)? {
+            0 => {
+                return Err(Error::Config(format!(
+                    "no batch fits {} with this split",
+                    crate::memory::human_bytes(cap)
+                )))
+            }
+            b => b,
+        };
+    }
+    let offload = match auto.offload {
+        Some(prefetch) => {
+            let cap = cap("where saved tensors wait")?;
+            let link = host_link(c.train.device, c.train.precision)?;
+            let chosen = choose_offload(g, &c, cap, &link, prefetch)?;
+            c.train.saves = chosen.policy.clone();
+            Some(chosen)
+        }
+        None => None,
+    };
+    Ok(Resolved { config: c, offload })
+}

@@ -113,9 +113,6 @@ fn random(
 #[allow(clippy::too_many_arguments)]
 pub fn calibrate(
     graph: &Graph,
-    model: &str,
-    image_size: usize,
-    classes: usize,
     micro: usize,
     (dtype, activations): (DType, DType),
     device: &Device,
@@ -195,6 +192,7 @@ pub fn calibrate(
         backward.push(median(b[1..].to_vec()));
     }
     // Data and optimizer: what a step does besides its ops.
+    let (image_size, classes) = (graph.image_size(), graph.classes());
     let synthetic = crate::data::synthetic::Synthetic {
         seed: 1,
         classes,
@@ -230,7 +228,7 @@ pub fn calibrate(
     Ok(Calibration {
         data: median(data[1..].to_vec()),
         optimizer: median(optimizer[1..].to_vec()),
-        model: model.to_string(),
+        model: graph.name.clone(),
         image_size,
         classes,
         micro_batch: micro,

@@ -4,11 +4,11 @@
 use crate::backend::meter::ConvWorkspace;
 use crate::graph::policy::Keep;
 use crate::graph::Graph;
+use crate::plan::config::RunConfig;
 use crate::plan::cost::NodeCosts;
 use crate::plan::footprint::{self, Footprint, StageMemory};
-use crate::plan::partition::{self, Limit, Partition, Shortfall};
-use crate::plan::config::RunConfig;
 use crate::plan::layout::Layout;
+use crate::plan::partition::{self, Limit, Partition, Shortfall};
 use crate::schemes::schedule;
 use crate::Result;
 
@@ -104,4 +104,3 @@ impl Model {
         }
     }
 }
-

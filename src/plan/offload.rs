@@ -148,4 +148,3 @@ pub struct Chosen {
     /// Bytes per micro-batch moved off the device.
     pub bytes: u64,
 }
-

@@ -150,7 +150,12 @@ impl Rank {
             )));
         }
         let (group, local) = (comm.rank() / s.stages, comm.rank() % s.stages);
-        let name = format!("rank {}", comm.rank());
+        // One device is named as such; ranks by their number.
+        let name = match (s.world(), c.train.device) {
+            (1, crate::backend::DeviceKind::Cpu) => "cpu:0".to_string(),
+            (1, gpu) => gpu.to_string(),
+            _ => format!("rank {}", comm.rank()),
+        };
         let device = if c.metered {
             Device::meter(
                 &name,
@@ -837,5 +842,4 @@ impl Rank {
         all.sort_by_key(|(gm, u)| (*gm, u.node));
         Ok(all)
     }
-
 }

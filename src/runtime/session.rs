@@ -148,10 +148,7 @@ impl Session {
                         spawn(r, c.clone(), layout.clone(), comm, train.clone(), &world)
                     })
                     .collect::<Result<_>>()?;
-                let started = workers
-                    .iter()
-                    .map(|w| receive::<()>(w))
-                    .collect::<Vec<_>>();
+                let started = workers.iter().map(|w| receive::<()>(w)).collect::<Vec<_>>();
                 root_cause(&world, started)?;
                 Ranks::Threads { workers, world }
             }
@@ -191,7 +188,11 @@ impl Session {
                         Box::new(out)
                     });
                     let lost = || Error::Internal(format!("rank {r}'s thread is gone"));
-                    w.jobs.as_ref().ok_or_else(lost)?.send(job).map_err(|_| lost())?;
+                    w.jobs
+                        .as_ref()
+                        .ok_or_else(lost)?
+                        .send(job)
+                        .map_err(|_| lost())?;
                 }
                 let results = workers.iter().map(receive::<T>).collect();
                 root_cause(world, results)

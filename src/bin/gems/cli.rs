@@ -1,0 +1,674 @@
+//! The command line's definitions: every command's flags, and how they read into the
+//! library's types.
+
+use std::path::PathBuf;
+
+use clap::{Args, Parser, Subcommand};
+
+use gems::backend::cuda::ConvImpl;
+use gems::backend::{CopyMode, DeviceKind};
+use gems::data::slide::TileConfig;
+use gems::data::{DataConfig, SourceSpec};
+use gems::memory::parse_bytes;
+use gems::optim::schedule::Decay;
+use gems::schemes::{Kind, Order, Scheme};
+use gems::{DType, Precision, TrainConfig};
+
+#[derive(Parser)]
+#[command(
+    name = "gems",
+    version,
+    about = "Memory-aware model-parallel training of deep CNNs on very large images"
+)]
+pub struct Cli {
+    /// Worker threads for the CPU backend (default: all cores).
+    #[arg(long, global = true)]
+    pub threads: Option<usize>,
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Subcommand)]
+pub enum Command {
+    /// Train a model on one device.
+    Train(Box<TrainArgs>),
+    /// List the models with parameters, FLOPs and activation memory, or show one model's graph.
+    Models(ModelsArgs),
+    /// Loss and accuracy of a checkpoint on held-out images (weights unchanged, BN in eval mode).
+    Eval(EvalArgs),
+    /// Show how a run would be split and scheduled and what each rank's memory holds (takes
+    /// the flags of train).
+    Plan(Box<TrainArgs>),
+    /// Replay a run's schedule with predicted costs on up to --gpus GPUs of a profile: step
+    /// time, images/s and weak-scaling efficiency (takes the flags of train).
+    Simulate(Box<SimulateArgs>),
+    /// Time every op of a model on this device at the run's micro-batch and write the profile
+    /// that --calibration reads (takes the flags of train).
+    Calibrate(Box<CalibrateArgs>),
+    /// Make and inspect data: a synthetic whole-slide image, the tiles slides yield.
+    #[command(subcommand)]
+    Data(DataCommand),
+    /// What this machine offers: the CUDA libraries found (and where), the GPUs, the kernel
+    /// cache, and what --device auto picks.
+    Info,
+    /// Benchmarks on a device.
+    #[command(subcommand)]
+    Bench(BenchCommand),
+}
+
+#[derive(Subcommand)]
+pub enum BenchCommand {
+    /// Every distinct convolution of a model, forward and both backwards, in TFLOP/s; ReLU and
+    /// batch normalization in GB/s next to the device's copy bandwidth.
+    Kernels(BenchKernelsArgs),
+    /// GEMS's offload study: an epoch per model kept on the device, offloaded in each copy
+    /// mode, and as --offload auto chooses under a cap 40% below the baseline's peak; and the
+    /// host link's bandwidth.
+    Offload(BenchOffloadArgs),
+}
+
+#[derive(Args)]
+pub struct BenchOffloadArgs {
+    /// Comma-separated models.
+    #[arg(long, default_value = "vgg19,alexnet,resnet50,inception_v3_noaux")]
+    pub models: String,
+    #[arg(long, default_value_t = 224)]
+    pub image_size: usize,
+    #[arg(long, default_value_t = 2)]
+    pub classes: usize,
+    /// Images per epoch (the study's data set, Hymenoptera, has 245).
+    #[arg(long, default_value_t = 245)]
+    pub images: usize,
+    #[arg(long, default_value_t = 16)]
+    pub batch: usize,
+    #[command(flatten)]
+    pub on: DeviceArgs,
+    /// Write the measurements to this file as JSON.
+    #[arg(long, value_name = "FILE")]
+    pub json: Option<PathBuf>,
+}
+
+/// Where a command computes.
+#[derive(Args)]
+pub struct DeviceArgs {
+    /// auto (a GPU when one is usable and the run is f32, else the CPU), cpu, cuda or cuda:N.
+    #[arg(long, default_value = "auto")]
+    pub device: String,
+    /// fp32; tf32 (a GPU's convolutions and matrix products on the tensor cores); bf16 or
+    /// fp16: mixed precision, activations in 16 bits, f32 master weights and arithmetic (fp16
+    /// with a dynamic loss scale) [default: fp32; when resuming, the checkpoint's].
+    #[arg(long)]
+    pub precision: Option<Precision>,
+}
+
+impl DeviceArgs {
+    /// The device for a run in `dtype`: `auto` is the CPU for f64 (GPUs compute in f32 here).
+    pub fn kind(&self, dtype: DType) -> anyhow::Result<DeviceKind> {
+        if self.device == "auto" && dtype == DType::F64 {
+            return Ok(DeviceKind::Cpu);
+        }
+        Ok(DeviceKind::parse(&self.device)?)
+    }
+
+    /// What sets where a resumed checkpoint's run computes (its dtype says what `auto` means).
+    pub fn for_checkpoint(&self) -> anyhow::Result<impl Fn(&mut TrainConfig)> {
+        let (f32_kind, f64_kind) = (self.kind(DType::F32)?, self.kind(DType::F64)?);
+        let precision = self.precision;
+        Ok(move |c: &mut TrainConfig| {
+            c.device = match c.dtype {
+                DType::F64 => f64_kind,
+                _ => f32_kind,
+            };
+            if let Some(p) = precision {
+                c.precision = p;
+            }
+        })
+    }
+
+    pub fn precision(&self) -> Precision {
+        self.precision.unwrap_or_default()
+    }
+}
+
+#[derive(Args)]
+pub struct BenchKernelsArgs {
+    #[arg(long, default_value = "resnet110v2")]
+    pub model: String,
+    #[arg(long, default_value_t = 1024)]
+    pub image_size: usize,
+    #[arg(long, default_value_t = 8)]
+    pub batch: usize,
+    #[command(flatten)]
+    pub on: DeviceArgs,
+    /// Convolutions on a GPU: native, cudnn, or both (side by side, with their ratio).
+    #[arg(long, default_value = "native")]
+    pub conv: BenchConv,
+    /// Timed runs per measurement (the median is reported).
+    #[arg(long, default_value_t = 10)]
+    pub repeats: usize,
+    /// Write the measurements to this file as JSON.
+    #[arg(long, value_name = "FILE")]
+    pub json: Option<PathBuf>,
+}
+
+/// `--conv` of `gems bench kernels`: one convolution path, or both side by side.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BenchConv {
+    One(ConvImpl),
+    Both,
+}
+
+impl std::str::FromStr for BenchConv {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "both" => Ok(BenchConv::Both),
+            _ => s
+                .parse()
+                .map(BenchConv::One)
+                .map_err(|_| format!("unknown convolution path '{s}' (native, cudnn, both)")),
+        }
+    }
+}
+
+impl std::fmt::Display for BenchConv {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            BenchConv::One(c) => c.fmt(f),
+            BenchConv::Both => f.write_str("both"),
+        }
+    }
+}
+
+#[derive(Subcommand)]
+pub enum DataCommand {
+    /// Write a synthetic pyramidal tiled TIFF slide with labelled tissue regions, and add its
+    /// regions to a labels CSV file.
+    MakeSlide(MakeSlideArgs),
+    /// List the labelled tiles that slides:DIR yields (or export them as PNG).
+    Tiles(TilesArgs),
+}
+
+#[derive(Args)]
+pub struct MakeSlideArgs {
+    /// The slide file to write (.tiff).
+    #[arg(long)]
+    pub out: PathBuf,
+    /// Level-0 width in pixels.
+    #[arg(long, default_value_t = 8192)]
+    pub width: u32,
+    /// Level-0 height [default: the width].
+    #[arg(long)]
+    pub height: Option<u32>,
+    /// TIFF tile side (a multiple of 16).
+    #[arg(long, default_value_t = 256)]
+    pub tile: u32,
+    /// Pyramid levels [default: halving until one tile holds the level].
+    #[arg(long)]
+    pub levels: Option<usize>,
+    #[arg(long, default_value_t = 4)]
+    pub classes: usize,
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Side of the grid cells holding one tissue region each, in level-0 pixels.
+    #[arg(long, default_value_t = 1024)]
+    pub region: u32,
+    /// Per-pixel noise amplitude in [0, 1] (0 compresses best).
+    #[arg(long, default_value_t = 0.06)]
+    pub noise: f32,
+    /// Write BigTIFF even when classic TIFF would do.
+    #[arg(long)]
+    pub bigtiff: bool,
+    /// The labels CSV to add the slide's region rows to [default: labels.csv beside the slide].
+    #[arg(long)]
+    pub labels: Option<PathBuf>,
+}
+
+#[derive(Args)]
+pub struct TilesArgs {
+    /// slides:DIR
+    #[arg(long)]
+    pub data: DataSource,
+    #[command(flatten)]
+    pub slides: SlideArgs,
+    /// The default tile side.
+    #[arg(long, default_value_t = 256)]
+    pub image_size: usize,
+    /// Write every tile as DIR/<class>/<slide>_level<L>_<x>_<y>.png (a folder:DIR dataset).
+    #[arg(long, value_name = "DIR")]
+    pub export: Option<PathBuf>,
+    /// List at most this many tiles (all are counted).
+    #[arg(long, default_value_t = 20)]
+    pub limit: usize,
+}
+
+#[derive(Args)]
+pub struct EvalArgs {
+    /// The checkpoint to evaluate.
+    #[arg(long)]
+    pub checkpoint: PathBuf,
+    /// Evaluate on every sample of this data (synthetic, folder:DIR or slides:DIR) instead
+    /// of the checkpoint's held-out split.
+    #[arg(long)]
+    pub data: Option<DataSource>,
+    #[command(flatten)]
+    pub slides: SlideArgs,
+    /// At most this many samples [default: all; 1000 of synthetic data].
+    #[arg(long)]
+    pub samples: Option<usize>,
+    #[arg(long, default_value_t = 50)]
+    pub batch_size: usize,
+    /// Leave unreadable samples out with a warning instead of stopping.
+    #[arg(long)]
+    pub skip_bad: bool,
+    #[command(flatten)]
+    pub on: DeviceArgs,
+    /// native or cudnn convolutions (GPU).
+    #[arg(long, default_value = "native")]
+    pub conv: ConvImpl,
+}
+
+/// `--offload`.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Offload {
+    None,
+    All,
+    Recompute,
+    Auto,
+    File(PathBuf),
+}
+
+impl std::str::FromStr for Offload {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        Ok(match s {
+            "none" => Offload::None,
+            "all" => Offload::All,
+            "recompute" => Offload::Recompute,
+            "auto" => Offload::Auto,
+            file => Offload::File(file.into()),
+        })
+    }
+}
+
+/// `--data`: synthetic, folder:DIR or slides:DIR.
+#[derive(Clone, Debug)]
+pub enum DataSource {
+    Synthetic,
+    Folder(PathBuf),
+    Slides(PathBuf),
+}
+
+impl std::str::FromStr for DataSource {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s.split_once(':') {
+            _ if s == "synthetic" => Ok(DataSource::Synthetic),
+            Some(("folder", dir)) if !dir.is_empty() => Ok(DataSource::Folder(dir.into())),
+            Some(("slides", dir)) if !dir.is_empty() => Ok(DataSource::Slides(dir.into())),
+            _ => Err(format!(
+                "unknown data source {s:?}: use synthetic, folder:DIR or slides:DIR"
+            )),
+        }
+    }
+}
+
+/// How slides:DIR is cut into labelled tiles.
+#[derive(Args)]
+pub struct SlideArgs {
+    /// Labels for slides:DIR: rows `slide,label` (whole slides) or `slide,x,y,w,h,label`
+    /// (regions in level-0 pixels; a tile takes the region holding its centre).
+    #[arg(long, value_name = "FILE.csv")]
+    pub labels: Option<PathBuf>,
+    /// Pyramid level to cut tiles from (0: full resolution).
+    #[arg(long, default_value_t = 0)]
+    pub level: usize,
+    /// Tile side in pixels of that level [default: --image-size].
+    #[arg(long)]
+    pub tile_size: Option<u32>,
+    /// Distance between neighbouring tiles [default: the tile side].
+    #[arg(long)]
+    pub stride: Option<u32>,
+    /// Leave out near-white tiles whose mean brightness (0 to 1) is above this; 0.8 suits
+    /// bright-field slides.
+    #[arg(long, value_name = "BRIGHTNESS")]
+    pub tissue: Option<f32>,
+}
+
+impl SlideArgs {
+    /// The source `data` names, cut into tiles of `image_size` unless told otherwise.
+    pub fn spec(&self, data: &DataSource, image_size: usize) -> anyhow::Result<SourceSpec> {
+        Ok(match data {
+            DataSource::Synthetic => SourceSpec::Synthetic,
+            DataSource::Folder(dir) => SourceSpec::Folder(dir.clone()),
+            DataSource::Slides(dir) => {
+                let labels = self
+                    .labels
+                    .clone()
+                    .ok_or_else(|| anyhow::anyhow!("slides:DIR needs --labels FILE.csv"))?;
+                let tile = self.tile_size.unwrap_or(image_size as u32);
+                SourceSpec::Slides {
+                    dir: dir.clone(),
+                    labels,
+                    tiles: TileConfig {
+                        level: self.level,
+                        tile,
+                        stride: self.stride.unwrap_or(tile),
+                        tissue_threshold: self.tissue,
+                    },
+                }
+            }
+        })
+    }
+}
+
+/// Where training images come from and how they are read.
+#[derive(Args)]
+pub struct DataArgs {
+    /// synthetic, folder:DIR (one sub-folder of PNG/JPEG/TIFF images per class), or
+    /// slides:DIR (tiled TIFF slides, with --labels).
+    #[arg(long, default_value = "synthetic", conflicts_with = "resume")]
+    pub data: DataSource,
+    #[command(flatten)]
+    pub slides: SlideArgs,
+    /// Random crops and horizontal/vertical flips of training images.
+    #[arg(long, conflicts_with = "resume")]
+    pub augment: bool,
+    /// Hold out this fraction of the samples and report loss and accuracy on them at the end
+    /// (and every --val-every steps).
+    #[arg(long, default_value_t = 0.0, conflicts_with = "resume")]
+    pub val: f64,
+    #[arg(long, value_name = "N")]
+    pub val_every: Option<usize>,
+    /// Leave unreadable samples out with a warning (counted in the summary) instead of stopping.
+    #[arg(long)]
+    pub skip_bad: bool,
+    /// Loader threads preparing batches ahead of training.
+    #[arg(long, default_value_t = 2)]
+    pub workers: usize,
+    /// Batches prepared ahead at most.
+    #[arg(long, default_value_t = 4)]
+    pub prefetch: usize,
+}
+
+impl DataArgs {
+    pub fn config(&self, image_size: usize) -> anyhow::Result<DataConfig> {
+        Ok(DataConfig {
+            source: self.slides.spec(&self.data, image_size)?,
+            augment: self.augment,
+            val: self.val,
+            skip_bad: self.skip_bad,
+            workers: self.workers,
+            prefetch: self.prefetch,
+        })
+    }
+}
+
+#[derive(Args)]
+pub struct TrainArgs {
+    #[arg(long, default_value = "resnet20v2", conflicts_with = "resume")]
+    pub model: String,
+    /// Image side in pixels (square RGB images).
+    #[arg(long, default_value_t = 32, conflicts_with = "resume")]
+    pub image_size: usize,
+    /// Classes [default: the data's; 10 for synthetic data].
+    #[arg(long, conflicts_with = "resume")]
+    pub classes: Option<usize>,
+    /// Images per replica pass, or `max`: the largest that fits --device-memory.
+    #[arg(long, default_value = "32", conflicts_with = "resume")]
+    pub batch_size: Choice,
+    /// Total optimizer steps [default: 150; when resuming, the checkpoint's total].
+    #[arg(long)]
+    pub steps: Option<usize>,
+    /// Base learning rate.
+    #[arg(long, default_value_t = 0.1, conflicts_with = "resume")]
+    pub lr: f64,
+    #[arg(long, default_value_t = 0.9, conflicts_with = "resume")]
+    pub momentum: f64,
+    #[arg(long, default_value_t = 5e-4, conflicts_with = "resume")]
+    pub weight_decay: f64,
+    #[arg(long, conflicts_with = "resume")]
+    pub nesterov: bool,
+    /// constant, cosine, or step:EVERY:GAMMA.
+    #[arg(long, default_value = "cosine", conflicts_with = "resume")]
+    pub schedule: Decay,
+    /// Steps of linear learning-rate warm-up.
+    #[arg(long, default_value_t = 10, conflicts_with = "resume")]
+    pub warmup: usize,
+    #[arg(long, default_value_t = 0, conflicts_with = "resume")]
+    pub seed: u64,
+    /// f32 or f64 (of the parameters; --precision sets the activations').
+    #[arg(long, default_value = "f32", conflicts_with = "resume", value_parser = parameter_dtype)]
+    pub dtype: DType,
+    /// With --precision fp16: the first loss scale (a power of two; halved when gradients
+    /// overflow, the step skipped; doubled after 2000 clean steps).
+    #[arg(long, default_value_t = 65536.0, conflicts_with = "resume")]
+    pub loss_scale: f64,
+    /// Device capacity, e.g. 2GiB (emulated on the CPU; on a GPU the smaller of this and its
+    /// free memory; default unlimited / the free memory).
+    #[arg(long, value_parser = parse_bytes)]
+    pub device_memory: Option<u64>,
+    #[command(flatten)]
+    pub on: DeviceArgs,
+    /// Convolutions on a GPU: native (the handwritten kernels) or cudnn (cuDNN 9, each
+    /// shape's algorithms timed once and reported at the end).
+    #[arg(long, default_value = "native")]
+    pub conv: ConvImpl,
+    /// Write one JSON line per step to this file.
+    #[arg(long)]
+    pub metrics: Option<PathBuf>,
+    /// Folder to write checkpoints into (step-NNNNNN.safetensors), every --checkpoint-every
+    /// steps and at the end.
+    #[arg(long, value_name = "DIR")]
+    pub checkpoint: Option<PathBuf>,
+    #[arg(long, value_name = "N", requires = "checkpoint")]
+    pub checkpoint_every: Option<usize>,
+    /// Continue from a checkpoint: model, data, optimizer and schedule come from it.
+    #[arg(long, value_name = "FILE")]
+    pub resume: Option<PathBuf>,
+    /// Where saved activations wait for backward: none (on the device), all (in the host
+    /// tier), recompute (checkpointing: runs of √nodes recomputed in backward), auto (the planner's choice to fit
+    /// --device-memory with the least exposed time), or a policy file (JSON).
+    #[arg(long, default_value = "none")]
+    pub offload: Offload,
+    /// Nodes ahead of backward that offloaded activations are brought back.
+    #[arg(long, default_value_t = 2, value_name = "N")]
+    pub offload_ahead: usize,
+    /// Capacity of the host tier offloaded activations wait in, e.g. 64GiB (default unlimited).
+    #[arg(long, value_parser = parse_bytes)]
+    pub host_memory: Option<u64>,
+    /// How offloaded activations travel: naive (pageable, blocking), pinned (pinned pool,
+    /// blocking), async (pageable, copy stream) or pinned-async (pinned pool, copy stream,
+    /// events). On the CPU every mode is a memory copy.
+    #[arg(long, default_value = "pinned-async")]
+    pub offload_copy: CopyMode,
+    #[command(flatten)]
+    pub input: DataArgs,
+    #[command(flatten)]
+    pub spread: SchemeArgs,
+    /// Draw the schedule as SVG: predicted (plan) or the last step as measured (train, with
+    /// a --scheme).
+    #[arg(long, value_name = "FILE.svg")]
+    pub timeline: Option<PathBuf>,
+    /// A profile from `gems calibrate`: measured op times to split and schedule with.
+    #[arg(long, value_name = "FILE")]
+    pub calibration: Option<PathBuf>,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Transport {
+    Local,
+    Mpi,
+}
+
+impl std::fmt::Display for Transport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Transport::Local => "threads",
+            Transport::Mpi => "MPI processes",
+        })
+    }
+}
+
+#[derive(Args)]
+pub struct CalibrateArgs {
+    #[command(flatten)]
+    pub train: TrainArgs,
+    /// Where to write the profile (JSON).
+    #[arg(long)]
+    pub out: PathBuf,
+    /// Timed runs per op (the median is kept).
+    #[arg(long, default_value_t = 5)]
+    pub repeats: usize,
+}
+
+#[derive(Args)]
+pub struct SimulateArgs {
+    #[command(flatten)]
+    pub train: TrainArgs,
+    /// Largest GPU count to simulate (P, 2P, 4P, … GPUs: D = 1, 2, 4, … groups).
+    #[arg(long, default_value_t = 1024)]
+    pub gpus: usize,
+    /// Machine: v100-ib (LLNL Lassen), h100-nvlink-ib, or cpu.
+    #[arg(long, default_value = "v100-ib")]
+    pub profile: gems::plan::simulate::Profile,
+}
+
+/// A number, or a choice left to the planner (`auto`, or `max` for a batch size).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Choice {
+    Auto,
+    Fixed(usize),
+}
+
+impl std::str::FromStr for Choice {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "auto" | "max" => Ok(Choice::Auto),
+            n => n
+                .parse()
+                .map(Choice::Fixed)
+                .map_err(|_| format!("'{s}' is not a number, auto or max")),
+        }
+    }
+}
+
+/// How a run is spread over ranks (see DESIGN.md for the schemes).
+#[derive(Args)]
+pub struct SchemeArgs {
+    /// single, dp, mp, mast or master.
+    #[arg(long, default_value = "single")]
+    pub scheme: Kind,
+    /// P: pipeline stages, or `auto`: the fewest whose plan fits --device-memory.
+    #[arg(long, default_value = "1")]
+    pub split: Choice,
+    /// m: micro-batches per replica pass (--batch-size is split into these).
+    #[arg(long, default_value_t = 1)]
+    pub parts: usize,
+    /// η: replicas per step [default: 2 for mast, 4 for master (an even η > 2), 1 otherwise],
+    /// or `auto`: MAST's pair where --device-memory holds it (overlapped, else one replica's
+    /// activations at a time), else one replica.
+    #[arg(long)]
+    pub replicas: Option<Choice>,
+    /// D: data-parallel groups.
+    #[arg(long, default_value_t = 1)]
+    pub dp: usize,
+    /// World size; must be P·D (checked; the default is P·D).
+    #[arg(long)]
+    pub ranks: Option<usize>,
+    /// Pipeline order: gpipe or 1f1b.
+    #[arg(long, default_value = "gpipe")]
+    pub order: Order,
+    /// Segments (pieces between cut points) per stage, e.g. 10,12; balanced by cost if absent.
+    #[arg(long, value_delimiter = ',')]
+    pub balance: Option<Vec<usize>>,
+    /// How ranks talk: local (threads of this process) or mpi (one process per rank under mpirun).
+    #[arg(long, value_enum, default_value_t = Transport::Local)]
+    pub transport: Transport,
+    /// At most this many micro-batches' activations per rank at once (MAST's one-replica-at-a-time variant: m).
+    #[arg(long)]
+    pub max_in_flight: Option<usize>,
+}
+
+impl SchemeArgs {
+    pub fn scheme(&self) -> anyhow::Result<Scheme> {
+        let replicas = match self.replicas {
+            Some(Choice::Fixed(n)) => n,
+            _ if self.scheme == Kind::Mast => 2,
+            _ if self.scheme == Kind::Master => 4,
+            _ => 1,
+        };
+        // `auto` is resolved against memory later, from one stage up.
+        let stages = match self.split {
+            Choice::Fixed(p) => p,
+            Choice::Auto => 1,
+        };
+        let s = Scheme::new(
+            self.scheme,
+            stages,
+            self.parts,
+            replicas,
+            self.dp,
+            self.order,
+        );
+        if let Some(n) = self.ranks {
+            if n != s.world() {
+                anyhow::bail!(
+                    "--ranks {n} is not P·D = {}·{} = {}",
+                    s.stages,
+                    s.dp,
+                    s.world()
+                );
+            }
+        }
+        Ok(s)
+    }
+}
+
+#[derive(Args)]
+pub struct ModelsArgs {
+    #[arg(long, default_value_t = 224)]
+    pub image_size: usize,
+    #[arg(long, default_value_t = 10)]
+    pub classes: usize,
+    /// Bytes per element for activation sizes: f32, f64, bf16 or f16.
+    #[arg(long, default_value = "f32")]
+    pub dtype: DType,
+    /// Print this model's block tree and adjacency list.
+    #[arg(long, value_name = "NAME")]
+    pub graph: Option<String>,
+    /// Also show the largest training batch predicted to fit this much device memory.
+    #[arg(long, value_parser = parse_bytes)]
+    pub device_memory: Option<u64>,
+}
+/// A parameter dtype: f32 or f64 (16-bit types hold activations, chosen by --precision).
+pub fn parameter_dtype(s: &str) -> Result<DType, String> {
+    match s.parse()? {
+        d @ (DType::F32 | DType::F64) => Ok(d),
+        d => Err(format!(
+            "{} parameters are not supported: parameters are f32 or f64; for 16-bit \
+             activations use --precision {}",
+            d.name(),
+            if d == DType::BF16 { "bf16" } else { "fp16" }
+        )),
+    }
+}
+
+/// An error in the command line's words: where a plan does not fit, what would fit is said as
+/// the flag that asks for it.
+pub fn explain(e: &anyhow::Error) -> String {
+    let message = e.to_string();
+    let Some(gems::Error::DoesNotFit { what_fits, .. }) = e.downcast_ref::<gems::Error>() else {
+        return message;
+    };
+    let flag = match what_fits {
+        gems::WhatFits::Batch(b) => format!("--batch-size {b} fits"),
+        gems::WhatFits::Stages(p) => format!("--split {p} fits"),
+        gems::WhatFits::Nothing => return message,
+    };
+    match message.strip_suffix(&what_fits.to_string()) {
+        Some(head) => format!("{head}{flag}"),
+        None => message,
+    }
+}

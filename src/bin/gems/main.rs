@@ -1,0 +1,57 @@
+//! The `gems` command line: clap's definitions in `cli`, one file per command (parse, one
+//! library call, print).
+
+mod bench;
+mod cli;
+mod data;
+mod eval;
+mod models;
+mod plan;
+mod train;
+
+use std::process::ExitCode;
+
+use clap::Parser;
+
+use cli::{BenchCommand, Cli, Command, DataCommand};
+
+fn main() -> ExitCode {
+    // Like other command-line tools, end quietly when the reader of our output goes away
+    // (`gems models | head`) instead of failing a print.
+    // SAFETY: setting a signal's disposition to the default at startup, before any threads.
+    unsafe {
+        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+    }
+    // Before any thread exists, so that every thread's allocations share one heap.
+    gems::backend::cpu::tune_host_allocator();
+    let cli = Cli::parse();
+    if let Some(t) = cli.threads {
+        if let Err(e) = rayon::ThreadPoolBuilder::new()
+            .num_threads(t)
+            .build_global()
+        {
+            eprintln!("error: cannot start {t} threads: {e}");
+            return ExitCode::FAILURE;
+        }
+    }
+    let result = match cli.command {
+        Command::Train(a) => train::train(*a),
+        Command::Models(a) => models::list(a),
+        Command::Eval(a) => eval::eval(a),
+        Command::Plan(a) => plan::plan(*a),
+        Command::Simulate(a) => plan::simulate(*a),
+        Command::Calibrate(a) => plan::calibrate(*a),
+        Command::Data(DataCommand::MakeSlide(a)) => data::make_slide(a),
+        Command::Data(DataCommand::Tiles(a)) => data::tiles(a),
+        Command::Info => bench::info(),
+        Command::Bench(BenchCommand::Kernels(a)) => bench::kernels(a),
+        Command::Bench(BenchCommand::Offload(a)) => bench::offload(a),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {}", cli::explain(&e));
+            ExitCode::FAILURE
+        }
+    }
+}

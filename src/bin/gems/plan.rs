@@ -1,0 +1,222 @@
+//! `gems plan`, `gems simulate` and `gems calibrate`: questions about a run answered without
+//! training it.
+
+use std::time::Instant;
+
+use gems::fit;
+use gems::graph::policy::Keep;
+use gems::memory::human_bytes;
+use gems::plan::Layout;
+use gems::schemes::Kind;
+
+use crate::cli::{CalibrateArgs, SimulateArgs, TrainArgs};
+use crate::train::setup;
+
+/// The partition, the predicted schedule, and each rank's memory by category against capacity.
+pub fn plan(a: TrainArgs) -> anyhow::Result<()> {
+    let (graph, c) = setup(&a)?;
+    let layout = Layout::new(&graph, &c)?;
+    let (g, s) = (&layout.graph, &c.scheme);
+    let micro = c.train.batch_size / s.parts;
+    println!(
+        "plan: {} at {}², {} with P={} m={} η={} D={}, B={} ({micro} per micro-batch), {}",
+        g.name,
+        g.image_size(),
+        s.kind,
+        s.stages,
+        s.parts,
+        s.replicas,
+        s.dp,
+        c.train.batch_size,
+        c.train.numerics()
+    );
+    let costs = layout.costs.total();
+    println!(
+        "{:<6} {:>12} {:>12} {:>20} {:>22}",
+        "stage", "nodes", "parameters", "saved/micro-batch", "fwd+bwd/micro-batch"
+    );
+    let saved = layout.saved_per_micro_batch(c.train.activations(), micro);
+    for (i, r) in layout.partition.stages.iter().enumerate() {
+        let params = g.trainable_in(r.clone());
+        let saved = saved[i];
+        let secs: f64 = costs[r.clone()].iter().sum();
+        println!(
+            "{i:<6} {:>12} {params:>12} {:>20} {:>20.2} ms",
+            format!("{}..{}", r.start, r.end),
+            human_bytes(saved),
+            1e3 * secs
+        );
+    }
+    // Local ranks share this machine.
+    let step = layout.predicted_step(true);
+    let images = (s.replicas * c.train.batch_size * s.dp) as f64;
+    println!(
+        "predicted step {:.3} s, {:.1} images/s ({}; rank busy: {})",
+        step,
+        images / step,
+        if c.calibration.is_some() {
+            "calibrated"
+        } else {
+            "analytical CPU model"
+        },
+        layout
+            .schedule
+            .busy()
+            .iter()
+            .map(|b| format!("{:.0}%", 100.0 * b / step))
+            .collect::<Vec<_>>()
+            .join(" ")
+    );
+    let saves = &c.train.saves;
+    let (_, host, recompute) = saves.counts();
+    if host + recompute > 0 {
+        let link = fit::host_link(c.train.device, c.train.precision)?;
+        let (bytes, exposed) = gems::plan::offload::cost_of(
+            g,
+            &layout.costs,
+            micro,
+            c.train.activations(),
+            &link,
+            saves,
+        );
+        println!(
+            "saved tensors: {host} nodes offloaded to the host tier (fetched {} nodes ahead), {recompute} recomputed; {} per micro-batch off the device, {:.3} s per micro-batch predicted exposed (host link {:.1} GB/s{})",
+            saves.prefetch,
+            human_bytes(bytes),
+            exposed,
+            link.bytes_per_s / 1e9,
+            if link.overlaps { ", copies overlap compute" } else { ", copies are compute" }
+        );
+        for (i, r) in layout.partition.stages.iter().enumerate() {
+            let count = |k| r.clone().filter(|&n| saves.of(n) == k).count();
+            println!(
+                "  stage {i}: {} on the device, {} offloaded, {} recomputed",
+                count(Keep::Device),
+                count(Keep::Host),
+                count(Keep::Recompute)
+            );
+        }
+    }
+    if let Some(path) = &a.timeline {
+        let bytes = layout.saved_per_micro_batch(c.train.activations(), micro);
+        let title = format!(
+            "{} {} P={} m={} η={}: predicted",
+            g.name, s.kind, s.stages, s.parts, s.replicas
+        );
+        let svg = gems::plan::timeline::svg(
+            &title,
+            &layout.schedule.ranks,
+            &gems::plan::timeline::held(&layout.schedule.ranks, &bytes),
+        );
+        std::fs::write(path, svg)
+            .map_err(|e| anyhow::anyhow!("cannot write {}: {e}", path.display()))?;
+        println!("timeline: {}", path.display());
+    }
+    let mem = fit::per_rank(&graph, &c)?;
+    println!("memory per rank (a metered run of the same tasks):");
+    for (r, m) in mem.iter().enumerate() {
+        let verdict = match c.train.device_memory {
+            Some(cap) if m.peak > cap => format!(
+                "  exceeds {} by {}",
+                human_bytes(cap),
+                human_bytes(m.peak - cap)
+            ),
+            Some(cap) => format!(
+                "  fits {} ({:.0}%)",
+                human_bytes(cap),
+                100.0 * m.peak as f64 / cap as f64
+            ),
+            None => String::new(),
+        };
+        println!(
+            "  rank {r}: {}: {}{verdict}",
+            human_bytes(m.peak),
+            m.at_peak
+        );
+    }
+    Ok(())
+}
+
+pub fn calibrate(a: CalibrateArgs) -> anyhow::Result<()> {
+    let (g, c) = setup(&a.train)?;
+    let t = &c.train;
+    let micro = c.micro_batch();
+    let device = gems::Device::cpu("cpu:0", None);
+    let started = Instant::now();
+    let cal = gems::plan::calibrate::calibrate(
+        &g,
+        micro,
+        (t.dtype, t.activations()),
+        &device,
+        a.repeats.max(1),
+    )?;
+    cal.save(&a.out)?;
+    let (f, b): (f64, f64) = (cal.forward.iter().sum(), cal.backward.iter().sum());
+    println!(
+        "calibrated {} ops of {} at {}², micro-batch {micro}, {} in {:.1} s: forward {:.2} ms, backward {:.2} ms per micro-batch; wrote {}",
+        g.nodes.len(), g.name, g.image_size(), t.numerics(), started.elapsed().as_secs_f64(), 1e3 * f, 1e3 * b, a.out.display()
+    );
+    Ok(())
+}
+
+pub fn simulate(a: SimulateArgs) -> anyhow::Result<()> {
+    use gems::plan::simulate;
+    let (g, c) = setup(&a.train)?;
+    let s = &c.scheme;
+    println!(
+        "simulate: {} at {}², {} with P={} m={} η={}, B={} per replica pass, {} on {}",
+        g.name,
+        g.image_size(),
+        s.kind,
+        s.stages,
+        s.parts,
+        s.replicas,
+        c.train.batch_size,
+        c.train.numerics(),
+        a.profile
+    );
+    let points = simulate::weak_scaling(&g, &c, &a.profile, a.gpus)?;
+    let base = points
+        .first()
+        .ok_or_else(|| anyhow::anyhow!("--gpus {} is fewer than P = {}", a.gpus, s.stages))?;
+    println!(
+        "{:>6} {:>7} {:>12} {:>13} {:>11} {:>11}",
+        "gpus", "groups", "pipeline s", "all-reduce s", "images/s", "efficiency"
+    );
+    for p in &points {
+        let eff = p.images_per_s / (base.images_per_s * p.groups as f64);
+        println!(
+            "{:>6} {:>7} {:>12.4} {:>13.4} {:>11.2} {:>10.2}%",
+            p.gpus,
+            p.groups,
+            p.pipeline,
+            p.all_reduce,
+            p.images_per_s,
+            100.0 * eff
+        );
+    }
+    let peak = fit::per_rank(&g, &c)?
+        .iter()
+        .map(|m| m.peak)
+        .max()
+        .unwrap_or(0);
+    println!(
+        "largest rank memory {} (metered, with the CPU backend's workspace)",
+        human_bytes(peak)
+    );
+    if s.replicas >= 2 {
+        let mut mp = c.clone();
+        mp.scheme.kind = Kind::Mp;
+        mp.scheme.replicas = 1;
+        mp.max_in_flight = None;
+        let layout = Layout::new(&g, &mp)?;
+        let one = simulate::step(&mp, &layout, &a.profile, 1)?;
+        println!(
+            "{} over MP-Basic on {} GPUs: {:.2}× images/s",
+            s.kind,
+            s.stages,
+            base.images_per_s / one.images_per_s
+        );
+    }
+    Ok(())
+}

@@ -1,0 +1,475 @@
+//! `gems train`: one loop for every scheme, over a [`Session`] on local ranks or MPI.
+
+use std::io::{IsTerminal, Write};
+use std::path::Path;
+use std::time::Instant;
+
+use indicatif::{ProgressBar, ProgressStyle};
+
+use gems::data::Pipeline;
+use gems::fit::{self, Auto};
+use gems::graph::policy::{Keep, SavePolicy};
+use gems::memory::human_bytes;
+use gems::optim::schedule::LrSchedule;
+use gems::optim::SgdConfig;
+use gems::runtime::Checkpoint;
+use gems::{models, Evaluation, Graph, RunConfig, Session, StepReport, TrainConfig};
+
+use crate::cli::{Choice, Offload, TrainArgs, Transport};
+
+/// The model and the run the training flags describe (or a checkpoint, with `--resume`),
+/// with `auto` and `max` resolved against the capacity by metered runs; what was chosen is
+/// printed.
+pub fn setup(a: &TrainArgs) -> anyhow::Result<(Graph, RunConfig)> {
+    let (graph, train) = match &a.resume {
+        Some(file) => {
+            let ckpt = Checkpoint::read(file)?;
+            let (model, side, classes) = ckpt.model()?;
+            let mut t = ckpt.config()?;
+            (a.on.for_checkpoint()?)(&mut t);
+            t.steps = a.steps.unwrap_or(t.steps);
+            t.offload_copy = a.offload_copy;
+            t.device_memory = a.device_memory;
+            t.host_memory = a.host_memory;
+            t.conv = a.conv;
+            t.data.skip_bad = a.input.skip_bad;
+            t.data.workers = a.input.workers;
+            t.data.prefetch = a.input.prefetch;
+            (models::build(&model, side, classes)?, t)
+        }
+        None => {
+            let data = a.input.config(a.image_size)?;
+            let classes = match (gems::data::pipeline::class_names(&data.source)?, a.classes) {
+                (None, given) => given.unwrap_or(10),
+                (Some(names), Some(given)) if given != names.len() => anyhow::bail!(
+                    "--classes {given}, but the data has {} classes ({})",
+                    names.len(),
+                    names.join(", ")
+                ),
+                (Some(names), _) => names.len(),
+            };
+            let steps = a.steps.unwrap_or(150);
+            let train = TrainConfig {
+                batch_size: match a.batch_size {
+                    Choice::Fixed(b) => b,
+                    Choice::Auto => a.spread.parts,
+                },
+                steps,
+                schedule: LrSchedule {
+                    base: a.lr,
+                    decay: a.schedule,
+                    warmup: a.warmup,
+                    total: steps,
+                },
+                sgd: SgdConfig {
+                    momentum: a.momentum,
+                    weight_decay: a.weight_decay,
+                    nesterov: a.nesterov,
+                },
+                seed: a.seed,
+                dtype: a.dtype,
+                device_memory: a.device_memory,
+                host_memory: a.host_memory,
+                offload_copy: a.offload_copy,
+                data,
+                device: a.on.kind(a.dtype)?,
+                precision: a.on.precision(),
+                conv: a.conv,
+                loss_scale: a.loss_scale,
+                ..TrainConfig::new(1, steps)
+            };
+            (models::build(&a.model, a.image_size, classes)?, train)
+        }
+    };
+    let mut c = RunConfig::new(train, a.spread.scheme()?);
+    c.balance = a.spread.balance.clone();
+    c.max_in_flight = a.spread.max_in_flight;
+    if let Some(p) = &a.calibration {
+        c.calibration = Some(std::sync::Arc::new(
+            gems::plan::calibrate::Calibration::load(p)?,
+        ));
+    }
+    let nodes = graph.nodes.len();
+    c.train.saves = match &a.offload {
+        Offload::None | Offload::Auto => SavePolicy::keep_all(),
+        Offload::All => SavePolicy::all(nodes, Keep::Host, a.offload_ahead),
+        Offload::Recompute => SavePolicy::checkpointed(nodes),
+        Offload::File(path) => SavePolicy::load(path, nodes)?,
+    };
+    let auto = Auto {
+        split: a.spread.split == Choice::Auto,
+        replicas: a.spread.replicas == Some(Choice::Auto),
+        batch: a.batch_size == Choice::Auto && a.resume.is_none(),
+        offload: (a.offload == Offload::Auto).then_some(a.offload_ahead),
+    };
+    let resolved = fit::resolve(&graph, c, auto)?;
+    let c = resolved.config;
+    if auto.split {
+        println!("--split auto: {} stages", c.scheme.stages);
+    }
+    if auto.replicas {
+        let variant = match (c.scheme.replicas, c.max_in_flight) {
+            (1, _) => "one replica (mp)",
+            (_, None) => "the MAST pair, overlapped",
+            _ => "the MAST pair, one replica's activations at a time",
+        };
+        println!("--replicas auto: {variant}");
+    }
+    if auto.batch {
+        println!("--batch-size max: {}", c.train.batch_size);
+    }
+    if let Some(chosen) = &resolved.offload {
+        let (_, host, recompute) = chosen.policy.counts();
+        println!(
+            "--offload auto: {host} nodes offloaded, {recompute} recomputed ({} per micro-batch off the device, {:.3} s per step predicted exposed)",
+            human_bytes(chosen.bytes),
+            chosen.exposed
+        );
+    }
+    Ok((graph, c))
+}
+
+pub fn train(a: TrainArgs) -> anyhow::Result<()> {
+    if a.steps == Some(0) || a.checkpoint_every == Some(0) {
+        anyhow::bail!("--steps and --checkpoint-every must be at least 1");
+    }
+    if a.input.val_every == Some(0) {
+        anyhow::bail!("--val-every must be at least 1");
+    }
+    let (graph, c) = setup(&a)?;
+    fit::check_fits(&graph, &c)?;
+    match a.spread.transport {
+        Transport::Local => {
+            let data = open_data(&graph, &c)?;
+            let train = data.train.clone();
+            let session = Session::new(&graph, c, data)?;
+            run(&a, session, &train, true)
+        }
+        Transport::Mpi => run_mpi(&a, &graph, c),
+    }
+}
+
+/// Opens the run's data for `graph`, warning of samples left out.
+fn open_data(graph: &Graph, c: &RunConfig) -> anyhow::Result<gems::Dataset> {
+    let t = &c.train;
+    let data = gems::data::open(&t.data, graph.image_size(), graph.classes(), t.seed)?;
+    report_skipped(&data.skipped);
+    Ok(data)
+}
+
+/// This process's rank under mpirun; the job ends on any rank's error (the others would wait
+/// for it forever).
+#[cfg(feature = "mpi")]
+fn run_mpi(a: &TrainArgs, graph: &Graph, c: RunConfig) -> anyhow::Result<()> {
+    use gems::comm::Comm;
+    let universe = mpi::initialize().ok_or_else(|| anyhow::anyhow!("MPI was initialized twice"))?;
+    let comm = gems::comm::mpi::MpiComm::world(&universe);
+    let rank = comm.rank();
+    let abort = |e: anyhow::Error| -> ! {
+        eprintln!("error: rank {rank}: {}", crate::cli::explain(&e));
+        gems::comm::mpi::MpiComm::world(&universe).abort(1)
+    };
+    let data = open_data(graph, &c).unwrap_or_else(|e| abort(e));
+    let train = data.train.clone();
+    let session = Session::on(graph, c, data, Box::new(comm)).unwrap_or_else(|e| abort(e.into()));
+    run(a, session, &train, rank == 0).unwrap_or_else(|e| abort(e));
+    Ok(())
+}
+
+#[cfg(not(feature = "mpi"))]
+fn run_mpi(_: &TrainArgs, _: &Graph, _: RunConfig) -> anyhow::Result<()> {
+    anyhow::bail!("this gems was built without MPI: build it with `cargo build --release --features mpi` and start it with mpirun")
+}
+
+/// The training loop: resumes, steps, validates and checkpoints as the flags say, printing
+/// progress and the summary where `speaks` (world rank 0).
+fn run(a: &TrainArgs, mut session: Session, data: &Pipeline, speaks: bool) -> anyhow::Result<()> {
+    if let Some(file) = &a.resume {
+        session.restore(file)?;
+        if speaks {
+            println!(
+                "resuming from {} at step {}",
+                file.display(),
+                session.steps_done()
+            );
+        }
+    }
+    if let Some(dir) = &a.checkpoint {
+        std::fs::create_dir_all(dir).map_err(|e| {
+            anyhow::anyhow!("cannot create checkpoint folder {}: {e}", dir.display())
+        })?;
+    }
+    let c = session.config().clone();
+    let (total, first) = (c.train.steps, session.steps_done());
+    if first >= total {
+        anyhow::bail!("the checkpoint is at step {first}; ask for more --steps than that");
+    }
+    let mut metrics = match (&a.metrics, speaks) {
+        (Some(p), true) => Some(std::io::BufWriter::new(
+            std::fs::File::create(p)
+                .map_err(|e| anyhow::anyhow!("cannot write metrics to {}: {e}", p.display()))?,
+        )),
+        _ => None,
+    };
+    let device = session.device_summary()?;
+    if speaks {
+        header(&session, &device.name, a, total);
+    }
+    let bar = (speaks && std::io::stderr().is_terminal()).then(|| {
+        let b = ProgressBar::new((total - first) as u64);
+        b.set_style(
+            ProgressStyle::with_template("{bar:30} {pos}/{len} {msg}").expect("static template"),
+        );
+        b
+    });
+    let say = |line: String| match &bar {
+        Some(b) => b.println(line),
+        None if speaks => println!("{line}"),
+        None => {}
+    };
+    let started = Instant::now();
+    let mut history: Vec<StepReport> = Vec::with_capacity(total - first);
+    let validates = c.train.data.val > 0.0;
+    for _ in first..total {
+        let r = session.step()?;
+        let done = session.steps_done();
+        if validates
+            && a.input
+                .val_every
+                .is_some_and(|n| done % n == 0 && done < total)
+        {
+            let e = session.evaluate_held_out(None)?;
+            say(validation_line(done, total, &e));
+        }
+        if let Some(dir) = &a.checkpoint {
+            if done == total || a.checkpoint_every.is_some_and(|n| done % n == 0) {
+                session.save(dir.join(format!("step-{done:06}.safetensors")))?;
+            }
+        }
+        if let Some(m) = metrics.as_mut() {
+            let mut line = serde_json::json!({
+                "step": r.step, "loss": r.loss, "correct": r.correct, "batch": r.scored,
+                "images": r.images, "lr": r.lr, "seconds": r.seconds, "data_wait": r.data_wait,
+                "loss_scale": r.loss_scale, "skipped": r.skipped,
+            });
+            line["images_per_s"] = r.images_per_second().into();
+            writeln!(m, "{line}")?;
+            // Flushed every step: a run that stops keeps what it measured.
+            m.flush()?;
+        }
+        let recent = &history[history.len().saturating_sub(9)..];
+        let (loss, acc) = window_stats(recent.iter().chain(std::iter::once(&r)));
+        let msg = format!(
+            "loss {loss:.4}  acc {:.1}%  {:.1} img/s  lr {:.4}",
+            100.0 * acc,
+            r.images_per_second(),
+            r.lr
+        );
+        match &bar {
+            Some(b) => {
+                b.set_message(msg);
+                b.inc(1);
+            }
+            None if speaks && (r.step + 1) % (total / 10).max(1) == 0 => {
+                println!("step {:>5}/{total}  {msg}", r.step + 1)
+            }
+            None => {}
+        }
+        history.push(r);
+    }
+    if let Some(b) = bar {
+        b.finish_and_clear();
+    }
+    let secs = started.elapsed().as_secs_f64();
+    let validation = match validates {
+        true => Some(session.evaluate_held_out(None)?),
+        false => None,
+    };
+    let loss_scale = session.loss_scale()?;
+    let device = session.device_summary()?;
+    if !speaks {
+        return Ok(());
+    }
+    let images: usize = history.iter().map(|r| r.images).sum();
+    let tail = &history[history.len().saturating_sub(10)..];
+    let (loss, acc) = window_stats(tail.iter());
+    println!(
+        "done: {} steps, {images} images in {secs:.1} s",
+        history.len()
+    );
+    println!(
+        "  loss {loss:.4}, accuracy {:.1}% (mean of the last {} steps; chance is {:.1}%)",
+        100.0 * acc,
+        tail.len(),
+        100.0 / session.graph().classes() as f64
+    );
+    println!("  throughput {:.1} images/s", images as f64 / secs);
+    if let Some(s) = &loss_scale {
+        println!(
+            "  loss scale {} ({} steps skipped: their gradients overflowed f16)",
+            s.factor(),
+            s.skipped()
+        );
+    }
+    let waited: f64 = history.iter().map(|r| r.data_wait).sum();
+    println!(
+        "  waited for data {waited:.2} s ({:.1}% of the loop)",
+        100.0 * waited / secs
+    );
+    let (bad, last_bad) = data.bad();
+    if bad > 0 {
+        println!(
+            "  {bad} unreadable samples skipped (blank inputs), the last {}",
+            last_bad.unwrap_or_default()
+        );
+    }
+    if let Some(e) = &validation {
+        print_validation(e);
+    }
+    let last = history.last().expect("at least one step ran");
+    if last.ranks.len() == 1 {
+        let mem = &last.ranks[0].memory;
+        println!("  peak memory {}: {}", human_bytes(mem.peak), mem.at_peak);
+        if let Some(cap) = mem.capacity {
+            println!(
+                "  capacity {} ({:.0}% used at peak)",
+                human_bytes(cap),
+                100.0 * mem.peak as f64 / cap as f64
+            );
+        }
+    } else {
+        println!("  rank   busy s   idle s   data wait s   peak memory");
+        for rank in 0..last.ranks.len() {
+            let sum = |f: fn(&gems::runtime::RankStep) -> f64| {
+                history.iter().map(|r| f(&r.ranks[rank])).sum::<f64>()
+            };
+            let (busy, wall) = (sum(|r| r.busy), sum(|r| r.seconds));
+            let mem = &last.ranks[rank].memory;
+            println!(
+                "  {rank:>4} {busy:>8.2} {:>8.2} {:>13.2}   {}: {}",
+                (wall - busy).max(0.0),
+                sum(|r| r.data_wait),
+                human_bytes(mem.peak),
+                mem.at_peak
+            );
+        }
+    }
+    if device.host.peak > 0 {
+        println!(
+            "  host tier peak {}{} ({} copies; pinned pool: {} blocks allocated, {} reused, {})",
+            human_bytes(device.host.peak),
+            device
+                .host
+                .capacity
+                .map(|c| format!(" of {}", human_bytes(c)))
+                .unwrap_or_default(),
+            c.train.offload_copy,
+            device.pool.allocated,
+            device.pool.reused,
+            human_bytes(device.pool.bytes)
+        );
+    }
+    if !device.conv_algorithms.is_empty() {
+        println!("  cuDNN algorithms per convolution shape:");
+        for l in &device.conv_algorithms {
+            println!("    {l}");
+        }
+    }
+    if let Some(path) = &a.timeline {
+        timeline(&session, last, path)?;
+    }
+    Ok(())
+}
+
+/// What is trained, how, and where.
+fn header(session: &Session, device: &str, a: &TrainArgs, total: usize) {
+    let (g, c) = (session.graph(), session.config());
+    let (s, t) = (&c.scheme, &c.train);
+    println!(
+        "training {} ({} parameters, {:.2} GFLOPs/image) on {}², {} classes, batch {}, {total} steps, {} on {}",
+        g.name,
+        g.parameter_count(),
+        g.flops_per_sample() as f64 / 1e9,
+        g.image_size(),
+        g.classes(),
+        t.batch_size,
+        t.numerics(),
+        device,
+    );
+    if s.world() > 1 || s.parts > 1 {
+        println!(
+            "  {}: P={} stages, m={} micro-batches, η={} replicas, D={} groups on {} ranks ({}); {} images per step",
+            s.kind, s.stages, s.parts, s.replicas, s.dp, s.world(), a.spread.transport, c.images_per_step()
+        );
+        for (i, r) in session.layout().partition.stages.iter().enumerate() {
+            let (first, last) = (&g.nodes[r.start].name, &g.nodes[r.end - 1].name);
+            println!(
+                "  stage {i}: nodes {}..{} ({first} … {last})",
+                r.start, r.end
+            );
+        }
+    }
+}
+
+/// The last step's tasks as measured, drawn per rank.
+fn timeline(session: &Session, last: &StepReport, path: &Path) -> anyhow::Result<()> {
+    let (g, c) = (session.graph(), session.config());
+    let s = &c.scheme;
+    let bytes = session
+        .layout()
+        .saved_per_micro_batch(c.train.activations(), c.micro_batch());
+    let tasks: Vec<_> = last.ranks[..s.stages]
+        .iter()
+        .map(|r| r.timeline.clone())
+        .collect();
+    let title = format!(
+        "{} {} P={} m={} η={}: measured, last step",
+        g.name, s.kind, s.stages, s.parts, s.replicas
+    );
+    let svg =
+        gems::plan::timeline::svg(&title, &tasks, &gems::plan::timeline::held(&tasks, &bytes));
+    std::fs::write(path, svg)
+        .map_err(|e| anyhow::anyhow!("cannot write {}: {e}", path.display()))?;
+    println!("  timeline: {}", path.display());
+    Ok(())
+}
+
+/// A line of validation during training, after `done` of `total` steps.
+pub fn validation_line(done: usize, total: usize, e: &Evaluation) -> String {
+    format!(
+        "step {done:>5}/{total}  validation loss {:.4}, accuracy {:.1}%",
+        e.loss,
+        100.0 * e.accuracy
+    )
+}
+
+/// The summary's line of the evaluation after the last step.
+pub fn print_validation(e: &Evaluation) {
+    println!(
+        "  validation: loss {:.4}, accuracy {:.1}% on {} held-out samples",
+        e.loss,
+        100.0 * e.accuracy,
+        e.samples
+    );
+}
+
+/// Mean loss and accuracy over reports.
+fn window_stats<'a>(rs: impl Iterator<Item = &'a StepReport>) -> (f64, f64) {
+    let (mut loss, mut correct, mut seen, mut n) = (0.0, 0, 0, 0);
+    for r in rs {
+        loss += r.loss;
+        correct += r.correct;
+        seen += r.scored;
+        n += 1;
+    }
+    (loss / n.max(1) as f64, correct as f64 / seen.max(1) as f64)
+}
+/// Warns of samples left out when the data was opened.
+pub fn report_skipped(skipped: &[(String, String)]) {
+    for (what, why) in skipped {
+        eprintln!("warning: skipping {what}: {why}");
+    }
+    if !skipped.is_empty() {
+        println!("{} unreadable samples left out", skipped.len());
+    }
+}
