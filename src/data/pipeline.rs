@@ -295,6 +295,11 @@ impl Pipeline {
         self.order.map(|o| o.len)
     }
 
+    /// The side of the square inputs it prepares.
+    pub fn image_size(&self) -> usize {
+        self.image_size
+    }
+
     pub fn classes(&self) -> &[String] {
         self.source.classes()
     }

@@ -125,7 +125,7 @@ impl Session {
     ) -> Result<Session> {
         let layout = Arc::new(Layout::new(graph, &config)?);
         if let Some(d) = &data {
-            check_classes(graph, &d.classes)?;
+            check_data(graph, &d.train)?;
         }
         let train = data.as_ref().map(|d| d.train.clone());
         let held_out = data.and_then(|d| d.val);
@@ -236,9 +236,7 @@ impl Session {
     /// in micro-batches of B/m images through the scheme's stages; changes nothing.
     pub fn evaluate(&mut self, data: &Arc<Pipeline>, samples: Option<usize>) -> Result<Evaluation> {
         let n = held_out_samples(data, samples)?;
-        if data.classes().len() != self.layout.graph.classes() {
-            check_classes(&self.layout.graph, data.classes())?;
-        }
+        check_data(&self.layout.graph, data)?;
         let data = data.clone();
         Ok(self.all(move |r| r.evaluate(&data, n))?.swap_remove(0))
     }
@@ -402,8 +400,17 @@ fn receive<T: 'static>(w: &Worker) -> Result<T> {
     *out.downcast::<Result<T>>().map_err(|_| lost())?
 }
 
-/// The model's classes must be the data's.
-fn check_classes(g: &Graph, names: &[String]) -> Result<()> {
+/// The data must be what the model takes: its images' side and its classes.
+fn check_data(g: &Graph, data: &Pipeline) -> Result<()> {
+    if data.image_size() != g.image_size() {
+        return Err(Error::Config(format!(
+            "the data makes {}² images but {} takes {}²",
+            data.image_size(),
+            g.name,
+            g.image_size()
+        )));
+    }
+    let names = data.classes();
     if names.len() == g.classes() {
         return Ok(());
     }

@@ -414,9 +414,10 @@ pub struct TrainArgs {
     /// Classes [default: the data's; 10 for synthetic data].
     #[arg(long, conflicts_with = "resume")]
     pub classes: Option<usize>,
-    /// Images per replica pass, or `max`: the largest that fits --device-memory.
-    #[arg(long, default_value = "32", conflicts_with = "resume")]
-    pub batch_size: Choice,
+    /// Images per replica pass, or `max`: the largest that fits --device-memory [default: 32;
+    /// when resuming, the checkpoint's].
+    #[arg(long)]
+    pub batch_size: Option<Choice>,
     /// Total optimizer steps [default: 150; when resuming, the checkpoint's total].
     #[arg(long)]
     pub steps: Option<usize>,

@@ -28,6 +28,9 @@ pub fn setup(a: &TrainArgs) -> anyhow::Result<(Graph, RunConfig)> {
             let mut t = ckpt.config()?;
             (a.on.for_checkpoint()?)(&mut t);
             t.steps = a.steps.unwrap_or(t.steps);
+            if let Some(Choice::Fixed(b)) = a.batch_size {
+                t.batch_size = b;
+            }
             t.offload_copy = a.offload_copy;
             t.device_memory = a.device_memory;
             t.host_memory = a.host_memory;
@@ -51,8 +54,9 @@ pub fn setup(a: &TrainArgs) -> anyhow::Result<(Graph, RunConfig)> {
             let steps = a.steps.unwrap_or(150);
             let train = TrainConfig {
                 batch_size: match a.batch_size {
-                    Choice::Fixed(b) => b,
-                    Choice::Auto => a.spread.parts,
+                    None => 32,
+                    Some(Choice::Fixed(b)) => b,
+                    Some(Choice::Auto) => a.spread.parts,
                 },
                 steps,
                 schedule: LrSchedule {
@@ -99,7 +103,7 @@ pub fn setup(a: &TrainArgs) -> anyhow::Result<(Graph, RunConfig)> {
     let auto = Auto {
         split: a.spread.split == Choice::Auto,
         replicas: a.spread.replicas == Some(Choice::Auto),
-        batch: a.batch_size == Choice::Auto && a.resume.is_none(),
+        batch: a.batch_size == Some(Choice::Auto),
         offload: (a.offload == Offload::Auto).then_some(a.offload_ahead),
     };
     let resolved = fit::resolve(&graph, c, auto)?;

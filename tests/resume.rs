@@ -1,0 +1,343 @@
+//! Checkpoints are independent of the scheme that wrote them: for every scheme, a run of k
+//! steps equals a run of k/2 steps checkpointed and resumed with the same scheme to the last
+//! bit, and resumed as `single` (the same micro-batches) or as `mp` over another number of
+//! stages within the schemes' own equivalence tolerance (f64: 1e-9 relative). Under MPI the
+//! same through the command line: one file written by one rank, resumed locally as `single`.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+use gems::optim::schedule::{Decay, LrSchedule};
+use gems::optim::SgdConfig;
+use gems::{models, DType, Dataset, Graph, Kind, Order, RunConfig, Scheme, Session, TrainConfig};
+
+const STEPS: usize = 4;
+const IMAGE: usize = 32;
+const CLASSES: usize = 4;
+
+fn graph() -> Graph {
+    models::build("resnet20v2", IMAGE, CLASSES).unwrap()
+}
+
+fn config(scheme: Scheme, batch: usize) -> RunConfig {
+    let train = TrainConfig {
+        schedule: LrSchedule {
+            base: 0.05,
+            decay: Decay::Cosine,
+            warmup: 1,
+            total: STEPS,
+        },
+        sgd: SgdConfig {
+            momentum: 0.9,
+            weight_decay: 1e-3,
+            nesterov: true,
+        },
+        seed: 5,
+        dtype: DType::F64,
+        ..TrainConfig::new(batch, STEPS)
+    };
+    RunConfig::new(train, scheme)
+}
+
+fn session(g: &Graph, scheme: Scheme, batch: usize) -> Session {
+    let data = Dataset::synthetic(IMAGE, CLASSES, 5);
+    Session::new(g, config(scheme, batch), data).unwrap_or_else(|e| panic!("{scheme:?}: {e}"))
+}
+
+/// The whole model's values by parameter id, from the orientation-0 copies (each stage's
+/// copies are held bit-identical by the schemes' own tests).
+fn parameters(s: &mut Session) -> HashMap<usize, Vec<f64>> {
+    s.parameters()
+        .unwrap()
+        .into_iter()
+        .flatten()
+        .filter(|(orientation, _, _)| *orientation == 0)
+        .map(|(_, id, v)| (id, v))
+        .collect()
+}
+
+fn steps(s: &mut Session, n: usize) {
+    for _ in 0..n {
+        s.step().unwrap();
+    }
+}
+
+fn temp(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("gems-resume-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    dir.join(name)
+}
+
+/// Largest difference relative to the tensor's largest value (absolute 1e-12 for tensors at
+/// rounding noise), over every parameter.
+fn assert_close(what: &str, got: &HashMap<usize, Vec<f64>>, want: &HashMap<usize, Vec<f64>>) {
+    assert_eq!(got.len(), want.len(), "{what}: every parameter is held");
+    for (id, w) in want {
+        let g = &got[id];
+        let diff = g
+            .iter()
+            .zip(w)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0.0, f64::max);
+        let scale = w.iter().map(|x| x.abs()).fold(0.0, f64::max);
+        assert!(
+            diff <= 1e-9 * scale + 1e-12,
+            "{what}: param {id} differs by {:e} relative",
+            diff / scale
+        );
+    }
+}
+
+fn assert_identical(what: &str, got: &HashMap<usize, Vec<f64>>, want: &HashMap<usize, Vec<f64>>) {
+    assert_eq!(got.len(), want.len(), "{what}: every parameter is held");
+    for (id, w) in want {
+        let same = got[id]
+            .iter()
+            .zip(w)
+            .all(|(a, b)| a.to_bits() == b.to_bits());
+        assert!(same, "{what}: param {id} is not bit-identical");
+    }
+}
+
+/// `scheme` (B images per replica pass) for STEPS steps, against STEPS/2 steps, a checkpoint,
+/// and STEPS/2 more steps as the same scheme, as single and as mp over `other_p` stages.
+fn check(scheme: Scheme, batch: usize, other_p: usize) {
+    let g = graph();
+    let name = format!("{scheme:?}");
+    let mut whole = session(&g, scheme, batch);
+    steps(&mut whole, STEPS);
+    let want = parameters(&mut whole);
+
+    let file = temp(&format!(
+        "{}-{}-{}-{}.safetensors",
+        scheme.kind, scheme.stages, scheme.replicas, scheme.dp
+    ));
+    let mut first = session(&g, scheme, batch);
+    steps(&mut first, STEPS / 2);
+    first.save(&file).unwrap();
+    drop(first);
+
+    let resume = |scheme: Scheme, batch: usize| {
+        let mut s = session(&g, scheme, batch);
+        s.restore(&file).unwrap();
+        assert_eq!(s.steps_done(), STEPS / 2);
+        steps(&mut s, STEPS - STEPS / 2);
+        parameters(&mut s)
+    };
+    assert_identical(
+        &format!("{name} resumed as itself"),
+        &resume(scheme, batch),
+        &want,
+    );
+
+    // The reference's micro-batches: M = D·η·m of B/m images each, in one step.
+    let m = scheme.micro_batches_per_step();
+    let micro = batch / scheme.parts;
+    let single = Scheme::single(m);
+    assert_close(
+        &format!("{name} resumed as single"),
+        &resume(single, m * micro),
+        &want,
+    );
+    let mp = Scheme::new(Kind::Mp, other_p, m, 1, 1, Order::OneFOneB);
+    assert_close(
+        &format!("{name} resumed as mp over {other_p}"),
+        &resume(mp, m * micro),
+        &want,
+    );
+}
+
+#[test]
+fn single_resumes_as_itself_and_as_a_pipeline() {
+    check(Scheme::single(2), 4, 2);
+}
+
+#[test]
+fn mp_gpipe_and_1f1b_resume_under_any_scheme() {
+    check(Scheme::new(Kind::Mp, 2, 2, 1, 1, Order::GPipe), 4, 3);
+    check(Scheme::new(Kind::Mp, 3, 3, 1, 1, Order::OneFOneB), 3, 2);
+}
+
+#[test]
+fn mast_and_master_resume_under_any_scheme() {
+    check(Scheme::new(Kind::Mast, 2, 2, 2, 1, Order::GPipe), 4, 3);
+    check(Scheme::new(Kind::Master, 2, 1, 4, 1, Order::GPipe), 2, 3);
+}
+
+#[test]
+fn hybrid_and_dp_resume_under_any_scheme() {
+    check(Scheme::new(Kind::Mast, 2, 1, 2, 2, Order::GPipe), 2, 3);
+    check(Scheme::new(Kind::Dp, 1, 1, 1, 2, Order::GPipe), 2, 2);
+}
+
+#[test]
+fn a_checkpoint_of_another_model_is_refused_by_name() {
+    let g = graph();
+    let file = temp("other-model.safetensors");
+    let mut s = session(&g, Scheme::single(1), 2);
+    s.save(&file).unwrap();
+    let other = models::build("resnet20v2", 64, CLASSES).unwrap();
+    let mut t = Session::new(
+        &other,
+        config(Scheme::single(1), 2),
+        Dataset::synthetic(64, CLASSES, 5),
+    )
+    .unwrap();
+    let e = t.restore(&file).unwrap_err();
+    assert!(
+        matches!(&e, gems::Error::BadInput { path, why } if path == &file && why.contains("32² images") && why.contains("64²")),
+        "{e}"
+    );
+}
+
+/// Tensors of a checkpoint by name (the file's metadata is not compared).
+fn tensors(path: &Path) -> HashMap<String, Vec<u8>> {
+    let bytes = std::fs::read(path).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    st.tensors()
+        .into_iter()
+        .map(|(n, v)| (n, v.data().to_vec()))
+        .collect()
+}
+
+/// Under mpirun (one process per rank) `mast --split 2` writes one checkpoint; resumed over
+/// MPI it ends bit-identical to the uninterrupted run, and resumed locally as `mp` over 3
+/// ranks the same to 1e-9 (checked on the written weights).
+#[cfg(feature = "mpi")]
+#[test]
+fn mast_over_mpi_checkpoints_one_file_that_resumes_locally() {
+    use std::process::Command;
+    let gems = env!("CARGO_BIN_EXE_gems");
+    let dir = temp("mpi");
+    let mpirun = |args: &[&str]| {
+        let out = Command::new("mpirun")
+            .args(["--oversubscribe", "-np", "2", gems])
+            .args(args)
+            .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
+            .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    };
+    let common = [
+        "train",
+        "--dtype",
+        "f64",
+        "--classes",
+        "4",
+        "--image-size",
+        "32",
+        "--batch-size",
+        "2",
+        "--seed=3",
+    ];
+    let (whole, half, again) = (dir.join("whole"), dir.join("half"), dir.join("again"));
+    let mast = [
+        "--scheme",
+        "mast",
+        "--split",
+        "2",
+        "--parts",
+        "2",
+        "--transport",
+        "mpi",
+    ];
+    mpirun(
+        &[
+            &common[..],
+            &mast,
+            &["--steps", "4", "--checkpoint", whole.to_str().unwrap()],
+        ]
+        .concat(),
+    );
+    mpirun(
+        &[
+            &common[..],
+            &mast,
+            &[
+                "--steps",
+                "4",
+                "--checkpoint-every",
+                "2",
+                "--checkpoint",
+                half.to_str().unwrap(),
+            ],
+        ]
+        .concat(),
+    );
+    let step2 = half.join("step-000002.safetensors");
+    mpirun(&[
+        "train",
+        "--resume",
+        step2.to_str().unwrap(),
+        "--checkpoint",
+        again.to_str().unwrap(),
+        "--scheme",
+        "mast",
+        "--split",
+        "2",
+        "--parts",
+        "2",
+        "--transport",
+        "mpi",
+    ]);
+    let want = tensors(&whole.join("step-000004.safetensors"));
+    assert_eq!(
+        tensors(&again.join("step-000004.safetensors")),
+        want,
+        "resumed over MPI"
+    );
+    // Locally as mp over 3 stages with the same 4 micro-batches of 1 image.
+    let local = dir.join("local");
+    let out = Command::new(gems)
+        .args([
+            "train",
+            "--resume",
+            step2.to_str().unwrap(),
+            "--checkpoint",
+            local.to_str().unwrap(),
+            "--scheme",
+            "mp",
+            "--split",
+            "3",
+            "--parts",
+            "4",
+            "--batch-size",
+            "4",
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let got = tensors(&local.join("step-000004.safetensors"));
+    let f64s = |b: &[u8]| -> Vec<f64> {
+        b.chunks(8)
+            .map(|c| f64::from_le_bytes(c.try_into().unwrap()))
+            .collect()
+    };
+    for (name, w) in &want {
+        if name.ends_with("num_batches_tracked") {
+            assert_eq!(&got[name], w, "{name}");
+            continue;
+        }
+        let (g, w) = (f64s(&got[name]), f64s(w));
+        let diff = g
+            .iter()
+            .zip(&w)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0.0, f64::max);
+        let scale = w.iter().map(|x| x.abs()).fold(0.0, f64::max);
+        assert!(
+            diff <= 1e-9 * scale + 1e-12,
+            "{name}: {:e} relative",
+            diff / scale
+        );
+    }
+}
