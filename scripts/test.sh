@@ -11,7 +11,8 @@
 #      and exposes NVRTC under the plain name libnvrtc.so via the symlink
 #      target/nvrtc/libnvrtc.so (LD_LIBRARY_PATH, GEMS_NVRTC_LIB);
 #   2. runs the whole suite: cargo test --release --features mpi (extra arguments are
-#      passed on; without OpenMPI, a warning and the suite without the MPI transport);
+#      passed on; without OpenMPI, a warning and the suite without the MPI transport), and
+#      without extra arguments every example (examples/);
 #   3. without extra arguments, also the GPU suite's op tests and a resnet110v2 step on the
 #      emulated CUDA driver (scripts/cuda_emu/suite.sh): the CUDA backend's host code end to
 #      end, without a GPU. The rest of that suite (offload, schemes, training, fp16's loss
@@ -274,6 +275,14 @@ fi
 
 log "== cargo test --release ${features[*]}"
 cargo test --release "${features[@]}" "$@"
+
+if [ "$#" -eq 0 ]; then
+    # Each example asserts what it prints (a cap held, a plan equal to the run it predicts).
+    for example in custom_model plan_my_model pipeline_my_model; do
+        log "== example $example"
+        cargo run --release --quiet "${features[@]}" --example "$example"
+    done
+fi
 
 if [ "$#" -eq 0 ] && [ -z "${GEMS_SKIP_EMU:-}" ]; then
     log "== the GPU suite on the emulated CUDA driver (ops and a resnet110v2 step)"
