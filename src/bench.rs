@@ -7,10 +7,11 @@
 
 use std::time::Instant;
 
-use crate::backend::{ChannelGeom, ConvGeom, Device};
+use crate::backend::host::HostPool;
+use crate::backend::{ChannelGeom, ConvGeom};
 use crate::graph::Graph;
-use crate::memory::host::HostPool;
 use crate::ops::{batched, Op};
+use crate::tensor::Device;
 use crate::tensor::{DType, Storage};
 use crate::Result;
 
@@ -71,7 +72,7 @@ fn random(device: &Device, n: usize, seed: u64, dtype: DType) -> Result<Storage>
     // Cheap, deterministic, never zero: values in ±[0.05, 1).
     let data: Vec<f64> = (0..n as u64)
         .map(|i| {
-            let u = crate::backend::cpu::uniform(seed, i);
+            let u = crate::core::rng::uniform(seed, i);
             let v = 0.05 + 0.95 * u;
             if i % 2 == 0 {
                 v

@@ -6,8 +6,9 @@
 use std::sync::{Arc, OnceLock};
 
 use super::{Backend, ChannelGeom, ConvGeom, DeviceKind, Event, PoolGeom, SgdStep};
-use crate::memory::host::HostPool;
-use crate::tensor::{DType, Storage};
+use crate::backend::host::HostPool;
+use crate::backend::Storage;
+use crate::core::DType;
 use crate::Result;
 
 /// Whose convolution workspace a metered run reserves.

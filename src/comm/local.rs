@@ -125,7 +125,7 @@ impl Comm for LocalComm {
         // All-gather (color, key) through the group's first rank.
         let tag = super::COLLECTIVE_TAG + 3;
         let mine = Message {
-            shape: crate::Shape::new([2]),
+            shape: crate::core::Shape::new([2]),
             storage: crate::tensor::Storage::F64(vec![color as f64, key as f64]),
         };
         let pairs: Vec<(usize, usize)> = if self.rank == 0 {
@@ -144,7 +144,7 @@ impl Comm for LocalComm {
             for r in 1..self.size() {
                 self.send_message(
                     Message {
-                        shape: crate::Shape::new([flat.len()]),
+                        shape: crate::core::Shape::new([flat.len()]),
                         storage: crate::tensor::Storage::F64(flat.clone()),
                     },
                     r,
@@ -164,8 +164,8 @@ impl Comm for LocalComm {
         let group = split_members(&pairs, self.rank);
         let n = self.splits.get();
         self.splits.set(n + 1);
-        let id = crate::backend::cpu::splitmix64(
-            self.id ^ crate::backend::cpu::splitmix64(n << 32 | color as u64),
+        let id = crate::core::rng::splitmix64(
+            self.id ^ crate::core::rng::splitmix64(n << 32 | color as u64),
         );
         Ok(Box::new(LocalComm {
             world: Arc::clone(&self.world),
@@ -245,7 +245,7 @@ pub fn root_cause<T>(world: &World, mut results: Vec<Result<T>>) -> Result<Vec<T
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::backend::Device;
+    use crate::tensor::Device;
     use crate::{Category, DType, Shape};
 
     #[test]

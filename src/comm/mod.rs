@@ -10,8 +10,8 @@ pub mod local;
 #[cfg(feature = "mpi")]
 pub mod mpi;
 
-use crate::backend::Device;
 use crate::memory::Category;
+use crate::tensor::Device;
 use crate::tensor::{Shape, Storage, Tensor};
 use crate::Result;
 

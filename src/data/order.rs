@@ -7,7 +7,7 @@
 //! runs of them to the data-parallel groups and micro-batches (see the executor), so over any
 //! n consecutive positions every sample is used exactly once, whatever the number of groups.
 
-use crate::backend::cpu::splitmix64;
+use crate::core::rng::splitmix64;
 
 /// Rounds of the Feistel network (4 make it a good pseudo-random permutation).
 const ROUNDS: u64 = 4;

@@ -14,7 +14,7 @@ use super::slide::{self, Slides, TileConfig};
 use super::synthetic::{Stream, Synthetic};
 use super::transform::Transform;
 use super::{Image, Source, CHANNELS};
-use crate::backend::cpu::{splitmix64, uniform};
+use crate::core::rng::{splitmix64, uniform};
 use crate::{Error, Result};
 
 /// Salts of the independent random streams drawn from the run's seed.

@@ -22,7 +22,7 @@ use tiff::tags::{CompressionMethod, PhotometricInterpretation, PlanarConfigurati
 use tiff::{ColorType, TiffError, TiffFormatError, TiffResult};
 
 use super::{Image, Source, CHANNELS};
-use crate::backend::cpu::splitmix64;
+use crate::core::rng::splitmix64;
 use crate::{Error, Result};
 
 /// One pyramid level: its size and the size of the TIFF tiles it is stored in.

@@ -8,7 +8,7 @@ use rand_distr::{Distribution, StandardNormal};
 use rayon::prelude::*;
 
 use super::{Image, Source, CHANNELS};
-use crate::backend::cpu::splitmix64;
+use crate::core::rng::splitmix64;
 use crate::Result;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -295,7 +295,7 @@ mod tests {
     /// Source values that are neither smooth nor small integers.
     fn noise(n: usize) -> Vec<f32> {
         (0..n as u64)
-            .map(|i| (crate::backend::cpu::splitmix64(i) % 1000) as f32 / 999.0)
+            .map(|i| (crate::core::rng::splitmix64(i) % 1000) as f32 / 999.0)
             .collect()
     }
 

@@ -8,13 +8,14 @@ pub mod study;
 use std::ops::Range;
 
 use crate::backend::cuda::ConvImpl;
-use crate::backend::{Device, DeviceKind};
+use crate::backend::DeviceKind;
 use crate::graph::Graph;
 use crate::memory::MemoryStats;
 use crate::plan::offload::{self, Chosen, HostLink};
 use crate::plan::{Layout, RunConfig};
 use crate::runtime::meter;
 use crate::schemes::Kind;
+use crate::tensor::Device;
 use crate::tensor::Precision;
 use crate::{Error, Result, WhatFits};
 

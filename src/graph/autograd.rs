@@ -12,11 +12,12 @@ use std::collections::HashMap;
 
 use super::policy::{Keep, SavePolicy};
 use super::{Graph, ValueId};
-use crate::backend::cpu::splitmix64;
-use crate::backend::{Device, Event};
+use crate::backend::Event;
+use crate::core::rng::splitmix64;
 use crate::memory::Category;
 use crate::ops::norm::{BatchNorm, BatchStats};
 use crate::ops::{Backward, Ctx, Init, Op, Saved};
+use crate::tensor::Device;
 use crate::tensor::{DType, Shape, Tensor, WeakTensor};
 use crate::{Error, Result};
 

@@ -1,7 +1,7 @@
 //! Softmax cross-entropy on logits (N × K), the mean over the batch. Not a graph op: the
 //! trainer applies it to each graph output with that output's weight.
 
-use crate::backend::Device;
+use crate::tensor::Device;
 use crate::tensor::Tensor;
 use crate::{Error, Result};
 
@@ -34,7 +34,7 @@ pub fn softmax_cross_entropy(
     let mut probs = device.zeros(
         logits.shape().clone(),
         logits.dtype().compute(),
-        crate::Category::Activations,
+        crate::memory::Category::Activations,
     )?;
     let loss = device.backend().softmax_cross_entropy(
         logits.storage(),
@@ -52,10 +52,14 @@ pub fn softmax_cross_entropy_backward(
     probs: &Tensor,
     labels: &[u32],
     weight: f64,
-    dtype: crate::DType,
+    dtype: crate::tensor::DType,
 ) -> Result<Tensor> {
     let (n, k) = (probs.shape().dim(0), probs.shape().dim(1));
-    let mut d = device.zeros(probs.shape().clone(), dtype, crate::Category::Activations)?;
+    let mut d = device.zeros(
+        probs.shape().clone(),
+        dtype,
+        crate::memory::Category::Activations,
+    )?;
     device.backend().softmax_cross_entropy_backward(
         probs.storage(),
         labels,

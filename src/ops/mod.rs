@@ -12,8 +12,8 @@ pub mod norm;
 pub mod pool;
 pub mod shape;
 
-use crate::backend::Device;
 use crate::memory::Category;
+use crate::tensor::Device;
 use crate::tensor::{DType, Shape, Tensor};
 use crate::Result;
 

@@ -68,7 +68,7 @@ impl BatchNorm {
     /// parameters [weight, bias, running_mean, running_var].
     pub fn commit(
         &self,
-        device: &crate::Device,
+        device: &crate::tensor::Device,
         params: &mut [Tensor],
         stats: &BatchStats,
     ) -> Result<()> {

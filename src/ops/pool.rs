@@ -381,7 +381,7 @@ impl AvgPoolExcludePad {
             Shape::new([hw]),
             &plane,
             like.dtype(),
-            crate::Category::Workspace,
+            crate::memory::Category::Workspace,
         )?;
         let mut all = ctx.workspace(g.n * g.c * hw, like.dtype())?;
         // Source stride 0: the one plane repeated for every (n, c).

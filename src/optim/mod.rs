@@ -3,9 +3,10 @@
 
 pub mod schedule;
 
-use crate::backend::{Device, SgdStep};
+use crate::backend::SgdStep;
 use crate::graph::Params;
 use crate::memory::Category;
+use crate::tensor::Device;
 use crate::tensor::{Storage, Tensor};
 use crate::Result;
 

@@ -9,10 +9,10 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
 use super::cost::NodeCosts;
-use crate::backend::Device;
 use crate::graph::Graph;
 use crate::memory::Category;
 use crate::ops::{batched, Backward, Ctx};
+use crate::tensor::Device;
 use crate::tensor::{DType, Shape, Tensor};
 use crate::{Error, Result};
 

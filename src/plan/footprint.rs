@@ -22,7 +22,6 @@
 use std::ops::Range;
 
 use crate::backend::meter::ConvWorkspace;
-use crate::backend::Device;
 use crate::graph::Graph;
 use crate::memory::Category;
 use crate::ops::{batched, Backward, Ctx};
@@ -30,6 +29,7 @@ use crate::plan::partition::MAX_CUT_VALUES;
 use crate::schemes::schedule::{Pass, Schedule};
 use crate::schemes::Scheme;
 use crate::tensor::DType;
+use crate::tensor::Device;
 use crate::Result;
 
 /// What one stage holds, in bytes.

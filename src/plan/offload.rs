@@ -78,7 +78,7 @@ pub fn candidates(
     g: &Graph,
     costs: &NodeCosts,
     micro: usize,
-    dtype: crate::DType,
+    dtype: crate::tensor::DType,
     link: &HostLink,
     prefetch: usize,
 ) -> Vec<Choice> {
@@ -115,7 +115,7 @@ pub fn cost_of(
     g: &Graph,
     costs: &NodeCosts,
     micro: usize,
-    dtype: crate::DType,
+    dtype: crate::tensor::DType,
     link: &HostLink,
     policy: &SavePolicy,
 ) -> (u64, f64) {

@@ -4,11 +4,10 @@
 //! chosen to balance predicted cost among the splits whose ranks fit a memory cap (by the
 //! analytic model of [`crate::plan::footprint`]), or given explicitly as a balance list.
 
-use std::fmt;
 use std::ops::Range;
 
+pub use crate::core::Shortfall;
 use crate::graph::{Graph, ValueId};
-use crate::memory::human_bytes;
 use crate::plan::footprint::{held_bytes, Moment, StageBytes, StageMemory};
 use crate::{Error, Result};
 
@@ -122,29 +121,6 @@ impl Limit<'_> {
         } else {
             held_bytes(&[own], &self.moments[r])
         }
-    }
-}
-
-/// The split whose fullest rank needs least: that rank and its need, against the cap.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Shortfall {
-    pub stages: usize,
-    pub rank: usize,
-    pub need: u64,
-    pub cap: u64,
-}
-
-impl fmt::Display for Shortfall {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(
-            f,
-            "the split into {} stages that needs least still needs {} on rank {}, {} over {}",
-            self.stages,
-            human_bytes(self.need),
-            self.rank,
-            human_bytes(self.need.saturating_sub(self.cap)),
-            human_bytes(self.cap)
-        )
     }
 }
 

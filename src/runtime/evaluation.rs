@@ -1,10 +1,10 @@
 //! Evaluation on held-out samples: forward only, BN in eval mode, no dropout; the loss and a
 //! confusion matrix of the first output used outside training.
 
-use crate::backend::Device;
 use crate::data::Pipeline;
 use crate::graph::{Graph, ValueId};
 use crate::ops::loss;
+use crate::tensor::Device;
 use crate::tensor::Tensor;
 use crate::{Error, Result};
 

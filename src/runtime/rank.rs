@@ -15,10 +15,9 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Instant;
 
-use crate::backend::cpu::splitmix64;
 use crate::backend::meter::ConvWorkspace;
-use crate::backend::Device;
 use crate::comm::{Comm, Message};
+use crate::core::rng::splitmix64;
 use crate::data::loader::Loader;
 use crate::data::Pipeline;
 use crate::graph::{self, Params, RunningUpdate, Tape, ValueId};
@@ -30,6 +29,7 @@ use crate::runtime::checkpoint::TrainingState;
 use crate::runtime::evaluation::{evaluated_output, Evaluation, Tally};
 use crate::schemes::schedule::{self, Pass, Task, Timed};
 use crate::schemes::Scheme;
+use crate::tensor::Device;
 use crate::tensor::{Shape, Storage, Tensor};
 use crate::{Error, Result};
 

@@ -331,7 +331,7 @@ impl Session {
 pub struct DeviceSummary {
     pub name: String,
     pub host: MemoryStats,
-    pub pool: crate::memory::host::PoolStats,
+    pub pool: crate::backend::host::PoolStats,
     /// cuDNN's choices per convolution shape (empty for other kernels).
     pub conv_algorithms: Vec<String>,
 }

@@ -4,6 +4,7 @@ use rayon::prelude::*;
 
 use super::Float;
 use crate::backend::{ChannelGeom, SgdStep};
+use crate::core::rng::uniform;
 
 /// Below this many elements a parallel loop costs more than it saves.
 const PAR_MIN: usize = 1 << 15;
@@ -69,20 +70,6 @@ pub fn channel_sum<T: Float>(dy: &[T], db: &mut [T], g: &ChannelGeom) {
             *d += dy[start..start + g.hw].iter().copied().sum::<T>();
         }
     }
-}
-
-/// splitmix64: a counter-based generator, so element i's draw does not depend on the order
-/// (or the device) in which elements are visited.
-pub fn splitmix64(mut z: u64) -> u64 {
-    z = z.wrapping_add(0x9E37_79B9_7F4A_7C15);
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    z ^ (z >> 31)
-}
-
-/// A uniform draw in [0, 1) for element `i` under `seed`.
-pub fn uniform(seed: u64, i: u64) -> f64 {
-    (splitmix64(seed ^ splitmix64(i)) >> 11) as f64 / (1u64 << 53) as f64
 }
 
 pub fn dropout_mask<T: Float>(mask: &mut [T], p: f64, seed: u64) {

@@ -4,7 +4,7 @@
 
 mod conv;
 mod elementwise;
-pub use elementwise::{splitmix64, uniform};
+pub use crate::core::rng::{splitmix64, uniform};
 mod norm;
 mod pool;
 mod wide;
@@ -14,8 +14,9 @@ use rayon::prelude::*;
 use std::sync::Arc;
 
 use super::{Backend, ChannelGeom, ConvGeom, Event, PoolGeom, SgdStep};
-use crate::memory::host::{Block, HostPool};
-use crate::tensor::{DType, Storage};
+use crate::backend::host::{Block, HostPool};
+use crate::backend::Storage;
+use crate::core::DType;
 use crate::{Error, Result};
 
 /// The element types the CPU kernels are written over.

@@ -185,8 +185,9 @@ pub fn update_running<T: Float>(
 #[cfg(test)]
 mod tests {
     use crate::backend::cpu::{uniform, Cpu};
+    use crate::backend::Storage;
     use crate::backend::{Backend, ChannelGeom};
-    use crate::tensor::{DType, Storage};
+    use crate::core::DType;
 
     fn values(n: usize, seed: u64, offset: f64) -> Storage {
         let v: Vec<f64> = (0..n as u64).map(|i| uniform(seed, i) - offset).collect();

@@ -10,7 +10,8 @@ use std::borrow::Cow;
 use half::slice::HalfFloatSliceExt;
 
 use super::{dtype_mismatch, Float};
-use crate::tensor::{DType, Storage};
+use crate::backend::Storage;
+use crate::core::DType;
 use crate::Result;
 
 /// The f32 elements of f32, bf16 or f16 host storage: borrowed when they are f32.

@@ -33,8 +33,8 @@ use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
 
 use super::{alloc_zeros, dim32, driver_error, libs};
 use crate::backend::{ChannelGeom, ConvGeom};
+use crate::core::Precision;
 use crate::memory::{human_bytes, Allocator, Category};
-use crate::tensor::Precision;
 use crate::{Error, Result};
 
 /// The most workspace one convolution's algorithms may use. cuDNN's fastest algorithms on large

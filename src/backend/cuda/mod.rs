@@ -38,9 +38,10 @@ use cudarc::driver::{
 };
 
 use super::{Backend, ChannelGeom, ConvGeom, Event, PoolGeom, SgdStep};
-use crate::memory::host::{Block, HostPool};
+use crate::backend::host::{Block, HostPool};
+use crate::backend::Storage;
+use crate::core::{DType, Precision};
 use crate::memory::{Allocator, Category, Lease};
-use crate::tensor::{DType, Precision, Storage};
 use crate::{Error, Result};
 
 // SAFETY: the parameter structs are plain C structs (bindgen's #[repr(C)] output), passed to

@@ -11,7 +11,8 @@ use std::sync::{Arc, Mutex};
 
 use cudarc::driver::PinnedHostSlice;
 
-use crate::tensor::{DType, Storage};
+use crate::backend::Storage;
+use crate::core::DType;
 use crate::Result;
 
 /// Host memory for one tensor.

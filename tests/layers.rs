@@ -1,0 +1,147 @@
+//! The crate's layers import only the layers below them. This reads every `crate::` path of
+//! every source file (and `gems::` in the binary) and fails on one that points sideways or up,
+//! naming the file, the line and the two layers.
+
+use std::path::{Path, PathBuf};
+
+/// Bottom to top; a module may use the modules of lower layers and its own.
+const LAYERS: &[&[&str]] = &[
+    &["core"],
+    &["memory"],
+    &["backend"],
+    &["tensor"],
+    &["comm", "data"],
+    &["ops"],
+    &["graph"],
+    &["models", "optim", "schemes"],
+    &["bench"],
+    &["plan"],
+    &["runtime"],
+    &["fit"],
+    &["bin"],
+];
+
+/// The layer of a module, or of an item the crate root re-exports from `core`.
+fn layer(module: &str) -> Option<usize> {
+    let module = match module {
+        "Error" | "Result" | "WhatFits" => "core",
+        m => m,
+    };
+    LAYERS.iter().position(|l| l.contains(&module))
+}
+
+fn sources(dir: &Path, out: &mut Vec<PathBuf>) {
+    for e in std::fs::read_dir(dir).unwrap() {
+        let p = e.unwrap().path();
+        if p.is_dir() {
+            sources(&p, out);
+        } else if p.extension().is_some_and(|x| x == "rs") {
+            out.push(p);
+        }
+    }
+}
+
+/// Every (line, module) a source names through `prefix` (`crate::` or `gems::`), comments
+/// aside.
+fn uses(text: &str, prefix: &str) -> Vec<(usize, String)> {
+    let mut out = Vec::new();
+    for (n, line) in text.lines().enumerate() {
+        if line.trim_start().starts_with("//") {
+            continue;
+        }
+        for (i, _) in line.match_indices(prefix) {
+            let before = line[..i].chars().last();
+            if before.is_some_and(|c| c.is_alphanumeric() || c == '_') {
+                continue;
+            }
+            let rest = &line[i + prefix.len()..];
+            let name: String = rest
+                .chars()
+                .take_while(|c| c.is_alphanumeric() || *c == '_')
+                .collect();
+            if !name.is_empty() {
+                out.push((n + 1, name));
+            }
+        }
+    }
+    out
+}
+
+/// The wrong-direction imports under `src`, one line each.
+fn violations(src: &Path) -> Vec<String> {
+    let mut files = Vec::new();
+    sources(src, &mut files);
+    let mut bad = Vec::new();
+    for file in files {
+        let rel = file.strip_prefix(src).unwrap();
+        let first = rel
+            .components()
+            .next()
+            .unwrap()
+            .as_os_str()
+            .to_string_lossy();
+        let module = first.trim_end_matches(".rs").to_string();
+        if module == "lib" {
+            // The facade re-exports from every layer.
+            continue;
+        }
+        let own = layer(&module).unwrap_or_else(|| panic!("{module} is in no layer"));
+        let text = std::fs::read_to_string(&file).unwrap();
+        let prefix = if module == "bin" { "gems::" } else { "crate::" };
+        for (line, used) in uses(&text, prefix) {
+            let Some(theirs) = layer(&used) else {
+                if module != "bin" {
+                    bad.push(format!(
+                        "{}:{line}: crate::{used} is not a module of a layer (use the module's path)",
+                        rel.display()
+                    ));
+                }
+                continue;
+            };
+            if theirs > own || (theirs == own && used != module) {
+                bad.push(format!(
+                    "{}:{line}: {module} (layer {own}) uses {used} (layer {theirs})",
+                    rel.display()
+                ));
+            }
+        }
+    }
+    bad
+}
+
+#[test]
+fn every_import_points_down() {
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+    let bad = violations(&src);
+    assert!(
+        bad.is_empty(),
+        "imports against the layers:\n{}",
+        bad.join("\n")
+    );
+}
+
+#[test]
+fn a_planted_upward_import_is_caught() {
+    let dir = std::env::temp_dir().join(format!("gems-layers-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(dir.join("tensor")).unwrap();
+    std::fs::write(dir.join("tensor/mod.rs"), "use crate::runtime::Session;\n").unwrap();
+    std::fs::write(dir.join("data.rs"), "use crate::comm::Comm; // peers\n").unwrap();
+    std::fs::write(
+        dir.join("plan.rs"),
+        "// crate::fit in a comment\nuse crate::graph::Graph;\n",
+    )
+    .unwrap();
+    let bad = violations(&dir);
+    assert_eq!(bad.len(), 2, "{bad:?}");
+    assert!(
+        bad.iter()
+            .any(|b| b.contains("tensor (layer 3) uses runtime (layer 10)")),
+        "{bad:?}"
+    );
+    assert!(
+        bad.iter()
+            .any(|b| b.contains("data (layer 4) uses comm (layer 4)")),
+        "{bad:?}"
+    );
+}
