@@ -156,15 +156,15 @@ impl Dataset {
 pub fn open(c: &DataConfig, image_size: usize, classes: usize, seed: u64) -> Result<Dataset> {
     if !(0.0..1.0).contains(&c.val) {
         return Err(Error::Config(format!(
-            "--val is the fraction held out, in [0, 1), not {}",
+            "the fraction held out is in [0, 1), not {}",
             c.val
         )));
     }
     if c.val > 0.0 && c.source == SourceSpec::Synthetic {
         return Err(Error::Config(
-            "--val holds out a fraction of a finite data set (folder:DIR or slides:DIR); \
-             synthetic images are an endless stream, each one new: evaluate with \
-             `gems eval --samples N` instead"
+            "only a finite data set (a folder or slides) has a fraction to hold out; \
+             synthetic images are an endless stream, each one new, with a held-out stream \
+             of its own"
                 .into(),
         ));
     }
@@ -210,7 +210,7 @@ pub fn open(c: &DataConfig, image_size: usize, classes: usize, seed: u64) -> Res
     let (train, val) = split(n, c.val, seed);
     if train.is_empty() || (c.val > 0.0 && val.is_empty()) {
         return Err(Error::Config(format!(
-            "--val {} of {n} samples leaves {} for training and {} held out: both need some",
+            "holding out {} of {n} samples leaves {} for training and {} held out: both need some",
             c.val,
             train.len(),
             val.len()

@@ -558,7 +558,7 @@ pub fn from_balance(g: &Graph, balance: &[usize]) -> Result<Partition> {
     let segments = cuts.len() + 1;
     if balance.contains(&0) {
         return Err(Error::Config(
-            "every stage of --balance needs at least one segment".into(),
+            "every stage of a balance needs at least one segment".into(),
         ));
     }
     if balance.len() > segments {
@@ -567,7 +567,7 @@ pub fn from_balance(g: &Graph, balance: &[usize]) -> Result<Partition> {
     let total: usize = balance.iter().sum();
     if total != segments {
         return Err(Error::Config(format!(
-            "--balance adds up to {total} segments, but {} has {segments} (segments are the pieces between its {} cut points)",
+            "the balance adds up to {total} segments, but {} has {segments} (segments are the pieces between its {} cut points)",
             g.name,
             cuts.len()
         )));

@@ -180,7 +180,7 @@ pub fn weak_scaling(
 ) -> Result<Vec<Point>> {
     if c.scheme.dp != 1 {
         return Err(Error::Config(
-            "weak scaling varies the data-parallel groups itself: leave --dp at 1".into(),
+            "weak scaling varies the data-parallel groups itself: give one group".into(),
         ));
     }
     let layout = Layout::new(g, c)?;

@@ -123,7 +123,7 @@ impl Scheme {
                 return bad("single runs one stage, one replica, one group".into())
             }
             Kind::Dp if self.stages != 1 || self.replicas != 1 => {
-                return bad("dp runs one stage per rank (--split 1) and one replica".into())
+                return bad("dp runs one stage per rank and one replica".into())
             }
             Kind::Mp if self.replicas != 1 => {
                 return bad("mp runs one replica per step; use mast or master for more".into())

@@ -69,7 +69,7 @@ impl Device {
     ) -> Result<Device> {
         match kind {
             DeviceKind::Cpu if conv != cuda::ConvImpl::Native => Err(crate::Error::Config(
-                format!("--conv {conv} runs on a GPU, and this run computes on the CPU"),
+                format!("{conv} convolutions run on a GPU, and this run computes on the CPU"),
             )),
             DeviceKind::Cpu => Ok(Device::cpu(name, capacity)),
             DeviceKind::Cuda { ordinal } => {

@@ -100,9 +100,9 @@ pub fn load() -> Result<usize> {
                 .unwrap_or_else(|| "libcudnn.so.9 not found".into()),
         };
         return Err(Error::Device(format!(
-            "cuDNN 9 cannot be loaded for --conv cudnn: {why}. Install cuDNN 9 (NVIDIA's packages \
+            "cuDNN 9 cannot be loaded for cuDNN convolutions: {why}. Install cuDNN 9 (NVIDIA's packages \
              or the nvidia-cudnn Python wheel), name the folder holding libcudnn.so.9 in \
-             GEMS_CUDA_LIB_DIRS, or use --conv native"
+             GEMS_CUDA_LIB_DIRS, or use the native kernels"
         )));
     }
     // SAFETY: takes nothing; present in every cuDNN.
@@ -110,7 +110,7 @@ pub fn load() -> Result<usize> {
     // cudarc's bindings are cuDNN 9's (a symbol missing from another version would panic).
     if !(90000..100000).contains(&version) {
         return Err(Error::Device(format!(
-            "the cuDNN found is version {}; --conv cudnn needs cuDNN 9 (libcudnn.so.9)",
+            "the cuDNN found is version {}; cuDNN convolutions need cuDNN 9 (libcudnn.so.9)",
             version_string(version)
         )));
     }

@@ -1627,7 +1627,7 @@ fn gemm_config(
 
 fn unsupported(dtype: DType) -> Error {
     Error::Config(format!(
-        "the CUDA backend stores f32, bf16 and f16 tensors, not {}; run {} models on --device cpu",
+        "the CUDA backend stores f32, bf16 and f16 tensors, not {}; run {} models on the CPU",
         dtype.name(),
         dtype.name()
     ))
