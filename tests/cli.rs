@@ -34,7 +34,7 @@ fn bad_input_gets_one_line_and_a_failure() {
         (vec!["train", "--conv", "cuddn"], "unknown convolution path"),
         (
             vec!["train", "--conv", "cudnn", "--device", "cpu"],
-            "--conv cudnn runs on a GPU",
+            "cudnn convolutions run on a GPU",
         ),
         (
             vec!["bench", "kernels", "--conv", "sideways"],
