@@ -200,28 +200,75 @@ fn tensors(path: &Path) -> HashMap<String, Vec<u8>> {
         .collect()
 }
 
-/// Under mpirun (one process per rank) `mast --split 2` writes one checkpoint; resumed over
-/// MPI it ends bit-identical to the uninterrupted run, and resumed locally as `mp` over 3
-/// ranks the same to 1e-9 (checked on the written weights).
+/// Under mpirun (one process per rank) every scheme writes one checkpoint from one rank;
+/// resumed over MPI it ends bit-identical to the uninterrupted run, and resumed locally as
+/// `mp` over 3 ranks with the same micro-batches, within 1e-9 (on the written weights).
 #[cfg(feature = "mpi")]
 #[test]
-fn mast_over_mpi_checkpoints_one_file_that_resumes_locally() {
+fn every_scheme_over_mpi_checkpoints_one_file_that_resumes_locally() {
+    // (name, ranks, scheme flags, micro-batches per step M = D·η·m); B = 2 images per replica
+    // pass, so B/m images per micro-batch.
+    let schemes: [(&str, usize, &[&str], usize); 6] = [
+        (
+            "mp-gpipe",
+            2,
+            &["--scheme", "mp", "--split", "2", "--parts", "2"],
+            2,
+        ),
+        (
+            "mp-1f1b",
+            2,
+            &[
+                "--scheme", "mp", "--split", "2", "--parts", "2", "--order", "1f1b",
+            ],
+            2,
+        ),
+        (
+            "mast",
+            2,
+            &["--scheme", "mast", "--split", "2", "--parts", "2"],
+            4,
+        ),
+        (
+            "master",
+            2,
+            &["--scheme", "master", "--split", "2", "--parts", "2"],
+            8,
+        ),
+        (
+            "hybrid",
+            4,
+            &[
+                "--scheme", "mast", "--split", "2", "--parts", "2", "--dp", "2",
+            ],
+            8,
+        ),
+        ("dp", 2, &["--scheme", "dp", "--dp", "2", "--parts", "2"], 4),
+    ];
+    for (name, np, scheme, m) in schemes {
+        over_mpi(name, np, scheme, m);
+    }
+}
+
+#[cfg(feature = "mpi")]
+fn over_mpi(name: &str, np: usize, scheme: &[&str], m: usize) {
     use std::process::Command;
     let gems = env!("CARGO_BIN_EXE_gems");
-    let dir = temp("mpi");
-    let mpirun = |args: &[&str]| {
-        let out = Command::new("mpirun")
-            .args(["--oversubscribe", "-np", "2", gems])
-            .args(args)
-            .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
-            .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
-            .output()
-            .unwrap();
+    let dir = temp(&format!("mpi-{name}"));
+    let run = |mut c: Command, args: &[&str]| {
+        let out = c.args(args).output().unwrap();
         assert!(
             out.status.success(),
-            "{}",
+            "{name}: {}",
             String::from_utf8_lossy(&out.stderr)
         );
+    };
+    let mpirun = || {
+        let mut c = Command::new("mpirun");
+        c.args(["--oversubscribe", "-np", &np.to_string(), gems])
+            .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
+            .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1");
+        c
     };
     let common = [
         "train",
@@ -234,100 +281,81 @@ fn mast_over_mpi_checkpoints_one_file_that_resumes_locally() {
         "--batch-size",
         "2",
         "--seed=3",
-    ];
-    let (whole, half, again) = (dir.join("whole"), dir.join("half"), dir.join("again"));
-    let mast = [
-        "--scheme",
-        "mast",
-        "--split",
-        "2",
-        "--parts",
-        "2",
         "--transport",
         "mpi",
     ];
-    mpirun(
+    let (whole, half, again, local) = (
+        dir.join("whole"),
+        dir.join("half"),
+        dir.join("again"),
+        dir.join("local"),
+    );
+    let path = |p: &PathBuf| p.to_str().unwrap().to_string();
+    run(
+        mpirun(),
         &[
             &common[..],
-            &mast,
-            &["--steps", "4", "--checkpoint", whole.to_str().unwrap()],
+            scheme,
+            &["--steps", "4", "--checkpoint", &path(&whole)],
         ]
         .concat(),
     );
-    mpirun(
-        &[
-            &common[..],
-            &mast,
-            &[
-                "--steps",
-                "4",
-                "--checkpoint-every",
-                "2",
-                "--checkpoint",
-                half.to_str().unwrap(),
-            ],
-        ]
-        .concat(),
-    );
-    let step2 = half.join("step-000002.safetensors");
-    mpirun(&[
+    let every = [
+        "--steps",
+        "4",
+        "--checkpoint-every",
+        "2",
+        "--checkpoint",
+        &path(&half),
+    ];
+    run(mpirun(), &[&common[..], scheme, &every].concat());
+    let step2 = path(&half.join("step-000002.safetensors"));
+    let resume = [
         "train",
         "--resume",
-        step2.to_str().unwrap(),
-        "--checkpoint",
-        again.to_str().unwrap(),
-        "--scheme",
-        "mast",
-        "--split",
-        "2",
-        "--parts",
-        "2",
+        &step2,
         "--transport",
         "mpi",
-    ]);
+        "--checkpoint",
+        &path(&again),
+    ];
+    run(mpirun(), &[&resume[..], scheme].concat());
     let want = tensors(&whole.join("step-000004.safetensors"));
     assert_eq!(
         tensors(&again.join("step-000004.safetensors")),
         want,
-        "resumed over MPI"
+        "{name}: resumed over MPI"
     );
-    // Locally as mp over 3 stages with the same 4 micro-batches of 1 image.
-    let local = dir.join("local");
-    let out = Command::new(gems)
-        .args([
-            "train",
-            "--resume",
-            step2.to_str().unwrap(),
-            "--checkpoint",
-            local.to_str().unwrap(),
-            "--scheme",
-            "mp",
-            "--split",
-            "3",
-            "--parts",
-            "4",
-            "--batch-size",
-            "4",
-        ])
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    // Locally as mp over 3 stages with the same M micro-batches of 1 image each (m = 2).
+    let (m, parts) = (m.to_string(), m.to_string());
+    let as_mp = [
+        "train",
+        "--resume",
+        &step2,
+        "--checkpoint",
+        &path(&local),
+        "--scheme",
+        "mp",
+        "--split",
+        "3",
+        "--parts",
+        &parts,
+        "--batch-size",
+        &m,
+    ];
+    run(Command::new(gems), &as_mp);
     let got = tensors(&local.join("step-000004.safetensors"));
     let f64s = |b: &[u8]| -> Vec<f64> {
         b.chunks(8)
             .map(|c| f64::from_le_bytes(c.try_into().unwrap()))
             .collect()
     };
-    for (name, w) in &want {
-        if name.ends_with("num_batches_tracked") {
-            assert_eq!(&got[name], w, "{name}");
+    for (tensor, w) in &want {
+        if tensor.ends_with("num_batches_tracked") {
+            assert_eq!(&got[tensor], w, "{name}: {tensor}");
             continue;
         }
-        let (g, w) = (f64s(&got[name]), f64s(w));
+        let (g, w) = (f64s(&got[tensor]), f64s(w));
         let diff = g
             .iter()
             .zip(&w)
@@ -336,7 +364,7 @@ fn mast_over_mpi_checkpoints_one_file_that_resumes_locally() {
         let scale = w.iter().map(|x| x.abs()).fold(0.0, f64::max);
         assert!(
             diff <= 1e-9 * scale + 1e-12,
-            "{name}: {:e} relative",
+            "{name}: {tensor}: {:e} relative",
             diff / scale
         );
     }
