@@ -34,6 +34,10 @@ pub enum Error {
         least: Option<Shortfall>,
         what_fits: WhatFits,
     },
+    /// Training produced a non-finite loss or gradient at `step` (1-based); nothing of that
+    /// step was applied, so the weights are those after the step before.
+    #[error("training diverged at step {step}: {what}; the weights are those of step {}, unchanged", step - 1)]
+    Diverged { step: usize, what: String },
     /// A file that cannot be used as asked (a checkpoint, a policy, a data set's file).
     #[error("{path}: {why}")]
     BadInput {

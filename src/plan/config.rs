@@ -13,6 +13,7 @@ use crate::optim::{LossScale, SgdConfig};
 use crate::plan::calibrate::Calibration;
 use crate::schemes::Scheme;
 use crate::tensor::{DType, Precision};
+use crate::{Error, Result};
 
 /// How to train, whatever the model and the scheme.
 #[derive(Clone, Debug)]
@@ -77,6 +78,41 @@ impl TrainConfig {
             conv: ConvImpl::Native,
             loss_scale: LossScale::INITIAL,
         }
+    }
+
+    /// Refuses, before any work, hyper-parameters no run can train with: what is not finite,
+    /// negative where only a size makes sense, or a warm-up longer than the schedule.
+    pub fn check(&self) -> Result<()> {
+        let s = &self.schedule;
+        let bad = |what: &str, v: f64, allowed: &str| {
+            Err(Error::Config(format!(
+                "the {what} is {v}; it must be {allowed}"
+            )))
+        };
+        if !(s.base.is_finite() && s.base >= 0.0) {
+            return bad("learning rate", s.base, "a finite number ≥ 0");
+        }
+        if !(self.sgd.momentum.is_finite() && (0.0..1.0).contains(&self.sgd.momentum)) {
+            return bad("momentum", self.sgd.momentum, "in [0, 1)");
+        }
+        if !(self.sgd.weight_decay.is_finite() && self.sgd.weight_decay >= 0.0) {
+            return bad("weight decay", self.sgd.weight_decay, "a finite number ≥ 0");
+        }
+        if let Decay::Step { gamma, .. } = s.decay {
+            if !(gamma.is_finite() && gamma > 0.0) {
+                return bad("step schedule's factor", gamma, "a finite number > 0");
+            }
+        }
+        if !(self.loss_scale.is_finite() && self.loss_scale > 0.0) {
+            return bad("first loss scale", self.loss_scale, "a finite number > 0");
+        }
+        if s.warmup > s.total {
+            return Err(Error::Config(format!(
+                "a warm-up of {} steps is longer than the schedule's {} steps",
+                s.warmup, s.total
+            )));
+        }
+        Ok(())
     }
 
     /// The dtype of activations and their gradients (`dtype` is the parameters').

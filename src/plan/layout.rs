@@ -39,6 +39,7 @@ impl Layout {
     /// [`Layout::new`] on a graph already shared.
     pub fn on(graph: Arc<Graph>, c: &RunConfig) -> Result<Layout> {
         let t = &c.train;
+        t.check()?;
         c.scheme.validate(t.batch_size)?;
         t.precision.check(t.dtype).map_err(Error::Config)?;
         let micro = c.micro_batch();

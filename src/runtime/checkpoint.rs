@@ -102,6 +102,25 @@ fn metadata(g: &Graph, c: &TrainConfig, state: &TrainingState) -> HashMap<String
 
 /// Writes `state` of a run of `c` on `g` to `path` atomically.
 pub fn save(g: &Graph, c: &TrainConfig, state: &TrainingState, path: &Path) -> Result<()> {
+    // A checkpoint is what a run falls back to: never one that cannot train.
+    let tensors = state.values.iter().zip(&g.params).chain(
+        state
+            .momentum
+            .iter()
+            .zip(&g.params)
+            .filter_map(|(m, p)| m.as_ref().map(|m| (m, p))),
+    );
+    for (v, p) in tensors {
+        if v.to_f64_vec()?.iter().any(|x| !x.is_finite()) {
+            return Err(Error::Diverged {
+                step: state.step,
+                what: format!(
+                    "'{}' holds an infinite or NaN value, so no checkpoint is written",
+                    p.name
+                ),
+            });
+        }
+    }
     let dtype = safetensors_dtype(c.dtype);
     let mut owned: Vec<(String, Vec<usize>, Vec<u8>, Dtype)> = Vec::new();
     for (p, v) in g.params.iter().zip(&state.values) {

@@ -692,6 +692,19 @@ impl Rank {
     /// Sums each stage's gradients over its copies, commits BN statistics in reference order,
     /// and steps the optimizer.
     fn synchronize(&mut self) -> Result<()> {
+        // A non-finite loss or gradient anywhere: fp16 skips the step (below); any other run
+        // stops here, before a statistic or a weight changes.
+        let mut here = !self.current.loss.is_finite();
+        for copy in &self.copies {
+            here |= LossScale::overflowed(&copy.params, &self.device)?;
+        }
+        let anywhere = self.comm.sum_f64(vec![here as u8 as f64])?[0] > 0.0;
+        if anywhere && self.loss_scale.is_none() {
+            return Err(Error::Diverged {
+                step: self.step + 1,
+                what: "the loss or a gradient is infinite or NaN".into(),
+            });
+        }
         let mut stages: Vec<usize> = self.copies.iter().map(|c| c.stage).collect();
         stages.sort_unstable();
         stages.dedup();
@@ -747,11 +760,6 @@ impl Rank {
         let apply = match &mut self.loss_scale {
             // Every rank skips together: an overflow anywhere is an overflow of the step.
             Some(scale) => {
-                let mut here = false;
-                for copy in &self.copies {
-                    here |= LossScale::overflowed(&copy.params, &self.device)?;
-                }
-                let anywhere = self.comm.sum_f64(vec![here as u8 as f64])?[0] > 0.0;
                 scale.update(anywhere)?;
                 self.current.skipped = anywhere;
                 !anywhere

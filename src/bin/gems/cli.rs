@@ -422,20 +422,35 @@ pub struct TrainArgs {
     #[arg(long)]
     pub steps: Option<usize>,
     /// Base learning rate.
-    #[arg(long, default_value_t = 0.1, conflicts_with = "resume")]
+    #[arg(
+        long,
+        default_value_t = 0.1,
+        conflicts_with = "resume",
+        allow_negative_numbers = true
+    )]
     pub lr: f64,
-    #[arg(long, default_value_t = 0.9, conflicts_with = "resume")]
+    #[arg(
+        long,
+        default_value_t = 0.9,
+        conflicts_with = "resume",
+        allow_negative_numbers = true
+    )]
     pub momentum: f64,
-    #[arg(long, default_value_t = 5e-4, conflicts_with = "resume")]
+    #[arg(
+        long,
+        default_value_t = 5e-4,
+        conflicts_with = "resume",
+        allow_negative_numbers = true
+    )]
     pub weight_decay: f64,
     #[arg(long, conflicts_with = "resume")]
     pub nesterov: bool,
     /// constant, cosine, or step:EVERY:GAMMA.
     #[arg(long, default_value = "cosine", conflicts_with = "resume")]
     pub schedule: Decay,
-    /// Steps of linear learning-rate warm-up.
-    #[arg(long, default_value_t = 10, conflicts_with = "resume")]
-    pub warmup: usize,
+    /// Steps of linear learning-rate warm-up [default: 10, or the whole run if shorter].
+    #[arg(long, conflicts_with = "resume")]
+    pub warmup: Option<usize>,
     #[arg(long, default_value_t = 0, conflicts_with = "resume")]
     pub seed: u64,
     /// f32 or f64 (of the parameters; --precision sets the activations').
@@ -443,7 +458,12 @@ pub struct TrainArgs {
     pub dtype: DType,
     /// With --precision fp16: the first loss scale (a power of two; halved when gradients
     /// overflow, the step skipped; doubled after 2000 clean steps).
-    #[arg(long, default_value_t = 65536.0, conflicts_with = "resume")]
+    #[arg(
+        long,
+        default_value_t = 65536.0,
+        conflicts_with = "resume",
+        allow_negative_numbers = true
+    )]
     pub loss_scale: f64,
     /// Device capacity, e.g. 2GiB (emulated on the CPU; on a GPU the smaller of this and its
     /// free memory; default unlimited / the free memory).

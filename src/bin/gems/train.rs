@@ -62,7 +62,7 @@ pub fn setup(a: &TrainArgs) -> anyhow::Result<(Graph, RunConfig)> {
                 schedule: LrSchedule {
                     base: a.lr,
                     decay: a.schedule,
-                    warmup: a.warmup,
+                    warmup: a.warmup.unwrap_or(10.min(steps)),
                     total: steps,
                 },
                 sgd: SgdConfig {
