@@ -224,6 +224,24 @@ pub(crate) fn gemm<T: Float>(
     }
 }
 
+/// Runs `f` compiled for AVX2 where the CPU has it. The crate is built for baseline x86-64,
+/// so the element-wise loops (BN sums, affine maps) are otherwise vectorized 128 bits wide;
+/// inlined here, the same loops use 256-bit vectors. The arithmetic and its order are the
+/// same (no contraction into FMAs, reductions in the order written), so are the bits.
+#[inline(always)]
+pub(crate) fn simd<R>(f: impl FnOnce() -> R) -> R {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx2") {
+        #[target_feature(enable = "avx2")]
+        fn avx2<R>(f: impl FnOnce() -> R) -> R {
+            f()
+        }
+        // SAFETY: the CPU has AVX2 (checked above).
+        return unsafe { avx2(f) };
+    }
+    f()
+}
+
 /// Makes glibc serve every thread from one heap. With a heap per thread, tensors allocated by
 /// one rank's thread and freed by another (boundary messages) make the heaps grow and shrink
 /// by mapping fresh pages: measured here, the first stage of a 2-rank pipeline computed 50%
