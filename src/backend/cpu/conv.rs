@@ -341,6 +341,10 @@ pub fn backward_filter<T: Float>(x: &[T], dy: &[T], dw: &mut [T], ws: &mut [T], 
     let per = items.div_ceil(lanes(items));
     let par_gemm = items == 1;
     let cl = col_tile_len(g);
+    // The gemm crate runs these products (the long dimension inside both operands' rows)
+    // about twice as fast with the larger of C_out and C_in·k² as the rows of the result, so
+    // the partial sums are dWᵀ += im2col(x) · dyᵀ where C_in·k² is the larger.
+    let transposed = rows_g >= co_g;
     let ws = &mut ws[..lanes_len(g)];
     ws.par_chunks_mut(lane_len(g))
         .enumerate()
@@ -355,25 +359,29 @@ pub fn backward_filter<T: Float>(x: &[T], dy: &[T], dw: &mut [T], ws: &mut [T], 
                     im2col(x_n, col, g, oh);
                 }
                 for gi in 0..g.groups {
-                    let lhs = View::rows(&dy[n * y_len + gi * co_g * hw_out + off..], hw_out);
-                    let rhs = rhs_view(g, x_n, col, gi, off, cols).t();
-                    gemm(
-                        co_g,
-                        rows_g,
-                        cols,
-                        &mut part[gi * co_g * rows_g..],
-                        rows_g,
-                        lhs,
-                        rhs,
-                        true,
-                        par_gemm,
-                    );
+                    let im = rhs_view(g, x_n, col, gi, off, cols);
+                    let d = View::rows(&dy[n * y_len + gi * co_g * hw_out + off..], hw_out);
+                    let part = &mut part[gi * co_g * rows_g..];
+                    if transposed {
+                        gemm(rows_g, co_g, cols, part, co_g, im, d.t(), true, par_gemm);
+                    } else {
+                        gemm(co_g, rows_g, cols, part, rows_g, d, im.t(), true, par_gemm);
+                    }
                 }
             }
         });
     for lane in ws.chunks(lane_len(g)) {
-        for (d, p) in dw.iter_mut().zip(&lane[cl..]) {
-            *d += *p;
+        for (gi, part) in lane[cl..].chunks(co_g * rows_g).enumerate() {
+            let dw = &mut dw[gi * co_g * rows_g..(gi + 1) * co_g * rows_g];
+            if transposed {
+                for (r, row) in part.chunks(co_g).enumerate() {
+                    for (co, p) in row.iter().enumerate() {
+                        dw[co * rows_g + r] += *p;
+                    }
+                }
+            } else {
+                dw.iter_mut().zip(part).for_each(|(d, p)| *d += *p);
+            }
         }
     }
 }
