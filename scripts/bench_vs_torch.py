@@ -53,9 +53,9 @@ def run_child(cmd):
     return text, usage.ru_maxrss * 1024
 
 
-def gems_train(model, side, batch, warmup, steps, threads):
+def gems_train(model, side, batch, warmup, steps, threads, gems=GEMS):
     with tempfile.NamedTemporaryFile(suffix=".jsonl") as m:
-        cmd = [GEMS, "train", "--device", "cpu", "--threads", str(threads), "--model", model,
+        cmd = [gems, "train", "--device", "cpu", "--threads", str(threads), "--model", model,
                "--image-size", str(side), "--batch-size", str(batch),
                "--steps", str(warmup + steps), "--warmup", "0", "--metrics", m.name]
         _, rss = run_child(cmd)
@@ -80,22 +80,28 @@ def torch_worker(a):
     torch.set_num_threads(a.threads)
     torch.manual_seed(0)
     step, inputs, _ = make_trainer(a.model, 10, "fp32", False, torch.device("cpu"))
+    warmup = a.warmup
     if a.mode == "compile":
         step = torch.compile(step)
+        # The first step compiles, the second recompiles (the optimizer's state now exists).
+        warmup = max(warmup, 3)
     x, y = inputs(a.batch, a.side)
     times = []
-    for _ in range(a.warmup + a.steps):
+    for _ in range(warmup + a.steps):
         t = time.perf_counter()
         step(x, y)
         times.append(time.perf_counter() - t)
-    print(json.dumps({"step_s": statistics.median(times[a.warmup:])}))
+    print(json.dumps({"step_s": statistics.median(times[warmup:])}))
 
 
-def rounds_of(runners, rounds):
-    """{name: (median step s, max peak RSS)} over `rounds` alternating rounds of `runners`."""
+def rounds_of(runners, rounds, once=()):
+    """{name: (median step s, max peak RSS)} over `rounds` alternating rounds of `runners`
+    (those named in `once` only in the first: torch.compile spends minutes compiling)."""
     got = {name: ([], []) for name, _ in runners}
-    for _ in range(rounds):
+    for i in range(rounds):
         for name, run in runners:
+            if i > 0 and name in once:
+                continue
             try:
                 s, rss = run()
             except RuntimeError as e:
@@ -112,11 +118,17 @@ def train(a, report):
           "| peak RSS gems / eager | ratio |")
     print("|---|---|---|---|---|---|---|---|")
     for model, side, batch, warmup, steps in TRAIN:
+        if a.only and model not in a.only:
+            continue
         runners = [("gems", lambda: gems_train(model, side, batch, warmup, steps, a.threads))]
+        if a.gems_before:
+            runners.append(("gems before", lambda: gems_train(
+                model, side, batch, warmup, steps, a.threads, a.gems_before)))
         for mode in ["eager", "compile"]:
-            runners.append((mode, lambda mode=mode: torch_train(
-                mode, model, side, batch, warmup, steps, a.threads)))
-        r = rounds_of(runners, a.rounds)
+            if mode not in a.skip:
+                runners.append((mode, lambda mode=mode: torch_train(
+                    mode, model, side, batch, warmup, steps, a.threads)))
+        r = rounds_of(runners, a.rounds, once=() if a.compile_every_round else ("compile",))
         row = {"model": model, "side": side, "batch": batch,
                **{f"{k}_step_s": v[0] for k, v in r.items()},
                **{f"{k}_images_per_s": batch / v[0] for k, v in r.items()},
@@ -134,6 +146,9 @@ def train(a, report):
         print(f"| {model} {side}² B={batch} | {step('gems')} | {step('eager')} | "
               f"{step('compile')} | {ratio('eager')} | {ratio('compile')} | {rss[0]} | {rss[1]} |",
               flush=True)
+        if "gems before" in r:
+            print(f"|   gems before: {step('gems before')}, {ratio('gems before')} of it, peak "
+                  f"RSS {r['gems before'][1] / 2**30:.2f} GiB | | | | | | | |", flush=True)
     report["train"] = rows
 
 
@@ -263,6 +278,14 @@ def main():
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--rounds", type=int, default=3, help="alternating rounds per measurement")
     p.add_argument("--repeats", type=int, default=10, help="timed runs per conv pass")
+    p.add_argument("--only", nargs="*", help="train: only these models")
+    p.add_argument("--skip", nargs="*", default=[], choices=["eager", "compile"],
+                   help="train: leave these PyTorch modes out")
+    p.add_argument("--gems-before", metavar="PATH",
+                   help="train: another gems binary (an earlier build) in the same rounds")
+    p.add_argument("--compile-every-round", action="store_true",
+                   help="torch.compile in every round (default: the first only; it compiles "
+                   "for about 3 minutes per model on 2 cores)")
     p.add_argument("--json", help="write every result to this file")
     w = p.add_argument_group("worker (internal)")
     w.add_argument("--mode", choices=["eager", "compile"])
@@ -274,15 +297,18 @@ def main():
     a = p.parse_args()
     if a.what == "_torch_worker":
         return torch_worker(a)
-    import torch
-
+    # torch is imported only in child processes: a child's peak RSS counts what it inherited
+    # from this one at fork.
+    version = subprocess.run([sys.executable, "-c", "import torch; print(torch.__version__)"],
+                             capture_output=True, text=True, check=True).stdout.strip()
     cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
                 if line.startswith("model name")), platform.processor())
     report = {"date": time.strftime("%Y-%m-%d %H:%M %Z"), "cpu": cpu, "cores": os.cpu_count(),
-              "threads": a.threads, "torch": torch.__version__}
+              "threads": a.threads, "torch": version}
     print(f"{report['date']}, {cpu}, {os.cpu_count()} cores, {a.threads} threads, "
-          f"torch {torch.__version__}, load {os.getloadavg()[0]:.1f}")
-    for what, f in [("train", train), ("convs", convs), ("scaling", scaling)]:
+          f"torch {version}, load {os.getloadavg()[0]:.1f}")
+    # convs last: it imports torch into this process.
+    for what, f in [("train", train), ("scaling", scaling), ("convs", convs)]:
         if a.what in (what, "all"):
             f(a, report)
             if a.json:
