@@ -43,9 +43,60 @@ fn lane_len(g: &ConvGeom) -> usize {
     col_tile_len(g) + g.c_out * g.col_rows()
 }
 
-/// Workspace elements: per lane, an im2col tile and a filter-gradient partial sum.
-pub fn workspace(g: &ConvGeom) -> usize {
+/// Workspace elements of forward and backward-filter: per lane, an im2col tile and a
+/// filter-gradient partial sum.
+fn lanes_len(g: &ConvGeom) -> usize {
     lanes(g.n * tiling(g).1) * lane_len(g)
+}
+
+/// Workspace elements: what every pass needs (backward-data as a forward convolution: its
+/// flipped weights and that convolution's lanes).
+pub fn workspace(g: &ConvGeom) -> usize {
+    let data = transposed(g).map_or(0, |t| weights_len(g) + lanes_len(&t));
+    lanes_len(g).max(data)
+}
+
+fn weights_len(g: &ConvGeom) -> usize {
+    g.c_out * g.col_rows()
+}
+
+/// Backward-data of a stride-1 convolution as the forward convolution of dy with the weights
+/// flipped in space and transposed in channels (padding d·(k-1) - p), so it runs like forward:
+/// tiles of dx rows on every lane, each a plain product, no col2im adding into shared rows.
+fn transposed(g: &ConvGeom) -> Option<ConvGeom> {
+    let pad = |k: usize, d: usize, p: usize| (d * (k - 1)).checked_sub(p);
+    if g.stride != (1, 1) || g.is_pointwise() {
+        return None;
+    }
+    Some(ConvGeom {
+        c_in: g.c_out,
+        h: g.h_out,
+        w: g.w_out,
+        c_out: g.c_in,
+        pad: (
+            pad(g.kh, g.dilation.0, g.pad.0)?,
+            pad(g.kw, g.dilation.1, g.pad.1)?,
+        ),
+        h_out: g.h,
+        w_out: g.w,
+        ..*g
+    })
+}
+
+/// w'[gi·ci_g + a][b][i][j] = w[gi·co_g + b][a][kh-1-i][kw-1-j]: the weights of `transposed`.
+fn flip_weights<T: Float>(w: &[T], wt: &mut [T], g: &ConvGeom) {
+    let (ci_g, co_g, kk) = (g.c_in / g.groups, g.c_out / g.groups, g.kh * g.kw);
+    for gi in 0..g.groups {
+        for b in 0..co_g {
+            for a in 0..ci_g {
+                let src = &w[((gi * co_g + b) * ci_g + a) * kk..][..kk];
+                let dst = &mut wt[((gi * ci_g + a) * co_g + b) * kk..][..kk];
+                for (d, s) in dst.iter_mut().zip(src.iter().rev()) {
+                    *d = *s;
+                }
+            }
+        }
+    }
 }
 
 /// Output rows of tile `t`.
@@ -171,7 +222,8 @@ pub fn forward<T: Float>(x: &[T], w: &[T], y: &mut [T], ws: &mut [T], g: &ConvGe
     let par_gemm = items == 1;
     assert!(y.len() >= g.n * y_len && x.len() >= g.n * x_len);
     let out = SharedOut(y.as_mut_ptr());
-    ws.par_chunks_mut(lane_len(g))
+    ws[..lanes_len(g)]
+        .par_chunks_mut(lane_len(g))
         .enumerate()
         .for_each(|(l, lane)| {
             let col = &mut lane[..col_tile_len(g)];
@@ -207,8 +259,15 @@ pub fn forward<T: Float>(x: &[T], w: &[T], y: &mut [T], ws: &mut [T], g: &ConvGe
         });
 }
 
-/// dx[n] = col2im(Wᵀ · dy[n]) per group; lanes split samples, tiles run in order.
+/// dx = the forward convolution of dy by the flipped weights where the stride is 1 (see
+/// [`transposed`]), else dx[n] = col2im(Wᵀ · dy[n]) per group; lanes split samples, tiles
+/// run in order.
 pub fn backward_data<T: Float>(dy: &[T], w: &[T], dx: &mut [T], ws: &mut [T], g: &ConvGeom) {
+    if let Some(t) = transposed(g) {
+        let (wt, ws) = ws.split_at_mut(weights_len(g));
+        flip_weights(w, wt, g);
+        return forward(dy, wt, dx, ws, &t);
+    }
     let (x_len, hw, hw_out) = (g.c_in * g.h * g.w, g.h * g.w, g.h_out * g.w_out);
     let y_len = g.c_out * hw_out;
     let (rows_g, co_g) = (g.col_rows(), g.c_out / g.groups);
@@ -282,6 +341,11 @@ pub fn backward_filter<T: Float>(x: &[T], dy: &[T], dw: &mut [T], ws: &mut [T], 
     let per = items.div_ceil(lanes(items));
     let par_gemm = items == 1;
     let cl = col_tile_len(g);
+    // The gemm crate runs these products (the long dimension inside both operands' rows)
+    // about twice as fast with the larger of C_out and C_in·k² as the rows of the result, so
+    // the partial sums are dWᵀ += im2col(x) · dyᵀ where C_in·k² is the larger.
+    let transposed = rows_g >= co_g;
+    let ws = &mut ws[..lanes_len(g)];
     ws.par_chunks_mut(lane_len(g))
         .enumerate()
         .for_each(|(l, lane)| {
@@ -295,25 +359,29 @@ pub fn backward_filter<T: Float>(x: &[T], dy: &[T], dw: &mut [T], ws: &mut [T], 
                     im2col(x_n, col, g, oh);
                 }
                 for gi in 0..g.groups {
-                    let lhs = View::rows(&dy[n * y_len + gi * co_g * hw_out + off..], hw_out);
-                    let rhs = rhs_view(g, x_n, col, gi, off, cols).t();
-                    gemm(
-                        co_g,
-                        rows_g,
-                        cols,
-                        &mut part[gi * co_g * rows_g..],
-                        rows_g,
-                        lhs,
-                        rhs,
-                        true,
-                        par_gemm,
-                    );
+                    let im = rhs_view(g, x_n, col, gi, off, cols);
+                    let d = View::rows(&dy[n * y_len + gi * co_g * hw_out + off..], hw_out);
+                    let part = &mut part[gi * co_g * rows_g..];
+                    if transposed {
+                        gemm(rows_g, co_g, cols, part, co_g, im, d.t(), true, par_gemm);
+                    } else {
+                        gemm(co_g, rows_g, cols, part, rows_g, d, im.t(), true, par_gemm);
+                    }
                 }
             }
         });
     for lane in ws.chunks(lane_len(g)) {
-        for (d, p) in dw.iter_mut().zip(&lane[cl..]) {
-            *d += *p;
+        for (gi, part) in lane[cl..].chunks(co_g * rows_g).enumerate() {
+            let dw = &mut dw[gi * co_g * rows_g..(gi + 1) * co_g * rows_g];
+            if transposed {
+                for (r, row) in part.chunks(co_g).enumerate() {
+                    for (co, p) in row.iter().enumerate() {
+                        dw[co * rows_g + r] += *p;
+                    }
+                }
+            } else {
+                dw.iter_mut().zip(part).for_each(|(d, p)| *d += *p);
+            }
         }
     }
 }

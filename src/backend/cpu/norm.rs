@@ -4,19 +4,60 @@
 
 use rayon::prelude::*;
 
-use super::Float;
+use super::{simd, Float};
 use crate::backend::ChannelGeom;
 
-/// Σ f(x) over the elements of channel c, accumulated in f64.
-fn channel_fold<T: Float>(c: usize, g: &ChannelGeom, f: impl Fn(usize) -> T) -> T {
-    let mut acc = 0.0;
+/// Interleaved partial sums: independent f64 chains the compiler vectorizes (one chain adds
+/// an element every 4 cycles at best), summed in a fixed order at the end. At 8 lanes LLVM
+/// unrolls the lane loop and fails to vectorize a sum of two terms; at 32 it vectorizes it.
+const LANES: usize = 32;
+
+/// Σ f(a[i], b[i]) over i, each of the K terms accumulated in f64 in [`LANES`] partial sums.
+fn lane_sums<T: Float, const K: usize>(a: &[T], b: &[T], f: impl Fn(T, T) -> [f64; K]) -> [f64; K] {
+    simd(
+        #[inline(always)]
+        || {
+            let mut acc = [[0.0f64; LANES]; K];
+            let (ac, bc) = (a.chunks_exact(LANES), b.chunks_exact(LANES));
+            let (ar, br) = (ac.remainder(), bc.remainder());
+            for (a, b) in ac.zip(bc) {
+                let (a, b): (&[T; LANES], &[T; LANES]) =
+                    (a.try_into().unwrap(), b.try_into().unwrap());
+                for l in 0..LANES {
+                    let v = f(a[l], b[l]);
+                    for k in 0..K {
+                        acc[k][l] += v[k];
+                    }
+                }
+            }
+            for (l, (&a, &b)) in ar.iter().zip(br).enumerate() {
+                let v = f(a, b);
+                for k in 0..K {
+                    acc[k][l] += v[k];
+                }
+            }
+            acc.map(|lanes| lanes.iter().sum())
+        },
+    )
+}
+
+/// Σ over the planes of channel c of `lane_sums` of (a, b).
+fn channel_sums<T: Float, const K: usize>(
+    c: usize,
+    g: &ChannelGeom,
+    a: &[T],
+    b: &[T],
+    f: impl Fn(T, T) -> [f64; K] + Copy,
+) -> [f64; K] {
+    let mut acc = [0.0; K];
     for n in 0..g.n {
-        let start = (n * g.c + c) * g.hw;
-        for i in start..start + g.hw {
-            acc += f(i).f64();
+        let p = (n * g.c + c) * g.hw..(n * g.c + c + 1) * g.hw;
+        let s = lane_sums(&a[p.clone()], &b[p], f);
+        for k in 0..K {
+            acc[k] += s[k];
         }
     }
-    T::of(acc)
+    acc
 }
 
 fn stats<T: Float>(x: &[T], g: &ChannelGeom) -> Vec<(T, T)> {
@@ -24,9 +65,10 @@ fn stats<T: Float>(x: &[T], g: &ChannelGeom) -> Vec<(T, T)> {
     (0..g.c)
         .into_par_iter()
         .map(|c| {
-            let mean = channel_fold(c, g, |i| x[i]) / m;
-            let var = channel_fold(c, g, |i| (x[i] - mean) * (x[i] - mean)) / m;
-            (mean, var)
+            let [sum] = channel_sums(c, g, x, x, move |x, _| [x.f64()]);
+            let mean = T::of(sum) / m;
+            let [sq] = channel_sums(c, g, x, x, move |x, _| [((x - mean) * (x - mean)).f64()]);
+            (mean, T::of(sq) / m)
         })
         .collect()
 }
@@ -50,10 +92,15 @@ fn affine<T: Float>(x: &[T], y: &mut [T], g: &ChannelGeom, coef: &[(T, T)], relu
         .enumerate()
         .for_each(|(p, (yp, xp))| {
             let (scale, shift) = coef[p % g.c];
-            for (y, &x) in yp.iter_mut().zip(xp) {
-                let v = x * scale + shift;
-                *y = if relu { v.max(T::zero()) } else { v };
-            }
+            simd(
+                #[inline(always)]
+                || {
+                    for (y, &x) in yp.iter_mut().zip(xp) {
+                        let v = x * scale + shift;
+                        *y = if relu { v.max(T::zero()) } else { v };
+                    }
+                },
+            )
         });
 }
 
@@ -111,23 +158,17 @@ pub fn backward<T: Float>(
 ) {
     let plane = |p: usize| p * g.hw..(p + 1) * g.hw;
     let coef = relu_beta.map(|beta| coefficients(gamma, beta, mean, var, eps));
-    // The ReLU's mask of plane p: its input x and the channel's affine map.
-    let mask = |p: usize| coef.as_ref().map(|k| (&x[plane(p)], k[p % g.c]));
     let m = T::of((g.n * g.hw) as f64);
     let invstd = |c: usize| T::one() / (var[c] + T::of(eps)).sqrt();
     let sums: Vec<(T, T)> = (0..g.c)
         .into_par_iter()
         .map(|c| {
             let (invstd, mean) = (invstd(c), mean[c]);
-            let (mut sdy, mut sdyx) = (0.0, 0.0);
-            for n in 0..g.n {
-                let p = n * g.c + c;
-                let xs = &x[plane(p)];
-                each_gradient(&dy[plane(p)], mask(p), |j, d| {
-                    sdy += d.f64();
-                    sdyx += d.f64() * ((xs[j] - mean) * invstd).f64();
-                });
-            }
+            let term = move |d: T, x: T| [d.f64(), d.f64() * ((x - mean) * invstd).f64()];
+            let [sdy, sdyx] = match &coef {
+                Some(k) => channel_sums(c, g, dy, x, |d, x| term(relu_pass(d, x, k[c]), x)),
+                None => channel_sums(c, g, dy, x, term),
+            };
             (T::of(sdy), T::of(sdyx))
         })
         .collect();
@@ -139,30 +180,31 @@ pub fn backward<T: Float>(
         let c = p % g.c;
         let (invstd, mean, (sdy, sdyx)) = (invstd(c), mean[c], sums[c]);
         let k = gamma[c] * invstd / m;
-        let xs = &x[plane(p)];
-        each_gradient(&dy[plane(p)], mask(p), |j, d| {
-            let xhat = (xs[j] - mean) * invstd;
-            dxp[j] = k * (m * d - sdy - xhat * sdyx);
-        });
+        // Copies in `move` closures: through references LLVM reloads them every element.
+        let dx = move |d: T, x: T| {
+            let xhat = (x - mean) * invstd;
+            k * (m * d - sdy - xhat * sdyx)
+        };
+        let out = dxp.iter_mut().zip(dy[plane(p)].iter().zip(&x[plane(p)]));
+        let mask = coef.as_ref().map(|k| k[c]);
+        simd(
+            #[inline(always)]
+            move || match mask {
+                Some(a) => out.for_each(move |(o, (&d, &x))| *o = dx(relu_pass(d, x, a), x)),
+                None => out.for_each(move |(o, (&d, &x))| *o = dx(d, x)),
+            },
+        )
     });
 }
 
-/// `f(j, d)` over a plane's gradient `dy`, or with a ReLU's `mask` (the plane's input and
-/// affine map), over it masked as ReLU's backward does: passing where the output
-/// x·scale + shift is positive (not NaN). Generic, so each use compiles to one loop.
-fn each_gradient<T: Float>(dy: &[T], mask: Option<(&[T], (T, T))>, mut f: impl FnMut(usize, T)) {
-    match mask {
-        Some((x, (scale, shift))) => (dy.iter().zip(x)).enumerate().for_each(|(j, (&d, &x))| {
-            f(
-                j,
-                if x * scale + shift > T::zero() {
-                    d
-                } else {
-                    T::zero()
-                },
-            )
-        }),
-        None => dy.iter().enumerate().for_each(|(j, &d)| f(j, d)),
+/// The gradient `d` through a fused ReLU whose input x had the affine map (scale, shift):
+/// passing where the output x·scale + shift was positive (not NaN), as ReLU's backward does.
+#[inline(always)]
+fn relu_pass<T: Float>(d: T, x: T, (scale, shift): (T, T)) -> T {
+    if x * scale + shift > T::zero() {
+        d
+    } else {
+        T::zero()
     }
 }
 
