@@ -12,10 +12,9 @@
 use std::sync::Arc;
 
 use gems::plan::calibrate::{calibrate, Calibration};
-use gems::runtime::executor::{run_local, Layout, RunConfig};
+use gems::plan::Layout;
 use gems::schemes::{Kind, Order, Scheme};
-use gems::train::TrainConfig;
-use gems::{models, DType, Device};
+use gems::{models, DType, Dataset, Device, Graph, RunConfig, Session, TrainConfig};
 
 const ROUNDS: usize = 3;
 /// Steps per run; the first warms up and is not counted.
@@ -32,12 +31,21 @@ fn run(stages: usize, parts: usize, cal: &Calibration) -> RunConfig {
     let mut c = RunConfig::new(
         TrainConfig {
             seed: 1,
-            ..TrainConfig::new("resnet20v2", 32, 10, MICRO * parts, STEPS)
+            ..TrainConfig::new(MICRO * parts, STEPS)
         },
         Scheme::new(kind, stages, parts, 1, 1, Order::GPipe),
     );
     c.calibration = Some(Arc::new(cal.clone()));
     c
+}
+
+/// Wall seconds of each step of `c` after the first.
+fn step_seconds(g: &Graph, c: RunConfig) -> Vec<f64> {
+    let mut s = Session::new(g, c, Dataset::synthetic(32, 10, 1)).unwrap();
+    (0..STEPS)
+        .map(|_| s.step().unwrap().seconds)
+        .skip(1)
+        .collect()
 }
 
 #[test]
@@ -51,9 +59,6 @@ fn calibrated_step_time_predictions_hold() {
     for _ in 0..ROUNDS {
         let cal = calibrate(
             &g,
-            "resnet20v2",
-            32,
-            10,
             MICRO,
             (DType::F32, DType::F32),
             &device,
@@ -61,8 +66,7 @@ fn calibrated_step_time_predictions_hold() {
         )
         .unwrap();
         for (i, &(stages, parts)) in configs.iter().enumerate() {
-            let reports = run_local(&run(stages, parts, &cal)).unwrap();
-            measured[i].extend(&reports[0].step_seconds[1..]);
+            measured[i].extend(step_seconds(&g, run(stages, parts, &cal)));
         }
         cals.push(cal);
     }
@@ -80,7 +84,7 @@ fn calibrated_step_time_predictions_hold() {
         ..cals[0].clone()
     };
     for (&(stages, parts), steps) in configs.iter().zip(measured) {
-        let predicted = Layout::new(&run(stages, parts, &cal))
+        let predicted = Layout::new(&g, &run(stages, parts, &cal))
             .unwrap()
             .predicted_step(true);
         let measured = median(steps);

@@ -9,7 +9,7 @@ use gems::models;
 use gems::ops::Op;
 use gems::optim::schedule::{Decay, LrSchedule};
 use gems::optim::SgdConfig;
-use gems::train::{TrainConfig, Trainer};
+use gems::{Dataset, RunConfig, Scheme, Session, TrainConfig};
 
 #[test]
 fn inception_v3_parameter_counts() {
@@ -185,12 +185,8 @@ fn amoebanet_d_gradients_match_finite_differences() {
 fn training_steps_use_the_auxiliary_output() {
     // Plain SGD: whatever has a gradient moves. AuxLogits only gets one from the auxiliary
     // output's loss.
-    let mut t = Trainer::new(TrainConfig {
-        model: "inception_v3".into(),
-        image_size: 299,
-        classes: 2,
-        batch_size: 2,
-        steps: 1,
+    let g = models::build("inception_v3", 299, 2).unwrap();
+    let train = TrainConfig {
         schedule: LrSchedule {
             base: 0.1,
             decay: Decay::Constant,
@@ -203,27 +199,24 @@ fn training_steps_use_the_auxiliary_output() {
             nesterov: false,
         },
         seed: 5,
-        ..TrainConfig::new("inception_v3", 299, 2, 2, 1)
-    })
-    .unwrap();
-    let idx = |name: &str| t.graph.params.iter().position(|p| p.name == name).unwrap();
+        ..TrainConfig::new(2, 1)
+    };
+    let data = Dataset::synthetic(299, 2, 5);
+    let mut t = Session::new(&g, RunConfig::new(train, Scheme::single(1)), data).unwrap();
+    let idx = |name: &str| g.params.iter().position(|p| p.name == name).unwrap();
     let probes = [
         idx("AuxLogits.fc.bias"),
         idx("AuxLogits.conv0.conv.weight"),
         idx("fc.bias"),
     ];
-    let before: Vec<Vec<f64>> = probes
-        .iter()
-        .map(|&i| t.params.values[i].to_f64_vec().unwrap())
-        .collect();
+    let values = |t: &mut Session| -> Vec<Vec<f64>> {
+        let all = t.parameters().unwrap().swap_remove(0);
+        probes.iter().map(|&i| all[i].2.clone()).collect()
+    };
+    let before = values(&mut t);
     let r = t.step().unwrap();
     assert!(r.loss.is_finite());
-    for (&i, b) in probes.iter().zip(&before) {
-        assert_ne!(
-            &t.params.values[i].to_f64_vec().unwrap(),
-            b,
-            "{} did not move",
-            t.graph.params[i].name
-        );
+    for ((&i, b), a) in probes.iter().zip(&before).zip(values(&mut t)) {
+        assert_ne!(&a, b, "{} did not move", g.params[i].name);
     }
 }
