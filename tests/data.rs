@@ -74,9 +74,10 @@ fn folder_classes_labels_and_pixels() {
     seen.sort();
     assert_eq!(seen, [0, 1, 2, 3]);
     // The data names its classes: a model with another count is refused.
-    let mut config = gems::train::TrainConfig::new("resnet20v2", 32, 3, 2, 1);
-    config.data = folder(&d, false, 0.0);
-    let err = gems::train::Trainer::new(config).err().unwrap().to_string();
+    let config = gems::RunConfig::new(gems::TrainConfig::new(2, 1), gems::Scheme::single(1));
+    let g = gems::models::build("resnet20v2", 32, 3).unwrap();
+    let data = gems::data::open(&folder(&d, false, 0.0), 32, 3, 0).unwrap();
+    let err = gems::Session::new(&g, config, data).err().unwrap().to_string();
     assert!(
         err.contains("2 classes") && err.contains("3 outputs"),
         "{err}"
@@ -232,7 +233,13 @@ fn loader_hands_out_batches_in_order_and_stays_bounded() {
     let p = Arc::new(Pipeline::new(source.clone(), 2, transform, 0, false, false));
     let requests: Vec<(u64, usize)> = (0..20).map(|i| (i * 3, 3)).collect();
     let (workers, depth) = (3, 2);
-    let mut loader = Loader::new(p.clone(), requests.clone(), workers, depth);
+    let list = requests.clone();
+    let mut loader = Loader::new(
+        p.clone(),
+        Box::new(move |i| list.get(i).copied()),
+        workers,
+        depth,
+    );
     // Nobody takes anything: the workers stop `depth` batches ahead.
     std::thread::sleep(std::time::Duration::from_millis(100));
     assert_eq!(source.reads.load(Ordering::SeqCst), depth * 3);

@@ -2,20 +2,14 @@
 
 use gems::optim::schedule::{Decay, LrSchedule};
 use gems::optim::SgdConfig;
-use gems::train::{TrainConfig, Trainer};
-use gems::{Category, DType, Error};
+use gems::{models, Category, DType, Dataset, Error, RunConfig, Scheme, Session, TrainConfig};
 
 fn config(steps: usize) -> TrainConfig {
     TrainConfig {
-        model: "resnet20v2".into(),
-        image_size: 32,
-        classes: 10,
-        batch_size: 32,
-        steps,
         schedule: LrSchedule {
             base: 0.1,
             decay: Decay::Cosine,
-            warmup: 10,
+            warmup: 10.min(steps),
             total: steps,
         },
         sgd: SgdConfig {
@@ -23,14 +17,21 @@ fn config(steps: usize) -> TrainConfig {
             weight_decay: 5e-4,
             nesterov: false,
         },
-        ..TrainConfig::new("resnet20v2", 32, 10, 32, steps)
+        ..TrainConfig::new(32, steps)
     }
+}
+
+/// resnet20v2 on synthetic 32² images of 10 classes, on one device.
+fn trainer(c: TrainConfig) -> gems::Result<Session> {
+    let g = models::build("resnet20v2", 32, 10)?;
+    let data = Dataset::synthetic(32, 10, c.seed);
+    Session::new(&g, RunConfig::new(c, Scheme::single(1)), data)
 }
 
 #[test]
 fn resnet20v2_learns_synthetic_data() {
     let steps = 160;
-    let mut t = Trainer::new(config(steps)).unwrap();
+    let mut t = trainer(config(steps)).unwrap();
     let reports: Vec<_> = (0..steps).map(|_| t.step().unwrap()).collect();
     let first = reports[0].loss;
     let last = &reports[steps - 10..];
@@ -50,7 +51,7 @@ fn same_seed_same_losses_to_the_last_bit() {
     let run = |seed: u64| {
         let mut c = config(4);
         c.seed = seed;
-        let mut t = Trainer::new(c).unwrap();
+        let mut t = trainer(c).unwrap();
         (0..4)
             .map(|_| t.step().unwrap().loss.to_bits())
             .collect::<Vec<_>>()
@@ -64,10 +65,10 @@ fn same_seed_same_losses_to_the_last_bit() {
 fn capacity_is_enforced_exactly_at_the_peak() {
     let mut c = config(2);
     c.batch_size = 8;
-    let mut t = Trainer::new(c.clone()).unwrap();
+    let mut t = trainer(c.clone()).unwrap();
     t.step().unwrap();
     t.step().unwrap();
-    let m = t.memory();
+    let m = t.memory().unwrap()[0];
     let peak = m.peak;
     assert_eq!(m.at_peak.total(), peak);
     assert!(m.at_peak.get(Category::Activations) > m.at_peak.get(Category::Weights));
@@ -79,11 +80,11 @@ fn capacity_is_enforced_exactly_at_the_peak() {
 
     // The high-water mark is exact: a capacity of the peak fits, one byte less does not.
     c.device_memory = Some(peak);
-    let mut fits = Trainer::new(c.clone()).unwrap();
+    let mut fits = trainer(c.clone()).unwrap();
     fits.step().unwrap();
     fits.step().unwrap();
     c.device_memory = Some(peak - 1);
-    let mut short = Trainer::new(c).unwrap();
+    let mut short = trainer(c).unwrap();
     let err = short
         .step()
         .and_then(|_| short.step())
@@ -105,10 +106,10 @@ fn activation_memory_matches_the_graph() {
     let mut c = config(1);
     c.batch_size = 16;
     c.dtype = DType::F64;
-    let mut t = Trainer::new(c).unwrap();
+    let mut t = trainer(c).unwrap();
     t.step().unwrap();
-    let predicted = 16 * t.graph.saved_bytes_per_sample(DType::F64);
-    let measured = t.memory().at_peak.get(Category::Activations);
+    let predicted = 16 * t.graph().saved_bytes_per_sample(DType::F64);
+    let measured = t.memory().unwrap()[0].at_peak.get(Category::Activations);
     let ratio = measured as f64 / predicted as f64;
     assert!(
         (1.0..1.05).contains(&ratio),
@@ -120,7 +121,7 @@ fn activation_memory_matches_the_graph() {
 fn zero_batch_is_refused() {
     let mut c = config(1);
     c.batch_size = 0;
-    assert!(Trainer::new(c)
+    assert!(trainer(c)
         .err()
         .unwrap()
         .to_string()
@@ -129,20 +130,16 @@ fn zero_batch_is_refused() {
 
 #[test]
 fn the_largest_batch_that_fits_fits_and_one_more_does_not() {
-    use gems::plan::memory;
     let cap = 48 << 20;
-    let b = memory::largest_batch(
-        &memory::single_device("resnet20v2", 32, 10, DType::F32, 1),
-        cap,
-        1 << 20,
-    )
-    .unwrap();
+    let g = models::build("resnet20v2", 32, 10).unwrap();
+    let one = RunConfig::new(TrainConfig::new(1, 1), Scheme::single(1));
+    let b = gems::fit::largest_batch(&g, &one, cap, 1 << 20).unwrap();
     assert!(b >= 8, "{b}");
     let run = |batch: usize| {
         let mut c = config(1);
         c.batch_size = batch;
         c.device_memory = Some(cap);
-        Trainer::new(c).and_then(|mut t| t.step())
+        trainer(c).and_then(|mut t| t.step())
     };
     run(b).unwrap();
     assert!(

@@ -83,6 +83,9 @@ impl TrainConfig {
     /// Refuses, before any work, hyper-parameters no run can train with: what is not finite,
     /// negative where only a size makes sense, or a warm-up longer than the schedule.
     pub fn check(&self) -> Result<()> {
+        if self.batch_size == 0 {
+            return Err(Error::Config("the batch size must be at least 1".into()));
+        }
         let s = &self.schedule;
         let bad = |what: &str, v: f64, allowed: &str| {
             Err(Error::Config(format!(
