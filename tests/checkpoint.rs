@@ -5,10 +5,9 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use gems::checkpoint::{self, Checkpoint};
 use gems::optim::schedule::{Decay, LrSchedule};
 use gems::optim::SgdConfig;
-use gems::train::{TrainConfig, Trainer};
+use gems::{models, Dataset, RunConfig, Scheme, Session, TrainConfig};
 
 use safetensors::tensor::TensorView;
 use safetensors::SafeTensors;
@@ -102,13 +101,8 @@ fn resuming_in_a_fresh_process_is_bit_identical() {
     std::fs::remove_dir_all(d).ok();
 }
 
-fn small_trainer() -> Trainer {
-    Trainer::new(TrainConfig {
-        model: "resnet20v2".into(),
-        image_size: 32,
-        classes: 10,
-        batch_size: 4,
-        steps: 3,
+fn small_trainer() -> Session {
+    let train = TrainConfig {
         schedule: LrSchedule {
             base: 0.1,
             decay: Decay::Constant,
@@ -121,9 +115,17 @@ fn small_trainer() -> Trainer {
             nesterov: true,
         },
         seed: 1,
-        ..TrainConfig::new("resnet20v2", 32, 10, 4, 3)
-    })
-    .unwrap()
+        ..TrainConfig::new(4, 3)
+    };
+    let g = models::build("resnet20v2", 32, 10).unwrap();
+    let data = Dataset::synthetic(32, 10, 1);
+    Session::new(&g, RunConfig::new(train, Scheme::single(1)), data).unwrap()
+}
+
+/// Every parameter's values (BN statistics included), in the graph's order.
+fn values(t: &mut Session) -> Vec<Vec<f64>> {
+    let all = t.parameters().unwrap().swap_remove(0);
+    all.into_iter().map(|(_, _, v)| v).collect()
 }
 
 /// Re-serializes a checkpoint with `edit` applied to its tensors.
@@ -159,13 +161,10 @@ fn rewrite(
 
 fn refusal(path: &Path) -> String {
     let mut t = small_trainer();
-    let before = t.params.values[0].to_f64_vec().unwrap();
-    let err = Checkpoint::read(path)
-        .and_then(|c| c.restore(&mut t))
-        .expect_err("must be refused")
-        .to_string();
+    let before = values(&mut t);
+    let err = t.restore(path).expect_err("must be refused").to_string();
     assert_eq!(
-        t.params.values[0].to_f64_vec().unwrap(),
+        values(&mut t),
         before,
         "a refused checkpoint must change nothing"
     );
@@ -178,17 +177,11 @@ fn damaged_or_mismatched_checkpoints_are_refused_by_name() {
     let good = d.join("good.safetensors");
     let mut t = small_trainer();
     t.step().unwrap();
-    checkpoint::save(&t, &good).unwrap();
+    t.save(&good).unwrap();
     // A good file restores.
     let mut fresh = small_trainer();
-    Checkpoint::read(&good)
-        .unwrap()
-        .restore(&mut fresh)
-        .unwrap();
-    assert_eq!(
-        fresh.params.values[5].to_f64_vec().unwrap(),
-        t.params.values[5].to_f64_vec().unwrap()
-    );
+    fresh.restore(&good).unwrap();
+    assert_eq!(values(&mut fresh)[5], values(&mut t)[5]);
     assert_eq!(fresh.steps_done(), 1);
 
     let removed = d.join("removed.safetensors");
@@ -246,18 +239,15 @@ fn a_failed_write_leaves_the_previous_checkpoint_intact() {
     let d = temp_dir("atomic");
     let path = d.join("model.safetensors");
     let mut t = small_trainer();
-    checkpoint::save(&t, &path).unwrap();
+    t.save(&path).unwrap();
     let before = std::fs::read(&path).unwrap();
     t.step().unwrap();
     // The temporary file's name is taken by a folder: the write fails part-way.
     std::fs::create_dir(d.join(".model.safetensors.tmp")).unwrap();
-    assert!(checkpoint::save(&t, &path).is_err());
+    assert!(t.save(&path).is_err());
     assert_eq!(std::fs::read(&path).unwrap(), before);
     let mut fresh = small_trainer();
-    Checkpoint::read(&path)
-        .unwrap()
-        .restore(&mut fresh)
-        .unwrap();
+    fresh.restore(&path).unwrap();
     assert_eq!(fresh.steps_done(), 0);
     std::fs::remove_dir_all(d).ok();
 }
@@ -268,23 +258,13 @@ fn evaluation_changes_nothing_and_reports() {
     for _ in 0..3 {
         t.step().unwrap();
     }
-    let before: Vec<Vec<f64>> = t
-        .params
-        .values
-        .iter()
-        .map(|v| v.to_f64_vec().unwrap())
-        .collect();
-    let a = t.evaluate(Some(20), 8).unwrap();
-    let b = t.evaluate(Some(20), 8).unwrap();
+    let before = values(&mut t);
+    let a = t.evaluate_held_out(Some(20)).unwrap();
+    let b = t.evaluate_held_out(Some(20)).unwrap();
     assert_eq!(a, b);
     assert_eq!(a.samples, 20);
     assert!(a.loss.is_finite() && (0.0..=1.0).contains(&a.accuracy));
-    let after: Vec<Vec<f64>> = t
-        .params
-        .values
-        .iter()
-        .map(|v| v.to_f64_vec().unwrap())
-        .collect();
+    let after = values(&mut t);
     assert_eq!(
         before, after,
         "evaluation must not change weights or BN statistics"
