@@ -7,11 +7,10 @@ use gems::backend::cpu::Cpu;
 use gems::backend::{Backend, ChannelGeom, ConvGeom, PoolGeom};
 use gems::optim::schedule::{Decay, LrSchedule};
 use gems::optim::SgdConfig;
-use gems::runtime::executor::{run_local, RunConfig};
+use gems::runtime::Checkpoint;
 use gems::schemes::{Kind, Order, Scheme};
 use gems::tensor::Storage;
-use gems::train::{TrainConfig, Trainer};
-use gems::{Category, DType, Error, Precision};
+use gems::{models, Category, DType, Dataset, Error, Precision, RunConfig, Session, TrainConfig};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
@@ -29,8 +28,20 @@ fn config(precision: Precision, batch: usize, steps: usize) -> TrainConfig {
             nesterov: false,
         },
         precision,
-        ..TrainConfig::new("resnet20v2", 32, 10, batch, steps)
+        ..TrainConfig::new(batch, steps)
     }
+}
+
+/// resnet20v2 on synthetic 32² images of 10 classes under `scheme`.
+fn session(c: TrainConfig, scheme: Scheme) -> gems::Result<Session> {
+    let g = models::build("resnet20v2", 32, 10)?;
+    let data = Dataset::synthetic(32, 10, c.seed);
+    Session::new(&g, RunConfig::new(c, scheme), data)
+}
+
+/// `c` on one device.
+fn trainer(c: TrainConfig) -> gems::Result<Session> {
+    session(c, Scheme::single(1))
 }
 
 /// Random values in ±[0.05, 1] as the 16-bit storage of `dtype` and as f32 storage of the
@@ -291,15 +302,15 @@ fn every_op_in_16_bits_is_the_f32_op_rounded_once() {
 
 /// Every parameter gradient after one step, divided by the loss scale they carry.
 fn gradients(precision: Precision) -> Vec<Vec<f64>> {
-    let mut t = Trainer::new(config(precision, 8, 1)).unwrap();
+    let mut t = trainer(config(precision, 8, 1)).unwrap();
     let r = t.step().unwrap();
     assert!(!r.skipped, "{precision}: the first step overflowed");
     let scale = r.loss_scale.unwrap_or(1.0);
-    t.params
-        .grads
-        .iter()
-        .flatten()
-        .map(|g| g.to_f64_vec().unwrap().iter().map(|v| v / scale).collect())
+    t.gradients()
+        .unwrap()
+        .swap_remove(0)
+        .into_iter()
+        .map(|(_, _, g)| g.iter().map(|v| v / scale).collect())
         .collect()
 }
 
@@ -337,7 +348,7 @@ fn model_gradients_keep_their_size_and_direction() {
 fn bf16_and_fp16_learn() {
     let steps = 60;
     for precision in [Precision::Bf16, Precision::Fp16] {
-        let mut t = Trainer::new(config(precision, 32, steps)).unwrap();
+        let mut t = trainer(config(precision, 32, steps)).unwrap();
         let reports: Vec<_> = (0..steps).map(|_| t.step().unwrap()).collect();
         let first = reports[0].loss;
         let last = reports[steps - 10..].iter().map(|r| r.loss).sum::<f64>() / 10.0;
@@ -358,9 +369,9 @@ fn bf16_and_fp16_learn() {
 #[test]
 fn activations_take_half_the_bytes() {
     let peak = |precision| {
-        let mut t = Trainer::new(config(precision, 16, 1)).unwrap();
+        let mut t = trainer(config(precision, 16, 1)).unwrap();
         t.step().unwrap();
-        t.memory().at_peak.get(Category::Activations)
+        t.memory().unwrap()[0].at_peak.get(Category::Activations)
     };
     let (full, half) = (peak(Precision::Fp32), peak(Precision::Bf16));
     let ratio = half as f64 / full as f64;
@@ -372,10 +383,11 @@ fn activations_take_half_the_bytes() {
 fn the_plan_predicts_mixed_precision_memory() {
     for precision in [Precision::Bf16, Precision::Fp16] {
         let c = RunConfig::new(config(precision, 16, 1), Scheme::single(1));
-        let predicted = gems::plan::memory::per_rank(&c).unwrap()[0].peak;
-        let mut t = Trainer::new(config(precision, 16, 1)).unwrap();
+        let g = models::build("resnet20v2", 32, 10).unwrap();
+        let predicted = gems::fit::per_rank(&g, &c).unwrap()[0].peak;
+        let mut t = trainer(config(precision, 16, 1)).unwrap();
         t.step().unwrap();
-        let measured = t.memory().peak;
+        let measured = t.memory().unwrap()[0].peak;
         let err = (predicted as f64 - measured as f64).abs() / measured as f64;
         assert!(
             err <= 0.05,
@@ -386,10 +398,12 @@ fn the_plan_predicts_mixed_precision_memory() {
 
 /// The trainable parameters (a skipped step still updates BN's running statistics, as
 /// PyTorch's does).
-fn weights(t: &Trainer) -> Vec<Vec<f64>> {
-    (t.params.values.iter().zip(&t.graph.params))
-        .filter(|(_, p)| p.spec.trainable)
-        .map(|(v, _)| v.to_f64_vec().unwrap())
+fn weights(t: &mut Session) -> Vec<Vec<f64>> {
+    let g = t.graph().clone();
+    let all = t.parameters().unwrap().swap_remove(0);
+    all.into_iter()
+        .filter(|(_, id, _)| g.params[*id].spec.trainable)
+        .map(|(_, _, v)| v)
         .collect()
 }
 
@@ -399,8 +413,8 @@ fn an_overflow_skips_the_step_and_halves_the_scale() {
     // until the scale has halved far enough.
     let mut c = config(Precision::Fp16, 8, 40);
     c.loss_scale = 2f64.powi(40);
-    let mut t = Trainer::new(c).unwrap();
-    let initial = weights(&t);
+    let mut t = trainer(c).unwrap();
+    let initial = weights(&mut t);
     let mut scale = 2f64.powi(40);
     let mut first_applied = None;
     for step in 0..40 {
@@ -412,7 +426,7 @@ fn an_overflow_skips_the_step_and_halves_the_scale() {
                 "step {step} skipped after one was applied"
             );
             assert!(
-                weights(&t) == initial,
+                weights(&mut t) == initial,
                 "skipped step {step} changed the weights"
             );
             scale /= 2.0;
@@ -425,8 +439,11 @@ fn an_overflow_skips_the_step_and_halves_the_scale() {
         first >= 10,
         "2^40 should overflow for a while, applied at {first}"
     );
-    assert_eq!(t.loss_scale.as_ref().unwrap().skipped(), first);
-    assert!(weights(&t) != initial, "applied steps change the weights");
+    assert_eq!(t.loss_scale().unwrap().unwrap().skipped(), first);
+    assert!(
+        weights(&mut t) != initial,
+        "applied steps change the weights"
+    );
 }
 
 #[test]
@@ -434,39 +451,20 @@ fn the_loss_scale_survives_a_checkpoint() {
     // 2^21 overflows f16 at first: some steps skipped, then clean ones counting to growth.
     let mut c = config(Precision::Fp16, 8, 8);
     c.loss_scale = 2f64.powi(21);
-    let mut t = Trainer::new(c).unwrap();
+    let mut t = trainer(c).unwrap();
     let skipped = (0..6).filter(|_| t.step().unwrap().skipped).count();
     assert!((1..6).contains(&skipped), "{skipped} of 6 steps skipped");
     let dir = std::env::temp_dir().join(format!("gems-mp-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let path = dir.join("fp16.safetensors");
-    gems::checkpoint::save(&t, &path).unwrap();
-    let resumed = Trainer::resume(&path, |_| {}).unwrap();
-    assert_eq!(resumed.config.precision, Precision::Fp16);
+    t.save(&path).unwrap();
+    let written = Checkpoint::read(&path).unwrap().config().unwrap();
+    assert_eq!(written.precision, Precision::Fp16);
+    let mut resumed = trainer(written).unwrap();
+    resumed.restore(&path).unwrap();
     // All of the scale's state: its factor, the skipped steps, the clean ones towards growth.
-    assert_eq!(resumed.loss_scale, t.loss_scale);
+    assert_eq!(resumed.loss_scale().unwrap(), t.loss_scale().unwrap());
     std::fs::remove_dir_all(&dir).unwrap();
-}
-
-#[test]
-fn a_spread_run_equals_the_trainer_in_mixed_precision() {
-    for precision in [Precision::Bf16, Precision::Fp16] {
-        let mut c = RunConfig::new(config(precision, 8, 3), Scheme::single(1));
-        c.return_params = true;
-        let r = run_local(&c).unwrap();
-        let mut t = Trainer::new(config(precision, 8, 3)).unwrap();
-        for (step, want) in r[0].losses.iter().enumerate() {
-            let got = t.step().unwrap().loss;
-            assert_eq!(got.to_bits(), want.to_bits(), "{precision} step {step}");
-        }
-        for (_, id, v) in &r[0].params {
-            assert_eq!(
-                v,
-                &t.params.values[*id].to_f64_vec().unwrap(),
-                "{precision} param {id}"
-            );
-        }
-    }
 }
 
 #[test]
@@ -474,22 +472,19 @@ fn every_rank_skips_an_overflowing_step() {
     // Only the last stage's loss gradient overflows at first, yet both stages skip.
     let mut train = config(Precision::Fp16, 4, 3);
     train.loss_scale = 2f64.powi(40);
-    let mut c = RunConfig::new(train, Scheme::new(Kind::Mp, 2, 2, 1, 1, Order::GPipe));
-    c.return_params = true;
-    let reports = run_local(&c).unwrap();
-    let t = Trainer::new(config(Precision::Fp16, 4, 3)).unwrap();
-    for r in &reports {
-        assert_eq!(r.skipped_steps, 3, "rank {}", r.rank);
-        for (_, id, v) in r
-            .params
-            .iter()
-            .filter(|p| t.graph.params[p.1].spec.trainable)
-        {
-            assert_eq!(
-                v,
-                &t.params.values[*id].to_f64_vec().unwrap(),
-                "param {id} moved"
-            );
+    let mut spread = session(train, Scheme::new(Kind::Mp, 2, 2, 1, 1, Order::GPipe)).unwrap();
+    for step in 0..3 {
+        let r = spread.step().unwrap();
+        for rank in &r.ranks {
+            assert!(rank.skipped, "rank {} applied step {step}", rank.rank);
+        }
+    }
+    let mut fresh = trainer(config(Precision::Fp16, 4, 3)).unwrap();
+    let initial = fresh.parameters().unwrap().swap_remove(0);
+    let g = fresh.graph().clone();
+    for rank in spread.parameters().unwrap() {
+        for (_, id, v) in rank.iter().filter(|p| g.params[p.1].spec.trainable) {
+            assert_eq!(v, &initial[*id].2, "param {id} moved");
         }
     }
 }
@@ -498,8 +493,8 @@ fn every_rank_skips_an_overflowing_step() {
 fn mixed_precision_needs_f32_parameters() {
     let mut c = config(Precision::Bf16, 8, 1);
     c.dtype = DType::F64;
-    match Trainer::new(c) {
-        Err(Error::Config(e)) => assert!(e.contains("--precision bf16 needs f32"), "{e}"),
+    match trainer(c) {
+        Err(Error::Config(e)) => assert!(e.contains("bf16 precision needs f32"), "{e}"),
         Err(e) => panic!("expected a configuration error, got {e}"),
         Ok(_) => panic!("bf16 with f64 parameters was accepted"),
     }
@@ -516,21 +511,16 @@ fn offload_and_recompute_leave_16_bit_training_bit_identical() {
         let run = |saves: SavePolicy| {
             let mut c = config(precision, 8, 2);
             c.saves = saves;
-            let mut t = Trainer::new(c).unwrap();
+            let mut t = trainer(c).unwrap();
             let losses: Vec<u64> = (0..2).map(|_| t.step().unwrap().loss.to_bits()).collect();
             let values: Vec<Vec<u64>> = t
-                .params
-                .values
-                .iter()
-                .map(|v| {
-                    v.to_f64_vec()
-                        .unwrap()
-                        .iter()
-                        .map(|x| x.to_bits())
-                        .collect()
-                })
+                .parameters()
+                .unwrap()
+                .swap_remove(0)
+                .into_iter()
+                .map(|(_, _, v)| v.iter().map(|x| x.to_bits()).collect())
                 .collect();
-            (losses, values, t.memory().peak)
+            (losses, values, t.memory().unwrap()[0].peak)
         };
         let (losses, values, peak) = run(SavePolicy::keep_all());
         for policy in [
@@ -548,9 +538,9 @@ fn offload_and_recompute_leave_16_bit_training_bit_identical() {
 #[test]
 fn evaluation_runs_in_16_bits() {
     let eval = |precision| {
-        let mut t = Trainer::new(config(precision, 8, 1)).unwrap();
-        let data = t.data.train.clone();
-        t.evaluate_on(&data, Some(16), 8).unwrap().loss
+        let mut t = trainer(config(precision, 8, 1)).unwrap();
+        let data = Dataset::synthetic(32, 10, 0).train;
+        t.evaluate(&data, Some(16)).unwrap().loss
     };
     let full = eval(Precision::Fp32);
     for precision in [Precision::Bf16, Precision::Fp16] {

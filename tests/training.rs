@@ -121,11 +121,7 @@ fn activation_memory_matches_the_graph() {
 fn zero_batch_is_refused() {
     let mut c = config(1);
     c.batch_size = 0;
-    assert!(trainer(c)
-        .err()
-        .unwrap()
-        .to_string()
-        .contains("batch size"));
+    assert!(trainer(c).err().unwrap().to_string().contains("batch size"));
 }
 
 #[test]

@@ -91,7 +91,7 @@ impl Precision {
     pub fn check(self, params: DType) -> Result<(), String> {
         if params != DType::F32 && self != Precision::Fp32 {
             return Err(format!(
-                "--precision {self} needs f32 parameters (the run is {}); f64 runs compute in f64",
+                "{self} precision needs f32 parameters (the run is {}); f64 runs compute in f64",
                 params.name()
             ));
         }

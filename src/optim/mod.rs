@@ -137,8 +137,8 @@ impl LossScale {
             if self.scale <= Self::FLOOR {
                 return Err(crate::Error::Config(format!(
                     "fp16 gradients overflow even at loss scale {} ({} steps skipped): \
-                     activations or the loss are beyond f16's range (65504); train with \
-                     --precision bf16, which has f32's range",
+                     activations or the loss are beyond f16's range (65504); train in bf16, \
+                     which has f32's range",
                     self.scale, self.skipped
                 )));
             }
@@ -199,6 +199,6 @@ mod tests {
         }
         assert_eq!((s.factor(), s.skipped()), (LossScale::FLOOR, 33));
         let e = s.update(true).unwrap_err().to_string();
-        assert!(e.contains("--precision bf16"), "{e}");
+        assert!(e.contains("train in bf16"), "{e}");
     }
 }

@@ -81,7 +81,7 @@ impl TrainConfig {
     }
 
     /// Refuses, before any work, hyper-parameters no run can train with: what is not finite,
-    /// negative where only a size makes sense, or a warm-up longer than the schedule.
+    /// or negative where only a size makes sense.
     pub fn check(&self) -> Result<()> {
         if self.batch_size == 0 {
             return Err(Error::Config("the batch size must be at least 1".into()));
@@ -108,12 +108,6 @@ impl TrainConfig {
         }
         if !(self.loss_scale.is_finite() && self.loss_scale > 0.0) {
             return bad("first loss scale", self.loss_scale, "a finite number > 0");
-        }
-        if s.warmup > s.total {
-            return Err(Error::Config(format!(
-                "a warm-up of {} steps is longer than the schedule's {} steps",
-                s.warmup, s.total
-            )));
         }
         Ok(())
     }

@@ -304,6 +304,10 @@ impl Rank {
         if self.loader.is_none() {
             self.loader = self.start_loader();
         }
+        // The last step's gradients stay readable until this one starts.
+        for copy in &mut self.copies {
+            copy.params.zero_grads(&self.device)?;
+        }
         let tasks: Vec<Task> = self.layout.schedule.ranks[self.local]
             .iter()
             .map(|t| t.task)
@@ -342,6 +346,21 @@ impl Rank {
         for copy in &self.copies {
             for (i, v) in copy.params.values.iter().enumerate() {
                 out.push((copy.orientation, copy.params.first + i, v.to_f64_vec()?));
+            }
+        }
+        Ok(out)
+    }
+
+    /// The last step's gradients of every copy's trainable parameters, summed over the
+    /// copies of each stage (and carrying fp16's loss scale), as (orientation, param id,
+    /// values).
+    pub fn gradients(&self) -> Result<Vec<(usize, usize, Vec<f64>)>> {
+        let mut out = Vec::new();
+        for copy in &self.copies {
+            for (i, g) in copy.params.grads.iter().enumerate() {
+                if let Some(g) = g {
+                    out.push((copy.orientation, copy.params.first + i, g.to_f64_vec()?));
+                }
             }
         }
         Ok(out)
@@ -770,7 +789,6 @@ impl Rank {
             if apply {
                 copy.sgd.step(&mut copy.params, &self.device, lr, unscale)?;
             }
-            copy.params.zero_grads(&self.device)?;
         }
         self.device.backend().synchronize()?;
         self.current.busy += start.elapsed().as_secs_f64();

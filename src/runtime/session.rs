@@ -292,6 +292,13 @@ impl Session {
         self.all(|r| r.parameters())
     }
 
+    /// The last step's gradients on the ranks of this process, per rank: (orientation, param
+    /// id, values) of each trainable parameter, summed over the step's micro-batches and the
+    /// copies of its stage, and multiplied by fp16's loss scale where one is used.
+    pub fn gradients(&mut self) -> Result<Vec<Vec<(usize, usize, Vec<f64>)>>> {
+        self.all(|r| r.gradients())
+    }
+
     /// The memory of each rank of this process: peak so far, and bytes by category.
     pub fn memory(&mut self) -> Result<Vec<MemoryStats>> {
         self.all(|r| Ok(r.device().memory()))

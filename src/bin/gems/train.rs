@@ -52,6 +52,9 @@ pub fn setup(a: &TrainArgs) -> anyhow::Result<(Graph, RunConfig)> {
                 (Some(names), _) => names.len(),
             };
             let steps = a.steps.unwrap_or(150);
+            if let Some(w) = a.warmup.filter(|&w| w > steps) {
+                anyhow::bail!("--warmup {w} is longer than the run's {steps} steps");
+            }
             let train = TrainConfig {
                 batch_size: match a.batch_size {
                     None => 32,
