@@ -57,14 +57,7 @@ fn calibrated_step_time_predictions_hold() {
     let mut cals = Vec::new();
     let mut measured = vec![Vec::new(); configs.len()];
     for _ in 0..ROUNDS {
-        let cal = calibrate(
-            &g,
-            MICRO,
-            (DType::F32, DType::F32),
-            &device,
-            3,
-        )
-        .unwrap();
+        let cal = calibrate(&g, MICRO, (DType::F32, DType::F32), &device, 3).unwrap();
         for (i, &(stages, parts)) in configs.iter().enumerate() {
             measured[i].extend(step_seconds(&g, run(stages, parts, &cal)));
         }

@@ -77,7 +77,10 @@ fn folder_classes_labels_and_pixels() {
     let config = gems::RunConfig::new(gems::TrainConfig::new(2, 1), gems::Scheme::single(1));
     let g = gems::models::build("resnet20v2", 32, 3).unwrap();
     let data = gems::data::open(&folder(&d, false, 0.0), 32, 3, 0).unwrap();
-    let err = gems::Session::new(&g, config, data).err().unwrap().to_string();
+    let err = gems::Session::new(&g, config, data)
+        .err()
+        .unwrap()
+        .to_string();
     assert!(
         err.contains("2 classes") && err.contains("3 outputs"),
         "{err}"
