@@ -1,12 +1,90 @@
 //! The planner's memory model against the allocator: each rank's predicted peak (a metered run
 //! of the same task lists) equals what a real run measures, for every scheme.
 
+use std::ops::{Deref, DerefMut};
+use std::sync::Arc;
+
 use gems::backend::meter::ConvWorkspace;
 use gems::backend::DeviceKind;
-use gems::plan::memory;
-use gems::runtime::executor::{run_local, RunConfig};
+use gems::plan::Layout;
 use gems::schemes::{Kind, Order, Scheme};
-use gems::train::TrainConfig;
+use gems::{models, Dataset, Graph, MemoryStats, RunConfig, Session, TrainConfig};
+
+/// A run on its model: what the planner's entry points take.
+#[derive(Clone, Debug)]
+struct Run {
+    g: Arc<Graph>,
+    c: RunConfig,
+}
+
+impl Deref for Run {
+    type Target = RunConfig;
+    fn deref(&self) -> &RunConfig {
+        &self.c
+    }
+}
+
+impl DerefMut for Run {
+    fn deref_mut(&mut self) -> &mut RunConfig {
+        &mut self.c
+    }
+}
+
+/// The planner's exact answers (`gems::fit`) on a [`Run`].
+mod memory {
+    use super::Run;
+    use gems::{fit, MemoryStats, Result};
+
+    pub fn per_rank(r: &Run) -> Result<Vec<MemoryStats>> {
+        fit::per_rank(&r.g, &r.c)
+    }
+    pub fn fits(r: &Run, cap: u64) -> Result<bool> {
+        fit::fits(&r.g, &r.c, cap)
+    }
+    pub fn largest_batch(r: &Run, cap: u64, limit: usize) -> Result<usize> {
+        fit::largest_batch(&r.g, &r.c, cap, limit)
+    }
+    pub fn check_fits(r: &Run) -> Result<()> {
+        fit::check_fits(&r.g, &r.c)
+    }
+    pub fn choose_replicas(r: &Run, cap: u64) -> Result<Run> {
+        let c = fit::choose_replicas(&r.g, &r.c, cap)?;
+        Ok(Run { g: r.g.clone(), c })
+    }
+    pub fn choose_split(r: &Run, cap: u64) -> Result<Run> {
+        let c = fit::choose_split(&r.g, &r.c, cap)?;
+        Ok(Run { g: r.g.clone(), c })
+    }
+}
+
+/// What each rank measured over a real run of `r`'s steps: its memory and the last step's
+/// timeline.
+struct Measured {
+    memory: MemoryStats,
+    timeline: Vec<gems::schemes::schedule::Timed>,
+}
+
+fn run_local(r: &Run) -> gems::Result<Vec<Measured>> {
+    let data = Dataset::synthetic(r.g.image_size(), r.g.classes(), r.c.train.seed);
+    let mut s = Session::new(&r.g, r.c.clone(), data)?;
+    let mut last = None;
+    for _ in 0..r.c.train.steps {
+        last = Some(s.step()?);
+    }
+    let last = last.expect("at least one step");
+    Ok(last
+        .ranks
+        .into_iter()
+        .map(|k| Measured {
+            memory: k.memory,
+            timeline: k.timeline,
+        })
+        .collect())
+}
+
+fn layout_of(r: &Run) -> Layout {
+    Layout::new(&r.g, &r.c).unwrap()
+}
 
 fn config(
     model: &str,
@@ -14,16 +92,17 @@ fn config(
     batch: usize,
     scheme: Scheme,
     max_in_flight: Option<usize>,
-) -> RunConfig {
+) -> Run {
     let mut c = RunConfig::new(
         TrainConfig {
             seed: 5,
-            ..TrainConfig::new(model, image, 4, batch, 2)
+            ..TrainConfig::new(batch, 2)
         },
         scheme,
     );
     c.max_in_flight = max_in_flight;
-    c
+    let g = Arc::new(models::build(model, image, 4).unwrap());
+    Run { g, c }
 }
 
 #[test]
@@ -127,11 +206,12 @@ fn batch_size_max_fits_and_one_more_is_refused() {
     run_local(&fits).unwrap();
     let mut over = fits.clone();
     over.train.batch_size = b + 2;
-    let e = memory::check_fits(&over).unwrap_err().to_string();
+    let e = memory::check_fits(&over).unwrap_err();
     assert!(
-        e.contains("the plan does not fit") && e.contains(&format!("--batch-size {b} fits")),
+        matches!(e, gems::Error::DoesNotFit { what_fits: gems::WhatFits::Batch(fits), .. } if fits == b),
         "{e}"
     );
+    assert!(e.to_string().contains("the plan does not fit"), "{e}");
 }
 
 #[test]
@@ -145,7 +225,7 @@ fn simulated_weak_scaling_and_the_mast_gain() {
         None,
     );
     for profile in [Profile::V100_IB, Profile::H100_NVLINK_IB] {
-        let points = simulate::weak_scaling(&c, &profile, 1024).unwrap();
+        let points = simulate::weak_scaling(&c.g, &c.c, &profile, 1024).unwrap();
         assert_eq!(points.len(), 9); // 4, 8, …, 1024 GPUs
         assert_eq!(points.last().unwrap().gpus, 1024);
         let eff: Vec<f64> = points
@@ -176,15 +256,10 @@ fn simulated_weak_scaling_and_the_mast_gain() {
             Scheme::new(Kind::Mp, p, 1, 1, 1, Order::GPipe),
             None,
         );
-        let rate = |c: &RunConfig| {
-            simulate::step(
-                c,
-                &gems::runtime::executor::Layout::new(c).unwrap(),
-                &Profile::V100_IB,
-                1,
-            )
-            .unwrap()
-            .images_per_s
+        let rate = |c: &Run| {
+            simulate::step(c, &layout_of(c), &Profile::V100_IB, 1)
+                .unwrap()
+                .images_per_s
         };
         let gain = rate(&mast) / rate(&mp);
         assert!(
@@ -197,7 +272,6 @@ fn simulated_weak_scaling_and_the_mast_gain() {
 #[test]
 fn timeline_svg_is_valid_and_shows_every_task() {
     use gems::plan::timeline;
-    use gems::runtime::executor::Layout;
     let c = config(
         "resnet20v2",
         32,
@@ -205,7 +279,7 @@ fn timeline_svg_is_valid_and_shows_every_task() {
         Scheme::new(Kind::Mast, 3, 2, 2, 1, Order::GPipe),
         None,
     );
-    let layout = Layout::new(&c).unwrap();
+    let layout = layout_of(&c);
     let tasks = &layout.schedule.ranks;
     let bytes = vec![1 << 20; 3];
     let svg = timeline::svg("mast <P=3> & more", tasks, &timeline::held(tasks, &bytes));
@@ -275,7 +349,6 @@ fn split_auto_picks_the_fewest_stages_that_fit() {
 #[test]
 fn analytic_memory_matches_the_metered_run() {
     use gems::plan::footprint::{self, Footprint, StageMemory};
-    use gems::runtime::executor::Layout;
     let cases = [
         (Scheme::new(Kind::Mp, 4, 4, 1, 1, Order::GPipe), None),
         (Scheme::new(Kind::Mp, 4, 4, 1, 1, Order::OneFOneB), None),
@@ -296,7 +369,7 @@ fn analytic_memory_matches_the_metered_run() {
         for (s, bound) in cases {
             let mut c = config(model, image, 2 * s.parts, s, bound);
             c.train.device = device;
-            let layout = Layout::new(&c).unwrap();
+            let layout = layout_of(&c);
             let workspace = ConvWorkspace::of(device);
             let fp = Footprint::new(
                 &layout.graph,
@@ -339,9 +412,8 @@ fn analytic_memory_matches_the_metered_run() {
 fn capped_split_fits_and_is_the_fastest_that_does() {
     use gems::plan::footprint::{self, Footprint, StageMemory};
     use gems::plan::partition;
-    use gems::runtime::executor::Layout;
     use gems::schemes::schedule;
-    let need = |c: &RunConfig| {
+    let need = |c: &Run| {
         memory::per_rank(c)
             .unwrap()
             .iter()
@@ -360,7 +432,7 @@ fn capped_split_fits_and_is_the_fastest_that_does() {
         capped.train.device_memory = Some(cap);
         assert!(need(&capped) <= cap, "{s:?}: the chosen split must fit");
         run_local(&capped).unwrap();
-        let layout = Layout::new(&capped).unwrap();
+        let layout = layout_of(&capped);
         let costs = layout.costs.total();
         let slowest = |stages: &[std::ops::Range<usize>]| {
             stages
@@ -391,7 +463,7 @@ fn capped_split_fits_and_is_the_fastest_that_does() {
             }
         }
         let chosen = slowest(&layout.partition.stages);
-        let balanced = slowest(&Layout::new(&free).unwrap().partition.stages);
+        let balanced = slowest(&layout_of(&free).partition.stages);
         assert!(chosen > balanced, "{s:?}: the cap must cost speed");
         assert_eq!(chosen, fastest, "{s:?}");
         eprintln!(
@@ -420,17 +492,20 @@ fn capped_split_fits_and_is_the_fastest_that_does() {
         / 5;
     let mut tight = two.clone();
     tight.train.device_memory = Some(cap);
-    let e = memory::check_fits(&tight).unwrap_err().to_string();
+    let e = memory::check_fits(&tight).unwrap_err();
+    let text = e.to_string();
     assert!(
-        e.contains("the plan does not fit: rank") && e.contains("that needs least still needs"),
-        "{e}"
+        text.contains("the plan does not fit: rank")
+            && text.contains("that needs least still needs"),
+        "{text}"
     );
-    let p: usize = e
-        .split("--split ")
-        .nth(1)
-        .and_then(|r| r.split_whitespace().next())
-        .and_then(|p| p.parse().ok())
-        .unwrap_or_else(|| panic!("no --split in {e}"));
+    let gems::Error::DoesNotFit {
+        what_fits: gems::WhatFits::Stages(p),
+        ..
+    } = e
+    else {
+        panic!("no stages that fit in {text}")
+    };
     let mut more = tight.clone();
     more.scheme.stages = p;
     memory::check_fits(&more).unwrap();
