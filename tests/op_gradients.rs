@@ -1,13 +1,13 @@
 //! Every op's backward against central finite differences in f64 on random inputs, and its
 //! f32 forward against its f64 forward.
 
-use gems::backend::Device;
 use gems::ops::conv::Conv2d;
 use gems::ops::pool::AdaptiveAvgPool;
 use gems::ops::pool::{AvgPool, GlobalAvgPool, MaxPool, Window};
 use gems::ops::{
     activation, dropout, elementwise, linear, loss, norm, shape, Backward, Ctx, Op, Saved,
 };
+use gems::tensor::Device;
 use gems::{Category, DType, Shape, Tensor};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;

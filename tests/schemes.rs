@@ -6,23 +6,28 @@
 use std::collections::HashMap;
 
 use gems::data::{DataConfig, SourceSpec};
+use gems::graph::{self, Graph, Params};
+use gems::ops::{batched, loss};
 use gems::optim::schedule::{Decay, LrSchedule};
-use gems::optim::SgdConfig;
-use gems::runtime::executor::{run_local, RankReport, RunConfig};
+use gems::optim::{Sgd, SgdConfig};
+use gems::plan::{RunConfig, TrainConfig};
 use gems::schemes::{Kind, Order, Scheme};
-use gems::train::{Evaluation, TrainConfig, Trainer};
-use gems::{Category, DType};
+use gems::{models, DType, Device, Evaluation, Session};
 
 const STEPS: usize = 3;
 
-fn train(model: &str, batch: usize, dtype: DType) -> TrainConfig {
+fn model(name: &str, classes: usize) -> Graph {
     // AmoebaNet at 32² ends at 1×1 maps, where BN over a micro-batch of two values is so
     // ill-conditioned that rounding differences grow past 1e-9 in three steps; 64² is not.
-    let image = if model.starts_with("amoebanet") {
+    let image = if name.starts_with("amoebanet") {
         64
     } else {
         32
     };
+    models::build(name, image, classes).unwrap()
+}
+
+fn train(batch: usize, dtype: DType) -> TrainConfig {
     TrainConfig {
         schedule: LrSchedule {
             base: 0.05,
@@ -37,33 +42,60 @@ fn train(model: &str, batch: usize, dtype: DType) -> TrainConfig {
         },
         seed: 11,
         dtype,
-        ..TrainConfig::new(model, image, 4, batch, STEPS)
+        ..TrainConfig::new(batch, STEPS)
     }
 }
 
-fn run(model: &str, scheme: Scheme, batch: usize, dtype: DType) -> Vec<RankReport> {
-    let mut c = RunConfig::new(train(model, batch, dtype), scheme);
-    c.return_params = true;
-    run_local(&c).unwrap_or_else(|e| panic!("{scheme:?}: {e}"))
+/// A session of `c` on `g` reading `c.train.data`.
+fn session(g: &Graph, c: RunConfig) -> Session {
+    let t = &c.train;
+    let data = gems::data::open(&t.data, g.image_size(), g.classes(), t.seed).unwrap();
+    let scheme = c.scheme;
+    Session::new(g, c, data).unwrap_or_else(|e| panic!("{scheme:?}: {e}"))
+}
+
+/// Every rank's parameters (orientation, id, values) after [`STEPS`] steps, and the steps'
+/// losses (summed over the ranks).
+struct Run {
+    params: Vec<Vec<(usize, usize, Vec<f64>)>>,
+    losses: Vec<f64>,
+}
+
+fn run(g: &Graph, scheme: Scheme, batch: usize, dtype: DType) -> Run {
+    let mut s = session(g, RunConfig::new(train(batch, dtype), scheme));
+    let losses = (0..STEPS)
+        .map(|_| s.step().unwrap_or_else(|e| panic!("{scheme:?}: {e}")).loss)
+        .collect();
+    Run {
+        params: s.parameters().unwrap(),
+        losses,
+    }
 }
 
 /// The reference: one rank, the same M micro-batches in order.
-fn reference(model: &str, s: &Scheme, batch: usize, dtype: DType) -> HashMap<usize, Vec<f64>> {
+fn reference(
+    g: &Graph,
+    s: &Scheme,
+    batch: usize,
+    dtype: DType,
+) -> (HashMap<usize, Vec<f64>>, Vec<f64>) {
     let m = s.micro_batches_per_step();
     let single = Scheme::single(m);
-    let r = run(model, single, m * batch / s.parts, dtype);
-    r[0].params
+    let r = run(g, single, m * batch / s.parts, dtype);
+    let params = r.params[0]
         .iter()
         .map(|(_, id, v)| (*id, v.clone()))
-        .collect()
+        .collect();
+    (params, r.losses)
 }
 
-fn check(model: &str, s: Scheme, batch: usize) {
-    let want = reference(model, &s, batch, DType::F64);
+fn check(model: &Graph, s: Scheme, batch: usize) {
+    let name = &model.name;
+    let (want, want_losses) = reference(model, &s, batch, DType::F64);
     let got = run(model, s, batch, DType::F64);
     let mut seen: HashMap<usize, &Vec<f64>> = HashMap::new();
-    for rank in &got {
-        for (_, id, v) in &rank.params {
+    for (rank, params) in got.params.iter().enumerate() {
+        for (_, id, v) in params {
             let w = &want[id];
             let diff = v
                 .iter()
@@ -75,8 +107,7 @@ fn check(model: &str, s: Scheme, batch: usize) {
             // noise (a BN shift ahead of another BN, ~1e-17) get an absolute 1e-12.
             assert!(
                 diff <= 1e-9 * scale + 1e-12,
-                "{model} {s:?}: rank {} param {id}: relative difference {:e}",
-                rank.rank,
+                "{name} {s:?}: rank {rank} param {id}: relative difference {:e}",
                 diff / scale
             );
             // Copies of a stage are identical to the last bit.
@@ -94,11 +125,18 @@ fn check(model: &str, s: Scheme, batch: usize) {
         "{s:?}: every parameter is held somewhere"
     );
     // The loss is spread over the ranks that compute it; their sum is the reference's.
-    assert!(got.iter().all(|r| r.losses.len() == STEPS));
+    assert_eq!(got.losses.len(), STEPS);
+    for (step, (a, b)) in got.losses.iter().zip(&want_losses).enumerate() {
+        assert!(
+            (a - b).abs() <= 1e-9 * b.abs(),
+            "{name} {s:?}: step {step}: loss {a} against {b}"
+        );
+    }
 }
 
 /// Every scheme of the issue, on `model`.
-fn every_scheme(model: &str) {
+fn every_scheme(name: &str) {
+    let model = &self::model(name, 4);
     check(model, Scheme::new(Kind::Mp, 2, 2, 1, 1, Order::GPipe), 4);
     check(model, Scheme::new(Kind::Mp, 3, 3, 1, 1, Order::OneFOneB), 3);
     check(model, Scheme::new(Kind::Mast, 2, 2, 2, 1, Order::GPipe), 4);
@@ -124,21 +162,83 @@ fn every_scheme_matches_single_on_amoebanet_d() {
     every_scheme("amoebanet_d_3x8");
 }
 
+/// The old single-device trainer's loop, written out over the graph API: the whole batch in
+/// one forward and backward, BN statistics committed after forward, SGD. Returns the steps'
+/// losses and the final parameters.
+fn hand_rolled(g: &Graph, c: &TrainConfig, steps: usize) -> (Vec<f64>, Vec<Vec<f64>>) {
+    let data = gems::data::open(&c.data, g.image_size(), g.classes(), c.seed).unwrap();
+    let device = Device::open(c.device, c.precision, c.conv, "cpu:0", 0, None).unwrap();
+    let mut params = Params::init(g, &device, c.dtype, c.seed).unwrap();
+    let mut sgd = Sgd::new(&params, &device, c.sgd).unwrap();
+    let b = c.batch_size;
+    let mut losses = Vec::new();
+    for step in 0..steps {
+        let (pixels, labels) = data.train.batch((step * b) as u64, b).unwrap();
+        let x = device
+            .input(batched(b, g.input_shape()), pixels, c.activations())
+            .unwrap();
+        params.zero_grads(&device).unwrap();
+        let keep: Vec<_> = g.outputs.iter().map(|o| o.value).collect();
+        let seed = gems::core::rng::splitmix64(c.seed ^ step as u64);
+        let (logits, mut tape) = graph::forward(
+            g,
+            &mut params,
+            &device,
+            vec![(g.input, x)],
+            0..g.nodes.len(),
+            &keep,
+            Some(&c.saves),
+            false,
+            seed,
+        )
+        .unwrap();
+        let running = std::mem::take(&mut tape.running);
+        graph::commit_running(g, &mut params, &device, &running).unwrap();
+        let mut total = 0.0;
+        let mut seeds = Vec::new();
+        for (out, logits) in g.outputs.iter().zip(logits) {
+            let (l, probs) = loss::softmax_cross_entropy(&device, &logits, &labels).unwrap();
+            total += out.weight * l;
+            let grad = loss::softmax_cross_entropy_backward(
+                &device,
+                &probs,
+                &labels,
+                out.weight,
+                c.activations(),
+            )
+            .unwrap();
+            seeds.push((out.value, grad));
+        }
+        graph::backward(g, &mut params, &device, tape, seeds, &[]).unwrap();
+        sgd.step(&mut params, &device, c.schedule.lr(step), 1.0)
+            .unwrap();
+        losses.push(total);
+    }
+    let values = params
+        .values
+        .iter()
+        .map(|v| v.to_f64_vec().unwrap())
+        .collect();
+    (losses, values)
+}
+
 #[test]
 fn single_scheme_equals_the_trainer_bit_for_bit() {
+    let g = model("resnet20v2", 4);
     let r = run(
-        "resnet20v2",
+        &g,
         Scheme::new(Kind::Single, 1, 1, 1, 1, Order::GPipe),
         4,
         DType::F32,
     );
-    let mut t = Trainer::new(train("resnet20v2", 4, DType::F32)).unwrap();
-    let losses: Vec<f64> = (0..STEPS).map(|_| t.step().unwrap().loss).collect();
-    for (a, b) in r[0].losses.iter().zip(&losses) {
+    let (losses, values) = hand_rolled(&g, &train(4, DType::F32), STEPS);
+    assert_eq!(r.losses.len(), STEPS);
+    for (a, b) in r.losses.iter().zip(&losses) {
         assert_eq!(a.to_bits(), b.to_bits());
     }
-    for (_, id, v) in &r[0].params {
-        assert_eq!(v, &t.params.values[*id].to_f64_vec().unwrap(), "param {id}");
+    assert_eq!(r.params.len(), 1);
+    for (_, id, v) in &r.params[0] {
+        assert_eq!(v, &values[*id], "param {id}");
     }
 }
 
@@ -168,40 +268,60 @@ fn held_out_folder(name: &str) -> DataConfig {
 }
 
 /// Trains `s` for the steps of [`train`] on [`held_out_folder`], evaluating after every
-/// step; returns the evaluations (the same on every rank that reports them) and the final
-/// weights' evaluation by a single-device trainer, in micro-batches of the same size.
+/// step; returns the evaluations (after how many steps, what) and the final weights'
+/// evaluation by a single-device session, in micro-batches of the same size, that took them
+/// up from the spread session's checkpoint.
 fn spread_and_single_evaluations(
     s: Scheme,
     batch: usize,
     data: &DataConfig,
 ) -> (Vec<(usize, Evaluation)>, Evaluation) {
-    let mut config = train("resnet20v2", batch, DType::F64);
-    config.classes = 3;
+    let g = model("resnet20v2", 3);
+    let mut config = train(batch, DType::F64);
     config.data = data.clone();
-    let mut c = RunConfig::new(config.clone(), s);
-    c.return_params = true;
-    c.val_every = Some(1);
-    let reports = run_local(&c).unwrap_or_else(|e| panic!("{s:?}: {e}"));
-    let spread = reports[0].validation.clone();
-    for r in &reports {
-        assert!(
-            r.validation.is_empty() || r.validation == spread,
-            "{s:?}: rank {} evaluated differently",
-            r.rank
-        );
+    let mut spread = session(&g, RunConfig::new(config.clone(), s));
+    let mut evaluations = Vec::new();
+    for _ in 0..STEPS {
+        spread.step().unwrap_or_else(|e| panic!("{s:?}: {e}"));
+        let e = spread
+            .evaluate_held_out(None)
+            .unwrap_or_else(|e| panic!("{s:?}: {e}"));
+        evaluations.push((spread.steps_done(), e));
     }
-    let steps: Vec<usize> = spread.iter().map(|(done, _)| *done).collect();
+    let steps: Vec<usize> = evaluations.iter().map(|(done, _)| *done).collect();
     assert_eq!(steps, (1..=STEPS).collect::<Vec<_>>(), "{s:?}");
-    let mut single = Trainer::new(config).unwrap();
-    for (_, id, v) in reports.iter().flat_map(|r| &r.params) {
-        let shape = single.params.values[*id].shape().clone();
-        single.params.values[*id] = single
-            .device
-            .upload(shape, v, DType::F64, Category::Weights)
-            .unwrap();
-    }
-    let want = single.evaluate(None, batch / s.parts).unwrap();
-    (spread, want)
+    let path = std::env::temp_dir().join(format!(
+        "gems-schemes-eval-{}-{}-{}-{}.safetensors",
+        s.stages,
+        s.replicas,
+        s.dp,
+        std::process::id()
+    ));
+    spread.save(&path).unwrap();
+    config.batch_size = batch / s.parts;
+    let mut single = session(&g, RunConfig::new(config, Scheme::single(1)));
+    single.restore(&path).unwrap();
+    std::fs::remove_file(&path).ok();
+    // The same weights to the last bit.
+    let mut flat: Vec<(usize, Vec<f64>)> = spread
+        .parameters()
+        .unwrap()
+        .into_iter()
+        .flatten()
+        .map(|(_, id, v)| (id, v))
+        .collect();
+    flat.sort_by_key(|(id, _)| *id);
+    flat.dedup_by_key(|(id, _)| *id);
+    let mine: Vec<(usize, Vec<f64>)> = single.parameters().unwrap()[0]
+        .iter()
+        .map(|(_, id, v)| (*id, v.clone()))
+        .collect();
+    assert_eq!(
+        flat, mine,
+        "{s:?}: the checkpoint carries the weights exactly"
+    );
+    let want = single.evaluate_held_out(None).unwrap();
+    (evaluations, want)
 }
 
 #[test]

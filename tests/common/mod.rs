@@ -3,9 +3,9 @@
 
 //! Shared by the model tests: a whole model's gradients against central finite differences.
 
-use gems::backend::Device;
 use gems::graph::{self, Graph, Params};
 use gems::ops::{batched, loss};
+use gems::tensor::Device;
 use gems::{models, Category, DType};
 
 /// Which elements of a parameter to probe.
