@@ -3,47 +3,55 @@
 //! plan says, the planner's choice fits a tight cap, and a full host tier is a clear error.
 
 use gems::backend::CopyMode;
+use gems::fit::{choose_offload, per_rank};
 use gems::graph::policy::{Keep, SavePolicy};
-use gems::plan::offload::{self, HostLink};
-use gems::runtime::executor::{run_local, RunConfig};
+use gems::plan::offload::HostLink;
 use gems::schemes::{Kind, Order, Scheme};
-use gems::train::{TrainConfig, Trainer};
+use gems::{models, Dataset, Graph, RunConfig, Session, TrainConfig};
 
 fn config(saves: SavePolicy) -> TrainConfig {
     TrainConfig {
         saves,
-        ..TrainConfig::new("resnet20v2", 32, 10, 8, 3)
+        ..TrainConfig::new(8, 3)
     }
 }
 
+fn graph() -> Graph {
+    models::build("resnet20v2", 32, 10).unwrap()
+}
+
 fn nodes() -> usize {
-    gems::models::build("resnet20v2", 32, 10)
-        .unwrap()
-        .nodes
-        .len()
+    graph().nodes.len()
+}
+
+/// resnet20v2 on synthetic data under `scheme`.
+fn session(c: TrainConfig, scheme: Scheme) -> gems::Result<Session> {
+    let data = Dataset::synthetic(32, 10, c.seed);
+    Session::new(&graph(), RunConfig::new(c, scheme), data)
+}
+
+/// `c` on one device.
+fn trainer(c: TrainConfig) -> gems::Result<Session> {
+    session(c, Scheme::single(1))
 }
 
 /// Parameters (as bits) and the device and host peaks after three steps.
 fn train(saves: SavePolicy) -> (Vec<Vec<u64>>, u64, u64) {
-    let mut t = Trainer::new(config(saves)).unwrap();
+    let mut t = trainer(config(saves)).unwrap();
     for _ in 0..3 {
         t.step().unwrap();
     }
-    (bits(&t), t.memory().peak, t.device.host_memory().peak)
+    let host = t.device_summary().unwrap().host.peak;
+    (bits(&mut t), t.memory().unwrap()[0].peak, host)
 }
 
-/// The trainer's parameters as bits.
-fn bits(t: &Trainer) -> Vec<Vec<u64>> {
-    t.params
-        .values
-        .iter()
-        .map(|v| {
-            v.to_f64_vec()
-                .unwrap()
-                .iter()
-                .map(|x| x.to_bits())
-                .collect()
-        })
+/// The session's parameters as bits.
+fn bits(t: &mut Session) -> Vec<Vec<u64>> {
+    t.parameters()
+        .unwrap()
+        .swap_remove(0)
+        .into_iter()
+        .map(|(_, _, v)| v.iter().map(|x| x.to_bits()).collect())
         .collect()
 }
 
@@ -52,13 +60,11 @@ fn mixed(seed: u64, prefetch: usize) -> SavePolicy {
     let n = nodes();
     SavePolicy {
         nodes: (0..n)
-            .map(
-                |i| match gems::backend::cpu::splitmix64(seed ^ i as u64) % 3 {
-                    0 => Keep::Device,
-                    1 => Keep::Host,
-                    _ => Keep::Recompute,
-                },
-            )
+            .map(|i| match gems::core::rng::splitmix64(seed ^ i as u64) % 3 {
+                0 => Keep::Device,
+                1 => Keep::Host,
+                _ => Keep::Recompute,
+            })
             .collect(),
         prefetch,
     }
@@ -109,21 +115,22 @@ fn every_copy_mode_gives_the_same_weights_and_pinned_blocks_are_reused() {
         CopyMode::Async,
         CopyMode::PinnedAsync,
     ] {
-        let mut t = Trainer::new(TrainConfig {
+        let mut t = trainer(TrainConfig {
             offload_copy: mode,
             ..config(SavePolicy::all(n, Keep::Host, 2))
         })
         .unwrap();
         t.step().unwrap();
-        let first = t.device.host_pool();
+        let first = t.device_summary().unwrap().pool;
         for _ in 0..2 {
             t.step().unwrap();
         }
         assert!(
-            bits(&t) == reference,
+            bits(&mut t) == reference,
             "{mode}: parameters differ from keeping everything"
         );
-        let pool = t.device.host_pool();
+        let device = t.device_summary().unwrap();
+        let pool = device.pool;
         if mode.pinned() {
             // The first step fills the pool; later steps only reuse it.
             assert!(first.allocated > 0, "{mode}: {first:?}");
@@ -132,19 +139,11 @@ fn every_copy_mode_gives_the_same_weights_and_pinned_blocks_are_reused() {
                 "{mode}: allocated after step 1"
             );
             assert!(pool.reused >= 2 * first.allocated, "{mode}: {pool:?}");
-            assert_eq!(
-                pool.bytes,
-                t.device.host_memory().peak,
-                "{mode}: pool vs host peak"
-            );
+            assert_eq!(pool.bytes, device.host.peak, "{mode}: pool vs host peak");
         } else {
             assert_eq!(pool.allocated + pool.reused, 0, "{mode} took pinned blocks");
         }
-        assert_eq!(
-            t.device.host_memory().live.total(),
-            0,
-            "{mode}: host tier not empty"
-        );
+        assert_eq!(device.host.live.total(), 0, "{mode}: host tier not empty");
     }
 }
 
@@ -166,7 +165,7 @@ fn device_peak_falls_as_the_metered_plan_predicts() {
         mixed(3, 1),
     ] {
         let c = RunConfig::new(config(policy.clone()), Scheme::single(1));
-        let predicted = gems::plan::memory::per_rank(&c).unwrap()[0].peak;
+        let predicted = per_rank(&graph(), &c).unwrap()[0].peak;
         let (_, measured, _) = train(policy);
         let err = (predicted as f64 - measured as f64).abs() / measured as f64;
         assert!(err <= 0.05, "predicted {predicted} measured {measured}");
@@ -176,24 +175,25 @@ fn device_peak_falls_as_the_metered_plan_predicts() {
 #[test]
 fn auto_fits_a_cap_40_percent_below_the_baseline_and_trains() {
     let base = RunConfig::new(config(SavePolicy::keep_all()), Scheme::single(1));
-    let baseline = gems::plan::memory::per_rank(&base).unwrap()[0].peak;
+    let g = graph();
+    let baseline = per_rank(&g, &base).unwrap()[0].peak;
     let cap = baseline * 6 / 10;
-    let chosen = offload::choose(&base, cap, &HostLink::CPU, 2).unwrap();
+    let chosen = choose_offload(&g, &base, cap, &HostLink::CPU, 2).unwrap();
     let (_, host, recompute) = chosen.policy.counts();
     assert!(host + recompute > 0);
     let mut c = config(chosen.policy.clone());
     c.device_memory = Some(cap);
-    let mut t = Trainer::new(c).unwrap();
+    let mut t = trainer(c).unwrap();
     for _ in 0..3 {
         t.step().unwrap();
     }
-    assert!(t.memory().peak <= cap);
+    assert!(t.memory().unwrap()[0].peak <= cap);
     let (reference, _, _) = train(SavePolicy::keep_all());
-    assert!(bits(&t) == reference);
+    assert!(bits(&mut t) == reference);
     // Nothing moves when the run fits; a cap nothing can meet is refused with a reason.
-    let roomy = offload::choose(&base, baseline, &HostLink::CPU, 2).unwrap();
+    let roomy = choose_offload(&g, &base, baseline, &HostLink::CPU, 2).unwrap();
     assert_eq!(roomy.policy.counts().0, nodes());
-    let err = offload::choose(&base, baseline / 50, &HostLink::CPU, 2)
+    let err = choose_offload(&g, &base, baseline / 50, &HostLink::CPU, 2)
         .err()
         .unwrap()
         .to_string();
@@ -204,7 +204,7 @@ fn auto_fits_a_cap_40_percent_below_the_baseline_and_trains() {
 fn a_full_host_tier_is_a_clear_error() {
     let mut c = config(SavePolicy::all(nodes(), Keep::Host, 0));
     c.host_memory = Some(1 << 20);
-    let err = Trainer::new(c).unwrap().step().err().unwrap().to_string();
+    let err = trainer(c).unwrap().step().err().unwrap().to_string();
     assert!(
         err.contains("host") && err.contains("out of memory"),
         "{err}"
@@ -214,18 +214,19 @@ fn a_full_host_tier_is_a_clear_error() {
 #[test]
 fn pipeline_stages_offload_and_recompute_with_the_same_results() {
     let run = |saves: SavePolicy| {
-        let mut c = RunConfig::new(
-            TrainConfig {
-                saves,
-                ..TrainConfig::new("resnet20v2", 32, 10, 4, 2)
-            },
-            Scheme::new(Kind::Mast, 2, 2, 2, 1, Order::GPipe),
-        );
-        c.return_params = true;
-        let mut params: Vec<(usize, usize, Vec<u64>)> = run_local(&c)
+        let c = TrainConfig {
+            saves,
+            ..TrainConfig::new(4, 2)
+        };
+        let mut s = session(c, Scheme::new(Kind::Mast, 2, 2, 2, 1, Order::GPipe)).unwrap();
+        for _ in 0..2 {
+            s.step().unwrap();
+        }
+        let mut params: Vec<(usize, usize, Vec<u64>)> = s
+            .parameters()
             .unwrap()
             .into_iter()
-            .flat_map(|r| r.params)
+            .flatten()
             .map(|(o, id, v)| (o, id, v.iter().map(|x| x.to_bits()).collect()))
             .collect();
         params.sort();
