@@ -56,7 +56,7 @@ fn main() {
     // Kernels under emu.h, compiled to an object; the race check adds GCC's access
     // instrumentation (see racecheck.h), linked without ThreadSanitizer's runtime.
     let kernels = |race: bool, dirs: &[&Path], src: &str, obj: &str| {
-        let mut c = base(if race { "-O1" } else { "-O2" });
+        let mut c = base("-O2");
         for d in dirs {
             c.arg("-I").arg(d);
         }

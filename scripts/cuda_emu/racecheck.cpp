@@ -17,6 +17,7 @@
 #include <string>
 #include <unordered_map>
 #include <utility>
+#include <vector>
 
 #include "racecheck.h"
 
@@ -30,7 +31,7 @@ std::uintptr_t g_data_lo, g_data_hi;  // the writable segment holding the __shar
 // Who last wrote a 4-byte word of __shared__ memory and who read it (two readers are kept:
 // enough to name a thread other than the writer), and in which epoch.
 struct Word { unsigned long write_epoch = 0, read_epoch = 0; unsigned writer = 0, readers[2] = {0, 0}; };
-std::unordered_map<std::uintptr_t, Word> g_shadow;
+std::vector<Word> g_shadow;  // one per word of that segment
 // Device memory written in this launch: address -> block (linear) and thread.
 std::unordered_map<std::uintptr_t, std::pair<unsigned long, unsigned>> g_written;
 
@@ -51,7 +52,7 @@ void access(void* p, bool write) {
     auto stack = reinterpret_cast<std::uintptr_t>(g_fibers[g_current].stack.get());
     if (a - stack < EMU_STACK) return;
     if (a >= g_data_lo && a < g_data_hi) {
-        Word& w = g_shadow[a & ~std::uintptr_t(3)];
+        Word& w = g_shadow[(a - g_data_lo) / 4];
         unsigned t = threadIdx.x;
         unsigned long e = g_epoch;
         if (w.write_epoch == e && w.writer != t) shared_race(w.writer, "writes", write ? "writes" : "reads", a);
@@ -106,6 +107,7 @@ void racecheck_init(bool (*is_device)(const void*)) {
             return 0;
         },
         nullptr);
+    g_shadow.assign((g_data_hi - g_data_lo + 3) / 4, Word{});
 }
 
 void racecheck_begin(const char* name) {
