@@ -1,7 +1,12 @@
 //! The CUDA backend against the CPU backend (the reference), op by op and on whole training
-//! steps. Every GPU test is `#[ignore = "needs a CUDA device"]`; run them on a machine with a
-//! GPU with `cargo test --release --test cuda_ops -- --ignored`. Without a GPU they fail
-//! loudly, never pass silently.
+//! steps. Without a GPU they run on the emulated CUDA driver (scripts/cuda_emu/, built by
+//! build.rs with the `cuda-emu` feature that every `cargo test` turns on; the test binaries find
+//! it on their run path, after any real driver): the op tests, SGD, the casts, the finiteness
+//! flag, the capacity and a resnet110v2 step run in every `cargo test`. The slower ones (whole-model
+//! steps in 16 bits, loss scaling, training, offload, schemes) and the cuDNN ones are
+//! `#[ignore]`d: `cargo test --release --test cuda_ops -- --ignored --skip cudnn` runs them on
+//! the emulator (cuDNN is not emulated), and `-- --include-ignored` everything on a GPU.
+//! Without a driver at all they fail loudly, never pass silently.
 //!
 //! Inputs are random and never zero; every output the GPU overwrites is first filled with NaN,
 //! so an element a kernel forgets to write fails the comparison. Outputs a kernel accumulates
@@ -59,12 +64,19 @@ fn sum_tol(precision: Precision) -> f64 {
 /// The op tests: a `#[test]` for each family and precision (so that a failure names its
 /// precision), each running the family's one test body, `body(Precision::P, args…)`.
 macro_rules! per_precision {
-    ($($body:ident $args:tt: $($test:ident = $precision:ident),+;)+) => {
-        $($(per_precision!(@one $test, $body, $precision, $args);)+)+
+    ($on:ident: $($body:ident $args:tt: $($test:ident = $precision:ident),+;)+) => {
+        $($(per_precision!(@one $on, $test, $body, $precision, $args);)+)+
     };
-    (@one $test:ident, $body:ident, $precision:ident, ($($arg:expr),*)) => {
+    (@one emulated, $test:ident, $body:ident, $precision:ident, ($($arg:expr),*)) => {
         #[test]
-        #[ignore = "needs a CUDA device"]
+        #[cfg_attr(not(feature = "cuda-emu"), ignore = "needs a CUDA device")]
+        fn $test() {
+            $body(Precision::$precision $(, $arg)*);
+        }
+    };
+    (@one cudnn, $test:ident, $body:ident, $precision:ident, ($($arg:expr),*)) => {
+        #[test]
+        #[ignore = "needs a CUDA device and cuDNN (not emulated)"]
         fn $test() {
             $body(Precision::$precision $(, $arg)*);
         }
@@ -74,20 +86,16 @@ macro_rules! per_precision {
 // The op tests: each family's body on each precision it runs in (cuDNN's convolutions run f32
 // only; 16-bit activations are refused, as tested below).
 per_precision! {
+    emulated:
     conv_matches(ConvImpl::Native):
         conv_fp32_matches_cpu = Fp32,
         conv_tf32_matches_cpu = Tf32,
         conv_bf16_matches_cpu = Bf16,
         conv_f16_matches_cpu = Fp16;
-    conv_matches(ConvImpl::Cudnn):
-        conv_cudnn_fp32_matches_cpu = Fp32,
-        conv_cudnn_tf32_matches_cpu = Tf32;
     batchnorm_matches(ConvImpl::Native):
         batchnorm_fp32_matches_cpu = Fp32,
         batchnorm_bf16_matches_cpu = Bf16,
         batchnorm_f16_matches_cpu = Fp16;
-    batchnorm_matches(ConvImpl::Cudnn):
-        batchnorm_cudnn_fp32_matches_cpu = Fp32;
     elementwise_matches():
         elementwise_fp32_matches_cpu = Fp32,
         elementwise_bf16_matches_cpu = Bf16,
@@ -105,6 +113,14 @@ per_precision! {
         loss_fp32_matches_cpu = Fp32,
         loss_bf16_matches_cpu = Bf16,
         loss_f16_matches_cpu = Fp16;
+}
+per_precision! {
+    cudnn:
+    conv_matches(ConvImpl::Cudnn):
+        conv_cudnn_fp32_matches_cpu = Fp32,
+        conv_cudnn_tf32_matches_cpu = Tf32;
+    batchnorm_matches(ConvImpl::Cudnn):
+        batchnorm_cudnn_fp32_matches_cpu = Fp32;
 }
 
 fn gpu(precision: Precision, conv: ConvImpl) -> Device {
@@ -702,7 +718,7 @@ fn loss_matches(precision: Precision) {
 }
 
 #[test]
-#[ignore = "needs a CUDA device"]
+#[cfg_attr(not(feature = "cuda-emu"), ignore = "needs a CUDA device")]
 fn sgd_matches_cpu_bit_for_bit() {
     let p = Pair::new(Precision::Fp32);
     for (nesterov, grad_scale) in [(false, 1.0), (true, 1.0), (false, 1.0 / 1024.0)] {
@@ -736,7 +752,7 @@ fn sgd_matches_cpu_bit_for_bit() {
 /// a device copy, adoption of host elements and of another device's (another rank's stream)
 /// buffer, and the host tier's copies (pageable or pinned, blocking or on the copy stream).
 #[test]
-#[ignore = "needs a CUDA device"]
+#[cfg_attr(not(feature = "cuda-emu"), ignore = "needs a CUDA device")]
 fn bf16_and_f16_round_trip_bit_for_bit() {
     let p = Pair::new(Precision::Bf16);
     let other = gpu(Precision::Bf16, ConvImpl::Native);
@@ -790,7 +806,7 @@ fn bf16_and_f16_round_trip_bit_for_bit() {
 /// The non-finite check runs on the device for f32, bf16 and f16 tensors, large ones (more
 /// than one chunk of the 16-bit widening) included, and agrees with the CPU.
 #[test]
-#[ignore = "needs a CUDA device"]
+#[cfg_attr(not(feature = "cuda-emu"), ignore = "needs a CUDA device")]
 fn all_finite_flags_inf_and_nan() {
     let p = Pair::new(Precision::Fp16);
     for dtype in [DType::F32, DType::BF16, DType::F16] {
@@ -937,13 +953,13 @@ fn no_further_than_cpu(
 }
 
 #[test]
-#[ignore = "needs a CUDA device"]
+#[cfg_attr(not(feature = "cuda-emu"), ignore = "needs a CUDA device")]
 fn resnet110v2_step_matches_cpu() {
     step_matches_cpu(ConvImpl::Native);
 }
 
 #[test]
-#[ignore = "needs a CUDA device"]
+#[ignore = "needs a CUDA device and cuDNN (not emulated)"]
 fn resnet110v2_cudnn_step_matches_cpu() {
     step_matches_cpu(ConvImpl::Cudnn);
 }
@@ -1011,13 +1027,13 @@ fn mixed_step_matches_cpu(precision: Precision) {
 }
 
 #[test]
-#[ignore = "needs a CUDA device"]
+#[ignore = "needs a CUDA device (or minutes on the emulator)"]
 fn resnet20v2_bf16_step_matches_cpu() {
     mixed_step_matches_cpu(Precision::Bf16);
 }
 
 #[test]
-#[ignore = "needs a CUDA device"]
+#[ignore = "needs a CUDA device (or minutes on the emulator)"]
 fn resnet20v2_fp16_step_matches_cpu() {
     mixed_step_matches_cpu(Precision::Fp16);
 }
@@ -1026,7 +1042,7 @@ fn resnet20v2_fp16_step_matches_cpu() {
 /// f16 in the loss gradient itself, so steps are skipped (the weights untouched) and the
 /// scale halved until it fits, then steps apply, on both devices at the same step.
 #[test]
-#[ignore = "needs a CUDA device"]
+#[ignore = "needs a CUDA device (or minutes on the emulator)"]
 fn fp16_loss_scale_skips_the_steps_the_cpu_skips() {
     let config = |device| TrainConfig {
         device,
@@ -1079,7 +1095,7 @@ fn fp16_loss_scale_skips_the_steps_the_cpu_skips() {
 }
 
 #[test]
-#[ignore = "needs a CUDA device"]
+#[ignore = "needs a CUDA device (or minutes on the emulator)"]
 fn training_on_gpu_learns_as_on_cpu() {
     let steps = 30;
     let mut on_cpu = trainer("resnet20v2", 32, 16, steps, DeviceKind::Cpu);
@@ -1101,7 +1117,7 @@ fn training_on_gpu_learns_as_on_cpu() {
 }
 
 #[test]
-#[ignore = "needs a CUDA device"]
+#[ignore = "needs a CUDA device (or minutes on the emulator)"]
 fn offload_and_recompute_on_gpu_are_bit_identical_in_every_copy_mode() {
     offload_and_recompute_are_bit_identical(ConvImpl::Native);
 }
@@ -1110,7 +1126,7 @@ fn offload_and_recompute_on_gpu_are_bit_identical_in_every_copy_mode() {
 /// so offloaded and recomputed runs match the reference bit for bit on this path too; where
 /// cuDNN kept a non-deterministic algorithm (more than 5% faster), to f32 rounding.
 #[test]
-#[ignore = "needs a CUDA device"]
+#[ignore = "needs a CUDA device and cuDNN (not emulated)"]
 fn offload_and_recompute_with_cudnn_are_bit_identical_in_every_copy_mode() {
     offload_and_recompute_are_bit_identical(ConvImpl::Cudnn);
 }
@@ -1194,7 +1210,7 @@ fn offload_and_recompute_are_bit_identical(conv: ConvImpl) {
 /// activations, gradients and all-reduces between ranks cross streams. f32 on the GPU against
 /// the same schemes on the CPU, after 3 steps.
 #[test]
-#[ignore = "needs a CUDA device"]
+#[ignore = "needs a CUDA device (or minutes on the emulator)"]
 fn schemes_on_one_gpu_match_the_cpu() {
     use gems::runtime::executor::{run_local, RunConfig};
     use gems::schemes::{Kind, Order, Scheme};
@@ -1240,7 +1256,7 @@ fn schemes_on_one_gpu_match_the_cpu() {
 }
 
 #[test]
-#[ignore = "needs a CUDA device"]
+#[cfg_attr(not(feature = "cuda-emu"), ignore = "needs a CUDA device")]
 fn device_capacity_is_the_free_memory_or_less() {
     let gpus = cuda::devices().unwrap();
     assert!(!gpus.is_empty(), "no GPU");

@@ -1,37 +1,46 @@
-// A stand-in for the CUDA driver (libcuda.so.1) that runs cuda/*.cu on the CPU under emu.h, so
-// that the Rust CUDA backend (cudarc, kernel launches, argument passing, launch shapes, copies,
-// pinned memory, events, the memory pool) runs its GPU suite on a machine without a GPU
-// (scripts/cuda_emu/suite.sh). It implements the part of the driver API the backend reaches.
+// A stand-in for the CUDA driver (libcuda.so.1) that runs cuda/*.cu on the CPU (kernels.cpp
+// under emu.h), so that the Rust CUDA backend (cudarc, kernel launches, argument passing, launch
+// shapes, copies, pinned memory, events, streams, the memory pool) runs its GPU suite on a
+// machine without a GPU. build.rs builds it (feature `cuda-emu`, on in every `cargo test`). It
+// implements the part of the driver API the backend reaches.
 //
-// What it checks and what it cannot: it runs the real Rust host code and the real kernel
-// sources, with device memory that starts as NaN (0xff bytes) so that unwritten outputs show.
-// Work runs when it is issued, one launch at a time, so it cannot find a missing
-// synchronisation between streams, and the kernels' arithmetic is emu.h's, not the
-// hardware's (tensor cores included).
+// Streams are real: each is a queue run by a worker thread of its own. Launches, copies,
+// memsets, event records and stream-ordered frees return at once; the host sees their results
+// only after cuStreamSynchronize, cuEventSynchronize, cuCtxSynchronize or a call documented as
+// synchronous (a copy to pageable host memory, cuMemFree, ...), and one stream waits for another
+// only through cuStreamWaitEvent. The null (legacy) stream runs its work on the calling thread
+// once the blocking streams are idle, which is what the legacy stream orders (non-blocking
+// streams, the backend's, are not waited for). Device memory starts as NaN (0xff bytes) and is
+// poisoned the same way when a free runs in its stream's order, so a queued operation of
+// another stream that still reads it sees NaN. Freed blocks are pooled (reused by a later
+// allocation of the same size) as the driver's stream-ordered pool does.
+//
+// GEMS_EMU_CHAOS=<seed>[,<max_us>] delays each queued operation, with probability 1/2, by a
+// random time up to max_us (default 300) microseconds drawn from a generator seeded per
+// stream, so that orderings the program does not enforce happen. GEMS_EMU_RACECHECK=1 runs the
+// kernels with the race check (kernels.cpp); a race fails the next synchronisation with
+// CUDA_ERROR_LAUNCH_FAILED, whose text is the report.
+//
+// What it cannot show: speed, the hardware's arithmetic (emu.h's is used, tensor cores
+// included), and the memory model within a kernel beyond the race check.
+#include <dlfcn.h>
+
+#include <algorithm>
 #include <chrono>
+#include <condition_variable>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
+#include <deque>
+#include <functional>
 #include <map>
+#include <memory>
+#include <mutex>
+#include <random>
+#include <set>
 #include <string>
-#include <tuple>
-#include <type_traits>
-#include <utility>
-
-#include "../../cuda/activation.cu"
-#undef STAMP
-#include "../../cuda/batchnorm.cu"
-#undef STAMP
-#include "../../cuda/conv.cu"
-#undef STAMP
-#include "../../cuda/elementwise.cu"
-#undef STAMP
-#include "../../cuda/loss.cu"
-#undef STAMP
-#include "../../cuda/optim.cu"
-#undef STAMP
-#include "../../cuda/pool.cu"
-#undef STAMP
-EMU_F16_IMPL
+#include <thread>
+#include <vector>
 
 typedef int CUresult;
 typedef int CUdevice;
@@ -43,63 +52,220 @@ enum : CUresult {
     INVALID_DEVICE = 101,
     INVALID_IMAGE = 200,
     NOT_FOUND = 500,
+    NOT_READY = 600,
+    LAUNCH_FAILED = 719,
 };
 
 namespace {
 
-// A kernel, from its signature: copies the arguments out of cuLaunchKernel's `params` and
-// returns the body one thread runs.
-using Bound = std::function<void()>;
-template <typename... A, std::size_t... I>
-Bound unpack(void (*k)(A...), void** p, std::index_sequence<I...>) {
-    auto args = std::make_tuple(*static_cast<std::decay_t<A>*>(p[I])...);
-    return [k, args] { std::apply(k, args); };
-}
-struct Kernel {
-    std::string name;
-    std::function<Bound(void**)> bind;
+// The kernels (kernels.cpp), loaded from this library's folder: plain or race-checked.
+struct Kernels {
+    void (*init)(bool (*)(const void*));
+    const void* (*find)(const char*);
+    const char* (*name)(const void*);
+    void* (*bind)(const void*, void**);
+    const char* (*run)(const void*, void*, unsigned, unsigned, unsigned, unsigned);
 };
-template <typename... A> Kernel kernel(const char* name, void (*k)(A...)) {
-    return {name, [k](void** p) { return unpack(k, p, std::index_sequence_for<A...>{}); }};
+bool is_device(const void* p);
+const Kernels& kernels() {
+    static const Kernels k = [] {
+        Dl_info self;
+        dladdr(reinterpret_cast<void*>(&kernels), &self);
+        std::string dir(self.dli_fname);
+        dir = dir.substr(0, dir.rfind('/') + 1);
+        const char* race = std::getenv("GEMS_EMU_RACECHECK");
+        bool check = race && std::strcmp(race, "0") != 0;
+        std::string path = dir + (check ? "libgems_emu_kernels_race.so" : "libgems_emu_kernels.so");
+        void* h = dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
+        if (!h) {
+            std::fprintf(stderr, "emulated driver: %s\n", dlerror());
+            std::abort();
+        }
+        Kernels k{reinterpret_cast<decltype(Kernels::init)>(dlsym(h, "gems_emu_init")),
+                  reinterpret_cast<decltype(Kernels::find)>(dlsym(h, "gems_emu_kernel")),
+                  reinterpret_cast<decltype(Kernels::name)>(dlsym(h, "gems_emu_kernel_name")),
+                  reinterpret_cast<decltype(Kernels::bind)>(dlsym(h, "gems_emu_bind")),
+                  reinterpret_cast<decltype(Kernels::run)>(dlsym(h, "gems_emu_run"))};
+        k.init(is_device);
+        if (check) std::fprintf(stderr, "emulated driver: race check on\n");
+        return k;
+    }();
+    return k;
 }
-#define GEMS_KERNEL(name) kernel(#name, name),
-const std::vector<Kernel> KERNELS = {
-#include "kernels.inc"
-};
 
-// The emulated device: memory is the host's, counted against a capacity.
-const std::size_t TOTAL = std::size_t(8) << 30;
-std::mutex mem_mutex;
-std::map<CUdeviceptr, std::size_t> allocations;
-std::size_t used = 0;
-std::mutex launch_mutex;  // emu.h's block state is global: one launch at a time
+double now_ms() {
+    using namespace std::chrono;
+    return duration<double, std::milli>(steady_clock::now().time_since_epoch()).count();
+}
 int sm_count() {
     const char* s = std::getenv("GEMS_EMU_SMS");
     return s ? std::atoi(s) : 4;
 }
 bool trace() { return std::getenv("GEMS_EMU_TRACE") != nullptr; }
 
+// --- streams and events -------------------------------------------------------------------
+// One lock and one condition for every queue and event: simple, and the work dwarfs it. Never
+// destroyed: workers may still wait on them when the process exits.
+std::mutex& g_m = *new std::mutex;
+std::condition_variable& g_cv = *new std::condition_variable;
+// The first failure of queued work (a race report), returned by the next synchronisation.
+CUresult g_sticky = OK;
+std::string g_sticky_text;
+
+struct Chaos {
+    bool on = false;
+    unsigned long long seed = 0;
+    unsigned max_us = 300;
+};
+const Chaos& chaos() {
+    static const Chaos c = [] {
+        Chaos c;
+        if (const char* s = std::getenv("GEMS_EMU_CHAOS")) {
+            c.on = true;
+            c.seed = std::strtoull(s, nullptr, 10);
+            if (const char* comma = std::strchr(s, ',')) c.max_us = unsigned(std::atoi(comma + 1));
+            std::fprintf(stderr, "emulated driver: chaos seed %llu, delays up to %u us\n", c.seed, c.max_us);
+        }
+        return c;
+    }();
+    return c;
+}
+
+struct Stream {
+    bool blocking;                            // ordered with the null stream (flag 0)
+    std::deque<std::function<void()>> queue;  // the front one runs; it leaves when done
+    bool stop = false;
+    std::mt19937_64 rng;
+    std::thread worker;
+    void run();
+};
+std::set<Stream*> g_streams;
+unsigned long long g_stream_count = 0;
+
+void Stream::run() {
+    std::unique_lock<std::mutex> l(g_m);
+    for (;;) {
+        g_cv.wait(l, [&] { return stop || !queue.empty(); });
+        if (queue.empty()) return;
+        std::function<void()> op = queue.front();
+        unsigned delay = chaos().on && (rng() & 1) ? unsigned(rng() % (chaos().max_us + 1)) : 0;
+        l.unlock();
+        if (delay) std::this_thread::sleep_for(std::chrono::microseconds(delay));
+        op();
+        l.lock();
+        queue.pop_front();
+        g_cv.notify_all();
+    }
+}
+
+Stream* new_stream(unsigned flags) {
+    Stream* s = new Stream{flags == 0};
+    std::lock_guard<std::mutex> g(g_m);
+    s->rng.seed(chaos().seed * 1000003 + g_stream_count++);
+    g_streams.insert(s);
+    s->worker = std::thread([s] { s->run(); });
+    return s;
+}
+
+// Waits (g_m held) until every stream `pick` selects is idle.
+template <typename P> void wait_idle(std::unique_lock<std::mutex>& l, P pick) {
+    g_cv.wait(l, [&] {
+        for (Stream* s : g_streams)
+            if (pick(s) && !s->queue.empty()) return false;
+        return true;
+    });
+}
+
+// Queues `op` on stream `h`; the null stream runs it here once the blocking streams are idle.
+void enqueue(void* h, std::function<void()> op) {
+    std::unique_lock<std::mutex> l(g_m);
+    if (!h) {
+        wait_idle(l, [](Stream* s) { return s->blocking; });
+        l.unlock();
+        op();
+        return;
+    }
+    static_cast<Stream*>(h)->queue.push_back(std::move(op));
+    g_cv.notify_all();
+}
+// Queues `op` and returns once it has run.
+CUresult enqueue_and_wait(void* h, std::function<void()> op) {
+    auto done = std::make_shared<bool>(false);
+    enqueue(h, [op, done] {
+        op();
+        std::lock_guard<std::mutex> g(g_m);
+        *done = true;
+        g_cv.notify_all();
+    });
+    std::unique_lock<std::mutex> l(g_m);
+    g_cv.wait(l, [&] { return *done; });
+    return g_sticky;
+}
+
+// An event: how many records were asked for and how many have run, and when the last ran.
+struct EventState {
+    unsigned long long recorded = 0, completed = 0;
+    double time = 0;
+};
+using Event = std::shared_ptr<EventState>;
+
+// --- device and pinned memory -------------------------------------------------------------
+const std::size_t TOTAL = std::size_t(8) << 30;
+// Freed blocks kept for reuse, at most this many bytes (beyond, the oldest go back to the host).
+const std::size_t POOL_KEEP = std::size_t(1) << 30;
+std::mutex mem_mutex;
+std::map<CUdeviceptr, std::size_t> allocations;  // live device allocations
+std::deque<std::pair<CUdeviceptr, std::size_t>> pool;  // freed blocks, oldest first
+std::size_t used = 0, pooled = 0;
+std::map<const char*, std::size_t, std::greater<const char*>> pinned;  // pinned host blocks
+
+void drop_pooled_front() {
+    std::free(reinterpret_cast<void*>(pool.front().first));
+    pooled -= pool.front().second;
+    used -= pool.front().second;
+    pool.pop_front();
+}
+
 CUresult alloc(CUdeviceptr* p, std::size_t bytes) {
+    std::size_t size = bytes ? bytes : 1;
     std::lock_guard<std::mutex> g(mem_mutex);
-    if (used + bytes > TOTAL) return OUT_OF_MEMORY;
-    void* m = std::malloc(bytes ? bytes : 1);
+    for (auto it = pool.begin(); it != pool.end(); ++it)
+        if (it->second == size) {  // poisoned when freed
+            *p = it->first;
+            pooled -= size;
+            pool.erase(it);
+            allocations[*p] = size;
+            return OK;
+        }
+    while (used + size > TOTAL && !pool.empty()) drop_pooled_front();
+    if (used + size > TOTAL) return OUT_OF_MEMORY;
+    void* m = std::malloc(size);
     if (!m) return OUT_OF_MEMORY;
-    std::memset(m, 0xff, bytes);  // NaN in f32, bf16 and f16: unwritten outputs show
+    std::memset(m, 0xff, size);  // NaN in f32, bf16 and f16: unwritten outputs show
     *p = reinterpret_cast<CUdeviceptr>(m);
-    allocations[*p] = bytes;
-    used += bytes;
+    allocations[*p] = size;
+    used += size;
     return OK;
 }
-CUresult release(CUdeviceptr p) {
+// Takes `p` out of the live allocations (so later work naming it is refused) and returns its
+// size, or 0 when it is not one.
+std::size_t unlink(CUdeviceptr p) {
     std::lock_guard<std::mutex> g(mem_mutex);
     auto it = allocations.find(p);
-    if (it == allocations.end()) return INVALID_VALUE;
-    used -= it->second;
+    if (it == allocations.end()) return 0;
+    std::size_t n = it->second;
     allocations.erase(it);
-    std::free(reinterpret_cast<void*>(p));
-    return OK;
+    return n;
 }
-// The bytes [p, p + n) lie in one allocation.
+// The free itself, in stream order: poison, then pool.
+void release(CUdeviceptr p, std::size_t n) {
+    std::memset(reinterpret_cast<void*>(p), 0xff, n);
+    std::lock_guard<std::mutex> g(mem_mutex);
+    pool.emplace_back(p, n);
+    pooled += n;
+    while (pooled > POOL_KEEP) drop_pooled_front();
+}
+// The bytes [p, p + n) lie in one live allocation.
 bool inside(CUdeviceptr p, std::size_t n) {
     std::lock_guard<std::mutex> g(mem_mutex);
     auto it = allocations.upper_bound(p);
@@ -107,18 +273,20 @@ bool inside(CUdeviceptr p, std::size_t n) {
     --it;
     return p >= it->first && p + n <= it->first + it->second;
 }
-CUresult copy(void* dst, const void* src, std::size_t n, CUdeviceptr dev_a, CUdeviceptr dev_b) {
-    if ((dev_a && !inside(dev_a, n)) || (dev_b && !inside(dev_b, n))) {
-        std::fprintf(stderr, "emulated driver: a copy of %zu bytes outside an allocation\n", n);
+bool is_device(const void* p) { return inside(reinterpret_cast<CUdeviceptr>(p), 1); }
+bool is_pinned(const void* h, std::size_t n) {
+    std::lock_guard<std::mutex> g(mem_mutex);
+    auto it = pinned.lower_bound(static_cast<const char*>(h));  // the last block at or before h
+    return it != pinned.end() && static_cast<const char*>(h) + n <= it->first + it->second;
+}
+CUresult check(CUdeviceptr a, CUdeviceptr b, std::size_t n) {
+    if ((a && !inside(a, n)) || (b && !inside(b, n))) {
+        std::fprintf(stderr, "emulated driver: a copy or memset of %zu bytes outside a live allocation\n", n);
         return INVALID_VALUE;
     }
-    std::memcpy(dst, src, n);
     return OK;
 }
-double now_ms() {
-    using namespace std::chrono;
-    return duration<double, std::milli>(steady_clock::now().time_since_epoch()).count();
-}
+
 int dummy;  // handles that need only be distinct and non-null point here
 
 // The errors this driver returns: cudarc asks for their names and texts.
@@ -129,6 +297,8 @@ const ErrorText ERRORS[] = {
     {INVALID_DEVICE, "CUDA_ERROR_INVALID_DEVICE", "invalid device ordinal (emulated device)"},
     {INVALID_IMAGE, "CUDA_ERROR_INVALID_IMAGE", "neither a cubin nor PTX (emulated device)"},
     {NOT_FOUND, "CUDA_ERROR_NOT_FOUND", "no kernel of that name in cuda/*.cu (emulated device)"},
+    {NOT_READY, "CUDA_ERROR_NOT_READY", "not ready (emulated device)"},
+    {LAUNCH_FAILED, "CUDA_ERROR_LAUNCH_FAILED", nullptr},  // the text is the report
 };
 ErrorText error_of(CUresult e) {
     for (const ErrorText& t : ERRORS)
@@ -162,31 +332,123 @@ CUresult cuDevicePrimaryCtxRetain(void** ctx, CUdevice) { *ctx = &dummy; return 
 CUresult cuDevicePrimaryCtxRelease_v2(CUdevice) { return OK; }
 CUresult cuCtxSetCurrent(void*) { return OK; }
 CUresult cuCtxGetCurrent(void** ctx) { *ctx = &dummy; return OK; }
-CUresult cuCtxSynchronize() { return OK; }
+CUresult cuCtxSynchronize() {
+    std::unique_lock<std::mutex> l(g_m);
+    wait_idle(l, [](Stream*) { return true; });
+    return g_sticky;
+}
 
-CUresult cuStreamCreate(void** s, unsigned) { *s = new int(0); return OK; }
-CUresult cuStreamCreateWithPriority(void** s, unsigned, int) { *s = new int(0); return OK; }
-CUresult cuStreamDestroy_v2(void* s) { delete static_cast<int*>(s); return OK; }
-CUresult cuStreamSynchronize(void*) { return OK; }
-CUresult cuStreamWaitEvent(void*, void*, unsigned) { return OK; }
-CUresult cuLaunchHostFunc(void*, void (*f)(void*), void* data) { f(data); return OK; }
+CUresult cuStreamCreate(void** s, unsigned flags) { *s = new_stream(flags); return OK; }
+CUresult cuStreamCreateWithPriority(void** s, unsigned flags, int) { return cuStreamCreate(s, flags); }
+// Returns at once; the stream's queued work still runs, then its worker ends.
+CUresult cuStreamDestroy_v2(void* h) {
+    Stream* s = static_cast<Stream*>(h);
+    {
+        std::unique_lock<std::mutex> l(g_m);
+        s->stop = true;
+        g_cv.notify_all();
+    }
+    std::thread([s] {
+        s->worker.join();
+        std::lock_guard<std::mutex> g(g_m);
+        g_streams.erase(s);
+        delete s;
+        g_cv.notify_all();
+    }).detach();
+    return OK;
+}
+CUresult cuStreamSynchronize(void* h) {
+    std::unique_lock<std::mutex> l(g_m);
+    if (h) {
+        // Waits for the work queued so far: a marker behind it.
+        Stream* s = static_cast<Stream*>(h);
+        auto done = std::make_shared<bool>(false);
+        s->queue.push_back([done] {
+            std::lock_guard<std::mutex> g(g_m);
+            *done = true;
+        });
+        g_cv.notify_all();
+        g_cv.wait(l, [&] { return *done; });
+    } else {
+        wait_idle(l, [](Stream* s) { return s->blocking; });
+    }
+    return g_sticky;
+}
+CUresult cuLaunchHostFunc(void* s, void (*f)(void*), void* data) {
+    enqueue(s, [f, data] { f(data); });
+    return OK;
+}
 
-CUresult cuEventCreate(void** e, unsigned) { *e = new double(now_ms()); return OK; }
-CUresult cuEventDestroy_v2(void* e) { delete static_cast<double*>(e); return OK; }
-CUresult cuEventRecord(void* e, void*) { *static_cast<double*>(e) = now_ms(); return OK; }
+CUresult cuEventCreate(void** e, unsigned) { *e = new Event(std::make_shared<EventState>()); return OK; }
+CUresult cuEventDestroy_v2(void* e) { delete static_cast<Event*>(e); return OK; }
+CUresult cuEventRecord(void* h, void* s) {
+    Event e = *static_cast<Event*>(h);
+    unsigned long long n;
+    {
+        std::lock_guard<std::mutex> g(g_m);
+        n = ++e->recorded;
+    }
+    enqueue(s, [e, n] {
+        std::lock_guard<std::mutex> g(g_m);
+        e->completed = std::max(e->completed, n);
+        e->time = now_ms();
+        g_cv.notify_all();
+    });
+    return OK;
+}
 CUresult cuEventRecordWithFlags(void* e, void* s, unsigned) { return cuEventRecord(e, s); }
-CUresult cuEventSynchronize(void*) { return OK; }
-CUresult cuEventQuery(void*) { return OK; }
+// Work queued on `s` after this call waits for the event's last record (none: no wait).
+CUresult cuStreamWaitEvent(void* s, void* h, unsigned) {
+    Event e = *static_cast<Event*>(h);
+    unsigned long long n;
+    {
+        std::lock_guard<std::mutex> g(g_m);
+        n = e->recorded;
+    }
+    enqueue(s, [e, n] {
+        std::unique_lock<std::mutex> l(g_m);
+        g_cv.wait(l, [&] { return e->completed >= n; });
+    });
+    return OK;
+}
+CUresult cuEventSynchronize(void* h) {
+    Event e = *static_cast<Event*>(h);
+    std::unique_lock<std::mutex> l(g_m);
+    unsigned long long n = e->recorded;
+    g_cv.wait(l, [&] { return e->completed >= n; });
+    return g_sticky;
+}
+CUresult cuEventQuery(void* h) {
+    Event e = *static_cast<Event*>(h);
+    std::lock_guard<std::mutex> g(g_m);
+    return e->completed >= e->recorded ? g_sticky : NOT_READY;
+}
 CUresult cuEventElapsedTime(float* ms, void* a, void* b) {
-    *ms = float(*static_cast<double*>(b) - *static_cast<double*>(a));
+    Event ea = *static_cast<Event*>(a), eb = *static_cast<Event*>(b);
+    std::lock_guard<std::mutex> g(g_m);
+    if (ea->completed < ea->recorded || eb->completed < eb->recorded) return NOT_READY;
+    *ms = float(eb->time - ea->time);
     return OK;
 }
 CUresult cuEventElapsedTime_v2(float* ms, void* a, void* b) { return cuEventElapsedTime(ms, a, b); }
 
 CUresult cuMemAlloc_v2(CUdeviceptr* p, std::size_t n) { return alloc(p, n); }
+// The block is usable at once in this model: reuse needs its free to have run already.
 CUresult cuMemAllocAsync(CUdeviceptr* p, std::size_t n, void*) { return alloc(p, n); }
-CUresult cuMemFree_v2(CUdeviceptr p) { return release(p); }
-CUresult cuMemFreeAsync(CUdeviceptr p, void*) { return release(p); }
+// cuMemFree waits for the device, as it does on a GPU.
+CUresult cuMemFree_v2(CUdeviceptr p) {
+    std::size_t n = unlink(p);
+    if (!n) return INVALID_VALUE;
+    CUresult r = cuCtxSynchronize();
+    release(p, n);
+    return r;
+}
+CUresult cuMemFreeAsync(CUdeviceptr p, void* s) {
+    std::size_t n = unlink(p);
+    if (!n) return INVALID_VALUE;
+    enqueue(s, [p, n] { release(p, n); });
+    return OK;
+}
 CUresult cuMemGetInfo_v2(std::size_t* free, std::size_t* total) {
     std::lock_guard<std::mutex> g(mem_mutex);
     *free = TOTAL - used;
@@ -199,28 +461,63 @@ CUresult cuMemPoolGetAttribute(void*, int, void* v) { *static_cast<unsigned long
 CUresult cuMemPoolTrimTo(void*, std::size_t) { return OK; }
 CUresult cuMemHostAlloc(void** p, std::size_t n, unsigned) {
     *p = std::malloc(n ? n : 1);
-    return *p ? OK : OUT_OF_MEMORY;
-}
-CUresult cuMemAllocHost_v2(void** p, std::size_t n) { return cuMemHostAlloc(p, n, 0); }
-CUresult cuMemFreeHost(void* p) { std::free(p); return OK; }
-
-CUresult cuMemcpyHtoD_v2(CUdeviceptr d, const void* h, std::size_t n) { return copy(reinterpret_cast<void*>(d), h, n, d, 0); }
-CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr d, const void* h, std::size_t n, void*) { return cuMemcpyHtoD_v2(d, h, n); }
-CUresult cuMemcpyDtoH_v2(void* h, CUdeviceptr d, std::size_t n) { return copy(h, reinterpret_cast<void*>(d), n, d, 0); }
-CUresult cuMemcpyDtoHAsync_v2(void* h, CUdeviceptr d, std::size_t n, void*) { return cuMemcpyDtoH_v2(h, d, n); }
-CUresult cuMemcpyDtoD_v2(CUdeviceptr a, CUdeviceptr b, std::size_t n) {
-    return copy(reinterpret_cast<void*>(a), reinterpret_cast<void*>(b), n, a, b);
-}
-CUresult cuMemcpyDtoDAsync_v2(CUdeviceptr a, CUdeviceptr b, std::size_t n, void*) { return cuMemcpyDtoD_v2(a, b, n); }
-CUresult cuMemsetD8_v2(CUdeviceptr d, unsigned char v, std::size_t n) {
-    if (!inside(d, n)) return INVALID_VALUE;
-    std::memset(reinterpret_cast<void*>(d), v, n);
+    if (!*p) return OUT_OF_MEMORY;
+    std::lock_guard<std::mutex> g(mem_mutex);
+    pinned[static_cast<const char*>(*p)] = n;
     return OK;
 }
-CUresult cuMemsetD8Async(CUdeviceptr d, unsigned char v, std::size_t n, void*) { return cuMemsetD8_v2(d, v, n); }
+CUresult cuMemAllocHost_v2(void** p, std::size_t n) { return cuMemHostAlloc(p, n, 0); }
+// Waits for the device first, as cuMemFreeHost does on a GPU.
+CUresult cuMemFreeHost(void* p) {
+    CUresult r = cuCtxSynchronize();
+    {
+        std::lock_guard<std::mutex> g(mem_mutex);
+        pinned.erase(static_cast<const char*>(p));
+    }
+    std::free(p);
+    return r;
+}
+
+// Host to device: pinned memory is read when the copy runs; pageable memory is staged first,
+// so the caller may reuse it when the call returns (as the driver does).
+CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr d, const void* h, std::size_t n, void* s) {
+    if (CUresult r = check(d, 0, n)) return r;
+    if (is_pinned(h, n)) {
+        enqueue(s, [d, h, n] { std::memcpy(reinterpret_cast<void*>(d), h, n); });
+    } else {
+        auto staged = std::make_shared<std::vector<char>>(static_cast<const char*>(h), static_cast<const char*>(h) + n);
+        enqueue(s, [d, staged] { std::memcpy(reinterpret_cast<void*>(d), staged->data(), staged->size()); });
+    }
+    return OK;
+}
+CUresult cuMemcpyHtoD_v2(CUdeviceptr d, const void* h, std::size_t n) { return cuMemcpyHtoDAsync_v2(d, h, n, nullptr); }
+// Device to host: into pinned memory asynchronously; into pageable memory the call returns
+// when the copy is done.
+CUresult cuMemcpyDtoHAsync_v2(void* h, CUdeviceptr d, std::size_t n, void* s) {
+    if (CUresult r = check(d, 0, n)) return r;
+    auto op = [h, d, n] { std::memcpy(h, reinterpret_cast<const void*>(d), n); };
+    if (is_pinned(h, n)) {
+        enqueue(s, op);
+        return OK;
+    }
+    return enqueue_and_wait(s, op);
+}
+CUresult cuMemcpyDtoH_v2(void* h, CUdeviceptr d, std::size_t n) { return cuMemcpyDtoHAsync_v2(h, d, n, nullptr); }
+CUresult cuMemcpyDtoDAsync_v2(CUdeviceptr a, CUdeviceptr b, std::size_t n, void* s) {
+    if (CUresult r = check(a, b, n)) return r;
+    enqueue(s, [a, b, n] { std::memcpy(reinterpret_cast<void*>(a), reinterpret_cast<const void*>(b), n); });
+    return OK;
+}
+CUresult cuMemcpyDtoD_v2(CUdeviceptr a, CUdeviceptr b, std::size_t n) { return cuMemcpyDtoDAsync_v2(a, b, n, nullptr); }
+CUresult cuMemsetD8Async(CUdeviceptr d, unsigned char v, std::size_t n, void* s) {
+    if (CUresult r = check(d, 0, n)) return r;
+    enqueue(s, [d, v, n] { std::memset(reinterpret_cast<void*>(d), v, n); });
+    return OK;
+}
+CUresult cuMemsetD8_v2(CUdeviceptr d, unsigned char v, std::size_t n) { return cuMemsetD8Async(d, v, n, nullptr); }
 
 // A module is any cubin or PTX NVRTC made; functions are found by name among the kernels
-// compiled into this library.
+// compiled into the kernels library.
 CUresult cuModuleLoadData(void** module, const void* image) {
     const char* bytes = static_cast<const char*>(image);
     bool elf = std::memcmp(bytes, "\x7f" "ELF", 4) == 0;
@@ -231,38 +528,49 @@ CUresult cuModuleLoadData(void** module, const void* image) {
 }
 CUresult cuModuleUnload(void*) { return OK; }
 CUresult cuModuleGetFunction(void** f, void*, const char* name) {
-    for (const Kernel& k : KERNELS)
-        if (k.name == name) {
-            *f = const_cast<Kernel*>(&k);
-            return OK;
-        }
-    return NOT_FOUND;
+    *f = const_cast<void*>(kernels().find(name));
+    return *f ? OK : NOT_FOUND;
 }
 CUresult cuFuncSetAttribute(void*, int, int) { return OK; }
 CUresult cuFuncGetAttribute(int* v, int, void*) { *v = 0; return OK; }
 
 CUresult cuLaunchKernel(void* f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,
-                        unsigned bz, unsigned shared, void*, void** params, void** extra) {
-    const Kernel* k = static_cast<const Kernel*>(f);
+                        unsigned bz, unsigned shared, void* s, void** params, void** extra) {
+    const Kernels& k = kernels();
+    const char* name = k.name(f);
     // What the hardware refuses, and what emu.h does not model (2-d blocks, dynamic shared
     // memory, partial warps), is an error rather than a silent difference.
     bool legal = gx && gy && gz && gy <= 65535 && gz <= 65535 && bx && bx <= 1024;
     bool modelled = by == 1 && bz == 1 && shared == 0 && bx % 32 == 0 && !extra;
     if (!legal || !modelled) {
         std::fprintf(stderr, "emulated driver: %s launched with grid (%u, %u, %u), block (%u, %u, %u), %u bytes of shared memory\n",
-                     k->name.c_str(), gx, gy, gz, bx, by, bz, shared);
+                     name, gx, gy, gz, bx, by, bz, shared);
         return INVALID_VALUE;
     }
-    Bound body = k->bind(params);
-    std::lock_guard<std::mutex> g(launch_mutex);
-    double start = now_ms();
-    launch(uint3{gx, gy, gz}, bx, body);
-    if (trace())
-        std::fprintf(stderr, "launch %s grid (%u, %u, %u) block %u: %.1f ms\n", k->name.c_str(), gx, gy, gz, bx, now_ms() - start);
+    void* bound = k.bind(f, params);  // the arguments are read now, as the driver does
+    enqueue(s, [f, bound, gx, gy, gz, bx, name] {
+        static std::mutex launch_mutex;  // emu.h's block state is global: one launch at a time
+        std::lock_guard<std::mutex> g(launch_mutex);
+        double start = now_ms();
+        const char* race = kernels().run(f, bound, gx, gy, gz, bx);
+        if (trace())
+            std::fprintf(stderr, "launch %s grid (%u, %u, %u) block %u: %.1f ms\n", name, gx, gy, gz, bx, now_ms() - start);
+        if (race) {
+            std::fprintf(stderr, "emulated driver: %s\n", race);
+            std::lock_guard<std::mutex> e(g_m);
+            if (g_sticky == OK) {
+                g_sticky = LAUNCH_FAILED;
+                g_sticky_text = race;
+            }
+        }
+    });
     return OK;
 }
 
-CUresult cuGetErrorString(CUresult e, const char** s) { *s = error_of(e).text; return OK; }
+CUresult cuGetErrorString(CUresult e, const char** s) {
+    *s = e == LAUNCH_FAILED ? g_sticky_text.c_str() : error_of(e).text;
+    return OK;
+}
 CUresult cuGetErrorName(CUresult e, const char** s) { *s = error_of(e).name; return OK; }
 
 }  // extern "C"

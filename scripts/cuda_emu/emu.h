@@ -29,33 +29,39 @@ inline uint3 threadIdx, blockIdx, blockDim, gridDim;
 #define __forceinline__ inline
 #define __launch_bounds__(x)
 #define __shared__ static
+// emu.h's own machinery, which the race check (racecheck.cpp) must not see: not instrumented.
+#define EMU_INTERNAL __attribute__((no_sanitize_thread))
 
 // The fibers of a launch (one a thread of the block, each running every block in turn), and
 // barriers over the block and over each warp.
+constexpr std::size_t EMU_STACK = 256 << 10;  // bytes of a fiber's stack
 struct Fiber { jmp_buf jb; ucontext_t start; std::unique_ptr<char[]> stack; bool started = false, done = false; };
 inline jmp_buf g_sched;
 inline std::vector<Fiber> g_fibers;
 inline unsigned g_current;
+inline bool g_in_fiber;  // a thread of the block is running (not the scheduler)
 inline bool g_progress;  // something happened this round (else the block is stuck)
 inline std::function<void()> g_body;
 struct Barrier { unsigned expected = 0, arrived = 0, gen = 0; };
 inline Barrier g_bar, g_block_end, g_wbar[32];
-inline void fiber_yield() {
+// Counts the block's barriers (and block starts): two accesses in one epoch are unordered.
+inline unsigned long g_epoch = 1;
+EMU_INTERNAL inline void fiber_yield() {
     if (!_setjmp(g_fibers[g_current].jb)) _longjmp(g_sched, 1);
 }
 // Returns true to the thread whose arrival completed the barrier.
-inline bool fiber_wait(Barrier& b) {
+EMU_INTERNAL inline bool fiber_wait(Barrier& b) {
     g_progress = true;
     unsigned my = b.gen;
     if (++b.arrived == b.expected) { b.arrived = 0; b.gen++; return true; }
     while (b.gen == my) fiber_yield();
     return false;
 }
-inline void warp_sync() { fiber_wait(g_wbar[threadIdx.x / 32]); }
+EMU_INTERNAL inline void warp_sync() { fiber_wait(g_wbar[threadIdx.x / 32]); }
 inline double g_wbuf[32][32];
 inline uint32_t g_wfrag[32][32][6];
-inline void __syncthreads() { fiber_wait(g_bar); }
-template <typename T> T __shfl_xor_sync(unsigned, T v, int o) {
+EMU_INTERNAL inline void __syncthreads() { if (fiber_wait(g_bar)) g_epoch++; }
+template <typename T> EMU_INTERNAL T __shfl_xor_sync(unsigned, T v, int o) {
     int w = threadIdx.x / 32, l = threadIdx.x % 32;
     g_wbuf[w][l] = (double)v;
     warp_sync();
@@ -69,11 +75,12 @@ inline float __int_as_float(int u) { float f; memcpy(&f, &u, 4); return f; }
 inline float __fadd_rn(float a, float b) { return a + b; }
 inline float __fsub_rn(float a, float b) { return a - b; }
 inline float __fmul_rn(float a, float b) { return a * b; }
-inline float atomicAdd(float* p, float v) { static std::mutex m; std::lock_guard<std::mutex> g(m); float o = *p; *p = o + v; return o; }
+// Not a plain write for the race check.
+EMU_INTERNAL inline float atomicAdd(float* p, float v) { static std::mutex m; std::lock_guard<std::mutex> g(m); float o = *p; *p = o + v; return o; }
 inline uint32_t to_tf32(float f) { uint32_t u = __float_as_uint(f); u += 0x1000u; return u & ~0x1fffu; }
 inline float bf(uint32_t v, int hi) { return __uint_as_float((hi ? (v >> 16) : (v & 0xffff)) << 16); }
 inline float hf(uint32_t v, int hi) { uint16_t b = hi ? (v >> 16) : (v & 0xffff); _Float16 h; memcpy(&h, &b, 2); return (float)h; }
-inline bool __any_sync(unsigned, bool v) {
+EMU_INTERNAL inline bool __any_sync(unsigned, bool v) {
     int w = threadIdx.x / 32, l = threadIdx.x % 32;
     g_wbuf[w][l] = v ? 1.0 : 0.0;
     warp_sync();
@@ -82,7 +89,7 @@ inline bool __any_sync(unsigned, bool v) {
     return r;
 }
 // fragments: regs 0..3 = a0..a3, 4..5 = b0, b1
-inline void mma_generic(float* c, uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0, uint32_t b1, int kind) { /* 0 tf32, 1 bf16, 2 f16 */
+EMU_INTERNAL inline void mma_generic(float* c, uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0, uint32_t b1, int kind) { /* 0 tf32, 1 bf16, 2 f16 */
     bool is_bf16 = kind != 0; auto half = kind == 1 ? bf : hf;
     int w = threadIdx.x / 32, l = threadIdx.x % 32;
     uint32_t r[6] = {a0, a1, a2, a3, b0, b1};
@@ -104,19 +111,20 @@ inline void mma_generic(float* c, uint32_t a0, uint32_t a1, uint32_t a2, uint32_
     warp_sync();
     for (int i = 0; i < 4; i++) c[i] = out[i];
 }
-inline void mma_tf32(float* c, uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0, uint32_t b1) { mma_generic(c, a0, a1, a2, a3, b0, b1, 0); }
-inline void mma_bf16(float* c, uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0, uint32_t b1) { mma_generic(c, a0, a1, a2, a3, b0, b1, 1); }
-inline void mma_f16(float* c, uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0, uint32_t b1) { mma_generic(c, a0, a1, a2, a3, b0, b1, 2); }
+EMU_INTERNAL inline void mma_tf32(float* c, uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0, uint32_t b1) { mma_generic(c, a0, a1, a2, a3, b0, b1, 0); }
+EMU_INTERNAL inline void mma_bf16(float* c, uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0, uint32_t b1) { mma_generic(c, a0, a1, a2, a3, b0, b1, 1); }
+EMU_INTERNAL inline void mma_f16(float* c, uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0, uint32_t b1) { mma_generic(c, a0, a1, a2, a3, b0, b1, 2); }
 // f16 conversions (declared in gems_device.h, which defines gems_f16): see EMU_F16_IMPL.
 #define EMU_F16_IMPL \
     float f16_to_f32(gems_f16 v) { _Float16 h; memcpy(&h, &v.bits, 2); return (float)h; } \
     gems_f16 f32_to_f16(float f) { _Float16 h = (_Float16)f; gems_f16 r; memcpy(&r.bits, &h, 2); return r; }
 // A fiber: thread threadIdx of every block in order; the last to finish a block moves
 // blockIdx on, so no thread starts a block (and its __shared__) before all left the last.
-inline void fiber_main() {
+EMU_INTERNAL inline void fiber_main() {
     for (;;) {
         g_body();
         if (fiber_wait(g_block_end)) {
+            g_epoch++;
             uint3& b = blockIdx;
             if (++b.x == gridDim.x) { b.x = 0; if (++b.y == gridDim.y) { b.y = 0; ++b.z; } }
         }
@@ -127,20 +135,20 @@ inline void fiber_main() {
     _longjmp(g_sched, 1);
 }
 // Runs f as every thread of every block of the grid.
-template <typename F> void launch(uint3 grid, unsigned block, F f) {
-    constexpr std::size_t STACK = 256 << 10;
+template <typename F> EMU_INTERNAL void launch(uint3 grid, unsigned block, F f) {
     gridDim = grid; blockDim = uint3{block, 1, 1}; blockIdx = uint3{};
+    g_epoch++;
     g_body = f;
     g_bar = g_block_end = Barrier{block};
     for (unsigned w = 0; w * 32 < block; w++) g_wbar[w] = Barrier{std::min(32u, block - w * 32)};
     if (g_fibers.size() < block) g_fibers.resize(block);
     for (unsigned t = 0; t < block; t++) {
         Fiber& fb = g_fibers[t];
-        if (!fb.stack) fb.stack.reset(new char[STACK]);
+        if (!fb.stack) fb.stack.reset(new char[EMU_STACK]);
         fb.started = fb.done = false;
         getcontext(&fb.start);
         fb.start.uc_stack.ss_sp = fb.stack.get();
-        fb.start.uc_stack.ss_size = STACK;
+        fb.start.uc_stack.ss_size = EMU_STACK;
         fb.start.uc_link = nullptr;
         makecontext(&fb.start, fiber_main, 0);
     }
@@ -152,10 +160,12 @@ template <typename F> void launch(uint3 grid, unsigned block, F f) {
             if (fb.done) continue;
             threadIdx = uint3{t, 0, 0};
             g_current = t;
+            g_in_fiber = true;
             if (!_setjmp(g_sched)) {
                 if (!fb.started) { fb.started = true; setcontext(&fb.start); }
                 _longjmp(fb.jb, 1);
             }
+            g_in_fiber = false;
             live += !fb.done;
         }
         if (live && !g_progress) {

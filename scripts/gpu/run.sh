@@ -33,7 +33,7 @@ for part in "${parts[@]}"; do
         ;;
     suite)
         step suite
-        device/cuda_ops --ignored --test-threads=1 2>&1 | tee "$OUT/suite.txt"
+        device/cuda_ops --include-ignored --test-threads=1 2>&1 | tee "$OUT/suite.txt"
         ;;
     kernels)
         for p in fp32 tf32; do

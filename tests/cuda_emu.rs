@@ -1,0 +1,160 @@
+//! The emulated CUDA driver (scripts/cuda_emu/, built by build.rs under the `cuda-emu` feature,
+//! which every `cargo test` turns on) catches the bugs of GPU code that running work as it is
+//! issued cannot: each test here plants one in the CUDA backend's own calls (or in a kernel)
+//! and checks that the emulator shows it, beside the correct code, which passes.
+//!
+//! - (a) compute that does not wait for the copy stream's event: it reads the buffer before the
+//!   copy lands (wrong values);
+//! - (b) a device buffer freed while the copy stream's queued copy still reads it: the free
+//!   poisons it, the copy delivers NaN;
+//! - (c) conv.cu's tile loop without the `__syncthreads` that ends a tile: the race check
+//!   reports the kernel, the block and the two threads (the tensor-core stamps still compute
+//!   the right values in the emulator, so only the race check sees it).
+//!
+//! (a) and (b) run with the driver's chaos on (random delays per stream, a fixed seed), so the
+//! unenforced orderings happen; each is tried a number of times and must show at least once.
+#![cfg(feature = "cuda-emu")]
+
+use std::path::Path;
+use std::process::Command;
+use std::sync::{Arc, Once};
+
+use gems::backend::cuda::ConvImpl;
+use gems::backend::Device;
+use gems::memory::host::HostPool;
+use gems::tensor::{DType, Precision, Storage};
+
+/// Tries of a planted ordering bug; each shows it with a fair chance under chaos.
+const TRIES: usize = 30;
+
+fn gpu() -> Device {
+    static CHAOS: Once = Once::new();
+    // Before the driver first reads it (the first device); delays of up to 2 ms per operation.
+    CHAOS.call_once(|| std::env::set_var("GEMS_EMU_CHAOS", "18,2000"));
+    Device::cuda("cuda:0", 0, Precision::Fp32, ConvImpl::Native, None)
+        .unwrap_or_else(|e| panic!("the emulated CUDA driver did not open: {e}"))
+}
+
+/// `n` values exact in f32, about half of them negative, shifted by `seed`.
+fn values(n: usize, seed: usize) -> Vec<f64> {
+    (0..n)
+        .map(|i| ((i * 7 + seed * 13) % 23) as f64 / 16.0 - 0.6875)
+        .collect()
+}
+
+/// Host values copied in on the copy stream, then ReLU on the compute stream, waiting for the
+/// copy's event as the offload path does, or not (planted bug a). The ReLU's output.
+fn copy_in_then_relu(device: &Device, host: &[f64], wait: bool) -> Vec<f64> {
+    let be = device.backend();
+    let src = Storage::F32(host.iter().map(|&v| v as f32).collect());
+    let mut x = be.zeros(host.len(), DType::F32).unwrap();
+    let copied = be
+        .copy_in(&src, &mut x, true)
+        .unwrap()
+        .expect("a copy-stream event");
+    if wait {
+        be.wait(&copied).unwrap();
+    }
+    let mut y = be.zeros(host.len(), DType::F32).unwrap();
+    be.relu_forward(&x, &mut y).unwrap();
+    copied.synchronize().unwrap();
+    y.to_f64_vec().unwrap()
+}
+
+#[test]
+fn planted_a_compute_not_waiting_for_the_copy_stream_reads_stale_values() {
+    let device = gpu();
+    let relu = |v: &[f64]| v.iter().map(|&x| x.max(0.0)).collect::<Vec<_>>();
+    let mut wrong = 0;
+    for t in 0..TRIES {
+        let v = values(4096, t);
+        let waited = copy_in_then_relu(&device, &v, true);
+        assert!(waited == relu(&v), "wrong values with the wait");
+        if copy_in_then_relu(&device, &v, false) != relu(&v) {
+            wrong += 1;
+        }
+    }
+    assert!(
+        wrong > 0,
+        "without the event wait, {TRIES} tries all computed the right values: the emulator \
+         no longer runs the copy stream apart from compute"
+    );
+}
+
+/// A device buffer copied out on the copy stream into pinned host memory; the buffer is freed
+/// once the copy's event completes, or at once (planted bug b: its free is queued on the
+/// compute stream, which does not wait for the copy). The host's copy.
+fn copy_out_then_free(device: &Device, pool: &Arc<HostPool>, v: &[f64], early: bool) -> Vec<f64> {
+    let be = device.backend();
+    let src = be.upload(v, DType::F32).unwrap();
+    let mut host = be.host_zeros(v.len(), DType::F32, Some(pool)).unwrap();
+    let copied = be
+        .copy_out(&src, &mut host, true)
+        .unwrap()
+        .expect("a copy-stream event");
+    if early {
+        drop(src);
+        copied.synchronize().unwrap();
+    } else {
+        copied.synchronize().unwrap();
+        drop(src);
+    }
+    host.to_f64_vec().unwrap()
+}
+
+#[test]
+fn planted_b_a_buffer_freed_while_the_copy_stream_reads_it_arrives_poisoned() {
+    let device = gpu();
+    let pool = HostPool::new();
+    let mut poisoned = 0;
+    for t in 0..TRIES {
+        let v = values(4096, t);
+        let kept = copy_out_then_free(&device, &pool, &v, false);
+        assert!(kept == v, "wrong values with the buffer kept");
+        let got = copy_out_then_free(&device, &pool, &v, true);
+        if got.iter().any(|x| x.is_nan()) {
+            poisoned += 1;
+        } else {
+            assert!(got == v, "neither the values nor poison");
+        }
+    }
+    assert!(
+        poisoned > 0,
+        "freed before the copy's event, {TRIES} tries all copied the values: the emulator no \
+         longer poisons memory freed under a queued copy"
+    );
+}
+
+/// One line per stamp of race_test (scripts/cuda_emu/race_test.cpp) built on `program`'s
+/// conv.cu.
+fn race_test(program: &str) -> Vec<String> {
+    let path = Path::new(env!("GEMS_CUDA_EMU_DIR")).join(program);
+    let out = Command::new(&path).output().unwrap();
+    assert!(out.status.success(), "{}: {out:?}", path.display());
+    String::from_utf8(out.stdout)
+        .unwrap()
+        .lines()
+        .map(String::from)
+        .collect()
+}
+
+#[test]
+fn planted_c_a_missing_syncthreads_in_the_conv_tile_loop_is_reported_as_a_race() {
+    let clean = race_test("race_test");
+    assert_eq!(clean.len(), 3, "{clean:?}");
+    for line in &clean {
+        assert!(
+            line.contains("values right") && line.ends_with("no race"),
+            "{line}"
+        );
+    }
+    let planted = race_test("race_test_planted");
+    assert_eq!(planted.len(), 3, "{planted:?}");
+    for (line, stamp) in planted.iter().zip(["f32", "tf32", "bf16"]) {
+        let kernel = format!("conv2d_forward_{stamp}");
+        assert!(
+            line.contains(&format!("race check: {kernel}: block (")) && line.contains("thread "),
+            "the race check missed the planted race: {line}"
+        );
+    }
+}
