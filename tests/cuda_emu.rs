@@ -20,8 +20,8 @@ use std::process::Command;
 use std::sync::{Arc, Once};
 
 use gems::backend::cuda::ConvImpl;
-use gems::backend::Device;
-use gems::memory::host::HostPool;
+use gems::backend::host::HostPool;
+use gems::tensor::Device;
 use gems::tensor::{DType, Precision, Storage};
 
 /// Tries of a planted ordering bug; each shows it with a fair chance under chaos.

@@ -32,10 +32,10 @@
 use std::cell::RefCell;
 
 use gems::backend::cuda::{self, ConvImpl};
-use gems::backend::{ChannelGeom, ConvGeom, CopyMode, Device, DeviceKind, PoolGeom, SgdStep};
+use gems::backend::{ChannelGeom, ConvGeom, CopyMode, DeviceKind, PoolGeom, SgdStep};
 use gems::graph::policy::SavePolicy;
-use gems::tensor::{DType, Precision, Storage};
-use gems::train::{StepReport, TrainConfig, Trainer};
+use gems::tensor::{DType, Device, Precision, Storage};
+use gems::{Dataset, RunConfig, Scheme, Session, StepReport, TrainConfig};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
@@ -756,7 +756,7 @@ fn sgd_matches_cpu_bit_for_bit() {
 fn bf16_and_f16_round_trip_bit_for_bit() {
     let p = Pair::new(Precision::Bf16);
     let other = gpu(Precision::Bf16, ConvImpl::Native);
-    let pool = gems::memory::host::HostPool::new();
+    let pool = gems::backend::host::HostPool::new();
     for dtype in [DType::BF16, DType::F16] {
         for n in [0, 1, 4097] {
             let what = format!("{} x {n}", dtype.name());
@@ -852,7 +852,14 @@ fn all_finite_flags_inf_and_nan() {
     }
 }
 
-fn trainer(model: &str, size: usize, batch: usize, steps: usize, device: DeviceKind) -> Trainer {
+/// `model` (10 classes) on `size`² synthetic images, trained by `c` under `scheme`.
+fn session(model: &str, size: usize, c: TrainConfig, scheme: Scheme) -> gems::Result<Session> {
+    let g = gems::models::build(model, size, 10)?;
+    let data = Dataset::synthetic(size, 10, c.seed);
+    Session::new(&g, RunConfig::new(c, scheme), data)
+}
+
+fn trainer(model: &str, size: usize, batch: usize, steps: usize, device: DeviceKind) -> Session {
     trainer_with(model, size, batch, steps, device, ConvImpl::Native)
 }
 
@@ -863,37 +870,37 @@ fn trainer_with(
     steps: usize,
     device: DeviceKind,
     conv: ConvImpl,
-) -> Trainer {
-    Trainer::new(TrainConfig {
+) -> Session {
+    let c = TrainConfig {
         device,
         conv,
-        ..TrainConfig::new(model, size, 10, batch, steps)
-    })
-    .unwrap_or_else(|e| panic!("{model} on {device} ({conv} convolutions): {e}"))
+        ..TrainConfig::new(batch, steps)
+    };
+    session(model, size, c, Scheme::single(1))
+        .unwrap_or_else(|e| panic!("{model} on {device} ({conv} convolutions): {e}"))
 }
 
-fn values(t: &Trainer) -> Vec<Vec<f64>> {
-    t.params
-        .values
-        .iter()
-        .map(|v| v.to_f64_vec().unwrap())
-        .collect()
+/// Every parameter's values (BN statistics included) on the first rank, in the graph's order.
+fn values(t: &mut Session) -> Vec<Vec<f64>> {
+    let all = t.parameters().unwrap().swap_remove(0);
+    all.into_iter().map(|(_, _, v)| v).collect()
 }
 
-/// One training step of a new trainer: its parameters before and after, and the step's report.
-fn one_step(config: TrainConfig) -> (Vec<Vec<f64>>, Vec<Vec<f64>>, StepReport) {
+/// One training step of `model` at 32² on a new session: its parameters before and after,
+/// and the step's report.
+fn one_step(model: &str, config: TrainConfig) -> (Vec<Vec<f64>>, Vec<Vec<f64>>, StepReport) {
     let what = format!(
-        "{} {} {} on {} ({} convolutions)",
-        config.model,
+        "{model} {} {} on {} ({} convolutions)",
         config.dtype.name(),
         config.precision,
         config.device,
         config.conv
     );
-    let mut t = Trainer::new(config).unwrap_or_else(|e| panic!("{what}: {e}"));
-    let before = values(&t);
+    let mut t =
+        session(model, 32, config, Scheme::single(1)).unwrap_or_else(|e| panic!("{what}: {e}"));
+    let before = values(&mut t);
     let report = t.step().unwrap_or_else(|e| panic!("{what}: {e}"));
-    (before, values(&t), report)
+    (before, values(&mut t), report)
 }
 
 /// How far `got` moved the parameter from `before` against how `want` moved it: the relative
@@ -966,12 +973,15 @@ fn resnet110v2_cudnn_step_matches_cpu() {
 
 fn step_matches_cpu(conv: ConvImpl) {
     let step = |device, dtype, conv| {
-        one_step(TrainConfig {
-            device,
-            dtype,
-            conv,
-            ..TrainConfig::new("resnet110v2", 32, 10, 8, 1)
-        })
+        one_step(
+            "resnet110v2",
+            TrainConfig {
+                device,
+                dtype,
+                conv,
+                ..TrainConfig::new(8, 1)
+            },
+        )
     };
     let (before, exact, _) = step(DeviceKind::Cpu, DType::F64, ConvImpl::Native);
     let (_, on_cpu, rc) = step(DeviceKind::Cpu, DType::F32, ConvImpl::Native);
@@ -999,11 +1009,14 @@ fn step_matches_cpu(conv: ConvImpl) {
 fn mixed_step_matches_cpu(precision: Precision) {
     let tol = tol(precision);
     let step = |device, precision| {
-        one_step(TrainConfig {
-            device,
-            precision,
-            ..TrainConfig::new("resnet20v2", 32, 10, 8, 1)
-        })
+        one_step(
+            "resnet20v2",
+            TrainConfig {
+                device,
+                precision,
+                ..TrainConfig::new(8, 1)
+            },
+        )
     };
     let (before, fp32, _) = step(DeviceKind::Cpu, Precision::Fp32);
     let (_, on_cpu, rc) = step(DeviceKind::Cpu, precision);
@@ -1048,21 +1061,24 @@ fn fp16_loss_scale_skips_the_steps_the_cpu_skips() {
         device,
         precision: Precision::Fp16,
         loss_scale: 2f64.powi(40),
-        ..TrainConfig::new("resnet20v2", 32, 10, 8, 40)
+        ..TrainConfig::new(8, 40)
     };
-    let mut on_cpu = Trainer::new(config(DeviceKind::Cpu)).unwrap();
-    let mut on_gpu = Trainer::new(config(DeviceKind::Cuda { ordinal: 0 })).unwrap();
+    let single = Scheme::single(1);
+    let mut on_cpu = session("resnet20v2", 32, config(DeviceKind::Cpu), single).unwrap();
+    let gpu = config(DeviceKind::Cuda { ordinal: 0 });
+    let mut on_gpu = session("resnet20v2", 32, gpu, single).unwrap();
     // The trainable parameters: BN's running statistics are committed by every forward,
     // skipped step or not.
-    let trainable = |t: &Trainer| -> Vec<Vec<f64>> {
+    let trainable = |t: &mut Session| -> Vec<Vec<f64>> {
+        let g = t.graph().clone();
         values(t)
             .into_iter()
-            .zip(&t.params.grads)
-            .filter(|(_, g)| g.is_some())
+            .zip(&g.params)
+            .filter(|(_, p)| p.spec.trainable)
             .map(|(v, _)| v)
             .collect()
     };
-    let initial = trainable(&on_gpu);
+    let initial = trainable(&mut on_gpu);
     let mut applied = 0;
     for step in 0..40 {
         let (rc, rg) = (on_cpu.step().unwrap(), on_gpu.step().unwrap());
@@ -1074,7 +1090,7 @@ fn fp16_loss_scale_skips_the_steps_the_cpu_skips() {
         if rg.skipped {
             assert_eq!(applied, 0, "step {step} skipped after one was applied");
             assert!(
-                trainable(&on_gpu) == initial,
+                trainable(&mut on_gpu) == initial,
                 "skipped step {step} changed the GPU's weights"
             );
         } else {
@@ -1085,11 +1101,14 @@ fn fp16_loss_scale_skips_the_steps_the_cpu_skips() {
         }
     }
     assert!(applied > 0, "no step applied within 40");
-    let skipped = |t: &Trainer| t.loss_scale.as_ref().unwrap().skipped();
-    assert!(skipped(&on_gpu) >= 10, "2^40 should overflow for a while");
-    assert_eq!(skipped(&on_gpu), skipped(&on_cpu));
+    let skipped = |t: &mut Session| t.loss_scale().unwrap().unwrap().skipped();
     assert!(
-        trainable(&on_gpu) != initial,
+        skipped(&mut on_gpu) >= 10,
+        "2^40 should overflow for a while"
+    );
+    assert_eq!(skipped(&mut on_gpu), skipped(&mut on_cpu));
+    assert!(
+        trainable(&mut on_gpu) != initial,
         "applied steps change the weights"
     );
 }
@@ -1135,27 +1154,28 @@ fn offload_and_recompute_are_bit_identical(conv: ConvImpl) {
     // The weights after three steps, the device and host peaks, the host pool, and whether
     // every algorithm that ran is deterministic.
     let run = |saves: SavePolicy, offload_copy: CopyMode| {
-        let mut t = Trainer::new(TrainConfig {
+        let c = TrainConfig {
             saves,
             offload_copy,
             device: DeviceKind::Cuda { ordinal: 0 },
             conv,
-            ..TrainConfig::new("resnet20v2", 32, 10, 8, 3)
-        })
-        .unwrap();
+            ..TrainConfig::new(8, 3)
+        };
+        let mut t = session("resnet20v2", 32, c, Scheme::single(1)).unwrap();
         for _ in 0..3 {
             t.step().unwrap();
         }
-        let chosen = t.device.backend().conv_algorithms();
+        let device = t.device_summary().unwrap();
+        let chosen = device.conv_algorithms;
         let deterministic = !chosen.iter().any(|l| l.contains("non-deterministic"));
         if !deterministic {
             println!("non-deterministic algorithms ran:\n{}", chosen.join("\n"));
         }
         (
-            values(&t),
-            t.memory().peak,
-            t.device.host_memory().peak,
-            t.device.host_pool(),
+            values(&mut t),
+            t.memory().unwrap()[0].peak,
+            device.host.peak,
+            device.pool,
             deterministic,
         )
     };
@@ -1212,26 +1232,41 @@ fn offload_and_recompute_are_bit_identical(conv: ConvImpl) {
 #[test]
 #[ignore = "needs a CUDA device (or minutes on the emulator)"]
 fn schemes_on_one_gpu_match_the_cpu() {
-    use gems::runtime::executor::{run_local, RunConfig};
-    use gems::schemes::{Kind, Order, Scheme};
+    use gems::schemes::{Kind, Order};
     let config = |device, dtype| TrainConfig {
         device,
         dtype,
-        ..TrainConfig::new("resnet20v2", 32, 10, 4, 3)
+        ..TrainConfig::new(4, 3)
     };
     let run = |device: DeviceKind, dtype, scheme: Scheme| {
-        let mut c = RunConfig::new(config(device, dtype), scheme);
-        c.return_params = true;
-        let mut params: Vec<(usize, Vec<f64>)> = run_local(&c)
-            .unwrap_or_else(|e| panic!("{scheme:?} on {device}: {e}"))
+        let failed = |e: gems::Error| -> Vec<Vec<(usize, usize, Vec<f64>)>> {
+            panic!("{scheme:?} on {device}: {e}")
+        };
+        let mut s = session("resnet20v2", 32, config(device, dtype), scheme)
+            .unwrap_or_else(|e| panic!("{scheme:?} on {device}: {e}"));
+        for _ in 0..3 {
+            s.step()
+                .unwrap_or_else(|e| panic!("{scheme:?} on {device}: {e}"));
+        }
+        let mut params: Vec<(usize, Vec<f64>)> = s
+            .parameters()
+            .unwrap_or_else(failed)
             .into_iter()
-            .flat_map(|r| r.params.into_iter().map(|(_, id, v)| (id, v)))
+            .flat_map(|r| r.into_iter().map(|(_, id, v)| (id, v)))
             .collect();
         params.sort_by_key(|(id, _)| *id);
         params.dedup_by_key(|(id, _)| *id);
         params.into_iter().map(|(_, v)| v).collect::<Vec<_>>()
     };
-    let before = values(&Trainer::new(config(DeviceKind::Cpu, DType::F64)).unwrap());
+    let before = values(
+        &mut session(
+            "resnet20v2",
+            32,
+            config(DeviceKind::Cpu, DType::F64),
+            Scheme::single(1),
+        )
+        .unwrap(),
+    );
     for scheme in [
         Scheme::new(Kind::Mp, 2, 2, 1, 1, Order::GPipe),
         Scheme::new(Kind::Mast, 2, 2, 2, 1, Order::GPipe),
