@@ -53,16 +53,8 @@ fn main() {
         c.args(["-std=c++20", opt, "-ffp-contract=off", "-fPIC", "-pthread"]);
         c
     };
-    // GEMS_EMU_SANITIZE=address builds the driver, cuBLAS and the plain kernels with
-    // AddressSanitizer (scripts/cuda_emu/asan.sh runs the suite so).
-    println!("cargo::rerun-if-env-changed=GEMS_EMU_SANITIZE");
-    let asan: &[&str] = match std::env::var("GEMS_EMU_SANITIZE").as_deref() {
-        Ok("address") => &["-fsanitize=address", "-fno-omit-frame-pointer"],
-        Ok("") | Err(_) => &[],
-        Ok(other) => panic!("GEMS_EMU_SANITIZE={other}: only address is supported"),
-    };
     // Kernels under emu.h, compiled to an object; the race check adds GCC's access
-    // instrumentation (see racecheck.cpp), linked without ThreadSanitizer's runtime.
+    // instrumentation (see racecheck.h), linked without ThreadSanitizer's runtime.
     let kernels = |race: bool, dirs: &[&Path], src: &str, obj: &str| {
         let mut c = base("-O2");
         for d in dirs {
@@ -81,8 +73,6 @@ fn main() {
                 "-fsanitize=thread",
                 "--param=tsan-instrument-func-entry-exit=0",
             ]);
-        } else {
-            c.args(asan);
         }
         c.args(["-fvisibility=hidden", "-c", "-o"])
             .arg(out.join(obj))
@@ -120,19 +110,16 @@ fn main() {
         kernels(true, &with_plant, "race_test.cpp", "race_test_planted.o"),
     ]);
     let mut driver = link(&["driver.cpp"], "libcuda.so.1", true);
-    driver.arg("-ldl").args(asan);
+    driver.arg("-ldl");
     run_all(vec![driver]);
     let mut cublas = link(&["cublas.cpp"], "libcublas.so.13", true);
     cublas
         .arg("-L")
         .arg(&out)
-        .args(["-l:libcuda.so.1", "-Wl,-rpath,$ORIGIN"])
-        .args(asan);
-    let mut plain_kernels = link(&["kernels.o"], "libgems_emu_kernels.so", true);
-    plain_kernels.args(asan);
+        .args(["-l:libcuda.so.1", "-Wl,-rpath,$ORIGIN"]);
     run_all(vec![
         cublas,
-        plain_kernels,
+        link(&["kernels.o"], "libgems_emu_kernels.so", true),
         link(
             &["kernels_race.o", "racecheck.o"],
             "libgems_emu_kernels_race.so",
