@@ -11,14 +11,14 @@
 //! ```
 //! use gems::{models, Dataset, Kind, Order, RunConfig, Scheme, Session, TrainConfig};
 //! # fn main() -> gems::Result<()> {
-//! let graph = models::build("resnet20v2", 16, 4)?;
+//! let graph = models::build("resnet20v2", 32, 4)?;
 //! // MAST: two replicas over two pipeline stages, ranks as threads of this process.
 //! let scheme = Scheme::new(Kind::Mast, 2, 1, 2, 1, Order::GPipe);
 //! let config = RunConfig::new(TrainConfig::new(2, 10), scheme);
 //! // Exactly what each rank will hold, from a metered run of the same tasks.
 //! let peaks = gems::fit::per_rank(&graph, &config)?;
 //! assert_eq!(peaks.len(), 2);
-//! let mut session = Session::new(&graph, config, Dataset::synthetic(16, 4, 0))?;
+//! let mut session = Session::new(&graph, config, Dataset::synthetic(32, 4, 0))?;
 //! let report = session.step()?;
 //! assert_eq!(report.images, 4);
 //! assert!(report.loss.is_finite());

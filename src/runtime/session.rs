@@ -5,7 +5,7 @@
 //! use gems::{models, Dataset, RunConfig, Scheme, Session, TrainConfig};
 //! # fn main() -> gems::Result<()> {
 //! let graph = models::build("resnet20v2", 32, 10)?;
-//! let data = Dataset::synthetic(&graph, 0);
+//! let data = Dataset::synthetic(32, 10, 0);
 //! let config = RunConfig::new(TrainConfig::new(8, 100), Scheme::single(1));
 //! let mut session = Session::new(&graph, config, data)?;
 //! for _ in 0..10 {
