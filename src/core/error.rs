@@ -31,7 +31,7 @@ pub enum Error {
         /// The rank's bytes by category at its peak.
         at_peak: ByCategory,
         /// The split that needs least when even that does not fit (analytic model).
-        least: Option<Shortfall>,
+        least: Option<Box<Shortfall>>,
         what_fits: WhatFits,
     },
     /// Training produced a non-finite loss or gradient at `step` (1-based); nothing of that

@@ -179,7 +179,7 @@ pub fn check_fits(g: &Graph, c: &RunConfig) -> Result<()> {
         needed: worst.peak,
         capacity: cap,
         at_peak: worst.at_peak,
-        least: crate::plan::memory::shortfall(g, c)?,
+        least: crate::plan::memory::shortfall(g, c)?.map(Box::new),
         what_fits,
     })
 }

@@ -8,5 +8,5 @@ mod session;
 
 pub use checkpoint::{Checkpoint, TrainingState};
 pub use evaluation::Evaluation;
-pub use rank::RankStep;
+pub use rank::{CopyValues, RankStep};
 pub use session::{meter, DeviceSummary, Session, StepReport};

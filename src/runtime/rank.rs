@@ -76,6 +76,10 @@ pub struct RankStep {
     pub timeline: Vec<Timed>,
 }
 
+/// (orientation, param id, values) of every copy's parameters (or gradients) on one rank,
+/// orientation 0 first.
+pub type CopyValues = Vec<(usize, usize, Vec<f64>)>;
+
 pub(crate) struct Rank {
     c: Arc<RunConfig>,
     layout: Arc<Layout>,
@@ -341,7 +345,7 @@ impl Rank {
     }
 
     /// Every copy's parameters as (orientation, param id, values), orientation 0 first.
-    pub fn parameters(&self) -> Result<Vec<(usize, usize, Vec<f64>)>> {
+    pub fn parameters(&self) -> Result<CopyValues> {
         let mut out = Vec::new();
         for copy in &self.copies {
             for (i, v) in copy.params.values.iter().enumerate() {
@@ -354,7 +358,7 @@ impl Rank {
     /// The last step's gradients of every copy's trainable parameters, summed over the
     /// copies of each stage (and carrying fp16's loss scale), as (orientation, param id,
     /// values).
-    pub fn gradients(&self) -> Result<Vec<(usize, usize, Vec<f64>)>> {
+    pub fn gradients(&self) -> Result<CopyValues> {
         let mut out = Vec::new();
         for copy in &self.copies {
             for (i, g) in copy.params.grads.iter().enumerate() {

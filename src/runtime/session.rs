@@ -30,7 +30,7 @@ use crate::memory::MemoryStats;
 use crate::plan::{Layout, RunConfig};
 use crate::runtime::checkpoint::{self, Checkpoint};
 use crate::runtime::evaluation::{held_out_samples, Evaluation};
-use crate::runtime::rank::{Rank, RankStep};
+use crate::runtime::rank::{CopyValues, Rank, RankStep};
 use crate::{Error, Result};
 
 /// What one optimizer step did, over every rank.
@@ -148,7 +148,7 @@ impl Session {
                         spawn(r, c.clone(), layout.clone(), comm, train.clone(), &world)
                     })
                     .collect::<Result<_>>()?;
-                let started = workers.iter().map(|w| receive::<()>(w)).collect::<Vec<_>>();
+                let started = workers.iter().map(receive::<()>).collect::<Vec<_>>();
                 root_cause(&world, started)?;
                 Ranks::Threads { workers, world }
             }
@@ -288,14 +288,14 @@ impl Session {
 
     /// Every copy's parameters on the ranks of this process, per rank: (orientation, param
     /// id, values), orientation 0 first.
-    pub fn parameters(&mut self) -> Result<Vec<Vec<(usize, usize, Vec<f64>)>>> {
+    pub fn parameters(&mut self) -> Result<Vec<CopyValues>> {
         self.all(|r| r.parameters())
     }
 
     /// The last step's gradients on the ranks of this process, per rank: (orientation, param
     /// id, values) of each trainable parameter, summed over the step's micro-batches and the
     /// copies of its stage, and multiplied by fp16's loss scale where one is used.
-    pub fn gradients(&mut self) -> Result<Vec<Vec<(usize, usize, Vec<f64>)>>> {
+    pub fn gradients(&mut self) -> Result<Vec<CopyValues>> {
         self.all(|r| r.gradients())
     }
 

@@ -243,13 +243,13 @@ fn run(a: &TrainArgs, mut session: Session, data: &Pipeline, speaks: bool) -> an
         if validates
             && a.input
                 .val_every
-                .is_some_and(|n| done % n == 0 && done < total)
+                .is_some_and(|n| done.is_multiple_of(n) && done < total)
         {
             let e = session.evaluate_held_out(None)?;
             say(validation_line(done, total, &e));
         }
         if let Some(dir) = &a.checkpoint {
-            if done == total || a.checkpoint_every.is_some_and(|n| done % n == 0) {
+            if done == total || a.checkpoint_every.is_some_and(|n| done.is_multiple_of(n)) {
                 session.save(dir.join(format!("step-{done:06}.safetensors")))?;
             }
         }
