@@ -1,4 +1,4 @@
-//! Backends compute; ops decide shapes and allocate. A [`Device`] is a backend plus the
+//! Backends compute; ops decide shapes and allocate. A [`Device`](crate::tensor::Device) is a backend plus the
 //! allocator its bytes are leased from.
 
 pub mod cpu;
@@ -162,9 +162,9 @@ pub trait Backend: Send + Sync {
         ws: &mut Storage,
         g: &ConvGeom,
     ) -> Result<()>;
-    /// y[n, c, ...] += bias[c].
+    /// `y[n, c, ...] += bias[c]`.
     fn add_channel_bias(&self, y: &mut Storage, bias: &Storage, g: &ChannelGeom) -> Result<()>;
-    /// db[c] += Σ dy[n, c, ...].
+    /// `db[c] += Σ dy[n, c, ...]`.
     fn channel_sum(&self, dy: &Storage, db: &mut Storage, g: &ChannelGeom) -> Result<()>;
 
     /// Batch statistics (mean, biased variance) per channel, and the normalized output.

@@ -1,6 +1,6 @@
 //! The analytic memory model: what a pipeline stage holds, from the graph alone, in O(1) per
 //! node range once the graph has been scanned, so that the partitioner can weigh every
-//! candidate stage. The metered run ([`crate::plan::memory::per_rank`]) stays the exact check.
+//! candidate stage. The metered run ([`crate::fit::per_rank`]) stays the exact check.
 //!
 //! A stage (a node range) holds
 //! - its parameters' weights and buffers, gradients and momentum;

@@ -1,5 +1,5 @@
 //! The reference backend: f32 and f64 on the host (bf16 and f16 computed in f32, see
-//! [`wide`]), convolutions through im2col and the `gemm` crate, parallel with rayon. Every
+//! `wide`), convolutions through im2col and the `gemm` crate, parallel with rayon. Every
 //! kernel is deterministic: the same inputs give the same bits on the same machine.
 
 mod conv;
