@@ -28,7 +28,7 @@ fn bad_input_gets_one_line_and_a_failure() {
                 "--precision",
                 "fp16",
             ],
-            "use --conv native",
+            "use the native kernels",
         ),
         (vec!["train", "--val", "0.1"], "endless stream"),
         (vec!["train", "--conv", "cuddn"], "unknown convolution path"),

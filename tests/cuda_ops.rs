@@ -1411,7 +1411,7 @@ fn cudnn_with_16_bit_activations_is_refused_with_a_clear_error() {
     for precision in [Precision::Bf16, Precision::Fp16] {
         match cuda::check_conv(precision, ConvImpl::Cudnn) {
             Err(gems::Error::Config(e)) => {
-                assert!(e.contains("--conv native"), "{precision}: {e}")
+                assert!(e.contains("use the native kernels"), "{precision}: {e}")
             }
             other => panic!("{precision} with cuDNN: {other:?}"),
         }

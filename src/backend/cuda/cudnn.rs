@@ -312,7 +312,7 @@ impl Descriptors {
             if numel > i32::MAX as usize {
                 return Err(Error::Config(format!(
                     "cuDNN's convolutions index tensors with 32-bit ints, and this {what} has \
-                     {numel} elements; use --conv native or a smaller batch"
+                     {numel} elements; use the native kernels or a smaller batch"
                 )));
             }
         }
@@ -914,7 +914,7 @@ impl Cudnn {
                 .ok_or_else(|| {
                     Error::Device(format!(
                         "cuDNN has no {} algorithm in {} math within {} of workspace for {}; \
-                     use --conv native",
+                     use the native kernels",
                         pass.name(),
                         self.precision,
                         human_bytes(limit as u64),

@@ -158,7 +158,7 @@ fn target_for(cc: (i32, i32)) -> Result<kernels::Target> {
 
 /// Why `--conv cudnn` refuses bf16 and f16 activations.
 pub const CUDNN_16BIT: &str =
-    "--conv cudnn runs fp32/tf32; use --conv native with --precision bf16/fp16";
+    "cuDNN's convolutions run fp32/tf32; use the native kernels with bf16/fp16 activations";
 
 /// Refuses what the GPU backend cannot run together: cuDNN's convolutions with 16-bit
 /// activations (`--precision bf16|fp16`). Needs no GPU, so a run can check it first.
