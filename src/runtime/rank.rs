@@ -49,11 +49,26 @@ struct Pending {
     seeds: Vec<(ValueId, Tensor)>,
 }
 
+/// An f64 crossing ranks as its bits: JSON has no NaN or infinity, and an overflowing fp16
+/// step's loss can be either.
+mod f64_bits {
+    use serde::{Deserialize, Deserializer, Serializer};
+
+    pub fn serialize<S: Serializer>(v: &f64, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_u64(v.to_bits())
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<f64, D::Error> {
+        u64::deserialize(d).map(f64::from_bits)
+    }
+}
+
 /// What one rank did in one step.
 #[derive(Clone, Debug, Default, serde::Serialize, serde::Deserialize)]
 pub struct RankStep {
     pub rank: usize,
     /// This rank's share of the step's loss (Σ weight·loss / M over its loss outputs).
+    #[serde(with = "f64_bits")]
     pub loss: f64,
     /// Correct predictions of the first output, and images it scored, on this rank.
     pub correct: usize,
