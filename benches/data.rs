@@ -38,7 +38,7 @@ fn slide(dir: &Path) -> Slides {
         stride: SIDE,
         tissue_threshold: None,
     };
-    Slides::open(&slides, &labels, &config).unwrap()
+    Slides::open(&slides, &labels, &config, false).unwrap()
 }
 
 /// 32 JPEGs of 1024² in two classes, exported from the slide's tiles (tissue texture).

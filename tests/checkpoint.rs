@@ -230,7 +230,14 @@ fn damaged_or_mismatched_checkpoints_are_refused_by_name() {
     assert!(e.contains("is cut short") && e.contains('\''), "{e}");
 
     std::fs::write(d.join("junk.safetensors"), b"not a checkpoint").unwrap();
-    assert!(refusal(&d.join("junk.safetensors")).contains("not a readable checkpoint"));
+    let e = refusal(&d.join("junk.safetensors"));
+    assert!(
+        e.contains("junk.safetensors") && e.contains("is not a gems checkpoint"),
+        "{e}"
+    );
+    // Not a file at all: refused before opening (a pipe would block the read).
+    let e = refusal(&d);
+    assert!(e.contains("is a folder"), "{e}");
     std::fs::remove_dir_all(d).ok();
 }
 

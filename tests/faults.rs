@@ -21,6 +21,9 @@ fn finite_checkpoints(dir: &Path) -> usize {
     let mut files = 0;
     for entry in std::fs::read_dir(dir).unwrap() {
         let path = entry.unwrap().path();
+        if path.extension().is_none_or(|e| e != "safetensors") {
+            continue; // the run's manifest
+        }
         let bytes = std::fs::read(&path).unwrap();
         let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
         for (name, t) in st.tensors() {

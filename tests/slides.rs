@@ -3,6 +3,7 @@
 //! bad files are refused by name.
 
 use std::path::{Path, PathBuf};
+use std::process::Command;
 
 use gems::data::slide::{
     class_name, make_slide, MadeSlide, MakeSlide, Slide, Slides, TileConfig, TISSUE_FOOTPRINT,
@@ -99,14 +100,14 @@ fn tiles_equal_the_whole_level_decode_at_two_levels() {
 
     // Level 0, tiles of 96 at stride 96 (not TIFF-tile aligned): 7 × 5 whole tiles.
     let cfg = config(0, 96, 96);
-    let tiles = Slides::open(&dir, &labels, &cfg).unwrap();
+    let tiles = Slides::open(&dir, &labels, &cfg, false).unwrap();
     assert_eq!(tiles.classes(), ["tumour"]);
     assert_eq!(tiles.describe(8), "a.tiff level 0 tile at (96, 96)");
     check_tiles(&tiles, &path, &cfg, 7, 5);
 
     // Level 1 (350×250), overlapping tiles of 64 at stride 40: 8 × 5.
     let cfg = config(1, 64, 40);
-    let tiles = Slides::open(&dir, &labels, &cfg).unwrap();
+    let tiles = Slides::open(&dir, &labels, &cfg, false).unwrap();
     assert_eq!(tiles.describe(9), "a.tiff level 1 tile at (40, 40)");
     check_tiles(&tiles, &path, &cfg, 8, 5);
 
@@ -182,18 +183,22 @@ fn labels_from_region_rows_and_whole_slide_rows() {
     let dir = temp_dir("labels");
     let a: MadeSlide = make_slide(&dir.join("a.tiff"), &small(2)).unwrap();
     make_slide(&dir.join("b.tif"), &small(3)).unwrap();
-    // A region row per tissue region for a (named by file name), one row for b (by stem),
-    // and a row for a slide that is not in the directory (its label still counts as a class).
-    let csv = format!(
-        "slide,x,y,w,h,label\n{}b,normal\nelsewhere.tiff,zzz\n",
-        a.label_rows("a.tiff")
-    );
+    // A region row per tissue region for a (named by file name), one row for b (by stem).
+    let rows = format!("slide,x,y,w,h,label\n{}b,normal\n", a.label_rows("a.tiff"));
     let labels = dir.join("labels.csv");
-    std::fs::write(&labels, csv).unwrap();
-
     let size = 32;
-    let tiles = Slides::open(&dir, &labels, &config(0, size, size)).unwrap();
-    let mut want = ["normal", "zzz"].map(String::from).to_vec();
+    // A row for a slide that is not in the directory labels nothing: refused by line.
+    std::fs::write(&labels, format!("{rows}elsewhere.tiff,zzz\n")).unwrap();
+    let e = error_of(Slides::open(&dir, &labels, &config(0, size, size), false));
+    let line = rows.lines().count() + 1;
+    assert!(
+        e.contains(&format!("line {line}: slide elsewhere.tiff is not in")),
+        "{e}"
+    );
+    std::fs::write(&labels, rows).unwrap();
+
+    let tiles = Slides::open(&dir, &labels, &config(0, size, size), false).unwrap();
+    let mut want = ["normal"].map(String::from).to_vec();
     want.extend((0..3).map(|c| class_name(c, 3)));
     want.sort();
     assert_eq!(tiles.classes(), want);
@@ -242,8 +247,8 @@ fn labels_from_region_rows_and_whole_slide_rows() {
         tissue_threshold: Some(0.8),
         ..config(0, size, 16)
     };
-    let kept = Slides::open(&dir, &labels, &filtered).unwrap();
-    let all = Slides::open(&dir, &labels, &config(0, size, 16)).unwrap();
+    let kept = Slides::open(&dir, &labels, &filtered, false).unwrap();
+    let all = Slides::open(&dir, &labels, &config(0, size, 16), false).unwrap();
     let kept_a: Vec<(u32, u32)> = kept
         .tiles()
         .iter()
@@ -270,13 +275,13 @@ fn labels_from_region_rows_and_whole_slide_rows() {
 
     // Every slide needs a row; a slide cannot have both kinds of rows.
     std::fs::write(&labels, "a,tissue\n").unwrap();
-    let e = Slides::open(&dir, &labels, &config(0, 32, 32))
+    let e = Slides::open(&dir, &labels, &config(0, 32, 32), false)
         .err()
         .unwrap()
         .to_string();
     assert!(e.contains("b.tif") && e.contains("no row"), "{e}");
     std::fs::write(&labels, "a,tissue\nb,x\na,0,0,10,10,y\n").unwrap();
-    let e = Slides::open(&dir, &labels, &config(0, 32, 32))
+    let e = Slides::open(&dir, &labels, &config(0, 32, 32), false)
         .err()
         .unwrap()
         .to_string();
@@ -301,14 +306,14 @@ fn bad_slides_are_refused_by_name() {
     let name = good.display().to_string();
 
     // A level out of range, a tile larger than the level, a zero tile.
-    let e = error_of(Slides::open(&dir, &labels, &config(3, 32, 32)));
+    let e = error_of(Slides::open(&dir, &labels, &config(3, 32, 32), false));
     assert!(e.contains(&name) && e.contains("has 3 levels"), "{e}");
-    let e = error_of(Slides::open(&dir, &labels, &config(1, 251, 251)));
+    let e = error_of(Slides::open(&dir, &labels, &config(1, 251, 251), false));
     assert!(
         e.contains(&name) && e.contains("does not fit level 1 (350×250)"),
         "{e}"
     );
-    let e = error_of(Slides::open(&dir, &labels, &config(0, 0, 8)));
+    let e = error_of(Slides::open(&dir, &labels, &config(0, 0, 8), false));
     assert!(e.contains(&name), "{e}");
     let slide = Slide::open(&good).unwrap();
     let e = error_of(slide.read_region(2, 100, 0, 76, 10));
@@ -392,8 +397,109 @@ fn bad_slides_are_refused_by_name() {
     );
 
     // Through the source too: the directory now holds the bad files.
-    let e = error_of(Slides::open(&dir, &labels, &config(0, 32, 32)));
+    let e = error_of(Slides::open(&dir, &labels, &config(0, 32, 32), false));
     assert!(e.contains("broken.tiff") || e.contains("cut.tiff"), "{e}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn labels_that_would_train_on_nothing_are_refused_by_line() {
+    let dir = temp_dir("sanity");
+    make_slide(&dir.join("a.tiff"), &small(5)).unwrap();
+    let labels = dir.join("labels.csv");
+    let tiles = config(0, 32, 32);
+    let refused = |csv: &str| {
+        std::fs::write(&labels, csv).unwrap();
+        error_of(Slides::open(&dir, &labels, &tiles, false))
+    };
+    for (csv, want) in [
+        // The slide is 700×500 pixels.
+        (
+            "a,600,0,200,100,x\n",
+            "line 1: the region 600,0,200,100 reaches outside a.tiff",
+        ),
+        (
+            "a,0,0,100,100,x\na,50,50,100,100,y\n",
+            "line 2: its region (y) overlaps line 1's (x)",
+        ),
+        // 32-pixel tiles have centres at 16 + 32k: none lies in [17, 47).
+        (
+            "a,17,17,30,30,x\n",
+            "line 1: the region [17, 17, 30, 30] of a.tiff holds the centre of no",
+        ),
+        (
+            "a,0,0,-5,10,x\n",
+            "line 1: a region needs x, y ≥ 0 and a width and height ≥ 1 pixel, not 0, 0, -5, 10",
+        ),
+        (
+            "slide,x,y,w,h,label\na,0,0,10,1.5,x\n",
+            "line 2: x, y, w, h must be whole numbers",
+        ),
+    ] {
+        let e = refused(csv);
+        assert!(
+            e.contains(&labels.display().to_string()) && e.contains(want),
+            "{csv}: {e}"
+        );
+    }
+    // Same-label regions may overlap.
+    std::fs::write(&labels, "a,0,0,100,100,x\na,50,50,100,100,x\n").unwrap();
+    Slides::open(&dir, &labels, &tiles, false).unwrap();
+    // A class all of whose tiles the tissue filter leaves out.
+    std::fs::write(&labels, "a,0,0,700,500,x\n").unwrap();
+    let blank = TileConfig {
+        tissue_threshold: Some(0.0),
+        ..tiles
+    };
+    let e = error_of(Slides::open(&dir, &labels, &blank, false));
+    assert!(
+        e.contains("class x (line 1) has no tiles: the tissue threshold 0"),
+        "{e}"
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn skip_bad_leaves_out_a_truncated_slide_and_refuses_a_pipe() {
+    let dir = temp_dir("skip");
+    let good = dir.join("a.tiff");
+    make_slide(&good, &small(6)).unwrap();
+    let bytes = std::fs::read(&good).unwrap();
+    std::fs::write(dir.join("b.tiff"), &bytes[..bytes.len() / 2]).unwrap();
+    let labels = dir.join("labels.csv");
+    std::fs::write(&labels, "a,x\nb,y\nc,y\n").unwrap();
+    // c.tiff is a named pipe: reading it would block forever.
+    let fifo = dir.join("c.tiff");
+    assert!(Command::new("mkfifo")
+        .arg(&fifo)
+        .status()
+        .unwrap()
+        .success());
+    let e = error_of(Slides::open(&dir, &labels, &config(0, 32, 32), false));
+    assert!(e.contains("b.tiff") && e.contains("truncated"), "{e}");
+    // Skipping bad slides leaves out b and c; class y then has no tiles, which is refused.
+    let e = error_of(Slides::open(&dir, &labels, &config(0, 32, 32), true));
+    assert!(
+        e.contains("class y (line 2, 3) has no tiles: its slides were left out"),
+        "{e}"
+    );
+    std::fs::write(&labels, "a,x\nb,x\nc,x\n").unwrap();
+    let s = Slides::open(&dir, &labels, &config(0, 32, 32), true).unwrap();
+    let skipped: Vec<String> = s
+        .skipped
+        .iter()
+        .map(|(p, why)| format!("{}: {why}", p.display()))
+        .collect();
+    assert_eq!(skipped.len(), 2, "{skipped:?}");
+    assert!(
+        skipped[0].contains("b.tiff") && skipped[0].contains("truncated"),
+        "{skipped:?}"
+    );
+    assert!(
+        skipped[1].contains("c.tiff") && skipped[1].contains("not a regular file"),
+        "{skipped:?}"
+    );
+    assert_eq!(s.slides().len(), 1);
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
@@ -459,7 +565,7 @@ fn memory_child() {
     };
     let dir = PathBuf::from(dir);
     let before = peak_rss();
-    let tiles = Slides::open(&dir, &dir.join("labels.csv"), &config(0, 512, 512)).unwrap();
+    let tiles = Slides::open(&dir, &dir.join("labels.csv"), &config(0, 512, 512), false).unwrap();
     assert_eq!(tiles.samples(), Some(18 * 18));
     // Every tile, on two threads, as a loader would.
     let sum: f64 = (0..18 * 18)

@@ -44,6 +44,15 @@ pub enum Error {
         path: std::path::PathBuf,
         why: String,
     },
+    /// A checkpoint folder holding `checkpoints` checkpoints (`first` … `last`) of another run,
+    /// which a run may not write into unless it resumes from one of them or may overwrite them.
+    #[error("{} holds {checkpoints} checkpoint(s) of another run ({first} … {last}): resume from one of them, choose another folder, or allow overwriting them", dir.display())]
+    FolderInUse {
+        dir: std::path::PathBuf,
+        checkpoints: usize,
+        first: String,
+        last: String,
+    },
     #[error("internal error: {0}")]
     Internal(String),
     #[error(transparent)]

@@ -1,9 +1,10 @@
 //! The bottom layer, naming no backend: element types, shapes, typed errors, counter-based
-//! random numbers, and byte units and categories.
+//! random numbers, byte units and categories, and opening only regular files.
 
 mod bytes;
 mod dtype;
 mod error;
+pub mod files;
 pub mod rng;
 mod shape;
 

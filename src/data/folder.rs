@@ -25,6 +25,14 @@ impl Folder {
         for (label, class) in classes.iter().enumerate() {
             let mut found = Vec::new();
             walk(&dir.join(class), &mut found)?;
+            if found.is_empty() {
+                return Err(Error::BadInput {
+                    path: dir.join(class),
+                    why: "is an empty class folder: every class needs images (remove the \
+                          folder if it is not a class)"
+                        .into(),
+                });
+            }
             found.sort();
             for path in found {
                 match skip_bad.then(|| header(&path)) {
@@ -33,8 +41,11 @@ impl Folder {
                 }
             }
         }
-        if files.is_empty() {
-            return Err(Error::Data(format!("{} holds no images", dir.display())));
+        if let Some(label) = (0..classes.len()).find(|&l| !files.iter().any(|f| f.1 == l as u32)) {
+            return Err(Error::BadInput {
+                path: dir.join(&classes[label]),
+                why: "holds no readable image: every class needs some".into(),
+            });
         }
         Ok(Folder {
             classes,
@@ -66,7 +77,8 @@ impl Folder {
     }
 }
 
-/// Every regular, non-hidden file under `dir`.
+/// Every non-hidden file under `dir`; refuses anything else that is not a folder (a pipe, a
+/// device), which reading could block on.
 fn walk(dir: &Path, out: &mut Vec<PathBuf>) -> Result<()> {
     let entries = std::fs::read_dir(dir)
         .map_err(|e| Error::Data(format!("cannot read {}: {e}", dir.display())))?;
@@ -82,8 +94,13 @@ fn walk(dir: &Path, out: &mut Vec<PathBuf>) -> Result<()> {
         }
         if path.is_dir() {
             walk(&path, out)?;
-        } else {
+        } else if path.is_file() {
             out.push(path);
+        } else {
+            return Err(Error::BadInput {
+                path,
+                why: "is not a regular file (a pipe, socket, device or broken link?)".into(),
+            });
         }
     }
     Ok(())

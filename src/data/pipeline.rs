@@ -201,7 +201,13 @@ pub fn open(c: &DataConfig, image_size: usize, classes: usize, seed: u64) -> Res
             (Arc::new(f), skipped)
         }
         SourceSpec::Slides { dir, labels, tiles } => {
-            (Arc::new(Slides::open(dir, labels, tiles)?), vec![])
+            let s = Slides::open(dir, labels, tiles, c.skip_bad)?;
+            let skipped = s
+                .skipped
+                .iter()
+                .map(|(p, why)| (p.display().to_string(), why.clone()))
+                .collect();
+            (Arc::new(s), skipped)
         }
     };
     let n = source
@@ -288,6 +294,60 @@ impl Pipeline {
         }
         self.subset = Some(indices);
         Ok(self)
+    }
+
+    /// The same samples with their labels numbered as in `names`, matched by class name (a
+    /// model trained on `names` scoring data whose folders list its classes in another order,
+    /// or only some of them). Refuses data with a class `names` lacks.
+    pub fn by_class_names(&self, names: &[String]) -> Result<Pipeline> {
+        let ours = self.classes();
+        let map = ours
+            .iter()
+            .map(|c| names.iter().position(|n| n == c).map(|i| i as u32))
+            .collect::<Option<Vec<u32>>>()
+            .ok_or_else(|| {
+                let missing: Vec<&str> = ours
+                    .iter()
+                    .filter(|c| !names.contains(c))
+                    .map(String::as_str)
+                    .collect();
+                Error::Config(format!(
+                    "the data has classes the model was not trained on ({}); its classes are {}",
+                    missing.join(", "),
+                    names.join(", ")
+                ))
+            })?;
+        let renamed = Renamed {
+            inner: self.source.clone(),
+            classes: names.to_vec(),
+            map,
+        };
+        Ok(Pipeline {
+            source: Arc::new(renamed),
+            subset: self.subset.clone(),
+            order: self.order,
+            image_size: self.image_size,
+            transform: self.transform,
+            seed: self.seed,
+            skip_bad: self.skip_bad,
+            bad: AtomicUsize::new(0),
+            last_bad: Mutex::new(None),
+        })
+    }
+
+    /// Samples of each class in one epoch, in label order (`None` for an unbounded stream).
+    pub fn class_counts(&self) -> Result<Option<Vec<usize>>> {
+        let Some(n) = self.samples() else {
+            return Ok(None);
+        };
+        let mut counts = vec![0; self.classes().len()];
+        for pos in 0..n as u64 {
+            let label = self.label(pos)? as usize;
+            *counts.get_mut(label).ok_or_else(|| {
+                Error::Internal(format!("label {label} of {} classes", self.classes().len()))
+            })? += 1;
+        }
+        Ok(Some(counts))
     }
 
     /// Samples in one epoch; `None` for an unbounded stream.
@@ -392,5 +452,39 @@ impl Pipeline {
                 .unwrap_or_else(|p| p.into_inner())
                 .clone(),
         )
+    }
+}
+
+/// A source whose labels are renumbered to another list of class names.
+struct Renamed {
+    inner: Arc<dyn Source>,
+    classes: Vec<String>,
+    /// The new label of each of the inner source's labels.
+    map: Vec<u32>,
+}
+
+impl Source for Renamed {
+    fn samples(&self) -> Option<usize> {
+        self.inner.samples()
+    }
+
+    fn classes(&self) -> &[String] {
+        &self.classes
+    }
+
+    fn label(&self, index: usize) -> Result<u32> {
+        let label = self.inner.label(index)?;
+        self.map
+            .get(label as usize)
+            .copied()
+            .ok_or_else(|| Error::Internal(format!("label {label} of {} classes", self.map.len())))
+    }
+
+    fn read(&self, index: usize) -> Result<Image> {
+        self.inner.read(index)
+    }
+
+    fn describe(&self, index: usize) -> String {
+        self.inner.describe(index)
     }
 }

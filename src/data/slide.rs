@@ -474,9 +474,7 @@ impl Slide {
     /// that is not a TIFF, a damaged or truncated one, a striped (not tiled) one, and levels
     /// that are not 8-bit RGB with interleaved samples.
     pub fn open(path: &Path) -> Result<Slide> {
-        let file = File::open(path)
-            .map_err(|e| Error::Data(format!("cannot open {}: {e}", path.display())))?;
-        let file = Arc::new(file);
+        let file = Arc::new(crate::core::files::open_regular(path)?);
         let mut decoder = Decoder::new(BufReader::new(At {
             file: file.clone(),
             pos: 0,
@@ -707,9 +705,12 @@ pub struct Tile {
 /// `slide` is the file name (`a.tiff`) or its stem (`a`). A slide has either one whole-slide
 /// row or region rows. A first line whose first field is `slide`, or whose numbers do not
 /// parse, is a header. Fields are trimmed; quoting is not supported. Class names are the
-/// sorted distinct labels of *every* row, so directories labelled from one CSV file (training
-/// and validation) agree on label numbers; rows naming slides not in the directory are
-/// otherwise ignored. A slide without a row is an error.
+/// sorted distinct labels of the rows.
+///
+/// Labels that would train on something other than what they say are refused, naming the file
+/// and line: a slide without a row, a row naming a slide that is not in the directory, a
+/// region reaching outside its slide or holding no tile's centre, regions of different labels
+/// that overlap, and a class left with no tile.
 ///
 /// The tissue filter reads each tile once at opening, from the coarsest level on which the
 /// tile still spans [`TISSUE_FOOTPRINT`] pixels (so opening costs a small fraction of reading
@@ -719,6 +720,8 @@ pub struct Slides {
     classes: Vec<String>,
     tiles: Vec<Tile>,
     config: TileConfig,
+    /// Slides left out at opening because they could not be read (`skip_bad`), and why.
+    pub skipped: Vec<(PathBuf, String)>,
 }
 
 /// The tissue filter judges a tile on the coarsest level where it still spans this many
@@ -726,8 +729,10 @@ pub struct Slides {
 pub const TISSUE_FOOTPRINT: u32 = 8;
 
 impl Slides {
-    /// Opens every slide in `dir`, reads the labels in `labels` and lists the tiles.
-    pub fn open(dir: &Path, labels: &Path, config: &TileConfig) -> Result<Slides> {
+    /// Opens every slide in `dir`, reads the labels in `labels` and lists the tiles. With
+    /// `skip_bad`, a slide that cannot be opened or read (damaged, truncated) is left out with
+    /// its reason in [`Slides::skipped`] instead of failing.
+    pub fn open(dir: &Path, labels: &Path, config: &TileConfig, skip_bad: bool) -> Result<Slides> {
         if config.stride == 0 {
             return Err(Error::Config("tile stride must be at least 1 pixel".into()));
         }
@@ -742,7 +747,7 @@ impl Slides {
             let ext = path
                 .extension()
                 .map(|e| e.to_string_lossy().to_ascii_lowercase());
-            if path.is_file() && matches!(ext.as_deref(), Some("tif" | "tiff")) {
+            if !path.is_dir() && matches!(ext.as_deref(), Some("tif" | "tiff")) {
                 paths.push(path);
             }
         }
@@ -755,31 +760,81 @@ impl Slides {
         }
         let mut slides = Vec::new();
         let mut tiles = Vec::new();
+        let mut skipped = Vec::new();
+        let mut named = std::collections::HashSet::new();
         for path in paths {
-            let slide = Slide::open(&path)?;
-            let labelled = rows.for_slide(&path).ok_or_else(|| {
-                Error::Data(format!(
-                    "{} has no row for slide {}: add `{},<label>` or region rows `{},x,y,w,h,<label>`",
-                    labels.display(),
+            let key = rows.key_for(&path).ok_or_else(|| Error::BadInput {
+                path: labels.to_path_buf(),
+                why: format!(
+                    "no row names slide {}: add `{},<label>` or region rows `{},x,y,w,h,<label>`",
                     path.display(),
                     file_name(&path),
                     file_name(&path)
-                ))
+                ),
             })?;
-            tiles.extend(slide_tiles(
-                &slide,
-                slides.len(),
-                labelled,
-                &rows.classes,
-                config,
-            )?);
-            slides.push(slide);
+            let labelled = &rows.by_slide[&key];
+            named.insert(key);
+            let slide = match Slide::open(&path) {
+                Ok(slide) => slide,
+                Err(e) if skip_bad => {
+                    skipped.push((path, e.to_string()));
+                    continue;
+                }
+                Err(e) => return Err(e),
+            };
+            // The labels' geometry first: its errors are the labels file's, never skipped.
+            check_regions(&slide, labelled, &rows, config)?;
+            match slide_tiles(&slide, slides.len(), labelled, &rows, config) {
+                Ok(t) => {
+                    tiles.extend(t);
+                    slides.push(slide);
+                }
+                Err(e) if skip_bad => skipped.push((path, e.to_string())),
+                Err(e) => return Err(e),
+            }
+        }
+        let mut unnamed: Vec<(usize, &String)> = rows
+            .by_slide
+            .iter()
+            .filter(|(k, _)| !named.contains(*k))
+            .map(|(k, r)| (r.line(), k))
+            .collect();
+        unnamed.sort();
+        if let Some((line, slide)) = unnamed.first() {
+            return Err(rows.error(*line, &format!("slide {slide} is not in {}", dir.display())));
+        }
+        let mut counts = vec![0usize; rows.classes.len()];
+        for t in &tiles {
+            counts[t.label as usize] += 1;
+        }
+        if let Some(class) = counts.iter().position(|&n| n == 0) {
+            let label = &rows.classes[class];
+            let mut lines: Vec<usize> = rows
+                .by_slide
+                .values()
+                .flat_map(|r| r.lines_of(label))
+                .collect();
+            lines.sort();
+            let lines: Vec<String> = lines.iter().map(usize::to_string).collect();
+            let why = match (config.tissue_threshold, skipped.is_empty()) {
+                (Some(t), _) => format!("the tissue threshold {t} left out all its tiles"),
+                (None, false) => "its slides were left out as unreadable".into(),
+                (None, true) => "no tile's centre lies in its regions".into(),
+            };
+            return Err(Error::BadInput {
+                path: rows.path.clone(),
+                why: format!(
+                    "class {label} (line {}) has no tiles: {why}",
+                    lines.join(", ")
+                ),
+            });
         }
         Ok(Slides {
             slides,
             classes: rows.classes,
             tiles,
             config: *config,
+            skipped,
         })
     }
 
@@ -873,26 +928,80 @@ fn file_name(path: &Path) -> String {
         .unwrap_or_else(|| path.display().to_string())
 }
 
+/// A region row of a labels CSV: (x, y, w, h) in level-0 pixels, its label, and its line.
+#[derive(Debug)]
+struct RegionRow {
+    rect: [u32; 4],
+    label: String,
+    line: usize,
+}
+
+impl RegionRow {
+    /// Whether the point (x, y), in level-0 pixels, lies inside.
+    fn holds(&self, x: f64, y: f64) -> bool {
+        let [rx, ry, rw, rh] = self.rect.map(f64::from);
+        x >= rx && x < rx + rw && y >= ry && y < ry + rh
+    }
+
+    fn overlaps(&self, o: &RegionRow) -> bool {
+        let ([ax, ay, aw, ah], [bx, by, bw, bh]) =
+            (self.rect.map(u64::from), o.rect.map(u64::from));
+        ax < bx + bw && bx < ax + aw && ay < by + bh && by < ay + ah
+    }
+}
+
 /// The rows of a labels CSV that concern one slide.
 #[derive(Debug)]
 enum SlideLabels {
-    Whole(String),
-    /// (x, y, w, h) in level-0 pixels, and the label.
-    Regions(Vec<([u32; 4], String)>),
+    /// One label for the whole slide, and its row's line.
+    Whole(String, usize),
+    Regions(Vec<RegionRow>),
+}
+
+impl SlideLabels {
+    /// The line of the slide's first row.
+    fn line(&self) -> usize {
+        match self {
+            SlideLabels::Whole(_, line) => *line,
+            SlideLabels::Regions(rows) => rows[0].line,
+        }
+    }
+
+    /// The lines of the rows naming `label`.
+    fn lines_of(&self, label: &str) -> Vec<usize> {
+        match self {
+            SlideLabels::Whole(l, line) => [*line].into_iter().filter(|_| l == label).collect(),
+            SlideLabels::Regions(rows) => rows
+                .iter()
+                .filter(|r| r.label == label)
+                .map(|r| r.line)
+                .collect(),
+        }
+    }
 }
 
 struct Labels {
+    path: PathBuf,
     by_slide: HashMap<String, SlideLabels>,
     classes: Vec<String>,
 }
 
 impl Labels {
-    /// The rows for the slide at `path`, by file name, else by stem.
-    fn for_slide(&self, path: &Path) -> Option<&SlideLabels> {
+    /// The key of the rows for the slide at `path`: its file name, else its stem.
+    fn key_for(&self, path: &Path) -> Option<String> {
         let stem = path.file_stem().map(|s| s.to_string_lossy().into_owned());
-        self.by_slide
-            .get(&file_name(path))
-            .or_else(|| stem.and_then(|s| self.by_slide.get(&s)))
+        [Some(file_name(path)), stem]
+            .into_iter()
+            .flatten()
+            .find(|k| self.by_slide.contains_key(k))
+    }
+
+    /// An error about line `line` of the labels file.
+    fn error(&self, line: usize, why: &str) -> Error {
+        Error::BadInput {
+            path: self.path.clone(),
+            why: format!("line {line}: {why}"),
+        }
     }
 }
 
@@ -902,22 +1011,19 @@ pub fn label_classes(labels: &Path) -> Result<Vec<String>> {
 }
 
 fn read_labels(path: &Path) -> Result<Labels> {
-    let text = std::fs::read_to_string(path)
-        .map_err(|e| Error::Data(format!("cannot read labels {}: {e}", path.display())))?;
+    let text = crate::core::files::read_text(path)?;
     let mut by_slide: HashMap<String, SlideLabels> = HashMap::new();
-    for (n, line) in text.lines().enumerate() {
-        let fields: Vec<&str> = line.split(',').map(str::trim).collect();
-        if line.trim().is_empty() {
+    let bad = |line: usize, why: &str| Error::BadInput {
+        path: path.to_path_buf(),
+        why: format!("line {line}: {why} (rows are `slide,label` or `slide,x,y,w,h,label`)"),
+    };
+    for (n, text) in text.lines().enumerate() {
+        let line = n + 1;
+        let fields: Vec<&str> = text.split(',').map(str::trim).collect();
+        if text.trim().is_empty() {
             continue;
         }
-        let bad = |why: &str| {
-            Error::Data(format!(
-                "{} line {}: {why} (rows are `slide,label` or `slide,x,y,w,h,label`)",
-                path.display(),
-                n + 1
-            ))
-        };
-        let numbers: Option<Vec<u32>> = match fields.len() {
+        let numbers: Option<Vec<i64>> = match fields.len() {
             6 => fields[1..5].iter().map(|f| f.parse().ok()).collect(),
             _ => Some(Vec::new()),
         };
@@ -926,59 +1032,81 @@ fn read_labels(path: &Path) -> Result<Labels> {
         }
         let (slide, label) = (fields[0].to_string(), fields[fields.len() - 1].to_string());
         if slide.is_empty() || label.is_empty() {
-            return Err(bad("empty slide or label"));
+            return Err(bad(line, "empty slide or label"));
         }
         match (fields.len(), numbers) {
             (2, _) => {
-                if by_slide.contains_key(&slide) {
-                    return Err(bad(&format!("slide {slide} already has a row")));
+                if let Some(rows) = by_slide.get(&slide) {
+                    let why = format!("slide {slide} already has a row (line {})", rows.line());
+                    return Err(bad(line, &why));
                 }
-                by_slide.insert(slide, SlideLabels::Whole(label));
+                by_slide.insert(slide, SlideLabels::Whole(label, line));
             }
             (6, Some(r)) => {
-                if r[2] == 0 || r[3] == 0 {
-                    return Err(bad("empty region"));
-                }
-                let rect = [r[0], r[1], r[2], r[3]];
+                let rect: [u32; 4] = match [r[0], r[1], r[2], r[3]].map(u32::try_from) {
+                    [Ok(x), Ok(y), Ok(w), Ok(h)] if w > 0 && h > 0 => [x, y, w, h],
+                    _ => {
+                        let why = format!(
+                            "a region needs x, y ≥ 0 and a width and height ≥ 1 pixel, not {}, {}, {}, {}",
+                            r[0], r[1], r[2], r[3]
+                        );
+                        return Err(bad(line, &why));
+                    }
+                };
+                let row = RegionRow { rect, label, line };
                 match by_slide
                     .entry(slide)
                     .or_insert_with(|| SlideLabels::Regions(Vec::new()))
                 {
-                    SlideLabels::Regions(list) => list.push((rect, label)),
-                    SlideLabels::Whole(_) => {
+                    SlideLabels::Regions(rows) => {
+                        if let Some(o) = rows
+                            .iter()
+                            .find(|o| o.label != row.label && o.overlaps(&row))
+                        {
+                            let why = format!(
+                                "its region ({}) overlaps line {}'s ({}), which has another label",
+                                row.label, o.line, o.label
+                            );
+                            return Err(bad(line, &why));
+                        }
+                        rows.push(row);
+                    }
+                    SlideLabels::Whole(..) => {
                         return Err(bad(
+                            line,
                             "a slide has a whole-slide row or region rows, not both",
                         ))
                     }
                 }
             }
-            (6, None) => return Err(bad("x, y, w, h must be whole numbers")),
-            _ => return Err(bad(&format!("{} fields", fields.len()))),
+            (6, None) => return Err(bad(line, "x, y, w, h must be whole numbers")),
+            _ => return Err(bad(line, &format!("{} fields", fields.len()))),
         }
     }
     let mut classes: Vec<String> = by_slide
         .values()
         .flat_map(|rows| match rows {
-            SlideLabels::Whole(l) => vec![l.clone()],
-            SlideLabels::Regions(list) => list.iter().map(|(_, l)| l.clone()).collect(),
+            SlideLabels::Whole(l, _) => vec![l.clone()],
+            SlideLabels::Regions(list) => list.iter().map(|r| r.label.clone()).collect(),
         })
         .collect();
     classes.sort();
     classes.dedup();
     if classes.is_empty() {
-        return Err(Error::Data(format!("{} has no label rows", path.display())));
+        return Err(Error::BadInput {
+            path: path.to_path_buf(),
+            why: "has no label rows".into(),
+        });
     }
-    Ok(Labels { by_slide, classes })
+    Ok(Labels {
+        path: path.to_path_buf(),
+        by_slide,
+        classes,
+    })
 }
 
-/// The labelled tiles of one slide.
-fn slide_tiles(
-    slide: &Slide,
-    index: usize,
-    labels: &SlideLabels,
-    classes: &[String],
-    config: &TileConfig,
-) -> Result<Vec<Tile>> {
+/// The grid of `config`'s tiles on `slide`: (columns, rows). Refuses a tile that does not fit.
+fn tile_grid(slide: &Slide, config: &TileConfig) -> Result<(u32, u32)> {
     let level = *slide.level(config.level)?;
     let size = config.tile;
     if size == 0 || size > level.width || size > level.height {
@@ -991,49 +1119,105 @@ fn slide_tiles(
             level.width.min(level.height)
         )));
     }
-    let cols = (level.width - size) / config.stride + 1;
-    let rows = (level.height - size) / config.stride + 1;
-    let brightness = match config.tissue_threshold {
-        Some(_) => Some(tile_brightness(slide, config, cols, rows)?),
-        None => None,
-    };
-    let number = |label: &String| classes.binary_search(label).unwrap_or_default() as u32;
-    let base = slide.levels()[0];
+    Ok((
+        (level.width - size) / config.stride + 1,
+        (level.height - size) / config.stride + 1,
+    ))
+}
+
+/// A grid tile's corner in pixels of its level, and its centre in level-0 pixels.
+type Placed = ((u32, u32), (f64, f64));
+
+/// The grid's tiles, row-major.
+fn tile_centres(slide: &Slide, config: &TileConfig) -> Result<Vec<Placed>> {
+    let (cols, rows) = tile_grid(slide, config)?;
+    let (base, level) = (slide.levels()[0], slide.levels()[config.level]);
     let (sx, sy) = (
         base.width as f64 / level.width as f64,
         base.height as f64 / level.height as f64,
     );
+    let half = config.tile as f64 / 2.0;
+    Ok((0..rows)
+        .flat_map(|r| (0..cols).map(move |c| (c * config.stride, r * config.stride)))
+        .map(|(x, y)| ((x, y), ((x as f64 + half) * sx, (y as f64 + half) * sy)))
+        .collect())
+}
+
+/// Refuses region rows of `slide` that reach outside it or hold no tile's centre.
+fn check_regions(
+    slide: &Slide,
+    rows: &SlideLabels,
+    labels: &Labels,
+    config: &TileConfig,
+) -> Result<()> {
+    let SlideLabels::Regions(regions) = rows else {
+        return Ok(());
+    };
+    let base = slide.levels()[0];
+    for r in regions {
+        let [x, y, w, h] = r.rect.map(u64::from);
+        if x + w > base.width as u64 || y + h > base.height as u64 {
+            let why = format!(
+                "the region {x},{y},{w},{h} reaches outside {} ({}×{} pixels at level 0)",
+                file_name(slide.path()),
+                base.width,
+                base.height
+            );
+            return Err(labels.error(r.line, &why));
+        }
+    }
+    let centres = tile_centres(slide, config)?;
+    for r in regions {
+        if !centres.iter().any(|&(_, (cx, cy))| r.holds(cx, cy)) {
+            let why = format!(
+                "the region {:?} of {} holds the centre of no {}-pixel tile of level {} at stride {}",
+                r.rect,
+                file_name(slide.path()),
+                config.tile,
+                config.level,
+                config.stride
+            );
+            return Err(labels.error(r.line, &why));
+        }
+    }
+    Ok(())
+}
+
+/// The labelled tiles of one slide (see [`Slides`]); reads the slide for the tissue filter.
+fn slide_tiles(
+    slide: &Slide,
+    index: usize,
+    rows: &SlideLabels,
+    labels: &Labels,
+    config: &TileConfig,
+) -> Result<Vec<Tile>> {
+    let (cols, rows_down) = tile_grid(slide, config)?;
+    let brightness = match config.tissue_threshold {
+        Some(_) => Some(tile_brightness(slide, config, cols, rows_down)?),
+        None => None,
+    };
+    let number = |label: &String| labels.classes.binary_search(label).unwrap_or_default() as u32;
     let mut tiles = Vec::new();
-    for r in 0..rows {
-        for c in 0..cols {
-            let (x, y) = (c * config.stride, r * config.stride);
-            if let (Some(b), Some(limit)) = (&brightness, config.tissue_threshold) {
-                if b[(r * cols + c) as usize] > limit {
-                    continue;
-                }
+    for (i, ((x, y), (cx, cy))) in tile_centres(slide, config)?.into_iter().enumerate() {
+        if let (Some(b), Some(limit)) = (&brightness, config.tissue_threshold) {
+            if b[i] > limit {
+                continue;
             }
-            let label = match labels {
-                SlideLabels::Whole(l) => Some(number(l)),
-                SlideLabels::Regions(list) => {
-                    // The tile's centre in level-0 pixels.
-                    let cx = (x as f64 + size as f64 / 2.0) * sx;
-                    let cy = (y as f64 + size as f64 / 2.0) * sy;
-                    list.iter()
-                        .find(|([rx, ry, rw, rh], _)| {
-                            let (rx, ry) = (*rx as f64, *ry as f64);
-                            cx >= rx && cx < rx + *rw as f64 && cy >= ry && cy < ry + *rh as f64
-                        })
-                        .map(|(_, l)| number(l))
-                }
-            };
-            if let Some(label) = label {
-                tiles.push(Tile {
-                    slide: index,
-                    x,
-                    y,
-                    label,
-                });
-            }
+        }
+        let label = match rows {
+            SlideLabels::Whole(l, _) => Some(number(l)),
+            SlideLabels::Regions(list) => list
+                .iter()
+                .find(|region| region.holds(cx, cy))
+                .map(|region| number(&region.label)),
+        };
+        if let Some(label) = label {
+            tiles.push(Tile {
+                slide: index,
+                x,
+                y,
+                label,
+            });
         }
     }
     Ok(tiles)

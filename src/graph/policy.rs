@@ -69,8 +69,7 @@ impl SavePolicy {
     /// A policy file: JSON `{"nodes": ["device", "host", "recompute", …], "prefetch": 2}`
     /// with one entry per node of the model.
     pub fn load(path: &Path, nodes: usize) -> Result<SavePolicy> {
-        let text = std::fs::read_to_string(path)
-            .map_err(|e| Error::Config(format!("cannot read {}: {e}", path.display())))?;
+        let text = crate::core::files::read_text(path)?;
         let p: SavePolicy = serde_json::from_str(&text)
             .map_err(|e| Error::Config(format!("{} is not a policy file: {e}", path.display())))?;
         if p.nodes.len() != nodes {

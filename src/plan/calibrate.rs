@@ -77,8 +77,7 @@ impl Calibration {
     }
 
     pub fn load(path: &Path) -> Result<Calibration> {
-        let text = std::fs::read_to_string(path)
-            .map_err(|e| Error::Config(format!("cannot read {}: {e}", path.display())))?;
+        let text = crate::core::files::read_text(path)?;
         serde_json::from_str(&text).map_err(|e| {
             Error::Config(format!(
                 "{} is not a calibration profile: {e}",

@@ -7,6 +7,10 @@
 //! (seed, step, position), so those numbers are the whole random state: a run written as
 //! `mast` over 2 ranks resumes as `single`, or as `mp` over 4, with the same state.
 //!
+//! Each checkpoint also names its run ([`Lineage`]): the run's identity, kept when it is
+//! resumed, the checkpoint this stretch of it resumed from, a hash of the configuration, and the
+//! class names its labels number, so evaluation can match classes by name.
+//!
 //! Files are written atomically (a temporary file in the same folder, synced, then renamed),
 //! and a file that does not match the model — another model, image side or class count, a
 //! tensor missing, reshaped, of another dtype, or cut short — is refused with a message that
@@ -19,6 +23,7 @@ use std::path::{Path, PathBuf};
 use safetensors::tensor::{Dtype, TensorView};
 use safetensors::SafeTensors;
 
+use crate::core::rng::splitmix64;
 use crate::graph::Graph;
 use crate::ops::Op;
 use crate::optim::schedule::LrSchedule;
@@ -41,6 +46,80 @@ pub struct TrainingState {
 
 const FORMAT: &str = "gems-checkpoint-1";
 
+/// Which run a checkpoint belongs to, and what its labels mean.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Lineage {
+    /// The run's identity (16 hex digits): drawn when a run starts from scratch, kept when it
+    /// is resumed, so the checkpoints of one run share it whichever stretch wrote them.
+    pub run: String,
+    /// Where this stretch of the run began: `<run>@<step>` of the checkpoint it resumed from.
+    pub parent: Option<String>,
+    /// The class names, in label order.
+    pub classes: Vec<String>,
+}
+
+impl Lineage {
+    /// A new run over data of these classes, its identity drawn from the clock and the process.
+    pub fn fresh(classes: Vec<String>) -> Lineage {
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos() as u64);
+        let id = splitmix64(nanos ^ splitmix64(std::process::id() as u64));
+        Lineage {
+            run: format!("{id:016x}"),
+            parent: None,
+            classes,
+        }
+    }
+
+    /// The same run continued from `ckpt` (a checkpoint without an identity, from before
+    /// identities were recorded, starts a new one).
+    pub fn resumed(ckpt: &Checkpoint, classes: Vec<String>) -> Result<Lineage> {
+        let run = match ckpt.meta.get("run") {
+            Some(run) => run.clone(),
+            None => Lineage::fresh(vec![]).run,
+        };
+        Ok(Lineage {
+            parent: Some(format!("{run}@{}", ckpt.step()?)),
+            run,
+            classes,
+        })
+    }
+}
+
+/// Metadata keys that define a run's computation (hashed into `config_hash`); the others
+/// record progress or identity.
+const CONFIG_KEYS: [&str; 15] = [
+    "model",
+    "image_size",
+    "classes",
+    "batch_size",
+    "dtype",
+    "precision",
+    "seed",
+    "lr",
+    "schedule",
+    "warmup",
+    "total_steps",
+    "momentum",
+    "weight_decay",
+    "nesterov",
+    "data",
+];
+
+/// FNV-1a over the configuration's keys and values, in a fixed order: equal for two runs
+/// configured alike, on any machine.
+fn config_hash(meta: &HashMap<String, String>) -> String {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for key in CONFIG_KEYS {
+        let value = meta.get(key).map_or("", String::as_str);
+        for b in key.bytes().chain([0]).chain(value.bytes()).chain([0]) {
+            h = (h ^ b as u64).wrapping_mul(0x0100_0000_01b3);
+        }
+    }
+    format!("{h:016x}")
+}
+
 fn safetensors_dtype(d: DType) -> Dtype {
     match d {
         DType::F32 => Dtype::F32,
@@ -58,8 +137,13 @@ fn batchnorm_nodes(g: &Graph) -> impl Iterator<Item = &str> {
         .map(|n| n.name.as_str())
 }
 
-/// The model, configuration and progress as text, with fp16's loss scale as it stands.
-fn metadata(g: &Graph, c: &TrainConfig, state: &TrainingState) -> HashMap<String, String> {
+/// The model, configuration, progress and lineage as text, with fp16's loss scale as it stands.
+fn metadata(
+    g: &Graph,
+    c: &TrainConfig,
+    state: &TrainingState,
+    lineage: &Lineage,
+) -> HashMap<String, String> {
     let s = &c.schedule;
     let loss_scale = state
         .loss_scale
@@ -97,11 +181,25 @@ fn metadata(g: &Graph, c: &TrainConfig, state: &TrainingState) -> HashMap<String
         let state = serde_json::to_string(l).expect("a loss scale serializes");
         meta.insert("loss_scale_state".into(), state);
     }
+    let hash = config_hash(&meta);
+    meta.insert("config_hash".into(), hash);
+    meta.insert("run".into(), lineage.run.clone());
+    if let Some(parent) = &lineage.parent {
+        meta.insert("parent".into(), parent.clone());
+    }
+    let classes = serde_json::to_string(&lineage.classes).expect("names serialize");
+    meta.insert("class_names".into(), classes);
     meta
 }
 
-/// Writes `state` of a run of `c` on `g` to `path` atomically.
-pub fn save(g: &Graph, c: &TrainConfig, state: &TrainingState, path: &Path) -> Result<()> {
+/// Writes `state` of a run of `c` on `g` (from `lineage`) to `path` atomically.
+pub fn save(
+    g: &Graph,
+    c: &TrainConfig,
+    state: &TrainingState,
+    lineage: &Lineage,
+    path: &Path,
+) -> Result<()> {
     // A checkpoint is what a run falls back to: never one that cannot train.
     let tensors = state.values.iter().zip(&g.params).chain(
         state
@@ -159,14 +257,14 @@ pub fn save(g: &Graph, c: &TrainConfig, state: &TrainingState, path: &Path) -> R
             ))
         })
         .collect::<Result<Vec<_>>>()?;
-    let bytes = safetensors::serialize(views, Some(metadata(g, c, state)))
+    let bytes = safetensors::serialize(views, Some(metadata(g, c, state, lineage)))
         .map_err(|e| Error::Internal(format!("serializing a checkpoint: {e}")))?;
     write_atomically(path, &bytes)
 }
 
-/// Writes `bytes` to a temporary file beside `path`, syncs it, and renames it over `path`, so
-/// a reader sees the old file or the new one, never a mix.
-fn write_atomically(path: &Path, bytes: &[u8]) -> Result<()> {
+/// Writes `bytes` to a temporary file beside `path` (`.<name>.tmp`), syncs it, and renames it
+/// over `path`, so a reader sees the old file or the new one, never a mix.
+pub(crate) fn write_atomically(path: &Path, bytes: &[u8]) -> Result<()> {
     let dir = path
         .parent()
         .filter(|d| !d.as_os_str().is_empty())
@@ -199,10 +297,10 @@ pub struct Checkpoint {
 
 impl Checkpoint {
     /// Reads and checks the container; names the first tensor a truncated file cuts short.
+    /// A file that is not a gems checkpoint is refused from its header, before the rest is
+    /// read.
     pub fn read(path: &Path) -> Result<Checkpoint> {
-        let bytes = std::fs::read(path).map_err(|e| {
-            Error::Config(format!("cannot read checkpoint {}: {e}", path.display()))
-        })?;
+        let bytes = read_checkpoint_file(path)?;
         let meta = match SafeTensors::read_metadata(&bytes) {
             Ok((_, m)) => m.metadata().clone().unwrap_or_default(),
             Err(e) => {
@@ -248,8 +346,25 @@ impl Checkpoint {
         }
     }
 
+    /// Optimizer steps done when it was written.
     pub fn step(&self) -> Result<usize> {
         self.get("step")
+    }
+
+    /// The run that wrote it (`None` for checkpoints from before runs had identities).
+    pub fn run(&self) -> Option<&str> {
+        self.meta.get("run").map(String::as_str)
+    }
+
+    /// The class names its labels number (`None` for checkpoints from before they were
+    /// recorded).
+    pub fn class_names(&self) -> Result<Option<Vec<String>>> {
+        match self.meta.get("class_names") {
+            Some(json) => serde_json::from_str(json)
+                .map(Some)
+                .map_err(|e| Error::Config(format!("{}: class names: {e}", self.path.display()))),
+            None => Ok(None),
+        }
     }
 
     /// The model the checkpoint was written for: its name, image side and classes.
@@ -387,6 +502,54 @@ impl Checkpoint {
             loss_scale,
         })
     }
+}
+
+/// Headers longer than this are not a checkpoint's (safetensors itself allows 100 MB).
+const MAX_HEADER: u64 = 100 << 20;
+
+/// The bytes of the checkpoint file at `path`, once its header shows it is a gems checkpoint.
+fn read_checkpoint_file(path: &Path) -> Result<Vec<u8>> {
+    use std::io::Read;
+    let bad = |why: String| Error::BadInput {
+        path: path.to_path_buf(),
+        why,
+    };
+    let not_ours = || {
+        bad(format!(
+            "is not a gems checkpoint (no '{FORMAT}' format tag)"
+        ))
+    };
+    let mut file = crate::core::files::open_regular(path)?;
+    let len = file
+        .metadata()
+        .map_err(|e| bad(format!("cannot read it: {e}")))?
+        .len();
+    let mut head = [0u8; 8];
+    file.read_exact(&mut head).map_err(|_| not_ours())?;
+    let n = u64::from_le_bytes(head);
+    if n > MAX_HEADER || 8 + n > len {
+        return Err(not_ours());
+    }
+    let mut bytes = Vec::new();
+    bytes
+        .try_reserve_exact(len as usize)
+        .map_err(|_| bad(format!("{len} bytes do not fit in this machine's memory")))?;
+    bytes.extend_from_slice(&head);
+    (&mut file)
+        .take(n)
+        .read_to_end(&mut bytes)
+        .map_err(|e| bad(format!("cannot read it: {e}")))?;
+    let header: serde_json::Value = serde_json::from_slice(&bytes[8..]).map_err(|_| not_ours())?;
+    if header
+        .pointer("/__metadata__/format")
+        .and_then(|f| f.as_str())
+        != Some(FORMAT)
+    {
+        return Err(not_ours());
+    }
+    file.read_to_end(&mut bytes)
+        .map_err(|e| bad(format!("cannot read it: {e}")))?;
+    Ok(bytes)
 }
 
 /// The first tensor whose bytes lie beyond the end of a cut-short file, from its JSON header.

@@ -3,10 +3,12 @@
 
 pub mod checkpoint;
 pub mod evaluation;
+pub mod folder;
 mod rank;
 mod session;
 
-pub use checkpoint::{Checkpoint, TrainingState};
+pub use checkpoint::{Checkpoint, Lineage, TrainingState};
 pub use evaluation::Evaluation;
+pub use folder::{CheckpointFolder, FolderRules};
 pub use rank::{CopyValues, RankStep};
 pub use session::{meter, DeviceSummary, Session, StepReport};

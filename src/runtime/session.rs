@@ -28,7 +28,7 @@ use crate::data::{Dataset, Pipeline};
 use crate::graph::Graph;
 use crate::memory::MemoryStats;
 use crate::plan::{Layout, RunConfig};
-use crate::runtime::checkpoint::{self, Checkpoint};
+use crate::runtime::checkpoint::{self, Checkpoint, Lineage};
 use crate::runtime::evaluation::{held_out_samples, Evaluation};
 use crate::runtime::rank::{CopyValues, Rank, RankStep};
 use crate::{Error, Result};
@@ -96,6 +96,7 @@ pub struct Session {
     config: Arc<RunConfig>,
     ranks: Ranks,
     held_out: Option<Arc<Pipeline>>,
+    lineage: Lineage,
     step: usize,
     broken: Option<String>,
 }
@@ -128,6 +129,7 @@ impl Session {
             check_data(graph, &d.train)?;
         }
         let train = data.as_ref().map(|d| d.train.clone());
+        let lineage = Lineage::fresh(data.as_ref().map_or(vec![], |d| d.classes.clone()));
         let held_out = data.and_then(|d| d.val);
         let c = Arc::new(config);
         let world_size = c.scheme.world();
@@ -158,6 +160,7 @@ impl Session {
             config: c,
             ranks,
             held_out,
+            lineage,
             step: 0,
             broken: None,
         })
@@ -255,9 +258,10 @@ impl Session {
     pub fn save(&mut self, path: impl AsRef<Path>) -> Result<()> {
         let path: PathBuf = path.as_ref().to_path_buf();
         let (graph, train) = (self.layout.graph.clone(), self.config.train.clone());
+        let lineage = self.lineage.clone();
         self.all(move |r| {
             if let Some(state) = r.gather_state()? {
-                checkpoint::save(&graph, &train, &state, &path)?;
+                checkpoint::save(&graph, &train, &state, &lineage, &path)?;
             }
             r.comm().barrier()
         })?;
@@ -265,15 +269,38 @@ impl Session {
     }
 
     /// Takes up the state in the checkpoint at `path`, whatever scheme wrote it: weights,
-    /// momentum, BN statistics, the loss scale, the step and the data position. Refuses, by
-    /// name, a checkpoint of another model, image side or class count.
+    /// momentum, BN statistics, the loss scale, the step and the data position; the session
+    /// continues the checkpoint's run ([`Session::lineage`]). Refuses, by name, a checkpoint of
+    /// another model, image side or class count, or whose classes have other names than the
+    /// session's data.
     pub fn restore(&mut self, path: impl AsRef<Path>) -> Result<()> {
         let ckpt = Checkpoint::read(path.as_ref())?;
         let state = Arc::new(ckpt.state(&self.layout.graph, self.config.train.dtype)?);
+        let classes = self.lineage.classes.clone();
+        if let Some(theirs) = ckpt.class_names()? {
+            if !classes.is_empty() && theirs != classes {
+                return Err(Error::BadInput {
+                    path: path.as_ref().to_path_buf(),
+                    why: format!(
+                        "trained on classes {}, but this session's data has {}",
+                        theirs.join(", "),
+                        classes.join(", ")
+                    ),
+                });
+            }
+        }
+        let lineage = Lineage::resumed(&ckpt, classes)?;
         let step = state.step;
         self.all(move |r| r.load_state(&state))?;
         self.step = step;
+        self.lineage = lineage;
         Ok(())
+    }
+
+    /// The run this session is (kept from a restored checkpoint) and its data's class names,
+    /// as its checkpoints record them.
+    pub fn lineage(&self) -> &Lineage {
+        &self.lineage
     }
 
     /// fp16's dynamic loss scale as it stands (`None` for other precisions).

@@ -478,12 +478,19 @@ pub struct TrainArgs {
     /// Write one JSON line per step to this file.
     #[arg(long)]
     pub metrics: Option<PathBuf>,
-    /// Folder to write checkpoints into (step-NNNNNN.safetensors), every --checkpoint-every
-    /// steps and at the end.
+    /// Folder to write checkpoints into (step-NNNNNN.safetensors and the run's manifest
+    /// gems-run.json), every --checkpoint-every steps and at the end. A folder holding another
+    /// run's checkpoints is refused unless --resume names one of them or --overwrite is given.
     #[arg(long, value_name = "DIR")]
     pub checkpoint: Option<PathBuf>,
     #[arg(long, value_name = "N", requires = "checkpoint")]
     pub checkpoint_every: Option<usize>,
+    /// Keep only the newest N checkpoints of this run in the folder.
+    #[arg(long, value_name = "N", requires = "checkpoint")]
+    pub keep_last: Option<usize>,
+    /// Remove another run's checkpoints from the --checkpoint folder instead of refusing it.
+    #[arg(long, requires = "checkpoint")]
+    pub overwrite: bool,
     /// Continue from a checkpoint: model, data, optimizer and schedule come from it.
     #[arg(long, value_name = "FILE")]
     pub resume: Option<PathBuf>,
@@ -680,6 +687,19 @@ pub fn parameter_dtype(s: &str) -> Result<DType, String> {
 /// the flag that asks for it.
 pub fn explain(e: &anyhow::Error) -> String {
     let message = e.to_string();
+    if let Some(gems::Error::FolderInUse {
+        dir,
+        checkpoints,
+        first,
+        last,
+    }) = e.downcast_ref::<gems::Error>()
+    {
+        return format!(
+            "{} holds {checkpoints} checkpoint(s) of another run ({first} … {last}): --resume one \
+             of them, choose another --checkpoint folder, or pass --overwrite to remove them",
+            dir.display()
+        );
+    }
     let Some(gems::Error::DoesNotFit { what_fits, .. }) = e.downcast_ref::<gems::Error>() else {
         return message;
     };

@@ -62,7 +62,7 @@ pub fn tiles(a: TilesArgs) -> anyhow::Result<()> {
     let SourceSpec::Slides { dir, labels, tiles } = a.slides.spec(&a.data, a.image_size)? else {
         anyhow::bail!("gems data tiles lists the tiles of --data slides:DIR");
     };
-    let slides = gems::data::slide::Slides::open(&dir, &labels, &tiles)?;
+    let slides = gems::data::slide::Slides::open(&dir, &labels, &tiles, false)?;
     let all = slides.tiles();
     let classes = gems::data::Source::classes(&slides);
     println!(

@@ -1,5 +1,7 @@
 //! `gems eval`: a checkpoint scored on held-out samples or another data set.
 
+use std::sync::Arc;
+
 use gems::data::{DataConfig, SourceSpec};
 use gems::runtime::Checkpoint;
 use gems::{models, RunConfig, Scheme, Session};
@@ -20,13 +22,10 @@ pub fn eval(a: EvalArgs) -> anyhow::Result<()> {
     c.conv = a.conv;
     c.batch_size = a.batch_size;
     let run = RunConfig::new(c.clone(), Scheme::single(1));
-    let mut t = Session::new(
-        &graph,
-        run,
-        gems::data::open(&c.data, side, classes, c.seed)?,
-    )?;
-    t.restore(&a.checkpoint)?;
-    let (e, what) = match &a.data {
+    // Classes are matched by name: the checkpoint's names number the labels (checkpoints from
+    // before names were recorded match by position).
+    let names = ckpt.class_names()?;
+    let (data, what) = match &a.data {
         Some(source) => {
             let config = DataConfig {
                 source: a.slides.spec(source, side)?,
@@ -34,21 +33,36 @@ pub fn eval(a: EvalArgs) -> anyhow::Result<()> {
                 val: 0.0,
                 ..c.data.clone()
             };
-            let data = gems::data::open(&config, side, classes, c.seed)?;
+            let mut data = gems::data::open(&config, side, classes, c.seed)?;
             report_skipped(&data.skipped);
-            // The first epoch of the (shuffled) training order holds every sample once.
-            let e = match data.train.samples() {
-                Some(_) => t.evaluate(&data.train, a.samples)?,
-                None => t.evaluate_held_out(Some(a.samples.unwrap_or(1000)))?,
-            };
-            (e, "samples")
+            if let Some(names) = names.filter(|n| *n != data.classes) {
+                if data.train.samples().is_some() {
+                    let renamed = data.train.by_class_names(&names);
+                    let renamed = renamed.map_err(|e| anyhow::anyhow!("{}: {e}", config.source))?;
+                    data.train = Arc::new(renamed);
+                    data.classes = names;
+                }
+            }
+            (data, "samples")
         }
-        None => {
+        None => (
+            gems::data::open(&c.data, side, classes, c.seed)?,
+            "held-out samples",
+        ),
+    };
+    let (finite, train) = (data.train.samples().is_some(), data.train.clone());
+    let mut t = Session::new(&graph, run, data)?;
+    t.restore(&a.checkpoint)?;
+    let e = match (&a.data, finite) {
+        // The first epoch of the (shuffled) training order holds every sample once.
+        (Some(_), true) => t.evaluate(&train, a.samples)?,
+        (Some(_), false) => t.evaluate_held_out(Some(a.samples.unwrap_or(1000)))?,
+        (None, _) => {
             let samples = match c.data.source {
                 SourceSpec::Synthetic => Some(a.samples.unwrap_or(1000)),
                 _ => a.samples,
             };
-            (t.evaluate_held_out(samples)?, "held-out samples")
+            t.evaluate_held_out(samples)?
         }
     };
     println!(

@@ -12,7 +12,8 @@ use gems::graph::policy::{Keep, SavePolicy};
 use gems::memory::human_bytes;
 use gems::optim::schedule::LrSchedule;
 use gems::optim::SgdConfig;
-use gems::runtime::Checkpoint;
+use gems::runtime::folder::checkpoint_path;
+use gems::runtime::{Checkpoint, CheckpointFolder, FolderRules};
 use gems::{models, Evaluation, Graph, RunConfig, Session, StepReport, TrainConfig};
 
 use crate::cli::{Choice, Offload, TrainArgs, Transport};
@@ -147,7 +148,7 @@ pub fn train(a: TrainArgs) -> anyhow::Result<()> {
     fit::check_fits(&graph, &c)?;
     match a.spread.transport {
         Transport::Local => {
-            let data = open_data(&graph, &c)?;
+            let data = open_data(&graph, &c, true)?;
             let train = data.train.clone();
             let session = Session::new(&graph, c, data)?;
             run(&a, session, &train, true)
@@ -156,11 +157,36 @@ pub fn train(a: TrainArgs) -> anyhow::Result<()> {
     }
 }
 
-/// Opens the run's data for `graph`, warning of samples left out.
-fn open_data(graph: &Graph, c: &RunConfig) -> anyhow::Result<gems::Dataset> {
+/// Opens the run's data for `graph`; where `speaks`, warns of samples left out and prints the
+/// samples of each class (a class the data lacks is refused when the source is opened).
+fn open_data(graph: &Graph, c: &RunConfig, speaks: bool) -> anyhow::Result<gems::Dataset> {
     let t = &c.train;
     let data = gems::data::open(&t.data, graph.image_size(), graph.classes(), t.seed)?;
-    report_skipped(&data.skipped);
+    if speaks {
+        report_skipped(&data.skipped);
+        let split = |p: &Pipeline, what: &str| -> anyhow::Result<Option<String>> {
+            let Some(counts) = p.class_counts()? else {
+                return Ok(None);
+            };
+            let per_class: Vec<String> = p
+                .classes()
+                .iter()
+                .zip(&counts)
+                .map(|(name, n)| format!("{name} {n}"))
+                .collect();
+            let total: usize = counts.iter().sum();
+            Ok(Some(format!("{total} {what} ({})", per_class.join(", "))))
+        };
+        let mut parts = split(&data.train, "for training")?
+            .into_iter()
+            .collect::<Vec<_>>();
+        if let Some(val) = &data.val {
+            parts.extend(split(val, "held out")?);
+        }
+        if !parts.is_empty() {
+            println!("data: {}", parts.join("; "));
+        }
+    }
     Ok(data)
 }
 
@@ -176,7 +202,7 @@ fn run_mpi(a: &TrainArgs, graph: &Graph, c: RunConfig) -> anyhow::Result<()> {
         eprintln!("error: rank {rank}: {}", crate::cli::explain(&e));
         gems::comm::mpi::MpiComm::world(&universe).abort(1)
     };
-    let data = open_data(graph, &c).unwrap_or_else(|e| abort(e));
+    let data = open_data(graph, &c, rank == 0).unwrap_or_else(|e| abort(e));
     let train = data.train.clone();
     let session = Session::on(graph, c, data, Box::new(comm)).unwrap_or_else(|e| abort(e.into()));
     run(a, session, &train, rank == 0).unwrap_or_else(|e| abort(e));
@@ -186,6 +212,21 @@ fn run_mpi(a: &TrainArgs, graph: &Graph, c: RunConfig) -> anyhow::Result<()> {
 #[cfg(not(feature = "mpi"))]
 fn run_mpi(_: &TrainArgs, _: &Graph, _: RunConfig) -> anyhow::Result<()> {
     anyhow::bail!("this gems was built without MPI: build it with `cargo build --release --features mpi` and start it with mpirun")
+}
+
+/// Opens the run's checkpoint folder under the flags' rules, saying what it removed.
+fn open_folder(a: &TrainArgs, dir: &Path, session: &Session) -> anyhow::Result<CheckpointFolder> {
+    let rules = FolderRules {
+        resumed_from: a.resume.clone(),
+        overwrite: a.overwrite,
+        keep_last: a.keep_last,
+    };
+    let run = &session.lineage().run;
+    let f = CheckpointFolder::open(dir, run, &session.graph().name, &rules)?;
+    for path in &f.removed {
+        println!("removed {}", path.display());
+    }
+    Ok(f)
 }
 
 /// The training loop: resumes, steps, validates and checkpoints as the flags say, printing
@@ -201,11 +242,11 @@ fn run(a: &TrainArgs, mut session: Session, data: &Pipeline, speaks: bool) -> an
             );
         }
     }
-    if let Some(dir) = &a.checkpoint {
-        std::fs::create_dir_all(dir).map_err(|e| {
-            anyhow::anyhow!("cannot create checkpoint folder {}: {e}", dir.display())
-        })?;
-    }
+    // Only the rank that writes checkpoints keeps the folder; it refuses before any step.
+    let mut folder = match (&a.checkpoint, speaks) {
+        (Some(dir), true) => Some(open_folder(a, dir, &session)?),
+        _ => None,
+    };
     let c = session.config().clone();
     let (total, first) = (c.train.steps, session.steps_done());
     if first >= total {
@@ -250,7 +291,12 @@ fn run(a: &TrainArgs, mut session: Session, data: &Pipeline, speaks: bool) -> an
         }
         if let Some(dir) = &a.checkpoint {
             if done == total || a.checkpoint_every.is_some_and(|n| done.is_multiple_of(n)) {
-                session.save(dir.join(format!("step-{done:06}.safetensors")))?;
+                session.save(checkpoint_path(dir, done))?;
+                if let Some(f) = folder.as_mut() {
+                    for old in f.written(done)? {
+                        say(format!("removed {} (--keep-last)", old.display()));
+                    }
+                }
             }
         }
         if let Some(m) = metrics.as_mut() {
