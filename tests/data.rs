@@ -300,6 +300,15 @@ fn cli_trains_on_a_folder_validates_and_evaluates() {
     ]);
     assert!(ok, "{out}\n{err}");
     assert!(out.contains("2 classes"), "{out}");
+    // The images of each class, for training and held out, before step 1.
+    let counts = out
+        .lines()
+        .find(|l| l.starts_with("data: "))
+        .unwrap_or_else(|| panic!("{out}"));
+    assert!(
+        counts.contains(" for training (horizontal ") && counts.contains(" held out (horizontal "),
+        "{counts}"
+    );
     assert!(out.contains("step    20/40  validation"), "{out}");
     assert!(out.contains("waited for data"), "{out}");
     let val_acc: f64 = out
@@ -457,6 +466,15 @@ fn cli_learns_a_generated_slide_and_eval_reports_it() {
     let (ok, out, err) = gems(&args);
     assert!(ok, "{out}\n{err}");
     assert!(out.contains("2 classes"), "{out}");
+    // The tiles of each class, for training and held out, before step 1.
+    let counts = out
+        .lines()
+        .find(|l| l.starts_with("data: "))
+        .unwrap_or_else(|| panic!("{out}"));
+    assert!(
+        counts.contains(" for training (class0 ") && counts.contains(" held out (class0 "),
+        "{counts}"
+    );
     let (ok, eval, err) = gems(&[
         "eval",
         "--checkpoint",

@@ -1,9 +1,14 @@
-//! Runs that would go wrong stop with a clear error and lose nothing: a diverging run stops
-//! at its first bad step under every scheme and leaves only finite checkpoints; hyper-parameters
-//! no run can train with are refused before any work. (The start of issue 16's fault suite.)
+//! The fault-injection suite: runs that would go wrong stop with a clear error and lose
+//! nothing. Each class of bad input or fault runs through the binary and must end with a
+//! non-zero exit and a message saying what is wrong, no panic or allocation abort, within a
+//! bounded time, with earlier checkpoints byte for byte as they were: a diverging run, sizes no
+//! machine holds, mistyped flags, another run's checkpoint folder, a killed parallel run, data
+//! whose classes would train or score the wrong thing, files that are not files.
 
-use std::path::Path;
-use std::process::Command;
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
 
 /// (success, stderr) of `gems args`.
 fn gems(args: &[&str]) -> (bool, String) {
@@ -101,4 +106,435 @@ fn hyper_parameters_no_run_can_train_with_are_refused_before_work() {
         // Refused before any training step (a step of the default run takes ~0.1 s).
         assert!(started.elapsed().as_secs_f64() < 5.0, "{args:?}");
     }
+}
+
+/// What a bounded run of the binary did.
+struct Ran {
+    ok: bool,
+    out: String,
+    err: String,
+}
+
+/// Runs `gems args`, killing it (and failing) if it runs longer than `limit` seconds; fails on
+/// a panic or an allocation abort.
+fn run(args: &[&str], limit: u64) -> Ran {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_gems"))
+        .args(args)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let (out, err) = (child.stdout.take().unwrap(), child.stderr.take().unwrap());
+    let read = |mut r: Box<dyn std::io::Read + Send>| {
+        std::thread::spawn(move || {
+            let mut s = String::new();
+            r.read_to_string(&mut s).ok();
+            s
+        })
+    };
+    let (out, err) = (read(Box::new(out)), read(Box::new(err)));
+    let started = Instant::now();
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        if started.elapsed() > Duration::from_secs(limit) {
+            child.kill().ok();
+            panic!("{args:?} hung (over {limit} s)");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let r = Ran {
+        ok: status.success(),
+        out: out.join().unwrap(),
+        err: err.join().unwrap(),
+    };
+    for sign in [
+        "panicked",
+        "memory allocation of",
+        "stack backtrace",
+        "core dumped",
+    ] {
+        assert!(!r.err.contains(sign), "{args:?}: {}", r.err);
+    }
+    assert!(
+        status.code().is_some(),
+        "{args:?} was killed by a signal: {}",
+        r.err
+    );
+    r
+}
+
+/// `args` are refused, before or instead of training, with a message containing `want`.
+fn refused(args: &[&str], want: &str) -> String {
+    let r = run(args, 120);
+    assert!(!r.ok, "{args:?} was accepted:\n{}", r.out);
+    assert!(r.err.contains(want), "{args:?}: {}", r.err);
+    r.err
+}
+
+fn scratch(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("gems-faults-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+/// Every file of `dir` by name, with its bytes.
+fn files(dir: &Path) -> BTreeMap<String, Vec<u8>> {
+    std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .map(|p| {
+            (
+                p.file_name().unwrap().to_string_lossy().into_owned(),
+                std::fs::read(&p).unwrap(),
+            )
+        })
+        .collect()
+}
+
+/// The tensors of a checkpoint by name (its metadata, which names the run, left out).
+fn tensors(path: &Path) -> BTreeMap<String, Vec<u8>> {
+    let bytes = std::fs::read(path).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    st.tensors()
+        .into_iter()
+        .map(|(name, t)| (name, t.data().to_vec()))
+        .collect()
+}
+
+#[test]
+fn sizes_no_machine_holds_are_refused_without_aborting() {
+    refused(
+        &["train", "--batch-size", "100000000000", "--steps", "1"],
+        "the plan does not fit",
+    );
+    refused(
+        &["train", "--image-size", "100000", "--steps", "1"],
+        "the plan does not fit",
+    );
+    refused(
+        &["plan", "--batch-size", "100000000000"],
+        "more than this machine can hold",
+    );
+    refused(
+        &["train", "--prefetch", "100000000", "--steps", "1"],
+        "more than this machine's",
+    );
+    refused(
+        &[
+            "train",
+            "--image-size",
+            "100000",
+            "--device-memory",
+            "1GiB",
+            "--steps",
+            "1",
+        ],
+        "the plan does not fit",
+    );
+    // A run as long as a u64 counts reserves nothing per step up front: it trains.
+    let mut child = Command::new(env!("CARGO_BIN_EXE_gems"))
+        .args([
+            "train",
+            "--steps",
+            "18446744073709551615",
+            "--batch-size",
+            "2",
+        ])
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    std::thread::sleep(Duration::from_secs(2));
+    let alive = child.try_wait().unwrap().is_none();
+    child.kill().ok();
+    let out = child.wait_with_output().unwrap();
+    assert!(alive, "{}", String::from_utf8_lossy(&out.stderr));
+}
+
+#[test]
+fn mistyped_flags_are_refused_in_their_own_words() {
+    refused(
+        &["train", "--offload", "recompte"],
+        "'recompte' is not none, all, recompute, auto, or an existing policy file",
+    );
+    refused(
+        &["train", "--tissue=-1"],
+        "a brightness is a number from 0 to 1, not -1",
+    );
+    refused(
+        &["train", "--tissue", "0.8"],
+        "--tissue cuts slides into tiles",
+    );
+    refused(&["train", "--resume", "/dev/null"], "not a regular file");
+}
+
+#[test]
+fn a_checkpoint_folder_belongs_to_one_run() {
+    let d = scratch("folder");
+    let ck = d.join("ck");
+    let ck_s = ck.to_str().unwrap();
+    let first = [
+        "train",
+        "--steps",
+        "2",
+        "--batch-size",
+        "4",
+        "--checkpoint-every",
+        "1",
+        "--checkpoint",
+        ck_s,
+    ];
+    assert!(run(&first, 120).ok);
+    let before = files(&ck);
+    assert!(before.contains_key("gems-run.json") && before.contains_key("step-000002.safetensors"));
+    // Another run may not write into it: refused before any step, nothing changed.
+    let err = refused(&first, "of another run");
+    assert!(
+        err.contains("--resume") && err.contains("--overwrite"),
+        "{err}"
+    );
+    assert_eq!(files(&ck), before);
+    // An interrupted write's temporary file goes when the run resumes there; --keep-last 2
+    // prunes the oldest.
+    std::fs::write(ck.join(".step-000003.safetensors.tmp"), vec![0u8; 1000]).unwrap();
+    let step2 = ck.join("step-000002.safetensors");
+    let resume = [
+        "train",
+        "--resume",
+        step2.to_str().unwrap(),
+        "--steps",
+        "3",
+        "--checkpoint-every",
+        "1",
+        "--keep-last",
+        "2",
+        "--checkpoint",
+        ck_s,
+    ];
+    assert!(run(&resume, 120).ok);
+    let after = files(&ck);
+    let names: Vec<&str> = after.keys().map(String::as_str).collect();
+    assert_eq!(
+        names,
+        [
+            "gems-run.json",
+            "step-000002.safetensors",
+            "step-000003.safetensors"
+        ]
+    );
+    assert_eq!(
+        after["step-000002.safetensors"],
+        before["step-000002.safetensors"]
+    );
+    // --overwrite removes the other run's checkpoints first.
+    let r = run(&[&first[..], &["--overwrite"]].concat(), 120);
+    assert!(r.ok && r.out.contains("removed"), "{}", r.err);
+    assert!(!ck.join("step-000003.safetensors").exists());
+    std::fs::remove_dir_all(&d).ok();
+}
+
+#[test]
+fn a_killed_parallel_run_resumes_to_the_weights_of_an_uninterrupted_one() {
+    let d = scratch("killed");
+    let (killed, whole) = (d.join("killed"), d.join("whole"));
+    // How the run is spread (a resumed run says it again), and its schedule (from the
+    // checkpoint when resuming): constant, so a run's total steps do not change its steps.
+    let spread = [
+        "train",
+        "--scheme",
+        "mast",
+        "--split",
+        "2",
+        "--batch-size",
+        "8",
+        "--checkpoint-every",
+        "1",
+    ];
+    let schedule = ["--schedule", "constant", "--warmup", "0"];
+    let common = [&spread[..], &schedule[..]].concat();
+    // Long enough to be killed mid-run: SIGKILL once a few checkpoints are down.
+    let mut child = Command::new(env!("CARGO_BIN_EXE_gems"))
+        .args(&common)
+        .args([
+            "--steps",
+            "100000",
+            "--checkpoint",
+            killed.to_str().unwrap(),
+        ])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let started = Instant::now();
+    while !killed.join("step-000004.safetensors").exists() {
+        assert!(
+            started.elapsed() < Duration::from_secs(120),
+            "no checkpoints"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    child.kill().unwrap();
+    child.wait().unwrap();
+    let last = std::fs::read_dir(&killed)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with("step-"))
+        .max()
+        .unwrap();
+    let steps = "40";
+    let r = run(
+        &[
+            &spread[..],
+            &[
+                "--resume",
+                killed.join(&last).to_str().unwrap(),
+                "--steps",
+                steps,
+                "--checkpoint",
+                killed.to_str().unwrap(),
+            ],
+        ]
+        .concat(),
+        300,
+    );
+    assert!(r.ok, "{}", r.err);
+    let r = run(
+        &[
+            &common[..],
+            &["--steps", steps, "--checkpoint", whole.to_str().unwrap()],
+        ]
+        .concat(),
+        300,
+    );
+    assert!(r.ok, "{}", r.err);
+    let name = "step-000040.safetensors";
+    assert!(
+        tensors(&killed.join(name)) == tensors(&whole.join(name)),
+        "resumed from {last}"
+    );
+    std::fs::remove_dir_all(&d).ok();
+}
+
+fn png(path: &Path, rgb: [u8; 3]) {
+    std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+    image::RgbImage::from_pixel(8, 8, image::Rgb(rgb))
+        .save(path)
+        .unwrap();
+}
+
+#[test]
+fn data_that_would_train_or_score_the_wrong_thing_is_refused_by_name() {
+    let d = scratch("data");
+    let folder = |dir: &Path| format!("folder:{}", dir.display());
+    // Two classes, counted before step 1.
+    let train = d.join("train");
+    for (i, class) in ["a", "b"].iter().enumerate() {
+        for j in 0..=i + 1 {
+            png(
+                &train.join(class).join(format!("{j}.png")),
+                [40 * j as u8, 90, 200],
+            );
+        }
+    }
+    let ck = d.join("ck");
+    let r = run(
+        &[
+            "train",
+            "--data",
+            &folder(&train),
+            "--image-size",
+            "32",
+            "--batch-size",
+            "2",
+            "--steps",
+            "2",
+            "--checkpoint",
+            ck.to_str().unwrap(),
+        ],
+        120,
+    );
+    assert!(r.ok, "{}", r.err);
+    assert!(
+        r.out.contains("data: 5 for training (a 2, b 3)"),
+        "{}",
+        r.out
+    );
+    // An empty class folder would be a class with nothing to learn.
+    std::fs::create_dir_all(train.join("c")).unwrap();
+    refused(
+        &[
+            "train",
+            "--data",
+            &folder(&train),
+            "--image-size",
+            "32",
+            "--steps",
+            "1",
+        ],
+        "c: is an empty class folder",
+    );
+    std::fs::remove_dir(train.join("c")).unwrap();
+    // A pipe among the images is refused, not read (which would block).
+    let fifo = train.join("a/pipe.png");
+    assert!(Command::new("mkfifo")
+        .arg(&fifo)
+        .status()
+        .unwrap()
+        .success());
+    refused(
+        &[
+            "train",
+            "--data",
+            &folder(&train),
+            "--image-size",
+            "32",
+            "--steps",
+            "1",
+        ],
+        "pipe.png: is not a regular file",
+    );
+    std::fs::remove_file(&fifo).unwrap();
+    // Evaluation matches classes by name: other names are refused, a subset is scored as the
+    // classes the model knows.
+    let ckpt = ck.join("step-000002.safetensors");
+    let other = d.join("other");
+    png(&other.join("cat/0.png"), [1, 2, 3]);
+    png(&other.join("dog/0.png"), [3, 2, 1]);
+    refused(
+        &[
+            "eval",
+            "--checkpoint",
+            ckpt.to_str().unwrap(),
+            "--data",
+            &folder(&other),
+        ],
+        "classes the model was not trained on (cat, dog)",
+    );
+    let subset = d.join("subset");
+    png(&subset.join("b/0.png"), [1, 2, 3]);
+    let r = run(
+        &[
+            "eval",
+            "--checkpoint",
+            ckpt.to_str().unwrap(),
+            "--data",
+            &folder(&subset),
+        ],
+        120,
+    );
+    assert!(r.ok, "{}", r.err);
+    let row = r
+        .out
+        .lines()
+        .find(|l| l.starts_with("1 b"))
+        .unwrap_or_else(|| panic!("{}", r.out));
+    assert!(
+        row.split_whitespace().nth(2) == Some("1"),
+        "one sample of b: {}",
+        r.out
+    );
+    std::fs::remove_dir_all(&d).ok();
 }

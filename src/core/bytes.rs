@@ -46,6 +46,13 @@ impl Category {
 pub struct ByCategory(pub [u64; 6]);
 
 impl ByCategory {
+    /// `bytes` in category `c` and nothing else.
+    pub fn only(c: Category, bytes: u64) -> ByCategory {
+        let mut b = ByCategory::default();
+        b.0[c.index()] = bytes;
+        b
+    }
+
     pub fn get(&self, c: Category) -> u64 {
         self.0[c.index()]
     }

@@ -400,7 +400,16 @@ impl Pipeline {
     /// Positions first..first+n as one NCHW batch and its labels.
     pub fn batch(&self, first: u64, n: usize) -> Result<(Vec<f32>, Vec<u32>)> {
         let len = self.sample_len();
-        let mut pixels = Vec::with_capacity(n * len);
+        let mut pixels = Vec::new();
+        let values = n.checked_mul(len);
+        values
+            .and_then(|v| pixels.try_reserve_exact(v).ok())
+            .ok_or_else(|| {
+                Error::Config(format!(
+                    "a batch of {n} images of {}² is more than this machine can hold",
+                    self.image_size
+                ))
+            })?;
         let labels = (first..first + n as u64)
             .map(|pos| {
                 let (label, read) = self.read(pos)?;

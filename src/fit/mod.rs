@@ -10,7 +10,7 @@ use std::ops::Range;
 use crate::backend::cuda::ConvImpl;
 use crate::backend::DeviceKind;
 use crate::graph::Graph;
-use crate::memory::MemoryStats;
+use crate::memory::{ByCategory, Category, MemoryStats};
 use crate::plan::offload::{self, Chosen, HostLink};
 use crate::plan::{Layout, RunConfig};
 use crate::runtime::meter;
@@ -151,37 +151,106 @@ fn fewest_stages(
     Ok(Some(found))
 }
 
-/// Checks every rank's metered peak against the capacity; [`Error::DoesNotFit`] names the
-/// rank that exceeds it most, by how much, and what would fit: the largest batch with these
-/// stages, else the fewest stages with this batch.
+/// Checks every rank's metered peak against the capacity (the device memory given, else on
+/// the CPU the machine's memory), then that the data loader's prefetched batches fit the
+/// machine's memory beside it; [`Error::DoesNotFit`] names the rank that exceeds it most,
+/// by how much, and what would fit: the largest batch with these stages, else the fewest
+/// stages with this batch.
 pub fn check_fits(g: &Graph, c: &RunConfig) -> Result<()> {
-    let Some(cap) = c.train.device_memory else {
-        return Ok(());
+    let host = crate::memory::physical_memory();
+    let cap = match (c.train.device_memory, c.train.device) {
+        (Some(cap), _) => Some(cap),
+        // Uncapped, a CPU rank still cannot hold more than the machine's memory: sizes no run
+        // can hold are refused here, not by an allocation that aborts the process.
+        (None, DeviceKind::Cpu) => host,
+        (None, _) => None,
     };
+    let mut device_peak = 0;
+    if let Some(cap) = cap {
+        device_peak = check_device(g, c, cap)?;
+    }
+    // The loader's batches live in host memory, beside a CPU rank's own.
+    let on_host = match c.train.device {
+        DeviceKind::Cpu => device_peak,
+        _ => 0,
+    };
+    let loader = c.loader_bytes(g.image_size());
+    match host {
+        Some(host) if loader.saturating_add(on_host) > host => Err(Error::Config(format!(
+            "prefetching {} micro-batches of {} images ahead holds up to {} of host memory, \
+             more than this machine's {} leaves{}",
+            c.train.data.prefetch,
+            c.micro_batch(),
+            crate::memory::human_bytes(loader),
+            crate::memory::human_bytes(host),
+            match on_host {
+                0 => String::new(),
+                b => format!(" beside the rank's {}", crate::memory::human_bytes(b)),
+            }
+        ))),
+        _ => Ok(()),
+    }
+}
+
+/// The largest rank's metered peak if every rank fits `cap`, else [`Error::DoesNotFit`].
+fn check_device(g: &Graph, c: &RunConfig, cap: u64) -> Result<u64> {
+    let input = input_bytes(g, c);
+    if input > cap {
+        // One micro-batch's input alone exceeds the capacity: refused without metering (a
+        // metered run would hold the micro-batch's labels on the host); `needed` is then that
+        // input, a lower bound.
+        let at_peak = ByCategory::only(Category::Activations, input);
+        return Err(Error::DoesNotFit {
+            rank: 0,
+            needed: input,
+            capacity: cap,
+            at_peak,
+            least: None,
+            what_fits: what_fits(g, c, cap)?,
+        });
+    }
     let peaks = per_rank(g, c)?;
-    let Some((rank, worst)) = peaks
-        .iter()
-        .enumerate()
-        .max_by_key(|(_, m)| m.peak)
-        .filter(|(_, m)| m.peak > cap)
-    else {
-        return Ok(());
+    let Some((rank, worst)) = peaks.iter().enumerate().max_by_key(|(_, m)| m.peak) else {
+        return Ok(0);
     };
-    let what_fits = match largest_batch(g, c, cap, c.train.batch_size)? {
-        0 => match fewest_stages(g, c, cap, c.scheme.stages + 1..most_stages(g) + 1)? {
-            Some(t) => WhatFits::Stages(t.scheme.stages),
-            None => WhatFits::Nothing,
-        },
-        b => WhatFits::Batch(b),
-    };
+    if worst.peak <= cap {
+        return Ok(worst.peak);
+    }
     Err(Error::DoesNotFit {
         rank,
         needed: worst.peak,
         capacity: cap,
         at_peak: worst.at_peak,
         least: crate::plan::memory::shortfall(g, c)?.map(Box::new),
-        what_fits,
+        what_fits: what_fits(g, c, cap)?,
     })
+}
+
+/// What fits `cap` where `c` does not: the largest batch with these stages, else the fewest
+/// stages with this batch.
+fn what_fits(g: &Graph, c: &RunConfig, cap: u64) -> Result<WhatFits> {
+    Ok(match largest_batch(g, c, cap, c.train.batch_size)? {
+        0 => match fewest_stages(g, c, cap, c.scheme.stages + 1..most_stages(g) + 1)? {
+            Some(t) => WhatFits::Stages(t.scheme.stages),
+            None => WhatFits::Nothing,
+        },
+        b => WhatFits::Batch(b),
+    })
+}
+
+/// Bytes of one micro-batch's input images, saturating (sizes from a command line can be
+/// anything).
+fn input_bytes(g: &Graph, c: &RunConfig) -> u64 {
+    let side = g.image_size() as u64;
+    [
+        c.micro_batch() as u64,
+        3,
+        side,
+        side,
+        c.train.activations().size() as u64,
+    ]
+    .into_iter()
+    .fold(1u64, u64::saturating_mul)
 }
 
 /// The offload policy with the least predicted exposed time under which every rank of `c`

@@ -5,6 +5,18 @@ use std::sync::{Arc, Mutex};
 
 pub use crate::core::{human_bytes, parse_bytes, ByCategory, Category, OutOfMemory};
 
+/// This machine's physical memory in bytes (`None` where the system does not say).
+pub fn physical_memory() -> Option<u64> {
+    // SAFETY: sysconf reads system constants and has no preconditions.
+    let (pages, page) = unsafe {
+        (
+            libc::sysconf(libc::_SC_PHYS_PAGES),
+            libc::sysconf(libc::_SC_PAGESIZE),
+        )
+    };
+    (pages > 0 && page > 0).then(|| pages as u64 * page as u64)
+}
+
 #[derive(Debug, Default)]
 struct State {
     capacity: Option<u64>,

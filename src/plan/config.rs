@@ -173,4 +173,18 @@ impl RunConfig {
     pub fn images_per_step(&self) -> usize {
         self.scheme.replicas * self.train.batch_size * self.scheme.dp
     }
+
+    /// Host bytes a loading rank's data loader holds at most for `image_size`² inputs: the
+    /// prefetched micro-batches and the one being trained on, pixels (f32) and labels
+    /// (saturating: sizes from a command line can be anything).
+    pub fn loader_bytes(&self, image_size: usize) -> u64 {
+        let per_image = (crate::data::CHANNELS * image_size * image_size * 4 + 4) as u64;
+        [
+            self.train.data.prefetch as u64 + 1,
+            self.micro_batch() as u64,
+            per_image,
+        ]
+        .into_iter()
+        .fold(1, u64::saturating_mul)
+    }
 }

@@ -521,8 +521,18 @@ impl Rank {
         if !losses.is_empty() {
             let labels = match &self.data {
                 Some(d) => d.labels(self.first_image(gm), mb)?,
-                // A metered run computes nothing: any labels do.
-                None => vec![0; mb],
+                // A metered run computes nothing: any labels do. Its sizes may be anything a
+                // caller asks about, so a batch the host cannot even label is an error.
+                None => {
+                    let mut labels = Vec::new();
+                    labels.try_reserve_exact(mb).map_err(|_| {
+                        Error::Config(format!(
+                            "a micro-batch of {mb} images is more than this machine can hold"
+                        ))
+                    })?;
+                    labels.resize(mb, 0);
+                    labels
+                }
             };
             let m_total = s.micro_batches_per_step() as f64;
             for (o, logits) in losses.iter().zip(&outs[n_out..]) {

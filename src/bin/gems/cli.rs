@@ -1,7 +1,7 @@
 //! The command line's definitions: every command's flags, and how they read into the
 //! library's types.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use clap::{Args, Parser, Subcommand};
 
@@ -286,7 +286,15 @@ impl std::str::FromStr for Offload {
             "all" => Offload::All,
             "recompute" => Offload::Recompute,
             "auto" => Offload::Auto,
-            file => Offload::File(file.into()),
+            // A word that names no file is a mistyped policy, not a missing file.
+            file if Path::new(file).exists() || file.ends_with(".json") => {
+                Offload::File(file.into())
+            }
+            other => {
+                return Err(format!(
+                    "'{other}' is not none, all, recompute, auto, or an existing policy file"
+                ))
+            }
         })
     }
 }
@@ -331,13 +339,33 @@ pub struct SlideArgs {
     pub stride: Option<u32>,
     /// Leave out near-white tiles whose mean brightness (0 to 1) is above this; 0.8 suits
     /// bright-field slides.
-    #[arg(long, value_name = "BRIGHTNESS")]
+    #[arg(long, value_name = "BRIGHTNESS", value_parser = brightness)]
     pub tissue: Option<f32>,
+}
+
+/// A mean brightness: a number from 0 (black) to 1 (white).
+fn brightness(s: &str) -> Result<f32, String> {
+    match s.parse::<f32>() {
+        Ok(b) if (0.0..=1.0).contains(&b) => Ok(b),
+        _ => Err(format!("a brightness is a number from 0 to 1, not {s}")),
+    }
 }
 
 impl SlideArgs {
     /// The source `data` names, cut into tiles of `image_size` unless told otherwise.
     pub fn spec(&self, data: &DataSource, image_size: usize) -> anyhow::Result<SourceSpec> {
+        let tiling = [
+            ("--labels", self.labels.is_some()),
+            ("--level", self.level != 0),
+            ("--tile-size", self.tile_size.is_some()),
+            ("--stride", self.stride.is_some()),
+            ("--tissue", self.tissue.is_some()),
+        ];
+        if let Some((flag, _)) = tiling.iter().find(|(_, given)| *given) {
+            if !matches!(data, DataSource::Slides(_)) {
+                anyhow::bail!("{flag} cuts slides into tiles: it needs --data slides:DIR");
+            }
+        }
         Ok(match data {
             DataSource::Synthetic => SourceSpec::Synthetic,
             DataSource::Folder(dir) => SourceSpec::Folder(dir.clone()),

@@ -276,7 +276,7 @@ fn run(a: &TrainArgs, mut session: Session, data: &Pipeline, speaks: bool) -> an
         None => {}
     };
     let started = Instant::now();
-    let mut history: Vec<StepReport> = Vec::with_capacity(total - first);
+    let mut totals = Totals::default();
     let validates = c.train.data.val > 0.0;
     for _ in first..total {
         let r = session.step()?;
@@ -310,8 +310,9 @@ fn run(a: &TrainArgs, mut session: Session, data: &Pipeline, speaks: bool) -> an
             // Flushed every step: a run that stops keeps what it measured.
             m.flush()?;
         }
-        let recent = &history[history.len().saturating_sub(9)..];
-        let (loss, acc) = window_stats(recent.iter().chain(std::iter::once(&r)));
+        totals.add(r);
+        let r = totals.recent.back().expect("the step just added");
+        let (loss, acc) = window_stats(totals.recent.iter());
         let msg = format!(
             "loss {loss:.4}  acc {:.1}%  {:.1} img/s  lr {:.4}",
             100.0 * acc,
@@ -328,7 +329,6 @@ fn run(a: &TrainArgs, mut session: Session, data: &Pipeline, speaks: bool) -> an
             }
             None => {}
         }
-        history.push(r);
     }
     if let Some(b) = bar {
         b.finish_and_clear();
@@ -343,17 +343,16 @@ fn run(a: &TrainArgs, mut session: Session, data: &Pipeline, speaks: bool) -> an
     if !speaks {
         return Ok(());
     }
-    let images: usize = history.iter().map(|r| r.images).sum();
-    let tail = &history[history.len().saturating_sub(10)..];
-    let (loss, acc) = window_stats(tail.iter());
+    let images = totals.images;
+    let (loss, acc) = window_stats(totals.recent.iter());
     println!(
         "done: {} steps, {images} images in {secs:.1} s",
-        history.len()
+        totals.steps
     );
     println!(
         "  loss {loss:.4}, accuracy {:.1}% (mean of the last {} steps; chance is {:.1}%)",
         100.0 * acc,
-        tail.len(),
+        totals.recent.len(),
         100.0 / session.graph().classes() as f64
     );
     println!("  throughput {:.1} images/s", images as f64 / secs);
@@ -364,10 +363,12 @@ fn run(a: &TrainArgs, mut session: Session, data: &Pipeline, speaks: bool) -> an
             s.skipped()
         );
     }
-    let waited: f64 = history.iter().map(|r| r.data_wait).sum();
+    let waited = totals.data_wait;
     println!(
-        "  waited for data {waited:.2} s ({:.1}% of the loop)",
-        100.0 * waited / secs
+        "  waited for data {waited:.2} s ({:.1}% of the loop); the loader holds up to {} of host memory per loading rank ({} micro-batches ahead)",
+        100.0 * waited / secs,
+        human_bytes(c.loader_bytes(session.graph().image_size())),
+        c.train.data.prefetch
     );
     let (bad, last_bad) = data.bad();
     if bad > 0 {
@@ -379,7 +380,7 @@ fn run(a: &TrainArgs, mut session: Session, data: &Pipeline, speaks: bool) -> an
     if let Some(e) = &validation {
         print_validation(e);
     }
-    let last = history.last().expect("at least one step ran");
+    let last = totals.recent.back().expect("at least one step ran");
     if last.ranks.len() == 1 {
         let mem = &last.ranks[0].memory;
         println!("  peak memory {}: {}", human_bytes(mem.peak), mem.at_peak);
@@ -393,15 +394,12 @@ fn run(a: &TrainArgs, mut session: Session, data: &Pipeline, speaks: bool) -> an
     } else {
         println!("  rank   busy s   idle s   data wait s   peak memory");
         for rank in 0..last.ranks.len() {
-            let sum = |f: fn(&gems::runtime::RankStep) -> f64| {
-                history.iter().map(|r| f(&r.ranks[rank])).sum::<f64>()
-            };
-            let (busy, wall) = (sum(|r| r.busy), sum(|r| r.seconds));
+            let [busy, wall, waited] = totals.per_rank[rank];
             let mem = &last.ranks[rank].memory;
             println!(
                 "  {rank:>4} {busy:>8.2} {:>8.2} {:>13.2}   {}: {}",
                 (wall - busy).max(0.0),
-                sum(|r| r.data_wait),
+                waited,
                 human_bytes(mem.peak),
                 mem.at_peak
             );
@@ -507,6 +505,39 @@ pub fn print_validation(e: &Evaluation) {
 }
 
 /// Mean loss and accuracy over reports.
+/// What the summary needs of the steps run, in memory that does not grow with the run.
+#[derive(Default)]
+struct Totals {
+    steps: usize,
+    images: usize,
+    data_wait: f64,
+    /// Per rank: busy seconds, wall seconds, seconds waiting for data.
+    per_rank: Vec<[f64; 3]>,
+    /// The last [`WINDOW`] steps, oldest first.
+    recent: std::collections::VecDeque<StepReport>,
+}
+
+/// Steps the progress line's and the summary's loss and accuracy are the mean of.
+const WINDOW: usize = 10;
+
+impl Totals {
+    fn add(&mut self, r: StepReport) {
+        self.steps += 1;
+        self.images += r.images;
+        self.data_wait += r.data_wait;
+        self.per_rank.resize(r.ranks.len(), [0.0; 3]);
+        for (sum, rank) in self.per_rank.iter_mut().zip(&r.ranks) {
+            sum[0] += rank.busy;
+            sum[1] += rank.seconds;
+            sum[2] += rank.data_wait;
+        }
+        if self.recent.len() == WINDOW {
+            self.recent.pop_front();
+        }
+        self.recent.push_back(r);
+    }
+}
+
 fn window_stats<'a>(rs: impl Iterator<Item = &'a StepReport>) -> (f64, f64) {
     let (mut loss, mut correct, mut seen, mut n) = (0.0, 0, 0, 0);
     for r in rs {
