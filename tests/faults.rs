@@ -538,3 +538,47 @@ fn data_that_would_train_or_score_the_wrong_thing_is_refused_by_name() {
     );
     std::fs::remove_dir_all(&d).ok();
 }
+
+#[test]
+fn results_do_not_depend_on_the_thread_count() {
+    // Every reduction of the CPU backend has a fixed order, so a run resumed with another
+    // --threads continues the same computation: the weights agree bit for bit.
+    let d = scratch("threads");
+    let weights = |threads: &str, model: &[&str]| {
+        let ck = d.join(format!("t{threads}"));
+        let args = [
+            &[
+                "train",
+                "--threads",
+                threads,
+                "--steps",
+                "2",
+                "--checkpoint",
+            ][..],
+            &[ck.to_str().unwrap()],
+            model,
+        ]
+        .concat();
+        let r = run(&args, 300);
+        assert!(r.ok, "{}", r.err);
+        tensors(&ck.join("step-000002.safetensors"))
+    };
+    for model in [
+        &["--batch-size", "8"][..],
+        &[
+            "--model",
+            "resnet50",
+            "--image-size",
+            "64",
+            "--batch-size",
+            "2",
+        ],
+    ] {
+        let one = weights("1", model);
+        assert!(
+            weights("3", model) == one,
+            "{model:?}: 1 and 3 threads differ"
+        );
+        std::fs::remove_dir_all(&d).ok();
+    }
+}

@@ -6,8 +6,10 @@
 //!
 //! Work is split into contiguous runs of (sample, tile) items, one run per lane (a rayon task
 //! with its own slice of the workspace). Filter gradients are summed per lane, then over lanes
-//! in lane order, so results do not depend on thread timing. Data gradients overlap between
-//! tiles (col2im adds into shared rows), so they are split by sample instead.
+//! in lane order; their lanes are a fixed number ([`REDUCTION_LANES`]), not one per thread,
+//! so a gradient's rounding depends neither on thread timing nor on the thread count. Data
+//! gradients overlap between tiles (col2im adds into shared rows), so they are split by
+//! sample instead.
 
 use std::ops::Range;
 
@@ -26,9 +28,18 @@ fn tiling(g: &ConvGeom) -> (usize, usize) {
     (rows, g.h_out.div_ceil(rows))
 }
 
-/// Parallel lanes for `items` work items.
+/// Parallel lanes for `items` work items that sum nothing across items.
 fn lanes(items: usize) -> usize {
     items.clamp(1, rayon::current_num_threads())
+}
+
+/// Lanes of a reduction over items (the filter gradient): a constant, so the partial sums and
+/// hence the result are the same on any number of threads. Threads beyond it run each lane's
+/// products in parallel, which splits rows and columns, never the sum.
+const REDUCTION_LANES: usize = 4;
+
+fn reduction_lanes(items: usize) -> usize {
+    items.clamp(1, REDUCTION_LANES)
 }
 
 fn col_tile_len(g: &ConvGeom) -> usize {
@@ -46,7 +57,8 @@ fn lane_len(g: &ConvGeom) -> usize {
 /// Workspace elements of forward and backward-filter: per lane, an im2col tile and a
 /// filter-gradient partial sum.
 fn lanes_len(g: &ConvGeom) -> usize {
-    lanes(g.n * tiling(g).1) * lane_len(g)
+    let items = g.n * tiling(g).1;
+    lanes(items).max(reduction_lanes(items)) * lane_len(g)
 }
 
 /// Workspace elements: what every pass needs (backward-data as a forward convolution: its
@@ -222,7 +234,7 @@ pub fn forward<T: Float>(x: &[T], w: &[T], y: &mut [T], ws: &mut [T], g: &ConvGe
     let par_gemm = items == 1;
     assert!(y.len() >= g.n * y_len && x.len() >= g.n * x_len);
     let out = SharedOut(y.as_mut_ptr());
-    ws[..lanes_len(g)]
+    ws[..lanes(items) * lane_len(g)]
         .par_chunks_mut(lane_len(g))
         .enumerate()
         .for_each(|(l, lane)| {
@@ -338,14 +350,15 @@ pub fn backward_filter<T: Float>(x: &[T], dy: &[T], dw: &mut [T], ws: &mut [T], 
     let (rows_g, co_g) = (g.col_rows(), g.c_out / g.groups);
     let tiles = tiling(g).1;
     let items = g.n * tiles;
-    let per = items.div_ceil(lanes(items));
-    let par_gemm = items == 1;
+    let lanes = reduction_lanes(items);
+    let per = items.div_ceil(lanes);
+    let par_gemm = lanes < rayon::current_num_threads();
     let cl = col_tile_len(g);
     // The gemm crate runs these products (the long dimension inside both operands' rows)
     // about twice as fast with the larger of C_out and C_in·k² as the rows of the result, so
     // the partial sums are dWᵀ += im2col(x) · dyᵀ where C_in·k² is the larger.
     let transposed = rows_g >= co_g;
-    let ws = &mut ws[..lanes_len(g)];
+    let ws = &mut ws[..lanes * lane_len(g)];
     ws.par_chunks_mut(lane_len(g))
         .enumerate()
         .for_each(|(l, lane)| {
