@@ -234,6 +234,18 @@ fn sizes_no_machine_holds_are_refused_without_aborting() {
         ],
         "the plan does not fit",
     );
+    refused(
+        &["train", "--classes", "1000000000", "--steps", "1"],
+        "is more than this machine can hold",
+    );
+    refused(
+        &["train", "--threads", "100000"],
+        "a thread count is 1 to 1024",
+    );
+    refused(
+        &["train", "--workers", "100000"],
+        "a thread count is 1 to 1024",
+    );
     // A run as long as a u64 counts reserves nothing per step up front: it trains.
     let mut child = Command::new(env!("CARGO_BIN_EXE_gems"))
         .args([

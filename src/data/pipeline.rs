@@ -22,6 +22,9 @@ const HELD_OUT_STREAM: u64 = 0x4556_414c;
 const SPLIT_STREAM: u64 = 0x5350_4c54;
 const AUGMENT_STREAM: u64 = 0x4155_474d;
 
+/// Loader threads a run may ask for: more would only cost memory and start-up time.
+pub const MAX_WORKERS: usize = 1024;
+
 /// Where the images come from (`--data`).
 #[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 pub enum SourceSpec {
@@ -172,6 +175,12 @@ pub fn open(c: &DataConfig, image_size: usize, classes: usize, seed: u64) -> Res
         return Err(Error::Config(
             "the loader needs at least one worker and one batch of prefetch".into(),
         ));
+    }
+    if c.workers > MAX_WORKERS {
+        return Err(Error::Config(format!(
+            "the loader runs at most {MAX_WORKERS} worker threads, not {}",
+            c.workers
+        )));
     }
     // Training shuffles each epoch and may augment; held-out samples go in order, as they are.
     let pipeline = |source: Arc<dyn Source>, subset, normalize, training: bool| {

@@ -194,15 +194,16 @@ pub fn check_fits(g: &Graph, c: &RunConfig) -> Result<()> {
 
 /// The largest rank's metered peak if every rank fits `cap`, else [`Error::DoesNotFit`].
 fn check_device(g: &Graph, c: &RunConfig, cap: u64) -> Result<u64> {
-    let input = input_bytes(g, c);
-    if input > cap {
-        // One micro-batch's input alone exceeds the capacity: refused without metering (a
-        // metered run would hold the micro-batch's labels on the host); `needed` is then that
-        // input, a lower bound.
-        let at_peak = ByCategory::only(Category::Activations, input);
+    let (input, weights) = (input_bytes(g, c), weight_bytes(g, c));
+    if input.saturating_add(weights) > cap {
+        // One micro-batch's input and the model's weights alone exceed the capacity: refused
+        // without metering (a metered run would make them on the host); `needed` is then
+        // those two, a lower bound.
+        let mut at_peak = ByCategory::only(Category::Activations, input);
+        at_peak.0[Category::Weights.index()] = weights;
         return Err(Error::DoesNotFit {
             rank: 0,
-            needed: input,
+            needed: input.saturating_add(weights),
             capacity: cap,
             at_peak,
             least: None,
@@ -236,6 +237,15 @@ fn what_fits(g: &Graph, c: &RunConfig, cap: u64) -> Result<WhatFits> {
         },
         b => WhatFits::Batch(b),
     })
+}
+
+/// Bytes of the parameters every rank holds whole (saturating): the model's with one stage,
+/// else none counted here.
+fn weight_bytes(g: &Graph, c: &RunConfig) -> u64 {
+    match c.scheme.stages {
+        1 => (g.parameter_count() as u64).saturating_mul(c.train.dtype.size() as u64),
+        _ => 0,
+    }
 }
 
 /// Bytes of one micro-batch's input images, saturating (sizes from a command line can be

@@ -51,15 +51,23 @@ impl Params {
         let mut grads = Vec::with_capacity(ids.len());
         for (id, p) in graph.params.iter().enumerate().take(ids.end) {
             let n = p.spec.shape.numel();
-            let data: Vec<f64> = match p.spec.init {
-                Init::Zeros => vec![0.0; n],
-                Init::Ones => vec![1.0; n],
+            // Fallibly: a model's sizes may come from anywhere (a huge class count).
+            let mut data: Vec<f64> = Vec::new();
+            data.try_reserve_exact(n).map_err(|_| {
+                Error::Config(format!(
+                    "parameter '{}' of {n} values is more than this machine can hold",
+                    p.name
+                ))
+            })?;
+            match p.spec.init {
+                Init::Zeros => data.resize(n, 0.0),
+                Init::Ones => data.resize(n, 1.0),
                 Init::Normal(std) => {
                     let d = Normal::new(0.0, std).map_err(|e| Error::Internal(e.to_string()))?;
-                    (0..n).map(|_| d.sample(&mut rng)).collect()
+                    data.extend((0..n).map(|_| d.sample(&mut rng)));
                 }
-                Init::Uniform(b) => (0..n).map(|_| rng.random_range(-b..b)).collect(),
-            };
+                Init::Uniform(b) => data.extend((0..n).map(|_| rng.random_range(-b..b))),
+            }
             if id < ids.start {
                 continue;
             }

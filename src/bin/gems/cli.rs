@@ -21,8 +21,9 @@ use gems::{DType, Precision, TrainConfig};
     about = "Memory-aware model-parallel training of deep CNNs on very large images"
 )]
 pub struct Cli {
-    /// Worker threads for the CPU backend (default: all cores).
-    #[arg(long, global = true)]
+    /// Worker threads for the CPU backend, 1 to 1024 (default: all cores). Results do not
+    /// depend on it.
+    #[arg(long, global = true, value_parser = thread_count)]
     pub threads: Option<usize>,
     #[command(subcommand)]
     pub command: Command,
@@ -343,6 +344,14 @@ pub struct SlideArgs {
     pub tissue: Option<f32>,
 }
 
+/// A number of threads: 1 to 1024 (more would only cost memory and start-up time).
+fn thread_count(s: &str) -> Result<usize, String> {
+    match s.parse::<usize>() {
+        Ok(n) if (1..=1024).contains(&n) => Ok(n),
+        _ => Err(format!("a thread count is 1 to 1024, not {s}")),
+    }
+}
+
 /// A mean brightness: a number from 0 (black) to 1 (white).
 fn brightness(s: &str) -> Result<f32, String> {
     match s.parse::<f32>() {
@@ -411,8 +420,8 @@ pub struct DataArgs {
     /// Leave unreadable samples out with a warning (counted in the summary) instead of stopping.
     #[arg(long)]
     pub skip_bad: bool,
-    /// Loader threads preparing batches ahead of training.
-    #[arg(long, default_value_t = 2)]
+    /// Loader threads preparing batches ahead of training (1 to 1024).
+    #[arg(long, default_value_t = 2, value_parser = thread_count)]
     pub workers: usize,
     /// Batches prepared ahead at most.
     #[arg(long, default_value_t = 4)]
