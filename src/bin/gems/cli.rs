@@ -31,7 +31,7 @@ pub struct Cli {
 
 #[derive(Subcommand)]
 pub enum Command {
-    /// Train a model on one device.
+    /// Train a model on one device or spread over ranks by a scheme, with checkpoints.
     Train(Box<TrainArgs>),
     /// List the models with parameters, FLOPs and activation memory, or show one model's graph.
     Models(ModelsArgs),
