@@ -371,11 +371,15 @@ fn activations_take_half_the_bytes() {
     let peak = |precision| {
         let mut t = trainer(config(precision, 16, 1)).unwrap();
         t.step().unwrap();
-        t.memory().unwrap()[0].at_peak.get(Category::Activations)
+        t.memory().unwrap()[0]
+            .category_peaks
+            .get(Category::Activations)
     };
     let (full, half) = (peak(Precision::Fp32), peak(Precision::Bf16));
     let ratio = half as f64 / full as f64;
-    // Batch statistics and the softmax probabilities stay f32: a little over one half.
+    // Batch statistics and the softmax probabilities stay f32: a little over one half. (The
+    // activations' own high-water mark: at the moment of the total peak they depend on how
+    // much workspace is live then, which differs between the precisions.)
     assert!((0.5..0.52).contains(&ratio), "bf16 {half} vs fp32 {full}");
 }
 

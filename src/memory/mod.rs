@@ -23,6 +23,7 @@ struct State {
     live: ByCategory,
     peak: u64,
     at_peak: ByCategory,
+    category_peaks: ByCategory,
 }
 
 /// Memory statistics of one device.
@@ -34,6 +35,9 @@ pub struct MemoryStats {
     pub peak: u64,
     /// Live bytes by category at the moment of the peak.
     pub at_peak: ByCategory,
+    /// Each category's own high-water mark (reached at different moments, so their sum may
+    /// exceed `peak`): e.g. the most activation bytes ever live, whatever else was.
+    pub category_peaks: ByCategory,
 }
 
 /// Accounts leases against a capacity (`None`: unlimited).
@@ -84,7 +88,9 @@ impl Allocator {
                 });
             }
         }
-        s.live.0[category.index()] += bytes;
+        let i = category.index();
+        s.live.0[i] += bytes;
+        s.category_peaks.0[i] = s.category_peaks.0[i].max(s.live.0[i]);
         if total > s.peak {
             s.peak = total;
             s.at_peak = s.live;
@@ -103,6 +109,7 @@ impl Allocator {
             live: s.live,
             peak: s.peak,
             at_peak: s.at_peak,
+            category_peaks: s.category_peaks,
         }
     }
 }
@@ -150,6 +157,9 @@ mod tests {
         assert_eq!(s.peak, 900);
         assert_eq!(s.at_peak.get(Category::Workspace), 600);
         assert_eq!(s.at_peak.get(Category::Activations), 0);
+        // Each category's own high-water mark, whenever it was reached.
+        assert_eq!(s.category_peaks.get(Category::Activations), 500);
+        assert_eq!(s.category_peaks.get(Category::Workspace), 600);
         drop(w);
         assert_eq!(a.stats().live.total(), 600);
     }
