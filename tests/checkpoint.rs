@@ -277,3 +277,119 @@ fn evaluation_changes_nothing_and_reports() {
         "evaluation must not change weights or BN statistics"
     );
 }
+
+/// The tensors of a safetensors file by name, with dtype, shape and bytes.
+fn tensor_map(path: &Path) -> std::collections::BTreeMap<String, (String, Vec<usize>, Vec<u8>)> {
+    let bytes = std::fs::read(path).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    st.tensors()
+        .into_iter()
+        .map(|(n, t)| {
+            (
+                n,
+                (
+                    format!("{:?}", t.dtype()),
+                    t.shape().to_vec(),
+                    t.data().to_vec(),
+                ),
+            )
+        })
+        .collect()
+}
+
+#[test]
+fn weights_go_out_as_a_plain_state_dict_and_come_back_in() {
+    let d = temp_dir("export");
+    let gems = |args: &[&str]| {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_gems"))
+            .args(args)
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stdout).into_owned();
+        let err = String::from_utf8_lossy(&out.stderr).into_owned();
+        assert!(!err.contains("panicked"), "{err}");
+        (out.status.success(), text, err)
+    };
+    let p = |name: &str| d.join(name).to_str().unwrap().to_string();
+    // The initialization, exported, starts a run exactly where the model's own would.
+    let (ok, _, err) = gems(&["export", "--out", &p("init.safetensors")]);
+    assert!(ok, "{err}");
+    let init = tensor_map(&d.join("init.safetensors"));
+    assert!(init.keys().all(|n| !n.starts_with("optimizer.")));
+    assert_eq!(init["bn.num_batches_tracked"].0, "I64");
+    for (ck, extra) in [("a", None), ("b", Some(p("init.safetensors")))] {
+        let mut args = vec!["train", "--steps", "2", "--batch-size", "8", "--checkpoint"];
+        let dir = p(ck);
+        args.push(&dir);
+        if let Some(file) = &extra {
+            args.extend(["--init", file.as_str()]);
+        }
+        let (ok, _, err) = gems(&args);
+        assert!(ok, "{err}");
+    }
+    let (a, b) = (
+        d.join("a/step-000002.safetensors"),
+        d.join("b/step-000002.safetensors"),
+    );
+    let strip = |m: std::collections::BTreeMap<String, (String, Vec<usize>, Vec<u8>)>| {
+        m.into_iter()
+            .filter(|(n, _)| !n.starts_with("optimizer."))
+            .collect::<Vec<_>>()
+    };
+    assert!(strip(tensor_map(&a)) == strip(tensor_map(&b)));
+    // A checkpoint's weights, exported, score as the checkpoint does.
+    let (ok, _, err) = gems(&[
+        "export",
+        "--checkpoint",
+        a.to_str().unwrap(),
+        "--out",
+        &p("w.safetensors"),
+    ]);
+    assert!(ok, "{err}");
+    let score = |args: &[&str]| {
+        let (ok, out, err) = gems(
+            &[
+                &["eval", "--data", "synthetic", "--samples", "64"][..],
+                args,
+            ]
+            .concat(),
+        );
+        assert!(ok, "{err}");
+        out.lines()
+            .next()
+            .unwrap()
+            .split(": ")
+            .nth(1)
+            .unwrap()
+            .to_string()
+    };
+    assert_eq!(
+        score(&["--init", &p("w.safetensors")]),
+        score(&["--checkpoint", a.to_str().unwrap()])
+    );
+    // What does not match the model is refused by name.
+    let (ok, _, err) = gems(&[
+        "eval",
+        "--init",
+        &p("w.safetensors"),
+        "--model",
+        "resnet56v2",
+        "--data",
+        "synthetic",
+    ]);
+    assert!(!ok && err.contains("has no tensor 'layer1.2."), "{err}");
+    let (ok, _, err) = gems(&[
+        "eval",
+        "--init",
+        &p("w.safetensors"),
+        "--classes",
+        "5",
+        "--data",
+        "synthetic",
+    ]);
+    assert!(
+        !ok && err.contains("tensor 'fc.weight' has shape [10, 256], the model's [5, 256]"),
+        "{err}"
+    );
+    std::fs::remove_dir_all(d).ok();
+}

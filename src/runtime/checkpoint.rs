@@ -200,6 +200,27 @@ pub fn save(
     lineage: &Lineage,
     path: &Path,
 ) -> Result<()> {
+    let meta = metadata(g, c, state, lineage);
+    write_atomically(path, &serialize(g, c.dtype, state, true, meta)?)
+}
+
+/// Writes the weights and BN statistics of `state` as a plain state_dict at `path` (what
+/// PyTorch's `load_state_dict(strict=True)` takes after `safetensors.torch.load_file`): no
+/// optimizer state, and metadata saying only that it is PyTorch's layout.
+pub fn save_weights(g: &Graph, dtype: DType, state: &TrainingState, path: &Path) -> Result<()> {
+    let meta = HashMap::from([("format".to_string(), "pt".to_string())]);
+    write_atomically(path, &serialize(g, dtype, state, false, meta)?)
+}
+
+/// The safetensors bytes of `state` under torchvision's names, with the momentum buffers if
+/// `optimizer`; refuses a state holding a non-finite value.
+fn serialize(
+    g: &Graph,
+    dtype: DType,
+    state: &TrainingState,
+    optimizer: bool,
+    meta: HashMap<String, String>,
+) -> Result<Vec<u8>> {
     // A checkpoint is what a run falls back to: never one that cannot train.
     let tensors = state.values.iter().zip(&g.params).chain(
         state
@@ -219,7 +240,7 @@ pub fn save(
             });
         }
     }
-    let dtype = safetensors_dtype(c.dtype);
+    let dtype = safetensors_dtype(dtype);
     let mut owned: Vec<(String, Vec<usize>, Vec<u8>, Dtype)> = Vec::new();
     for (p, v) in g.params.iter().zip(&state.values) {
         owned.push((
@@ -238,7 +259,7 @@ pub fn save(
         ));
     }
     for (p, buf) in g.params.iter().zip(&state.momentum) {
-        if let Some(b) = buf {
+        if let (Some(b), true) = (buf, optimizer) {
             owned.push((
                 format!("optimizer.{}.momentum_buffer", p.name),
                 p.spec.shape.dims().to_vec(),
@@ -257,9 +278,8 @@ pub fn save(
             ))
         })
         .collect::<Result<Vec<_>>>()?;
-    let bytes = safetensors::serialize(views, Some(metadata(g, c, state, lineage)))
-        .map_err(|e| Error::Internal(format!("serializing a checkpoint: {e}")))?;
-    write_atomically(path, &bytes)
+    safetensors::serialize(views, Some(meta))
+        .map_err(|e| Error::Internal(format!("serializing a checkpoint: {e}")))
 }
 
 /// Writes `bytes` to a temporary file beside `path` (`.<name>.tmp`), syncs it, and renames it
@@ -502,6 +522,71 @@ impl Checkpoint {
             loss_scale,
         })
     }
+}
+
+/// The weights in a plain safetensors state_dict at `path` (torchvision's names, as PyTorch's
+/// `save_file(model.state_dict())` writes them; a gems checkpoint also reads), indexed like
+/// `g`'s parameters and converted to `dtype` from any float type. `num_batches_tracked` and
+/// optimizer entries are ignored; a parameter missing, of another shape, or a tensor `g` does
+/// not have is refused by name.
+pub fn read_weights(path: &Path, g: &Graph, dtype: DType) -> Result<Vec<Storage>> {
+    let bad = |why: String| Error::BadInput {
+        path: path.to_path_buf(),
+        why,
+    };
+    let bytes = {
+        use std::io::Read;
+        let mut b = Vec::new();
+        crate::core::files::open_regular(path)?
+            .read_to_end(&mut b)
+            .map_err(|e| bad(format!("cannot read it: {e}")))?;
+        b
+    };
+    let st = SafeTensors::deserialize(&bytes)
+        .map_err(|e| bad(format!("is not a safetensors file: {e}")))?;
+    let mut values = Vec::with_capacity(g.params.len());
+    for p in &g.params {
+        let t = st
+            .tensor(&p.name)
+            .map_err(|_| bad(format!("has no tensor '{}'", p.name)))?;
+        if t.shape() != p.spec.shape.dims() {
+            return Err(bad(format!(
+                "tensor '{}' has shape {:?}, the model's {:?}",
+                p.name,
+                t.shape(),
+                p.spec.shape.dims()
+            )));
+        }
+        let theirs = match t.dtype() {
+            Dtype::F32 => DType::F32,
+            Dtype::F64 => DType::F64,
+            Dtype::F16 => DType::F16,
+            Dtype::BF16 => DType::BF16,
+            other => {
+                return Err(bad(format!(
+                    "tensor '{}' is {other:?}, not a float",
+                    p.name
+                )))
+            }
+        };
+        let read = Storage::from_le_bytes(t.data(), theirs).to_f64_vec()?;
+        values.push(crate::backend::Backend::upload(
+            &crate::backend::cpu::Cpu,
+            &read,
+            dtype,
+        )?);
+    }
+    let known: std::collections::HashSet<&str> = g.params.iter().map(|p| p.name.as_str()).collect();
+    let extra = st.names().into_iter().find(|n| {
+        !known.contains(*n) && !n.ends_with(".num_batches_tracked") && !n.starts_with("optimizer.")
+    });
+    if let Some(extra) = extra {
+        return Err(bad(format!(
+            "has tensor '{extra}', which {} does not have",
+            g.name
+        )));
+    }
+    Ok(values)
 }
 
 /// Headers longer than this are not a checkpoint's (safetensors itself allows 100 MB).

@@ -28,7 +28,7 @@ use crate::data::{Dataset, Pipeline};
 use crate::graph::Graph;
 use crate::memory::MemoryStats;
 use crate::plan::{Layout, RunConfig};
-use crate::runtime::checkpoint::{self, Checkpoint, Lineage};
+use crate::runtime::checkpoint::{self, Checkpoint, Lineage, TrainingState};
 use crate::runtime::evaluation::{held_out_samples, Evaluation};
 use crate::runtime::rank::{CopyValues, Rank, RankStep};
 use crate::{Error, Result};
@@ -268,6 +268,21 @@ impl Session {
         Ok(())
     }
 
+    /// Writes the whole model's weights and BN statistics as a plain state_dict at `path`
+    /// (torchvision's names, no optimizer state; see [`checkpoint::save_weights`]), from world
+    /// rank 0; returns when the file is complete, on every rank.
+    pub fn save_weights(&mut self, path: impl AsRef<Path>) -> Result<()> {
+        let path: PathBuf = path.as_ref().to_path_buf();
+        let (graph, dtype) = (self.layout.graph.clone(), self.config.train.dtype);
+        self.all(move |r| {
+            if let Some(state) = r.gather_state()? {
+                checkpoint::save_weights(&graph, dtype, &state, &path)?;
+            }
+            r.comm().barrier()
+        })?;
+        Ok(())
+    }
+
     /// Takes up the state in the checkpoint at `path`, whatever scheme wrote it: weights,
     /// momentum, BN statistics, the loss scale, the step and the data position; the session
     /// continues the checkpoint's run ([`Session::lineage`]). Refuses, by name, a checkpoint of
@@ -294,6 +309,42 @@ impl Session {
         self.all(move |r| r.load_state(&state))?;
         self.step = step;
         self.lineage = lineage;
+        Ok(())
+    }
+
+    /// Starts from the weights of the safetensors state_dict at `path` (torchvision's names;
+    /// see [`checkpoint::read_weights`]) instead of the model's initialization: parameters
+    /// and BN running statistics, with no momentum yet. Before the first step only.
+    pub fn load_weights(&mut self, path: impl AsRef<Path>) -> Result<()> {
+        if self.step > 0 {
+            return Err(Error::Config(
+                "initial weights are loaded before the first step".into(),
+            ));
+        }
+        let (g, dtype) = (&self.layout.graph, self.config.train.dtype);
+        let values = checkpoint::read_weights(path.as_ref(), g, dtype)?;
+        let momentum = g
+            .params
+            .iter()
+            .zip(&values)
+            .map(|(p, v)| {
+                let zeros = vec![0.0; v.len()];
+                p.spec
+                    .trainable
+                    .then(|| {
+                        crate::backend::Backend::upload(&crate::backend::cpu::Cpu, &zeros, dtype)
+                    })
+                    .transpose()
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let state = Arc::new(TrainingState {
+            values,
+            momentum,
+            step: 0,
+            position: 0,
+            loss_scale: None,
+        });
+        self.all(move |r| r.load_state(&state))?;
         Ok(())
     }
 

@@ -37,6 +37,9 @@ pub enum Command {
     Models(ModelsArgs),
     /// Loss and accuracy of a checkpoint on held-out images (weights unchanged, BN in eval mode).
     Eval(EvalArgs),
+    /// Write a model's weights as a plain safetensors state_dict that PyTorch loads: its
+    /// initialization (--model, --image-size, --classes, --seed) or a checkpoint's.
+    Export(ExportArgs),
     /// Show how a run would be split and scheduled and what each rank's memory holds (takes
     /// the flags of train).
     Plan(Box<TrainArgs>),
@@ -246,8 +249,21 @@ pub struct TilesArgs {
 #[derive(Args)]
 pub struct EvalArgs {
     /// The checkpoint to evaluate.
-    #[arg(long)]
-    pub checkpoint: PathBuf,
+    #[arg(long, required_unless_present = "init", conflicts_with = "init")]
+    pub checkpoint: Option<PathBuf>,
+    /// Or the weights of a plain safetensors state_dict (torchvision's names, e.g. saved from
+    /// PyTorch) for --model on --image-size inputs; needs --data.
+    #[arg(long, value_name = "FILE", requires = "data")]
+    pub init: Option<PathBuf>,
+    /// The model of --init's weights.
+    #[arg(long, requires = "init", default_value = "resnet20v2")]
+    pub model: String,
+    /// The input side --init's model runs at.
+    #[arg(long, requires = "init", default_value_t = 32)]
+    pub image_size: usize,
+    /// Classes of --init's model when the data does not name them (synthetic data).
+    #[arg(long, requires = "init")]
+    pub classes: Option<usize>,
     /// Evaluate on every sample of this data (synthetic, folder:DIR or slides:DIR) instead
     /// of the checkpoint's held-out split.
     #[arg(long)]
@@ -267,6 +283,25 @@ pub struct EvalArgs {
     /// native or cudnn convolutions (GPU).
     #[arg(long, default_value = "native")]
     pub conv: ConvImpl,
+}
+
+#[derive(Args)]
+pub struct ExportArgs {
+    /// The file to write (safetensors).
+    #[arg(long, value_name = "FILE.safetensors")]
+    pub out: PathBuf,
+    /// The checkpoint whose weights to write [default: the model's initialization].
+    #[arg(long, value_name = "FILE")]
+    pub checkpoint: Option<PathBuf>,
+    #[arg(long, default_value = "resnet20v2", conflicts_with = "checkpoint")]
+    pub model: String,
+    #[arg(long, default_value_t = 32, conflicts_with = "checkpoint")]
+    pub image_size: usize,
+    #[arg(long, default_value_t = 10, conflicts_with = "checkpoint")]
+    pub classes: usize,
+    /// The initialization's seed (as `gems train --seed`).
+    #[arg(long, default_value_t = 0, conflicts_with = "checkpoint")]
+    pub seed: u64,
 }
 
 /// `--offload`.
@@ -531,6 +566,10 @@ pub struct TrainArgs {
     /// Continue from a checkpoint: model, data, optimizer and schedule come from it.
     #[arg(long, value_name = "FILE")]
     pub resume: Option<PathBuf>,
+    /// Start from the weights of a plain safetensors state_dict (torchvision's names, e.g.
+    /// saved from PyTorch or by `gems export`) instead of the model's initialization.
+    #[arg(long, value_name = "FILE", conflicts_with = "resume")]
+    pub init: Option<PathBuf>,
     /// Where saved activations wait for backward: none (on the device), all (in the host
     /// tier), recompute (checkpointing: runs of √nodes recomputed in backward), auto (the planner's choice to fit
     /// --device-memory with the least exposed time), or a policy file (JSON).

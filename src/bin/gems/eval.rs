@@ -1,30 +1,45 @@
-//! `gems eval`: a checkpoint scored on held-out samples or another data set.
+//! `gems eval`: a checkpoint (or plain weights) scored on held-out samples or another data set;
+//! `gems export`: weights out as a plain state_dict.
 
 use std::sync::Arc;
 
 use gems::data::{DataConfig, SourceSpec};
 use gems::runtime::Checkpoint;
-use gems::{models, RunConfig, Scheme, Session};
+use gems::{models, RunConfig, Scheme, Session, TrainConfig};
 
-use crate::cli::EvalArgs;
+use crate::cli::{EvalArgs, ExportArgs};
 use crate::train::report_skipped;
 
 pub fn eval(a: EvalArgs) -> anyhow::Result<()> {
     if a.batch_size == 0 {
         anyhow::bail!("evaluation needs a batch of at least 1");
     }
-    let ckpt = Checkpoint::read(&a.checkpoint)?;
-    let (model, side, classes) = ckpt.model()?;
-    let graph = models::build(&model, side, classes)?;
-    let mut c = ckpt.config()?;
+    // The model and its configuration, with the class names that number its labels
+    // (checkpoints from before names were recorded, and plain weights, match by position).
+    let (graph, mut c, names) = match (&a.checkpoint, &a.init) {
+        (Some(file), _) => {
+            let ckpt = Checkpoint::read(file)?;
+            let (model, side, classes) = ckpt.model()?;
+            let graph = models::build(&model, side, classes)?;
+            (graph, ckpt.config()?, ckpt.class_names()?)
+        }
+        (None, _) => {
+            let source = a.data.as_ref().expect("clap requires --data with --init");
+            let spec = a.slides.spec(source, a.image_size)?;
+            let classes = match gems::data::pipeline::class_names(&spec)? {
+                Some(names) => names.len(),
+                None => a.classes.unwrap_or(10),
+            };
+            let graph = models::build(&a.model, a.image_size, classes)?;
+            (graph, TrainConfig::new(a.batch_size, 1), None)
+        }
+    };
+    let (model, side, classes) = (graph.name.clone(), graph.image_size(), graph.classes());
     (a.on.for_checkpoint()?)(&mut c);
     c.data.skip_bad = a.skip_bad;
     c.conv = a.conv;
     c.batch_size = a.batch_size;
     let run = RunConfig::new(c.clone(), Scheme::single(1));
-    // Classes are matched by name: the checkpoint's names number the labels (checkpoints from
-    // before names were recorded match by position).
-    let names = ckpt.class_names()?;
     let (data, what) = match &a.data {
         Some(source) => {
             let config = DataConfig {
@@ -52,7 +67,11 @@ pub fn eval(a: EvalArgs) -> anyhow::Result<()> {
     };
     let (finite, train) = (data.train.samples().is_some(), data.train.clone());
     let mut t = Session::new(&graph, run, data)?;
-    t.restore(&a.checkpoint)?;
+    match (&a.checkpoint, &a.init) {
+        (Some(file), _) => t.restore(file)?,
+        (None, Some(file)) => t.load_weights(file)?,
+        (None, None) => unreachable!("clap requires --checkpoint or --init"),
+    }
     let e = match (&a.data, finite) {
         // The first epoch of the (shuffled) training order holds every sample once.
         (Some(_), true) => t.evaluate(&train, a.samples)?,
@@ -107,5 +126,32 @@ pub fn eval(a: EvalArgs) -> anyhow::Result<()> {
         };
         println!("  {recall:5.1}%");
     }
+    Ok(())
+}
+
+pub fn export(a: ExportArgs) -> anyhow::Result<()> {
+    let what = match &a.checkpoint {
+        Some(file) => {
+            let ckpt = Checkpoint::read(file)?;
+            let (model, side, classes) = ckpt.model()?;
+            let graph = models::build(&model, side, classes)?;
+            let dtype = ckpt.config()?.dtype;
+            let state = ckpt.state(&graph, dtype)?;
+            gems::runtime::checkpoint::save_weights(&graph, dtype, &state, &a.out)?;
+            format!("{model}'s weights at step {}", state.step)
+        }
+        None => {
+            let graph = models::build(&a.model, a.image_size, a.classes)?;
+            let train = TrainConfig {
+                seed: a.seed,
+                ..TrainConfig::new(1, 1)
+            };
+            let data = gems::Dataset::synthetic(a.image_size, a.classes, a.seed);
+            let mut session = Session::new(&graph, RunConfig::new(train, Scheme::single(1)), data)?;
+            session.save_weights(&a.out)?;
+            format!("{}'s initial weights (seed {})", a.model, a.seed)
+        }
+    };
+    println!("wrote {what} to {}", a.out.display());
     Ok(())
 }

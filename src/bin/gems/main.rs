@@ -38,6 +38,7 @@ fn main() -> ExitCode {
         Command::Train(a) => train::train(*a),
         Command::Models(a) => models::list(a),
         Command::Eval(a) => eval::eval(a),
+        Command::Export(a) => eval::export(a),
         Command::Plan(a) => plan::plan(*a),
         Command::Simulate(a) => plan::simulate(*a),
         Command::Calibrate(a) => plan::calibrate(*a),

@@ -242,6 +242,12 @@ fn run(a: &TrainArgs, mut session: Session, data: &Pipeline, speaks: bool) -> an
             );
         }
     }
+    if let Some(file) = &a.init {
+        session.load_weights(file)?;
+        if speaks {
+            println!("starting from the weights in {}", file.display());
+        }
+    }
     // Only the rank that writes checkpoints keeps the folder; it refuses before any step.
     let mut folder = match (&a.checkpoint, speaks) {
         (Some(dir), true) => Some(open_folder(a, dir, &session)?),
