@@ -12,16 +12,21 @@ use crate::plan::partition::{self, Limit, Partition, Shortfall};
 use crate::schemes::schedule;
 use crate::Result;
 
-/// The split `c` runs with when it gives no balance: balanced by cost among the splits whose
-/// ranks all fit `c.train.device_memory` by the analytic model ([`footprint`]); balanced by
-/// cost alone without a capacity, when saved tensors leave the device (the model keeps them
+/// Splits tried one by one, each with its own schedule, when there are no more than this.
+const EXHAUSTIVE: usize = 2048;
+
+/// The split `c` runs with when it gives no balance: the fastest (by cost) among the splits
+/// whose ranks all fit `c.train.device_memory` by the analytic model ([`footprint`]); balanced
+/// by cost alone without a capacity, when saved tensors leave the device (the model keeps them
 /// there; the save policy is then what fits the capacity), or when no split fits (the checks
 /// before a run report it, with [`shortfall`]).
 ///
 /// What a mirrored rank holds at once depends on how its two copies' tasks interleave, which
-/// depends on the stage costs: the search starts from the moments of the cost-balanced split's
-/// schedule, and searches again with every moment seen so far until the split it returns has
-/// none it did not account for.
+/// depends on the stage costs, that is on the split. Where the splits are few
+/// ([`EXHAUSTIVE`]), each is tried with its own schedule: exact. Otherwise the search starts
+/// from the moments of the cost-balanced split's schedule, and searches again with every
+/// moment seen so far until the split it returns has none it did not account for: it fits,
+/// but a faster split that fits only its own schedule may be missed.
 pub fn split(c: &RunConfig, g: &Graph, costs: &NodeCosts) -> Result<Partition> {
     let p = c.scheme.stages;
     let total = costs.total();
@@ -33,22 +38,39 @@ pub fn split(c: &RunConfig, g: &Graph, costs: &NodeCosts) -> Result<Partition> {
         let s = schedule::build(&c.scheme, &costs.stage_costs(&part.stages), c.max_in_flight)?;
         Ok(footprint::moments(&s))
     };
-    let mut seen = moments_of(&fastest)?;
-    loop {
-        let Some(part) = partition::balanced(g, p, &total, Some(&model.limit(c, &seen)))? else {
-            return Ok(fastest);
-        };
-        if !footprint::merge(&mut seen, moments_of(&part)?) {
-            return Ok(part);
-        }
-        // Still the fastest if it fits with the moments added too.
+    let fits = |part: &Partition, moments: &[Vec<footprint::Moment>]| {
         let bytes: Vec<_> = part
             .stages
             .iter()
             .map(|r| model.fp.stage(r.clone()))
             .collect();
-        let ranks = footprint::rank_bytes(&c.scheme, &seen, &bytes);
-        if ranks.iter().all(|&b| b <= model.cap) {
+        let ranks = footprint::rank_bytes(&c.scheme, moments, &bytes);
+        ranks.iter().all(|&b| b <= model.cap)
+    };
+    let slowest = |part: &Partition| {
+        part.stages
+            .iter()
+            .map(|r| total[r.clone()].iter().sum::<f64>())
+            .fold(0.0, f64::max)
+    };
+    if let Some(splits) = partition::every_split(g, p, EXHAUSTIVE) {
+        // Few enough to try each with its own schedule: exact.
+        let mut best: Option<Partition> = None;
+        for part in splits {
+            let faster = best.as_ref().is_none_or(|b| slowest(&part) < slowest(b));
+            if faster && fits(&part, &moments_of(&part)?) {
+                best = Some(part);
+            }
+        }
+        return Ok(best.unwrap_or(fastest));
+    }
+    let mut seen = moments_of(&fastest)?;
+    loop {
+        let Some(part) = partition::balanced(g, p, &total, Some(&model.limit(c, &seen)))? else {
+            return Ok(fastest);
+        };
+        // Still the fastest if it fits with the moments added too.
+        if !footprint::merge(&mut seen, moments_of(&part)?) || fits(&part, &seen) {
             return Ok(part);
         }
     }

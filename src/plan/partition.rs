@@ -136,6 +136,38 @@ impl Limit<'_> {
 /// beyond, the fastest split over every cut point if it fits, else the best over the cut
 /// points that carry one value (thinned evenly to that many).
 /// Both rely on a stage's cost and bytes never shrinking when its range grows.
+/// Every split of `g` into `p` stages at its cut points, if there are at most `limit`.
+pub fn every_split(g: &Graph, p: usize, limit: usize) -> Option<Vec<Partition>> {
+    let cuts = cut_points(g);
+    let k = p.checked_sub(1)?;
+    // C(cuts, k): each step's product divides exactly; an overflow is "too many".
+    let mut count: usize = 1;
+    for i in 0..k {
+        count = count.checked_mul(cuts.len().checked_sub(i)?)? / (i + 1);
+    }
+    if count > limit {
+        return None;
+    }
+    let n = g.nodes.len();
+    let mut out = Vec::with_capacity(count);
+    let mut pick: Vec<usize> = (0..k).collect();
+    loop {
+        let bounds: Vec<usize> = std::iter::once(0)
+            .chain(pick.iter().map(|&i| cuts[i]))
+            .chain(std::iter::once(n))
+            .collect();
+        out.push(Partition::from_bounds(&bounds));
+        // The next k-combination of the cut indices, in lexicographic order.
+        let Some(i) = (0..k).rev().find(|&i| pick[i] < cuts.len() - k + i) else {
+            return Some(out);
+        };
+        pick[i] += 1;
+        for j in i + 1..k {
+            pick[j] = pick[j - 1] + 1;
+        }
+    }
+}
+
 pub fn balanced(
     g: &Graph,
     p: usize,
@@ -592,6 +624,25 @@ mod tests {
     use crate::schemes::schedule::{self, StageCosts};
     use crate::schemes::{Kind, Order, Scheme};
     use rand::{Rng, SeedableRng};
+
+    #[test]
+    fn every_split_lists_each_split_once_or_none_past_the_limit() {
+        let g = models::build("resnet20v2", 32, 10).unwrap();
+        let (cuts, n) = (cut_points(&g).len(), g.nodes.len());
+        let all = every_split(&g, 3, 10_000).unwrap();
+        assert_eq!(all.len(), cuts * (cuts - 1) / 2);
+        let distinct: std::collections::HashSet<_> = all.iter().map(|p| p.stages.clone()).collect();
+        assert_eq!(distinct.len(), all.len());
+        for p in &all {
+            assert_eq!(
+                (p.stages.len(), p.stages[0].start, p.stages[2].end),
+                (3, 0, n)
+            );
+            assert!(p.stages.iter().all(|r| !r.is_empty()));
+        }
+        assert!(every_split(&g, 3, all.len() - 1).is_none());
+        assert_eq!(every_split(&g, 1, 1).unwrap().len(), 1);
+    }
 
     /// A chain whose nodes have random costs and bytes; a stage's peaks are the most of its
     /// saved prefix plus one node's transient, so they grow with the range like real ones.
