@@ -18,7 +18,9 @@ use crate::Result;
 /// One distinct convolution of a model and how often it occurs.
 #[derive(Clone, Debug)]
 pub struct ConvShape {
+    /// Its geometry at the benchmark's batch.
     pub geom: ConvGeom,
+    /// How many of the model's convolutions have it.
     pub count: usize,
     /// The first node that has it (`layer1.0.conv1`).
     pub example: String,
@@ -126,12 +128,16 @@ pub fn conv_passes(
 /// over its median time.
 #[derive(Clone, Debug, serde::Serialize)]
 pub struct Bandwidth {
+    /// The kernel measured.
     pub kernel: &'static str,
+    /// Bytes it reads and writes.
     pub bytes: u64,
+    /// Its median time in seconds.
     pub seconds: f64,
 }
 
 impl Bandwidth {
+    /// Bytes moved per second, in GB/s (10⁹ bytes).
     pub fn gb_per_s(&self) -> f64 {
         self.bytes as f64 / self.seconds / 1e9
     }

@@ -29,6 +29,8 @@
 //! ([`DType`], [`Shape`], [`Error`]), `memory`, `backend`, `tensor`, `comm` and `data`, `ops`,
 //! `graph`, `models` and `optim`, `schemes`, `plan`, `runtime`, `fit`, and the binary.
 
+#![warn(missing_docs)]
+
 pub mod backend;
 pub mod bench;
 pub mod comm;

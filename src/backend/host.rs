@@ -25,6 +25,7 @@ pub enum Block {
 }
 
 impl Block {
+    /// Its size in bytes.
     pub fn len(&self) -> usize {
         match self {
             Block::Pageable(v) => v.len(),
@@ -32,10 +33,12 @@ impl Block {
         }
     }
 
+    /// Whether it holds no bytes.
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
 
+    /// Its bytes, readable (a pinned block must be mapped on the host).
     pub fn bytes(&self) -> Result<&[u8]> {
         match self {
             Block::Pageable(v) => Ok(v),
@@ -45,6 +48,7 @@ impl Block {
         }
     }
 
+    /// Its bytes, writable.
     pub fn bytes_mut(&mut self) -> Result<&mut [u8]> {
         match self {
             Block::Pageable(v) => Ok(v),
@@ -73,6 +77,7 @@ pub struct HostPool {
 }
 
 impl HostPool {
+    /// An empty pool.
     pub fn new() -> Arc<HostPool> {
         Arc::new(HostPool::default())
     }
@@ -112,6 +117,7 @@ impl HostPool {
         })
     }
 
+    /// Blocks allocated and reused so far, and bytes held.
     pub fn stats(&self) -> PoolStats {
         self.lock().1
     }
@@ -127,15 +133,19 @@ impl HostPool {
 pub struct HostBuffer {
     block: Option<Block>,
     pool: Arc<HostPool>,
+    /// The element type of the tensor it holds.
     pub dtype: DType,
+    /// The tensor's elements.
     pub numel: usize,
 }
 
 impl HostBuffer {
+    /// The elements' bytes.
     pub fn bytes(&self) -> Result<&[u8]> {
         self.block.as_ref().map_or(Ok(&[]), Block::bytes)
     }
 
+    /// The elements' bytes, writable.
     pub fn bytes_mut(&mut self) -> Result<&mut [u8]> {
         match &mut self.block {
             Some(b) => b.bytes_mut(),

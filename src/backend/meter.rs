@@ -19,7 +19,10 @@ pub enum ConvWorkspace {
     /// The native CUDA kernels' backward-filter partial sums on a GPU of this many
     /// multiprocessors. (cuDNN's workspace depends on the algorithms it times on the GPU, so a
     /// cuDNN run is predicted with the native kernels' workspace.)
-    Cuda { multiprocessors: u32 },
+    Cuda {
+        /// The GPU's streaming multiprocessors.
+        multiprocessors: u32,
+    },
 }
 
 impl ConvWorkspace {
@@ -40,6 +43,7 @@ impl ConvWorkspace {
         }
     }
 
+    /// Workspace elements of a convolution of geometry `g`.
     pub fn elements(&self, g: &ConvGeom) -> usize {
         match *self {
             ConvWorkspace::Cpu => super::cpu::conv_workspace(g),
@@ -50,7 +54,9 @@ impl ConvWorkspace {
     }
 }
 
+/// The metering backend: allocates the bytes every kernel would, computes nothing.
 pub struct Meter {
+    /// Whose convolution workspace it counts.
     pub workspace: ConvWorkspace,
 }
 

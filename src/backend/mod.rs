@@ -17,18 +17,31 @@ pub use storage::Storage;
 /// Geometry of a 2-d convolution over an NCHW batch (weights: c_out × c_in/groups × kh × kw).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct ConvGeom {
+    /// Images in the batch.
     pub n: usize,
+    /// Input channels.
     pub c_in: usize,
+    /// Input height.
     pub h: usize,
+    /// Input width.
     pub w: usize,
+    /// Output channels.
     pub c_out: usize,
+    /// Kernel height.
     pub kh: usize,
+    /// Kernel width.
     pub kw: usize,
+    /// (vertical, horizontal) stride.
     pub stride: (usize, usize),
+    /// (vertical, horizontal) zero padding on each side.
     pub pad: (usize, usize),
+    /// (vertical, horizontal) spacing of the kernel's taps.
     pub dilation: (usize, usize),
+    /// Channel groups: each output channel sees c_in / groups inputs.
     pub groups: usize,
+    /// Output height.
     pub h_out: usize,
+    /// Output width.
     pub w_out: usize,
 }
 
@@ -46,15 +59,25 @@ impl ConvGeom {
 /// Geometry of a 2-d pooling window over an NCHW batch.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct PoolGeom {
+    /// Images in the batch.
     pub n: usize,
+    /// Channels.
     pub c: usize,
+    /// Input height.
     pub h: usize,
+    /// Input width.
     pub w: usize,
+    /// Window height.
     pub kh: usize,
+    /// Window width.
     pub kw: usize,
+    /// (vertical, horizontal) stride.
     pub stride: (usize, usize),
+    /// (vertical, horizontal) padding on each side.
     pub pad: (usize, usize),
+    /// Output height.
     pub h_out: usize,
+    /// Output width.
     pub w_out: usize,
 }
 
@@ -69,17 +92,24 @@ impl PoolGeom {
 /// A batch seen per channel: n × c × hw.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct ChannelGeom {
+    /// Images.
     pub n: usize,
+    /// Channels.
     pub c: usize,
+    /// Values per channel plane (height × width).
     pub hw: usize,
 }
 
 /// SGD hyper-parameters for one update.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct SgdStep {
+    /// Learning rate.
     pub lr: f64,
+    /// Momentum factor (0: plain SGD).
     pub momentum: f64,
+    /// L2 penalty added to the gradient.
     pub weight_decay: f64,
+    /// Nesterov momentum.
     pub nesterov: bool,
     /// Multiplies the gradient before anything else: 1 / the loss scale (1 without one).
     pub grad_scale: f64,
@@ -89,9 +119,11 @@ pub struct SgdStep {
 /// parameters are accumulated (`+=`) so micro-batches and shared weights add up.
 /// `ws` is workspace leased by the caller with the size the backend asked for.
 pub trait Backend: Send + Sync {
+    /// The device's name for reports, e.g. `cpu (2 threads)`.
     fn name(&self) -> String;
     /// Zero-filled storage.
     fn zeros(&self, numel: usize, dtype: DType) -> Result<Storage>;
+    /// `data` converted to `dtype` on this backend.
     fn upload(&self, data: &[f64], dtype: DType) -> Result<Storage>;
     /// `s` (elements in host memory, or already this backend's) as this backend's storage:
     /// moved where it can be, copied to the device where it must.
@@ -138,6 +170,7 @@ pub trait Backend: Send + Sync {
     fn conv_algorithms(&self) -> Vec<String> {
         Vec::new()
     }
+    /// y = conv(x, w) (`ws`: [`Backend::conv2d_workspace`] elements).
     fn conv2d_forward(
         &self,
         x: &Storage,
@@ -146,6 +179,7 @@ pub trait Backend: Send + Sync {
         ws: &mut Storage,
         g: &ConvGeom,
     ) -> Result<()>;
+    /// dx = the gradient of the convolution's input from dy (overwritten, not accumulated).
     fn conv2d_backward_data(
         &self,
         dy: &Storage,
@@ -154,6 +188,7 @@ pub trait Backend: Send + Sync {
         ws: &mut Storage,
         g: &ConvGeom,
     ) -> Result<()>;
+    /// dw += the gradient of the weights from x and dy.
     fn conv2d_backward_filter(
         &self,
         x: &Storage,
@@ -181,6 +216,7 @@ pub trait Backend: Send + Sync {
         g: &ChannelGeom,
     ) -> Result<()>;
     #[allow(clippy::too_many_arguments)]
+    /// Normalizes with the running statistics `mean` and `var` (inference).
     fn batchnorm_forward_eval(
         &self,
         x: &Storage,
@@ -193,6 +229,8 @@ pub trait Backend: Send + Sync {
         g: &ChannelGeom,
     ) -> Result<()>;
     #[allow(clippy::too_many_arguments)]
+    /// Batch normalization's backward in training mode, from the batch statistics of its
+    /// forward: dx overwritten, dγ and dβ accumulated.
     fn batchnorm_backward(
         &self,
         x: &Storage,
@@ -249,9 +287,11 @@ pub trait Backend: Send + Sync {
         count: usize,
     ) -> Result<()>;
 
+    /// y = max(x, 0).
     fn relu_forward(&self, x: &Storage, y: &mut Storage) -> Result<()>;
     /// dx = dy where y > 0.
     fn relu_backward(&self, y: &Storage, dy: &Storage, dx: &mut Storage) -> Result<()>;
+    /// y = a + b.
     fn add(&self, a: &Storage, b: &Storage, y: &mut Storage) -> Result<()>;
     /// y += x.
     fn add_assign(&self, y: &mut Storage, x: &Storage) -> Result<()>;
@@ -260,6 +300,7 @@ pub trait Backend: Send + Sync {
     /// mask = 0 with probability p, else 1/(1-p); element i's draw depends only on (seed, i).
     fn dropout_mask(&self, mask: &mut Storage, p: f64, seed: u64) -> Result<()>;
 
+    /// The maximum of each window.
     fn max_pool_forward(&self, x: &Storage, y: &mut Storage, g: &PoolGeom) -> Result<()>;
     /// Routes each output gradient to the first maximum of its window (recomputed from x).
     fn max_pool_backward(
@@ -273,10 +314,12 @@ pub trait Backend: Send + Sync {
     /// The divisor is the window clipped to the padded input (a ceil-mode last window can run
     /// past it), as PyTorch does.
     fn avg_pool_forward(&self, x: &Storage, y: &mut Storage, g: &PoolGeom) -> Result<()>;
+    /// Spreads each output gradient evenly over its window (padding counted, as forward).
     fn avg_pool_backward(&self, dy: &Storage, dx: &mut Storage, g: &PoolGeom) -> Result<()>;
     /// PyTorch's `AdaptiveAvgPool2d` to `g.h_out × g.w_out` (windows from
     /// [`PoolGeom::adaptive_window`]; kernel, stride and padding unused).
     fn adaptive_avg_pool_forward(&self, x: &Storage, y: &mut Storage, g: &PoolGeom) -> Result<()>;
+    /// Spreads each output gradient evenly over its adaptive window.
     fn adaptive_avg_pool_backward(
         &self,
         dy: &Storage,
@@ -350,6 +393,7 @@ pub trait Backend: Send + Sync {
         momentum_buf: &mut Storage,
         step: &SgdStep,
     ) -> Result<()>;
+    /// Sets every element to `value`.
     fn fill(&self, s: &mut Storage, value: f64) -> Result<()>;
     /// Whether no element is infinite or NaN (the loss scale's overflow check).
     fn all_finite(&self, s: &Storage) -> Result<bool>;
@@ -359,10 +403,14 @@ pub trait Backend: Send + Sync {
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum DeviceKind {
     #[default]
+    /// The host's cores (the reference backend).
     Cpu,
     /// GPU `ordinal`; in a spread run rank r takes the ordinal r places further on (modulo the
     /// GPUs there are).
-    Cuda { ordinal: usize },
+    Cuda {
+        /// The GPU's index in the CUDA driver's numbering.
+        ordinal: usize,
+    },
 }
 
 impl DeviceKind {
@@ -400,9 +448,11 @@ impl std::fmt::Display for DeviceKind {
 pub struct Event(pub Arc<cudarc::driver::CudaEvent>);
 
 impl Event {
+    /// Whether the copy has finished (never blocks).
     pub fn is_complete(&self) -> bool {
         self.0.is_complete()
     }
+    /// Blocks until the copy has finished.
     pub fn synchronize(&self) -> Result<()> {
         self.0
             .synchronize()
@@ -426,9 +476,11 @@ pub enum CopyMode {
 }
 
 impl CopyMode {
+    /// Whether the host side is pinned memory from the pool.
     pub fn pinned(self) -> bool {
         matches!(self, CopyMode::Pinned | CopyMode::PinnedAsync)
     }
+    /// Whether copies run on the copy stream, overlapping compute.
     pub fn on_copy_stream(self) -> bool {
         matches!(self, CopyMode::Async | CopyMode::PinnedAsync)
     }

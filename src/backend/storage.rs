@@ -13,9 +13,13 @@ compile_error!("gems stores tensors as little-endian bytes: big-endian hosts are
 /// Device memory holding elements. Each backend adds its variants.
 #[derive(Debug)]
 pub enum Storage {
+    /// 32-bit floats in host memory.
     F32(Vec<f32>),
+    /// 64-bit floats in host memory.
     F64(Vec<f64>),
+    /// bfloat16 in host memory.
     BF16(Vec<half::bf16>),
+    /// IEEE half precision in host memory.
     F16(Vec<half::f16>),
     /// Elements that are counted but never stored: the metering backend's, which replays a
     /// run's allocations to predict its memory exactly.
@@ -29,6 +33,7 @@ pub enum Storage {
 }
 
 impl Storage {
+    /// The element type.
     pub fn dtype(&self) -> DType {
         match self {
             Storage::F32(_) => DType::F32,
@@ -41,6 +46,7 @@ impl Storage {
             Storage::Host(h) => h.dtype,
         }
     }
+    /// Elements held.
     pub fn len(&self) -> usize {
         match self {
             Storage::F32(v) => v.len(),
@@ -53,6 +59,7 @@ impl Storage {
             Storage::Host(h) => h.numel,
         }
     }
+    /// Whether it holds no elements.
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
@@ -80,6 +87,7 @@ impl Storage {
             _ => Err(not_in_host_memory(self)),
         }
     }
+    /// The elements' bytes in host memory, writable (an error for device memory).
     pub fn host_bytes_mut(&mut self) -> crate::Result<&mut [u8]> {
         match self {
             Storage::F32(v) => Ok(bytemuck::cast_slice_mut(v)),

@@ -18,7 +18,9 @@ use crate::Result;
 /// What travels: a shape and the elements.
 #[derive(Debug)]
 pub struct Message {
+    /// The tensor's shape, batch included.
     pub shape: Shape,
+    /// Its elements.
     pub storage: Storage,
 }
 
@@ -26,9 +28,11 @@ pub struct Message {
 /// least upper bound MPI implementations give (MPI_TAG_UB).
 pub const COLLECTIVE_TAG: u64 = 1 << 22;
 
+/// Point-to-point messages and sub-groups between ranks: threads of a process or MPI processes. Collectives build on these.
 pub trait Comm: Send {
     /// This rank's index in the group.
     fn rank(&self) -> usize;
+    /// Ranks in the group.
     fn size(&self) -> usize;
     /// Queues `msg` for rank `to` under `tag`; returns without waiting for the receiver.
     fn send_message(&self, msg: Message, to: usize, tag: u64) -> Result<()>;
@@ -39,6 +43,7 @@ pub trait Comm: Send {
     /// Every member of this group must call it.
     fn split(&self, color: usize, key: usize) -> Result<Box<dyn Comm>>;
 
+    /// Sends tensor `t` to rank `to` under `tag` (see [`Comm::send_message`]).
     fn send(&self, t: &Tensor, to: usize, tag: u64) -> Result<()> {
         self.send_message(
             Message {

@@ -21,6 +21,7 @@ struct InFlight {
     buffer: *mut [u8],
 }
 
+/// This process's rank among the processes of an MPI communicator, as a [`Comm`].
 pub struct MpiComm {
     comm: SimpleCommunicator,
     in_flight: RefCell<Vec<InFlight>>,

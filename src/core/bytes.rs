@@ -7,15 +7,22 @@ use std::fmt;
 /// allocator measures them.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Category {
+    /// Parameters.
     Weights,
+    /// Parameter gradients.
     Gradients,
+    /// The optimizer's state (momentum buffers).
     OptimizerState,
+    /// Activations and their gradients, and what forward saves for backward.
     Activations,
+    /// Scratch space a kernel leases for one call.
     Workspace,
+    /// Buffers of transfers between ranks.
     Communication,
 }
 
 impl Category {
+    /// Every category, in report order.
     pub const ALL: [Category; 6] = [
         Category::Weights,
         Category::Gradients,
@@ -25,6 +32,7 @@ impl Category {
         Category::Communication,
     ];
 
+    /// The category's name in reports (`optimizer`).
     pub fn name(self) -> &'static str {
         match self {
             Category::Weights => "weights",
@@ -53,9 +61,11 @@ impl ByCategory {
         b
     }
 
+    /// Bytes in category `c`.
     pub fn get(&self, c: Category) -> u64 {
         self.0[c.index()]
     }
+    /// Bytes in all categories.
     pub fn total(&self) -> u64 {
         self.0.iter().sum()
     }
@@ -85,10 +95,15 @@ impl fmt::Display for ByCategory {
     human_bytes(live.total())
 )]
 pub struct OutOfMemory {
+    /// The device that refused.
     pub device: String,
+    /// Bytes asked for.
     pub requested: u64,
+    /// The category they were asked for.
     pub category: &'static str,
+    /// The device's capacity in bytes.
     pub capacity: u64,
+    /// What was live when it refused.
     pub live: ByCategory,
 }
 
@@ -142,9 +157,13 @@ pub fn parse_bytes(s: &str) -> Result<u64, String> {
 /// The split whose fullest rank needs least: that rank and its need, against the cap.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Shortfall {
+    /// Pipeline stages of that split.
     pub stages: usize,
+    /// Its fullest rank.
     pub rank: usize,
+    /// What that rank needs, in bytes.
     pub need: u64,
+    /// The capacity it exceeds, in bytes.
     pub cap: u64,
 }
 

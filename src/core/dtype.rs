@@ -5,13 +5,18 @@
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum DType {
+    /// IEEE single precision.
     F32,
+    /// IEEE double precision.
     F64,
+    /// bfloat16: f32's exponent, 8 bits of mantissa.
     BF16,
+    /// IEEE half precision.
     F16,
 }
 
 impl DType {
+    /// Bytes per element.
     pub fn size(self) -> usize {
         match self {
             DType::F32 => 4,
@@ -19,6 +24,7 @@ impl DType {
             DType::BF16 | DType::F16 => 2,
         }
     }
+    /// Its name on the command line and in files (`f32`, `bf16`).
     pub fn name(self) -> &'static str {
         match self {
             DType::F32 => "f32",

@@ -7,18 +7,23 @@ use std::fmt;
 pub struct Shape(pub Vec<usize>);
 
 impl Shape {
+    /// A shape of these dimensions, outermost first.
     pub fn new(dims: impl Into<Vec<usize>>) -> Self {
         Shape(dims.into())
     }
+    /// The dimensions, outermost first.
     pub fn dims(&self) -> &[usize] {
         &self.0
     }
+    /// How many dimensions.
     pub fn rank(&self) -> usize {
         self.0.len()
     }
+    /// Elements: the product of the dimensions.
     pub fn numel(&self) -> usize {
         self.0.iter().product()
     }
+    /// Dimension `i`.
     pub fn dim(&self, i: usize) -> usize {
         self.0[i]
     }

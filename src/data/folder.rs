@@ -7,6 +7,7 @@ use std::path::{Path, PathBuf};
 use super::{Image, Source};
 use crate::{Error, Result};
 
+/// Labelled images in class sub-folders (see the module).
 pub struct Folder {
     classes: Vec<String>,
     /// (file, label), by class then path.

@@ -13,7 +13,9 @@ use crate::{Error, Result};
 
 /// A prepared batch: NCHW pixels and labels.
 pub struct Batch {
+    /// The batch's images, NCHW.
     pub pixels: Vec<f32>,
+    /// Their labels.
     pub labels: Vec<u32>,
     /// How long [`Loader::next_batch`] waited for it.
     pub waited: Duration,
@@ -80,6 +82,7 @@ impl Shared {
     }
 }
 
+/// Prepares batches ahead of the training loop on worker threads (see the module).
 pub struct Loader {
     shared: Arc<Shared>,
     workers: Vec<JoinHandle<()>>,

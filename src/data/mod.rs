@@ -21,8 +21,11 @@ pub const CHANNELS: usize = 3;
 /// decoded files.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Image {
+    /// Height in pixels.
     pub height: usize,
+    /// Width in pixels.
     pub width: usize,
+    /// The planes' values, channel by channel, row-major.
     pub pixels: Vec<f32>,
 }
 

@@ -13,9 +13,11 @@ use crate::core::rng::splitmix64;
 const ROUNDS: u64 = 4;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// Shuffled epochs: position p of the order is sample `sample(p)`, each epoch a new pseudo-random permutation drawn from the seed.
 pub struct Epochs {
     /// Samples per epoch (at least 1).
     pub len: usize,
+    /// Seeds the permutations.
     pub seed: u64,
     /// Identity order within each epoch (evaluation) instead of a permutation.
     pub sequential: bool,

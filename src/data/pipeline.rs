@@ -34,8 +34,11 @@ pub enum SourceSpec {
     Folder(PathBuf),
     /// Tiles of the slides in `dir`, labelled by the CSV file `labels` (see [`Slides`]).
     Slides {
+        /// The folder of `.tif`/`.tiff` slides.
         dir: PathBuf,
+        /// The labels CSV.
         labels: PathBuf,
+        /// How slides are cut into tiles.
         tiles: TileConfig,
     },
 }
@@ -55,6 +58,7 @@ impl std::fmt::Display for SourceSpec {
 /// How a run reads its data.
 #[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct DataConfig {
+    /// Where the images come from.
     pub source: SourceSpec,
     /// Random crops and flips while training.
     pub augment: bool,
@@ -94,9 +98,11 @@ pub fn class_names(source: &SourceSpec) -> Result<Option<Vec<String>>> {
 
 /// What the training loop and evaluation draw from.
 pub struct Dataset {
+    /// The training samples, in shuffled epochs.
     pub train: Arc<Pipeline>,
     /// Held-out samples: the validation split, or for synthetic data another seed's stream.
     pub val: Option<Arc<Pipeline>>,
+    /// The class names, in label order.
     pub classes: Vec<String>,
     /// Samples left out at opening (with `skip_bad`): where, and why.
     pub skipped: Vec<(String, String)>,
@@ -369,6 +375,7 @@ impl Pipeline {
         self.image_size
     }
 
+    /// The class names, in label order.
     pub fn classes(&self) -> &[String] {
         self.source.classes()
     }
@@ -384,6 +391,7 @@ impl Pipeline {
         self.subset.as_ref().map_or(i, |s| s[i])
     }
 
+    /// The label of the sample at position `pos` of the order.
     pub fn label(&self, pos: u64) -> Result<u32> {
         self.source.label(self.index(pos))
     }

@@ -28,9 +28,13 @@ use crate::{Error, Result};
 /// One pyramid level: its size and the size of the TIFF tiles it is stored in.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Level {
+    /// Width in pixels.
     pub width: u32,
+    /// Height in pixels.
     pub height: u32,
+    /// Width of the TIFF tiles it is stored in.
     pub tile_width: u32,
+    /// Height of the TIFF tiles it is stored in.
     pub tile_height: u32,
 }
 
@@ -49,12 +53,15 @@ impl Level {
 /// Options of [`make_slide`]. Sizes are in level-0 pixels.
 #[derive(Clone, Debug, PartialEq)]
 pub struct MakeSlide {
+    /// Width of level 0.
     pub width: u32,
+    /// Height of level 0.
     pub height: u32,
     /// Side of the square TIFF tiles (a multiple of 16, as TIFF requires).
     pub tile: u32,
     /// Level 0 plus `levels - 1` levels, each half the size of the one before.
     pub levels: usize,
+    /// Tissue classes the regions are drawn from.
     pub classes: usize,
     /// Decides which class each region gets, the gratings' phases and the noise.
     pub seed: u64,
@@ -140,20 +147,28 @@ impl MakeSlide {
 /// A rectangle of level-0 pixels and its class.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Region {
+    /// Left edge.
     pub x: u32,
+    /// Top edge.
     pub y: u32,
+    /// Width.
     pub w: u32,
+    /// Height.
     pub h: u32,
+    /// Its class, 0 to `classes - 1`.
     pub class: usize,
 }
 
 /// What [`make_slide`] wrote.
 #[derive(Clone, Debug, PartialEq)]
 pub struct MadeSlide {
+    /// Every level written, level 0 first.
     pub levels: Vec<Level>,
     /// The tissue regions; every level-0 pixel whose centre lies outside them is background.
     pub regions: Vec<Region>,
+    /// Tissue classes the regions were drawn from.
     pub classes: usize,
+    /// Whether it was written as BigTIFF (over 4 GiB).
     pub bigtiff: bool,
     /// The file's size.
     pub bytes: u64,
@@ -522,6 +537,7 @@ impl Slide {
         })
     }
 
+    /// The slide's file.
     pub fn path(&self) -> &Path {
         &self.path
     }
@@ -687,9 +703,13 @@ pub struct TileConfig {
 /// in pixels of the configured level, and its label.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Tile {
+    /// Index of the slide in [`Slides::slides`].
     pub slide: usize,
+    /// Left edge in pixels of the configured level.
     pub x: u32,
+    /// Top edge in pixels of the configured level.
     pub y: u32,
+    /// Its class's index in [`Slides`]'s class names.
     pub label: u32,
 }
 
@@ -848,6 +868,7 @@ impl Slides {
         &self.slides
     }
 
+    /// How the slides are cut into tiles.
     pub fn config(&self) -> &TileConfig {
         &self.config
     }

@@ -12,9 +12,13 @@ use crate::core::rng::splitmix64;
 use crate::Result;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// Synthetic images: each a pure function of (seed, index), labelled by class.
 pub struct Synthetic {
+    /// The stream's seed.
     pub seed: u64,
+    /// Classes to draw labels from.
     pub classes: usize,
+    /// Side of the square images.
     pub image_size: usize,
 }
 
@@ -68,11 +72,13 @@ impl Synthetic {
 
 /// Synthetic data as an unbounded [`Source`], classes named by their number.
 pub struct Stream {
+    /// What the images are.
     pub data: Synthetic,
     names: Vec<String>,
 }
 
 impl Stream {
+    /// The stream of `data`, its classes named `0`, `1`, …
     pub fn new(data: Synthetic) -> Stream {
         let names = (0..data.classes).map(|c| c.to_string()).collect();
         Stream { data, names }

@@ -8,12 +8,14 @@ use super::{Image, CHANNELS};
 
 /// ImageNet's per-channel mean and standard deviation, the convention pretrained CNNs expect.
 pub const MEAN: [f32; CHANNELS] = [0.485, 0.456, 0.406];
+/// ImageNet's per-channel standard deviation (see [`MEAN`]).
 pub const STD: [f32; CHANNELS] = [0.229, 0.224, 0.225];
 
 /// The smallest side of a random crop, as a fraction of the image's shorter side.
 const MIN_CROP: f64 = 0.8;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+/// How a decoded image becomes a model's input.
 pub struct Transform {
     /// Random crop and horizontal and vertical flips (training); the centred square otherwise.
     pub augment: bool,

@@ -386,7 +386,9 @@ pub struct Auto {
 
 /// A run with its `auto` sizes chosen, and the offload policy's predicted cost if chosen.
 pub struct Resolved {
+    /// The run with its sizes chosen.
     pub config: RunConfig,
+    /// The offload policy chosen and its predicted cost, when it was left to the planner.
     pub offload: Option<Chosen>,
 }
 

@@ -15,13 +15,16 @@ use crate::Result;
 /// One line of the offload study: a way of keeping saved activations, and what an epoch cost.
 #[derive(Clone, Debug, serde::Serialize)]
 pub struct OffloadRun {
+    /// The model.
     pub model: String,
     /// `baseline`, a copy mode (everything offloaded), or `auto` (the planner's choice under
     /// a cap 40% below the baseline's peak).
     pub variant: String,
     /// Seconds for the epoch (after one warm-up step), or why it did not run.
     pub seconds: std::result::Result<f64, String>,
+    /// The device's peak in bytes.
     pub device_peak: u64,
+    /// The host tier's peak in bytes.
     pub host_peak: u64,
 }
 

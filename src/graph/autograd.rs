@@ -26,6 +26,7 @@ use crate::{Error, Result};
 pub struct Params {
     /// The id of `values[0]` in `Graph::params`.
     pub first: usize,
+    /// The parameters' values.
     pub values: Vec<Tensor>,
     /// `Some` for trainable parameters.
     pub grads: Vec<Option<Tensor>>,
@@ -90,6 +91,7 @@ impl Params {
         ids.start - self.first..ids.end - self.first
     }
 
+    /// Sets every gradient to zero.
     pub fn zero_grads(&mut self, device: &Device) -> Result<()> {
         for g in self.grads.iter_mut().flatten() {
             device.backend().fill(g.storage_mut()?, 0.0)?;
@@ -101,7 +103,9 @@ impl Params {
 /// Batch statistics of node `node` from the micro-batch the forward ran on.
 #[derive(Clone, Debug)]
 pub struct RunningUpdate {
+    /// The BN node.
     pub node: usize,
+    /// Its batch statistics.
     pub stats: BatchStats,
 }
 

@@ -38,6 +38,7 @@ impl GraphBuilder {
         (GraphBuilder { g, current: 0 }, 0)
     }
 
+    /// The per-sample shape of value `v`.
     pub fn shape(&self, v: ValueId) -> &Shape {
         &self.g.values[v].shape
     }
@@ -108,9 +109,11 @@ impl GraphBuilder {
         Ok(out)
     }
 
+    /// A 2-d convolution of `x`.
     pub fn conv(&mut self, name: &str, x: ValueId, c: Conv2d) -> Result<ValueId> {
         self.op(name, Op::Conv2d(c), &[x])
     }
+    /// Batch normalization of `x` (PyTorch's defaults: eps 1e-5, momentum 0.1).
     pub fn batchnorm(&mut self, name: &str, x: ValueId) -> Result<ValueId> {
         self.op(name, Op::BatchNorm(norm::BatchNorm::default()), &[x])
     }
@@ -122,18 +125,23 @@ impl GraphBuilder {
         };
         self.op(name, Op::BatchNorm(bn), &[x])
     }
+    /// max(x, 0).
     pub fn relu(&mut self, name: &str, x: ValueId) -> Result<ValueId> {
         self.op(name, Op::Relu(activation::Relu), &[x])
     }
+    /// a + b (a residual connection).
     pub fn add(&mut self, name: &str, a: ValueId, b: ValueId) -> Result<ValueId> {
         self.op(name, Op::Add(elementwise::Add), &[a, b])
     }
+    /// Max pooling of `x` over window `w`.
     pub fn max_pool(&mut self, name: &str, x: ValueId, w: pool::Window) -> Result<ValueId> {
         self.op(name, Op::MaxPool(pool::MaxPool(w)), &[x])
     }
+    /// Average pooling of `x` over window `w`, padding counted.
     pub fn avg_pool(&mut self, name: &str, x: ValueId, w: pool::Window) -> Result<ValueId> {
         self.op(name, Op::AvgPool(pool::AvgPool(w)), &[x])
     }
+    /// The mean of each channel's plane: `[C, H, W]` to `[C]`.
     pub fn global_avg_pool(&mut self, name: &str, x: ValueId) -> Result<ValueId> {
         self.op(name, Op::GlobalAvgPool(pool::GlobalAvgPool), &[x])
     }
@@ -150,12 +158,15 @@ impl GraphBuilder {
             &[x],
         )
     }
+    /// A sample's tensor as one vector.
     pub fn flatten(&mut self, name: &str, x: ValueId) -> Result<ValueId> {
         self.op(name, Op::Flatten(shape::Flatten), &[x])
     }
+    /// The values `xs` concatenated along channels.
     pub fn concat(&mut self, name: &str, xs: &[ValueId]) -> Result<ValueId> {
         self.op(name, Op::Concat(shape::Concat), xs)
     }
+    /// Dropout with drop probability `p` (identity in evaluation).
     pub fn dropout(&mut self, name: &str, x: ValueId, p: f64) -> Result<ValueId> {
         self.op(name, Op::Dropout(dropout::Dropout { p }), &[x])
     }

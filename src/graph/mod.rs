@@ -14,70 +14,99 @@ pub use builder::GraphBuilder;
 use crate::ops::{Op, ParamSpec};
 use crate::tensor::{DType, Shape};
 
+/// Index of a value in [`Graph::values`].
 pub type ValueId = usize;
+/// Index of a node in [`Graph::nodes`].
 pub type NodeId = usize;
+/// Index of a block in [`Graph::blocks`].
 pub type BlockId = usize;
 
 #[derive(Clone, Debug)]
+/// A tensor the graph computes: the input, or one node's output.
 pub struct Value {
     /// Per sample (no batch dimension).
     pub shape: Shape,
+    /// The node computing it (`None` for the graph's input).
     pub producer: Option<NodeId>,
+    /// The nodes reading it.
     pub consumers: Vec<NodeId>,
 }
 
 #[derive(Clone, Debug)]
+/// One op applied to values.
 pub struct Node {
     /// Dotted name: the block path and the node's own name (`layer1.0.conv1`).
     pub name: String,
+    /// The op and its settings.
     pub op: Op,
+    /// The values it reads, in the op's order.
     pub inputs: Vec<ValueId>,
+    /// The value it computes.
     pub output: ValueId,
     /// This node's parameters: trainable ones first, then buffers.
     pub params: std::ops::Range<usize>,
+    /// The innermost block it was built in.
     pub block: BlockId,
 }
 
 #[derive(Clone, Debug)]
+/// A parameter or buffer of a node.
 pub struct Param {
     /// Dotted name (`layer1.0.bn1.running_mean`): the checkpoint key.
     pub name: String,
+    /// Shape, initialization, and whether it is trained.
     pub spec: ParamSpec,
+    /// The node that owns it.
     pub node: NodeId,
 }
 
 #[derive(Clone, Debug)]
+/// A named group of nodes the builder nested (a residual block, a stage), for names and printing.
 pub struct Block {
+    /// Its name, the last part of its nodes' dotted names.
     pub name: String,
     /// What kind of block (`PreActBottleneck`, `Stage`), for printing.
     pub kind: String,
+    /// The enclosing block (`None` for block 0, the model).
     pub parent: Option<BlockId>,
+    /// Blocks nested in it.
     pub children: Vec<BlockId>,
+    /// Nodes built directly in it.
     pub nodes: Vec<NodeId>,
 }
 
 /// A graph output the loss is applied to, with its weight in the total loss.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Output {
+    /// The value the loss is applied to (logits).
     pub value: ValueId,
+    /// Its weight in the total loss.
     pub weight: f64,
     /// Used only in training (an auxiliary classifier).
     pub training_only: bool,
 }
 
 #[derive(Clone, Debug)]
+/// A model: a DAG of nodes over values, in topological order, with its parameters and blocks.
 pub struct Graph {
+    /// The model's name (`resnet110v2`).
     pub name: String,
+    /// The input value (one image per sample).
     pub input: ValueId,
+    /// Every value, indexed by [`ValueId`].
     pub values: Vec<Value>,
+    /// Every node in topological order, indexed by [`NodeId`].
     pub nodes: Vec<Node>,
+    /// Every parameter and buffer, in node order: the checkpoint's tensors.
     pub params: Vec<Param>,
     /// Block 0 is the model itself.
     pub blocks: Vec<Block>,
+    /// The outputs scored by the loss, the evaluated one first.
     pub outputs: Vec<Output>,
 }
 
 impl Graph {
+    /// The per-sample shape of the input (`[3, side, side]`).
     pub fn input_shape(&self) -> &Shape {
         &self.values[self.input].shape
     }
@@ -119,6 +148,7 @@ impl Graph {
         self.nodes.iter().map(|n| self.node_flops(n)).sum()
     }
 
+    /// Forward FLOPs of node `n` for one sample.
     pub fn node_flops(&self, n: &Node) -> u64 {
         let ins: Vec<&Shape> = n.inputs.iter().map(|&v| &self.values[v].shape).collect();
         n.op.get().flops(&ins, &self.values[n.output].shape)

@@ -10,13 +10,18 @@ use crate::{Error, Result};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "lowercase")]
+/// Where a node's saved tensors wait for backward.
 pub enum Keep {
+    /// On the device.
     Device,
+    /// In the host tier, brought back before backward needs them.
     Host,
+    /// Dropped and recomputed from the last kept input before backward.
     Recompute,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+/// Where each node's saved tensors wait, and how far ahead offloaded ones come back.
 pub struct SavePolicy {
     /// By node id; nodes past the end stay on the device.
     pub nodes: Vec<Keep>,
@@ -56,6 +61,7 @@ impl SavePolicy {
         }
     }
 
+    /// Where node `node`'s saved tensors wait.
     pub fn of(&self, node: usize) -> Keep {
         self.nodes.get(node).copied().unwrap_or(Keep::Device)
     }

@@ -29,7 +29,9 @@ struct State {
 /// Memory statistics of one device.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct MemoryStats {
+    /// The device's capacity in bytes (`None`: unlimited).
     pub capacity: Option<u64>,
+    /// Bytes live now, by category.
     pub live: ByCategory,
     /// High-water mark of live bytes.
     pub peak: u64,
@@ -48,6 +50,7 @@ pub struct Allocator {
 }
 
 impl Allocator {
+    /// An allocator for device `name` with `capacity` bytes (`None`: unlimited).
     pub fn new(name: impl Into<String>, capacity: Option<u64>) -> Arc<Self> {
         Arc::new(Allocator {
             name: name.into(),
@@ -58,6 +61,7 @@ impl Allocator {
         })
     }
 
+    /// The device's name.
     pub fn name(&self) -> &str {
         &self.name
     }
@@ -102,6 +106,7 @@ impl Allocator {
         })
     }
 
+    /// Capacity, live bytes and peaks so far.
     pub fn stats(&self) -> MemoryStats {
         let s = self.state();
         MemoryStats {
@@ -123,6 +128,7 @@ pub struct Lease {
 }
 
 impl Lease {
+    /// The bytes held.
     pub fn bytes(&self) -> u64 {
         self.bytes
     }

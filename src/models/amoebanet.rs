@@ -126,6 +126,7 @@ pub fn image_fits(image_size: usize) -> bool {
     s > 0 && s.is_multiple_of(16)
 }
 
+/// AmoebaNet-D named `name` with (normal cell layers, filters) for `image_size`² inputs and `classes` classes.
 pub fn build(
     name: &str,
     (layers, filters): (usize, usize),

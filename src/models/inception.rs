@@ -42,6 +42,7 @@ pub fn parse(name: &str) -> Option<bool> {
     }
 }
 
+/// Inception-v3 (with its auxiliary classifier if `aux_logits`) for `image_size`² inputs and `classes` classes.
 pub fn build(name: &str, aux_logits: bool, image_size: usize, classes: usize) -> Result<Graph> {
     let (min, why) = if aux_logits {
         (

@@ -14,13 +14,18 @@ use crate::{Error, Result};
 pub const MIN_IMAGE: usize = 32;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// Which ResNet family.
 pub enum Version {
+    /// The original ResNet (post-activation basic blocks, He et al. 2015).
     V1,
+    /// Pre-activation bottleneck blocks (He et al. 2016).
     V2,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// A CIFAR-style ResNet: family and depth.
 pub struct ResNetSpec {
+    /// Which family.
     pub version: Version,
     /// Blocks per stage.
     pub blocks: usize,
@@ -62,6 +67,7 @@ impl ResNetSpec {
     }
 }
 
+/// ResNet `spec` named `name` for `image_size`² inputs and `classes` classes.
 pub fn build(name: &str, spec: &ResNetSpec, image_size: usize, classes: usize) -> Result<Graph> {
     if image_size < MIN_IMAGE {
         return Err(Error::Config(format!("{name} needs images of at least {MIN_IMAGE}×{MIN_IMAGE}, got {image_size}×{image_size}")));

@@ -27,12 +27,16 @@ use crate::{Error, Result};
 /// The torchvision architectures gems builds.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Arch {
+    /// VGG-19 without batch normalization.
     Vgg19,
+    /// AlexNet.
     AlexNet,
+    /// ResNet-50 (bottleneck blocks, 7×7 stem).
     ResNet50,
 }
 
 impl Arch {
+    /// Every architecture.
     pub const ALL: [Arch; 3] = [Arch::Vgg19, Arch::AlexNet, Arch::ResNet50];
 
     /// torchvision's name of the model.
@@ -44,6 +48,7 @@ impl Arch {
         }
     }
 
+    /// The architecture torchvision calls `name`.
     pub fn parse(name: &str) -> Option<Arch> {
         Arch::ALL.into_iter().find(|a| a.name() == name)
     }

@@ -5,6 +5,7 @@ use crate::tensor::{Shape, Tensor};
 use crate::Result;
 
 #[derive(Clone, Debug, PartialEq)]
+/// max(x, 0).
 pub struct Relu;
 
 impl Operator for Relu {

@@ -8,13 +8,21 @@ use crate::tensor::{Shape, Tensor};
 use crate::Result;
 
 #[derive(Clone, Debug, PartialEq)]
+/// A 2-d convolution as PyTorch's `Conv2d`: weights `[c_out, c_in / groups, kh, kw]`.
 pub struct Conv2d {
+    /// Output channels.
     pub c_out: usize,
+    /// (height, width) of the kernel.
     pub kernel: (usize, usize),
+    /// (vertical, horizontal) stride.
     pub stride: (usize, usize),
+    /// (vertical, horizontal) zero padding on each side.
     pub pad: (usize, usize),
+    /// (vertical, horizontal) spacing of the kernel's taps.
     pub dilation: (usize, usize),
+    /// Channel groups.
     pub groups: usize,
+    /// Whether it adds a per-channel bias.
     pub bias: bool,
 }
 
@@ -32,6 +40,7 @@ impl Conv2d {
         }
     }
 
+    /// Its geometry on an NCHW input of shape `x`; refuses an input it does not fit.
     pub fn geom(&self, x: &Shape) -> Result<ConvGeom> {
         let (n, c_in, h, w) = x.nchw();
         let out = self

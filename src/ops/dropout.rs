@@ -6,7 +6,9 @@ use crate::tensor::{Shape, Tensor};
 use crate::Result;
 
 #[derive(Clone, Debug, PartialEq)]
+/// Inverted dropout: each value zeroed with probability `p`, the rest scaled by 1/(1-p).
 pub struct Dropout {
+    /// Drop probability.
     pub p: f64,
 }
 

@@ -5,6 +5,7 @@ use crate::tensor::{Shape, Tensor};
 use crate::Result;
 
 #[derive(Clone, Debug, PartialEq)]
+/// The sum of two values of one shape.
 pub struct Add;
 
 impl Operator for Add {

@@ -6,9 +6,13 @@ use crate::tensor::{Shape, Tensor};
 use crate::Result;
 
 #[derive(Clone, Debug, PartialEq)]
+/// A fully connected layer, y = x·Wᵀ + b (weights `[d_out, d_in]`).
 pub struct Linear {
+    /// Input features.
     pub d_in: usize,
+    /// Output features.
     pub d_out: usize,
+    /// Whether it adds a bias.
     pub bias: bool,
 }
 

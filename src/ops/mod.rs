@@ -20,7 +20,9 @@ use crate::Result;
 /// How a parameter starts.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum Init {
+    /// All zeros.
     Zeros,
+    /// All ones.
     Ones,
     /// Normal(0, std²).
     Normal(f64),
@@ -32,9 +34,13 @@ pub enum Init {
 /// Buffers (running statistics) are state, not trained.
 #[derive(Clone, Debug, PartialEq)]
 pub struct ParamSpec {
+    /// The last part of its dotted name (`weight`, `running_mean`).
     pub suffix: &'static str,
+    /// Its shape.
     pub shape: Shape,
+    /// How it starts.
     pub init: Init,
+    /// Whether the optimizer updates it (false for buffers).
     pub trainable: bool,
 }
 
@@ -57,6 +63,7 @@ pub struct SavesFor {
 
 /// What backward starts from.
 pub struct Backward<'a> {
+    /// What forward kept.
     pub saved: Saved,
     /// Gradient of the output.
     pub dy: Tensor,
@@ -68,7 +75,9 @@ pub struct Backward<'a> {
 
 /// Everything forward and backward need besides tensors.
 pub struct Ctx<'a> {
+    /// The device computing.
     pub device: &'a Device,
+    /// Training mode (batch statistics, dropout) or evaluation.
     pub training: bool,
     /// Seed for this op's randomness in this pass (dropout).
     pub seed: u64,
@@ -97,9 +106,11 @@ impl Ctx<'_> {
 pub trait Operator {
     /// Output shape (per sample) from input shapes, or why they are not accepted.
     fn infer(&self, inputs: &[&Shape]) -> std::result::Result<Shape, String>;
+    /// The parameters the op owns for inputs of these shapes (none by default).
     fn params(&self, _inputs: &[&Shape]) -> Vec<ParamSpec> {
         Vec::new()
     }
+    /// Computes the output of inputs `xs` (batch included) and what backward needs.
     fn forward(&self, ctx: &Ctx, xs: &[&Tensor], params: &mut [Tensor]) -> Result<(Tensor, Saved)>;
     /// Gradients of the inputs asked for in `b.need`; parameter gradients are added to `grads`.
     fn backward(
@@ -111,29 +122,45 @@ pub trait Operator {
     ) -> Result<Vec<Option<Tensor>>>;
     /// Forward multiply-adds ×2 per sample.
     fn flops(&self, inputs: &[&Shape], output: &Shape) -> u64;
+    /// What forward keeps for backward, for memory predictions.
     fn saves(&self, inputs: &[&Shape]) -> SavesFor;
 }
 
 /// The ops a graph is made of.
 #[derive(Clone, Debug, PartialEq)]
 pub enum Op {
+    /// 2-d convolution.
     Conv2d(conv::Conv2d),
+    /// Batch normalization (optionally fused with the following ReLU).
     BatchNorm(norm::BatchNorm),
+    /// max(x, 0).
     Relu(activation::Relu),
+    /// Elementwise sum of two values (residual connections).
     Add(elementwise::Add),
+    /// Max pooling.
     MaxPool(pool::MaxPool),
+    /// Average pooling, padding counted.
     AvgPool(pool::AvgPool),
+    /// Mean over each channel's plane.
     GlobalAvgPool(pool::GlobalAvgPool),
+    /// PyTorch's `AdaptiveAvgPool2d`.
     AdaptiveAvgPool(pool::AdaptiveAvgPool),
+    /// Fully connected layer.
     Linear(linear::Linear),
+    /// A sample's tensor as one vector.
     Flatten(shape::Flatten),
+    /// Channel-wise concatenation.
     Concat(shape::Concat),
+    /// Dropout (inverted: kept values scaled by 1/(1-p)).
     Dropout(dropout::Dropout),
+    /// Average pooling, padding not counted.
     AvgPoolExcludePad(pool::AvgPoolExcludePad),
+    /// Zero padding of the spatial dimensions.
     Pad2d(shape::Pad2d),
 }
 
 impl Op {
+    /// The op's implementation of [`Operator`].
     pub fn get(&self) -> &dyn Operator {
         match self {
             Op::Conv2d(o) => o,

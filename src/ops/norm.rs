@@ -14,8 +14,11 @@ use crate::tensor::{Shape, Tensor};
 use crate::Result;
 
 #[derive(Clone, Debug, PartialEq)]
+/// Batch normalization over (N, H, W) per channel, with learned scale and shift and running statistics.
 pub struct BatchNorm {
+    /// Added to the variance before the square root.
     pub eps: f64,
+    /// Weight of the new batch's statistics in the running ones (PyTorch's momentum).
     pub momentum: f64,
     /// A ReLU fused after the normalization.
     pub relu: bool,
@@ -43,6 +46,7 @@ fn geom(x: &Tensor) -> ChannelGeom {
 /// One training forward's batch statistics, to be committed to the running statistics.
 #[derive(Clone, Debug)]
 pub struct BatchStats {
+    /// Mean per channel.
     pub mean: Tensor,
     /// Biased variance.
     pub var: Tensor,

@@ -10,8 +10,11 @@ use crate::Result;
 /// A pooling window: kernel, stride, padding, and how a partial last window is treated.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Window {
+    /// (height, width) of the window.
     pub kernel: (usize, usize),
+    /// (vertical, horizontal) stride.
     pub stride: (usize, usize),
+    /// (vertical, horizontal) padding on each side.
     pub pad: (usize, usize),
     /// PyTorch's `ceil_mode`: round the output size up, so a last window that starts inside
     /// the input (or the left padding) but runs past the padded input still counts; such
@@ -102,9 +105,11 @@ impl fmt::Display for Window {
 }
 
 #[derive(Clone, Debug, PartialEq)]
+/// The maximum of each window (padding never wins).
 pub struct MaxPool(pub Window);
 
 #[derive(Clone, Debug, PartialEq)]
+/// The mean of each window, padding counted (PyTorch's `count_include_pad=True`).
 pub struct AvgPool(pub Window);
 
 /// Mean over H×W: C×H×W → C×1×1.
@@ -275,6 +280,7 @@ impl Operator for GlobalAvgPool {
 /// output is larger than the input.
 #[derive(Clone, Debug, PartialEq)]
 pub struct AdaptiveAvgPool {
+    /// (height, width) of the output.
     pub out: (usize, usize),
 }
 

@@ -138,9 +138,13 @@ impl Operator for Concat {
 /// one pixel with (-1, 1, -1, 1): `ZeroPad2d((0, 1, 0, 1))(x[:, :, 1:, 1:])`.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Pad2d {
+    /// Rows added above (negative: removed).
     pub top: isize,
+    /// Rows added below.
     pub bottom: isize,
+    /// Columns added on the left.
     pub left: isize,
+    /// Columns added on the right.
     pub right: isize,
 }
 

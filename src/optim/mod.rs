@@ -11,20 +11,26 @@ use crate::tensor::{Storage, Tensor};
 use crate::Result;
 
 #[derive(Clone, Copy, Debug, PartialEq)]
+/// SGD as PyTorch defines it (no dampening).
 pub struct SgdConfig {
+    /// Momentum factor (0: plain SGD).
     pub momentum: f64,
+    /// L2 penalty added to the gradient.
     pub weight_decay: f64,
+    /// Nesterov momentum.
     pub nesterov: bool,
 }
 
 /// The optimizer and its state: one momentum buffer per trainable parameter (optimizer
 /// state in the accounting; allocated up front so the first step's peak is the steady one).
 pub struct Sgd {
+    /// Its hyper-parameters.
     pub config: SgdConfig,
     buffers: Vec<Option<Tensor>>,
 }
 
 impl Sgd {
+    /// An optimizer for `params` with zeroed momentum buffers on `device`.
     pub fn new(params: &Params, device: &Device, config: SgdConfig) -> Result<Sgd> {
         let buffers = params
             .grads
@@ -109,6 +115,7 @@ pub struct LossScale {
 impl LossScale {
     /// PyTorch's default first scale, 2^16.
     pub const INITIAL: f64 = 65536.0;
+    /// Clean steps after which the scale doubles (PyTorch's default).
     pub const GROWTH_INTERVAL: usize = 2000;
     /// The smallest scale, 2^-16: gradients as large as f16's range over this cannot be real.
     pub const FLOOR: f64 = 1.0 / 65536.0;
@@ -127,6 +134,7 @@ impl LossScale {
         self.scale
     }
 
+    /// Steps skipped so far because their gradients overflowed.
     pub fn skipped(&self) -> usize {
         self.skipped
     }

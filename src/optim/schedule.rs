@@ -5,11 +5,15 @@ use std::fmt;
 use std::str::FromStr;
 
 #[derive(Clone, Copy, Debug, PartialEq)]
+/// How the learning rate falls after warm-up.
 pub enum Decay {
+    /// It stays at the base rate.
     Constant,
     /// Multiply by `gamma` every `every` steps.
     Step {
+        /// Steps between multiplications.
         every: usize,
+        /// The factor.
         gamma: f64,
     },
     /// Half a cosine from the base rate to zero over the steps after warm-up.
@@ -54,11 +58,15 @@ impl fmt::Display for Decay {
 }
 
 #[derive(Clone, Copy, Debug, PartialEq)]
+/// The learning rate of each step: linear warm-up, then a decay.
 pub struct LrSchedule {
+    /// The rate after warm-up.
     pub base: f64,
+    /// The decay after warm-up.
     pub decay: Decay,
     /// Steps of linear warm-up from base/warmup to base.
     pub warmup: usize,
+    /// Steps of the whole run (the cosine reaches zero at the end).
     pub total: usize,
 }
 

@@ -19,14 +19,21 @@ use crate::{Error, Result};
 /// Measured forward and backward seconds of every node of one model configuration.
 #[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct Calibration {
+    /// The model measured.
     pub model: String,
+    /// Its input side.
     pub image_size: usize,
+    /// Its classes.
     pub classes: usize,
+    /// Images per micro-batch the times are for.
     pub micro_batch: usize,
     /// The activations' dtype, which op times depend on.
     pub dtype: DType,
+    /// The device measured (its report name).
     pub device: String,
+    /// Each node's forward seconds, in node order.
     pub forward: Vec<f64>,
+    /// Each node's backward seconds, in node order.
     pub backward: Vec<f64>,
     /// Seconds to make and upload one micro-batch of synthetic images.
     pub data: f64,
@@ -35,6 +42,7 @@ pub struct Calibration {
 }
 
 impl Calibration {
+    /// The measured times as the planner's node costs.
     pub fn costs(&self) -> NodeCosts {
         NodeCosts {
             forward: self.forward.clone(),
@@ -69,6 +77,7 @@ impl Calibration {
         Ok(())
     }
 
+    /// Writes the profile as JSON.
     pub fn save(&self, path: &Path) -> Result<()> {
         let text =
             serde_json::to_string_pretty(self).map_err(|e| Error::Internal(e.to_string()))?;
@@ -76,6 +85,7 @@ impl Calibration {
             .map_err(|e| Error::Config(format!("cannot write {}: {e}", path.display())))
     }
 
+    /// Reads a profile written by [`Calibration::save`].
     pub fn load(path: &Path) -> Result<Calibration> {
         let text = crate::core::files::read_text(path)?;
         serde_json::from_str(&text).map_err(|e| {

@@ -22,8 +22,11 @@ pub struct TrainConfig {
     pub batch_size: usize,
     /// Steps the learning-rate schedule spans (and the loader prepares ahead for).
     pub steps: usize,
+    /// The learning rate over the steps.
     pub schedule: LrSchedule,
+    /// SGD's hyper-parameters.
     pub sgd: SgdConfig,
+    /// Seeds the weights, the data order and dropout.
     pub seed: u64,
     /// The parameters' dtype (f32 or f64); `precision` sets the activations'.
     pub dtype: DType,
@@ -138,6 +141,7 @@ impl TrainConfig {
 pub struct RunConfig {
     /// `batch_size` is B: images per replica pass.
     pub train: TrainConfig,
+    /// How the run is spread over ranks.
     pub scheme: Scheme,
     /// Segments per stage; when absent, balanced by predicted cost among the splits that fit
     /// `train.device_memory`.

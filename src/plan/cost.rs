@@ -8,7 +8,9 @@ use crate::tensor::DType;
 /// What a device can do per second.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct DeviceProfile {
+    /// Arithmetic throughput, FLOP/s.
     pub flops_per_s: f64,
+    /// Memory bandwidth, bytes/s.
     pub bytes_per_s: f64,
 }
 
@@ -38,7 +40,9 @@ pub fn node_seconds(g: &Graph, n: &Node, batch: usize, dtype: DType, p: &DeviceP
 /// Forward and backward seconds of every node: predicted, or measured by calibration.
 #[derive(Clone, Debug, PartialEq)]
 pub struct NodeCosts {
+    /// Forward seconds of each node for one micro-batch.
     pub forward: Vec<f64>,
+    /// Backward seconds of each node for one micro-batch.
     pub backward: Vec<f64>,
     /// Seconds stage 0 spends making a micro-batch's images (0 in the analytical model).
     pub data: f64,

@@ -43,6 +43,7 @@ pub struct StageBytes {
     pub saved: u64,
     /// The most a micro-batch holds while its forward runs, and while its backward runs.
     pub forward: u64,
+    /// The most a micro-batch holds while its backward runs.
     pub backward: u64,
 }
 
@@ -289,6 +290,7 @@ impl Footprint {
 
 /// What a stage over a node range holds: never less for a larger range.
 pub trait StageMemory {
+    /// What a stage made of `nodes` holds.
     fn stage(&self, nodes: Range<usize>) -> StageBytes;
 }
 
@@ -459,9 +461,13 @@ fn op_allocations(
 /// statistics wait for the end of the step); and which copy runs which pass.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 pub struct Moment {
+    /// Micro-batches of each copy whose saved tensors the rank holds (the running one included).
     pub held: [usize; 2],
+    /// Micro-batches of each copy run forward whose batch statistics wait for the end of the step.
     pub forwarded: [usize; 2],
+    /// Which copy runs the task at this moment.
     pub running: usize,
+    /// Whether that task is a backward pass.
     pub backward: bool,
 }
 

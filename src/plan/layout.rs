@@ -14,7 +14,9 @@ use crate::{Error, Result};
 
 /// A graph split into stages and scheduled.
 pub struct Layout {
+    /// The model.
     pub graph: Arc<Graph>,
+    /// Its stages.
     pub partition: Partition,
     /// Values entering each stage (the boundary before it), in a fixed order.
     pub inputs: Vec<Vec<ValueId>>,
@@ -26,6 +28,7 @@ pub struct Layout {
     pub costs: NodeCosts,
     /// Seconds of one optimizer step over the whole model (0 without a calibration).
     pub optimizer: f64,
+    /// Each rank's tasks for one step.
     pub schedule: Schedule,
 }
 

@@ -23,7 +23,7 @@ const EXHAUSTIVE: usize = 2048;
 ///
 /// What a mirrored rank holds at once depends on how its two copies' tasks interleave, which
 /// depends on the stage costs, that is on the split. Where the splits are few
-/// ([`EXHAUSTIVE`]), each is tried with its own schedule: exact. Otherwise the search starts
+/// (at most 2048), each is tried with its own schedule: exact. Otherwise the search starts
 /// from the moments of the cost-balanced split's schedule, and searches again with every
 /// moment seen so far until the split it returns has none it did not account for: it fits,
 /// but a faster split that fits only its own schedule may be missed.

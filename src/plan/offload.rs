@@ -15,6 +15,7 @@ use crate::plan::cost::NodeCosts;
 /// The link between a device and its host tier.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct HostLink {
+    /// Copy bandwidth, bytes/s each way.
     pub bytes_per_s: f64,
     /// Copies run beside compute (a GPU's copy engines); on the CPU they are compute.
     pub overlaps: bool,
@@ -36,7 +37,9 @@ impl HostLink {
 /// One node's cheapest way to leave the device, and what it costs.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Choice {
+    /// The node.
     pub node: usize,
+    /// Host or recompute.
     pub keep: Keep,
     /// Bytes per micro-batch the node saves.
     pub bytes: u64,
@@ -142,6 +145,7 @@ pub fn take(nodes: usize, choices: &[Choice], k: usize, prefetch: usize) -> Save
 
 /// What `--offload auto` chose, and its predicted cost.
 pub struct Chosen {
+    /// Where each node's saved tensors wait.
     pub policy: SavePolicy,
     /// Predicted seconds added per step.
     pub exposed: f64,

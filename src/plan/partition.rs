@@ -17,6 +17,7 @@ pub const MAX_CUT_VALUES: usize = 2;
 /// Contiguous node ranges, one per stage, covering the graph.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Partition {
+    /// Each stage's node range, in order.
     pub stages: Vec<Range<usize>>,
 }
 
@@ -105,7 +106,9 @@ pub const MIRRORED_POSITIONS: usize = 400;
 
 /// Each rank's memory against a capacity, by the analytic model ([`crate::plan::footprint`]).
 pub struct Limit<'a> {
+    /// Bytes each rank may hold.
     pub cap: u64,
+    /// What a stage of given nodes holds.
     pub stages: &'a dyn StageMemory,
     /// Per rank (one per stage), the moments of its task list.
     pub moments: &'a [Vec<Moment>],
@@ -124,18 +127,6 @@ impl Limit<'_> {
     }
 }
 
-/// The split into `p` stages whose slowest stage (by `cost` per node) is fastest among those
-/// whose ranks all fit `limit` (among all splits without one); `None` when none fits.
-///
-/// Exact for one stage per rank (dynamic programming over the cut points, O(P·C²) for C cut
-/// points, less where costs prune). Mirrored ranks couple stages p and P-1-p, so their search
-/// runs over pairs (end of the first j stages, start of the last j) from the outside in: for a
-/// bound on the slowest stage, the pairs reachable with every rank so far fitting, then the
-/// least bound that reaches the middle (searched over the stage costs that occur). It is exact
-/// over the positions it considers: every cut point up to [`MIRRORED_POSITIONS`] of them;
-/// beyond, the fastest split over every cut point if it fits, else the best over the cut
-/// points that carry one value (thinned evenly to that many).
-/// Both rely on a stage's cost and bytes never shrinking when its range grows.
 /// Every split of `g` into `p` stages at its cut points, if there are at most `limit`.
 pub fn every_split(g: &Graph, p: usize, limit: usize) -> Option<Vec<Partition>> {
     let cuts = cut_points(g);
@@ -168,6 +159,18 @@ pub fn every_split(g: &Graph, p: usize, limit: usize) -> Option<Vec<Partition>> 
     }
 }
 
+/// The split into `p` stages whose slowest stage (by `cost` per node) is fastest among those
+/// whose ranks all fit `limit` (among all splits without one); `None` when none fits.
+///
+/// Exact for one stage per rank (dynamic programming over the cut points, O(P·C²) for C cut
+/// points, less where costs prune). Mirrored ranks couple stages p and P-1-p, so their search
+/// runs over pairs (end of the first j stages, start of the last j) from the outside in: for a
+/// bound on the slowest stage, the pairs reachable with every rank so far fitting, then the
+/// least bound that reaches the middle (searched over the stage costs that occur). It is exact
+/// over the positions it considers: every cut point up to [`MIRRORED_POSITIONS`] of them;
+/// beyond, the fastest split over every cut point if it fits, else the best over the cut
+/// points that carry one value (thinned evenly to that many).
+/// Both rely on a stage's cost and bytes never shrinking when its range grows.
 pub fn balanced(
     g: &Graph,
     p: usize,

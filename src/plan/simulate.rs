@@ -16,11 +16,15 @@ use crate::{Error, Result};
 /// A machine to simulate: its GPUs and how they are connected.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Profile {
+    /// Its name on the command line (`v100-ib`).
     pub name: &'static str,
+    /// One GPU's speeds.
     pub device: DeviceProfile,
+    /// GPUs per node.
     pub gpus_per_node: usize,
     /// Bytes/s between two GPUs of a node, and between nodes (per GPU).
     pub intra_node: f64,
+    /// Bytes/s between nodes, per GPU.
     pub inter_node: f64,
     /// Seconds per message.
     pub latency: f64,
@@ -62,6 +66,7 @@ impl Profile {
         inter_node: 10e9,
         latency: 1e-6,
     };
+    /// Every profile.
     pub const ALL: [Profile; 3] = [Profile::V100_IB, Profile::H100_NVLINK_IB, Profile::CPU];
 
     /// Seconds to move `bytes` between two ranks.
@@ -114,12 +119,15 @@ impl fmt::Display for Profile {
 /// One simulated configuration.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Point {
+    /// GPUs in use.
     pub gpus: usize,
     /// D: data-parallel groups.
     pub groups: usize,
     /// Seconds: the pipeline of one group, then the slowest stage's all-reduce.
     pub pipeline: f64,
+    /// Seconds of the slowest stage's gradient all-reduce.
     pub all_reduce: f64,
+    /// Predicted training throughput.
     pub images_per_s: f64,
 }
 

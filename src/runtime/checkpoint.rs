@@ -34,6 +34,7 @@ use crate::{Error, Result};
 
 /// The whole model's training state on the host, indexed like the graph's parameters.
 pub struct TrainingState {
+    /// Every parameter and buffer, in the graph's order.
     pub values: Vec<Storage>,
     /// The momentum buffer of each trainable parameter.
     pub momentum: Vec<Option<Storage>>,
@@ -41,6 +42,7 @@ pub struct TrainingState {
     pub step: usize,
     /// Images consumed in the data's epoch order: where the next step's first image is.
     pub position: u64,
+    /// fp16's dynamic loss scale (`None` for other precisions).
     pub loss_scale: Option<LossScale>,
 }
 

@@ -11,9 +11,13 @@ use crate::{Error, Result};
 /// Loss, accuracy and confusion counts over held-out samples.
 #[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct Evaluation {
+    /// Samples scored.
     pub samples: usize,
+    /// Mean loss per sample.
     pub loss: f64,
+    /// Fraction predicted correctly.
     pub accuracy: f64,
+    /// The class names, in label order.
     pub classes: Vec<String>,
     /// `confusion[true][predicted]` counts.
     pub confusion: Vec<Vec<usize>>,

@@ -66,22 +66,26 @@ mod f64_bits {
 /// What one rank did in one step.
 #[derive(Clone, Debug, Default, serde::Serialize, serde::Deserialize)]
 pub struct RankStep {
+    /// The world rank.
     pub rank: usize,
     /// This rank's share of the step's loss (Σ weight·loss / M over its loss outputs).
     #[serde(with = "f64_bits")]
     pub loss: f64,
     /// Correct predictions of the first output, and images it scored, on this rank.
     pub correct: usize,
+    /// Images it scored.
     pub scored: usize,
     /// Wall seconds of the step on this rank, and of them computing (forward, backward, loss,
     /// optimizer).
     pub seconds: f64,
+    /// Seconds of them it spent computing.
     pub busy: f64,
     /// Seconds stage-0 tasks waited for their images.
     pub data_wait: f64,
     /// fp16's loss scale the step's gradients carried, and whether they overflowed it (on any
     /// rank), so the step was skipped.
     pub loss_scale: Option<f64>,
+    /// Whether the step was skipped.
     pub skipped: bool,
     /// The device's memory: the peak so far, and bytes by category.
     pub memory: MemoryStats,

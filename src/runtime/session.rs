@@ -42,9 +42,11 @@ pub struct StepReport {
     pub loss: f64,
     /// Correct predictions of the first output, and images it scored.
     pub correct: usize,
+    /// Images it scored.
     pub scored: usize,
     /// Images the step trained on: η·B·D.
     pub images: usize,
+    /// The learning rate the step used.
     pub lr: f64,
     /// Wall seconds of the step (its slowest rank).
     pub seconds: f64,
@@ -53,6 +55,7 @@ pub struct StepReport {
     /// The loss scale the gradients carried (fp16), and whether they overflowed it, so the
     /// step was skipped on every rank.
     pub loss_scale: Option<f64>,
+    /// Whether the step was skipped (its gradients overflowed fp16's scale).
     pub skipped: bool,
     /// Each rank's part: busy and wall seconds, memory, the timeline of its tasks.
     pub ranks: Vec<RankStep>,
@@ -398,14 +401,17 @@ impl Session {
             .swap_remove(0))
     }
 
+    /// The model the session runs.
     pub fn graph(&self) -> &Graph {
         &self.layout.graph
     }
 
+    /// How the model is split over the ranks and scheduled.
     pub fn layout(&self) -> &Layout {
         &self.layout
     }
 
+    /// The run's configuration.
     pub fn config(&self) -> &RunConfig {
         &self.config
     }
@@ -414,8 +420,11 @@ impl Session {
 /// What a device reports beside its memory.
 #[derive(Clone, Debug)]
 pub struct DeviceSummary {
+    /// The device's report name.
     pub name: String,
+    /// The host tier's memory (offloaded activations).
     pub host: MemoryStats,
+    /// The pinned pool's blocks: allocated, reused, bytes.
     pub pool: crate::backend::host::PoolStats,
     /// cuDNN's choices per convolution shape (empty for other kernels).
     pub conv_algorithms: Vec<String>,

@@ -10,6 +10,7 @@ use std::str::FromStr;
 use crate::{Error, Result};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// The scheme's family.
 pub enum Kind {
     /// The whole model on one rank.
     Single,
@@ -74,6 +75,7 @@ impl FromStr for Order {
 /// A scheme with its sizes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Scheme {
+    /// The family.
     pub kind: Kind,
     /// P: pipeline stages.
     pub stages: usize,
@@ -83,10 +85,12 @@ pub struct Scheme {
     pub replicas: usize,
     /// D: data-parallel groups.
     pub dp: usize,
+    /// The pipeline's order of forward and backward passes.
     pub order: Order,
 }
 
 impl Scheme {
+    /// A scheme of `kind` with P `stages`, m `parts`, η `replicas` and D `dp` groups; checked when a run lays it out.
     pub fn new(
         kind: Kind,
         stages: usize,

@@ -9,16 +9,24 @@ use super::{Order, Scheme};
 use crate::{Error, Result};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+/// Which pass of a micro-batch a task runs.
 pub enum Pass {
+    /// Forward through a stage.
     Forward,
+    /// Backward through a stage.
     Backward,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+/// One unit of a schedule: a pass of one micro-batch through one stage of one replica.
 pub struct Task {
+    /// Forward or backward.
     pub pass: Pass,
+    /// Which model replica (MAST and MASTER run more than one).
     pub replica: usize,
+    /// Which pipeline stage.
     pub stage: usize,
+    /// Which micro-batch of the step.
     pub micro: usize,
 }
 
@@ -26,8 +34,11 @@ pub struct Task {
 /// boundary tensors (activations forward, their gradients backward) from stage s to s + 1.
 #[derive(Clone, Debug, PartialEq)]
 pub struct StageCosts {
+    /// Seconds of each stage's forward.
     pub forward: Vec<f64>,
+    /// Seconds of each stage's backward.
     pub backward: Vec<f64>,
+    /// Seconds to move a micro-batch's boundary tensors from stage s to s + 1.
     pub transfer: Vec<f64>,
 }
 
@@ -45,18 +56,23 @@ impl StageCosts {
 /// A task with its predicted start and end.
 #[derive(Clone, Copy, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct Timed {
+    /// The task.
     pub task: Task,
+    /// Seconds from the start of the step.
     pub start: f64,
+    /// Seconds from the start of the step.
     pub end: f64,
 }
 
 /// Each rank's ordered tasks for one step of one data-parallel group (all groups run the same).
 #[derive(Clone, Debug, PartialEq)]
 pub struct Schedule {
+    /// Each rank's tasks in the order it runs them.
     pub ranks: Vec<Vec<Timed>>,
 }
 
 impl Schedule {
+    /// Seconds from the first task's start to the last one's end.
     pub fn makespan(&self) -> f64 {
         self.ranks
             .iter()

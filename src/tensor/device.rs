@@ -115,14 +115,17 @@ impl Device {
         }
     }
 
+    /// The device's name (`cpu:0`).
     pub fn name(&self) -> &str {
         self.inner.allocator.name()
     }
 
+    /// The kernels it runs.
     pub fn backend(&self) -> &dyn Backend {
         &*self.inner.backend
     }
 
+    /// Its memory: capacity, live bytes and peaks.
     pub fn memory(&self) -> MemoryStats {
         self.inner.allocator.stats()
     }

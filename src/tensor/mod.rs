@@ -25,6 +25,7 @@ pub struct WeakTensor {
 }
 
 impl WeakTensor {
+    /// The tensor, if its buffer is still alive.
     pub fn upgrade(&self) -> Option<Tensor> {
         self.buf.upgrade().map(|buf| Tensor {
             shape: self.shape.clone(),
@@ -52,18 +53,23 @@ impl Tensor {
             }),
         }
     }
+    /// Its shape, batch included.
     pub fn shape(&self) -> &Shape {
         &self.shape
     }
+    /// Its element type.
     pub fn dtype(&self) -> DType {
         self.buf.storage.dtype()
     }
+    /// Its elements.
     pub fn numel(&self) -> usize {
         self.shape.numel()
     }
+    /// Its size in bytes.
     pub fn bytes(&self) -> u64 {
         self.buf._lease.bytes()
     }
+    /// Its elements.
     pub fn storage(&self) -> &Storage {
         &self.buf.storage
     }

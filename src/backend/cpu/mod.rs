@@ -32,9 +32,13 @@ pub trait Float:
     + std::ops::SubAssign
     + std::ops::MulAssign
 {
+    /// The elements of `s` as this type (an error for another dtype).
     fn view(s: &Storage) -> Result<&[Self]>;
+    /// The elements of `s` as this type, writable.
     fn view_mut(s: &mut Storage) -> Result<&mut [Self]>;
+    /// `x` rounded to this type.
     fn of(x: f64) -> Self;
+    /// The value as f64.
     fn f64(self) -> f64;
 }
 

@@ -98,8 +98,11 @@ pub fn target_for(cc: (i32, i32), known: &[u32]) -> Result<Target, String> {
 /// machine-code target, the cubin that is loaded.
 #[derive(Clone, Debug)]
 pub struct Module {
+    /// The architecture it was compiled for.
     pub target: Target,
+    /// The PTX NVRTC produced.
     pub ptx: String,
+    /// Machine code for `target`, when it is a real architecture.
     pub cubin: Option<Vec<u8>>,
 }
 
@@ -131,14 +134,21 @@ pub enum KernelError {
         "NVRTC (libnvrtc.so) cannot be loaded: {0}. Put a libnvrtc.so on LD_LIBRARY_PATH \
          (scripts/test.sh installs NVRTC and links it as target/nvrtc/libnvrtc.so)"
     )]
+    /// NVRTC's library could not be loaded.
     NvrtcMissing(String),
     #[error("no kernel source named {0:?}")]
+    /// No kernel source of that name is built in.
     UnknownSource(String),
     #[error("NVRTC failed to compile cuda/{name}.cu for {target}: {error}\n{log}")]
+    /// NVRTC refused a source.
     Compile {
+        /// The source (`conv` for `cuda/conv.cu`).
         name: String,
+        /// The architecture asked for.
         target: String,
+        /// NVRTC's error.
         error: String,
+        /// The compile log.
         log: String,
     },
 }

@@ -26,6 +26,8 @@ pub mod kernels;
 pub mod libs;
 #[rustfmt::skip]
 #[allow(non_camel_case_types, non_snake_case, non_upper_case_globals, clippy::all)]
+// Generated from include/gems_kernels.h field for field (tests/cuda_kernels.rs checks it).
+#[allow(missing_docs)]
 pub mod params;
 
 use std::collections::HashMap;
@@ -89,11 +91,17 @@ impl std::fmt::Display for ConvImpl {
 /// What `gems info` reports of one GPU.
 #[derive(Clone, Debug)]
 pub struct GpuInfo {
+    /// The driver's index of the GPU.
     pub ordinal: usize,
+    /// Its name (`NVIDIA H100 80GB HBM3`).
     pub name: String,
+    /// (major, minor) compute capability.
     pub compute_capability: (i32, i32),
+    /// Streaming multiprocessors.
     pub multiprocessors: i32,
+    /// Device memory in bytes.
     pub total_memory: u64,
+    /// Device memory free when asked, in bytes.
     pub free_memory: u64,
 }
 
