@@ -393,3 +393,48 @@ fn weights_go_out_as_a_plain_state_dict_and_come_back_in() {
     );
     std::fs::remove_dir_all(d).ok();
 }
+
+#[test]
+fn weights_from_pytorch_score_as_pytorch_scores_them() {
+    // tests/data/torch_init (scripts/make_init_fixture.py): resnet20v2 weights initialised by
+    // PyTorch, BN statistics random, stored in f16, and each image's loss as PyTorch computes
+    // it (f64) in evaluation mode.
+    let fixture = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/torch_init");
+    let d = temp_dir("torch-init");
+    let csv = d.join("scores.csv");
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_gems"))
+        .args(["eval", "--init"])
+        .arg(fixture.join("weights.safetensors"))
+        .arg("--data")
+        .arg(format!("folder:{}", fixture.join("images").display()))
+        .arg("--per-sample")
+        .arg(&csv)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let expected: std::collections::BTreeMap<String, f64> =
+        serde_json::from_str(&std::fs::read_to_string(fixture.join("expected.json")).unwrap())
+            .unwrap();
+    let rows = std::fs::read_to_string(&csv).unwrap();
+    let mut seen = 0;
+    for row in rows.lines().skip(1) {
+        let fields: Vec<&str> = row.split(',').collect();
+        let key = expected
+            .keys()
+            .find(|k| fields[0].ends_with(k.as_str()))
+            .unwrap_or_else(|| panic!("{row}"));
+        let (ours, theirs) = (fields[3].parse::<f64>().unwrap(), expected[key]);
+        // f32 arithmetic against PyTorch's f64: seen 2e-8 apart.
+        assert!(
+            (ours - theirs).abs() <= 1e-6 * theirs.abs(),
+            "{key}: gems {ours}, PyTorch {theirs}"
+        );
+        seen += 1;
+    }
+    assert_eq!(seen, expected.len());
+    std::fs::remove_dir_all(d).ok();
+}

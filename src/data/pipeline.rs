@@ -391,6 +391,11 @@ impl Pipeline {
         self.subset.as_ref().map_or(i, |s| s[i])
     }
 
+    /// Where the sample at position `pos` comes from (a file, a slide's tile), for reports.
+    pub fn describe(&self, pos: u64) -> String {
+        self.source.describe(self.index(pos))
+    }
+
     /// The label of the sample at position `pos` of the order.
     pub fn label(&self, pos: u64) -> Result<u32> {
         self.source.label(self.index(pos))

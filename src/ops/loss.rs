@@ -80,6 +80,21 @@ pub fn correct(probs: &Tensor, labels: &[u32]) -> Result<usize> {
         .count())
 }
 
+/// Each row's cross-entropy, log Σ exp(logits) - logits[label], in f64 on the host.
+pub fn per_sample(logits: &Tensor, labels: &[u32]) -> Result<Vec<f64>> {
+    let k = logits.shape().dim(1);
+    Ok(logits
+        .to_f64_vec()?
+        .chunks(k)
+        .zip(labels)
+        .map(|(row, &label)| {
+            let max = row.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+            let sum: f64 = row.iter().map(|&z| (z - max).exp()).sum();
+            max + sum.ln() - row[label as usize]
+        })
+        .collect())
+}
+
 /// The most probable class of each row (the first of equals).
 pub fn predictions(probs: &Tensor) -> Result<Vec<u32>> {
     let k = probs.shape().dim(1);

@@ -21,6 +21,22 @@ pub struct Evaluation {
     pub classes: Vec<String>,
     /// `confusion[true][predicted]` counts.
     pub confusion: Vec<Vec<usize>>,
+    /// Each sample's result, by position in the data's order.
+    pub per_sample: Vec<SampleScore>,
+}
+
+/// One sample's result in an evaluation.
+#[derive(Clone, Copy, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct SampleScore {
+    /// Its position in the evaluated data's order ([`Pipeline::index`] names the sample).
+    pub position: u64,
+    /// Its true class.
+    pub label: u32,
+    /// The most probable class.
+    pub predicted: u32,
+    /// Its cross-entropy loss, computed in f64 from the logits.
+    #[serde(with = "crate::runtime::f64_bits")]
+    pub loss: f64,
 }
 
 impl Evaluation {
@@ -30,10 +46,12 @@ impl Evaluation {
     }
 }
 
-/// An evaluation's running totals: the loss summed over samples, and the confusion counts.
+/// An evaluation's running totals: the loss summed over samples, the confusion counts, and
+/// each sample's result.
 pub(crate) struct Tally {
     pub loss: f64,
     pub confusion: Vec<Vec<usize>>,
+    pub samples: Vec<SampleScore>,
 }
 
 impl Tally {
@@ -41,15 +59,31 @@ impl Tally {
         Tally {
             loss: 0.0,
             confusion: vec![vec![0; classes]; classes],
+            samples: Vec::new(),
         }
     }
 
-    /// Scores one batch's logits against its labels.
-    pub fn add(&mut self, device: &Device, logits: &Tensor, labels: &[u32]) -> Result<()> {
+    /// Scores one batch's logits against its labels; its samples are at positions `first`,
+    /// `first + 1`, … of the data's order.
+    pub fn add(
+        &mut self,
+        device: &Device,
+        logits: &Tensor,
+        labels: &[u32],
+        first: u64,
+    ) -> Result<()> {
         let (l, probs) = loss::softmax_cross_entropy(device, logits, labels)?;
         self.loss += l * labels.len() as f64;
-        for (&t, p) in labels.iter().zip(loss::predictions(&probs)?) {
+        let losses = loss::per_sample(logits, labels)?;
+        let predicted = loss::predictions(&probs)?;
+        for (i, ((&t, p), l)) in labels.iter().zip(predicted).zip(losses).enumerate() {
             self.confusion[t as usize][p as usize] += 1;
+            self.samples.push(SampleScore {
+                position: first + i as u64,
+                label: t,
+                predicted: p,
+                loss: l,
+            });
         }
         Ok(())
     }
@@ -67,12 +101,13 @@ impl Tally {
                 .chunks(classes)
                 .map(|row| row.iter().map(|&n| n as usize).collect())
                 .collect(),
+            samples: Vec::new(),
         }
     }
 
     /// The evaluation over the samples scored: their count comes from the tally, so a batch
     /// scored twice or not at all shows.
-    pub fn finish(self, classes: &[String]) -> Evaluation {
+    pub fn finish(self, classes: &[String], per_sample: Vec<SampleScore>) -> Evaluation {
         let samples: usize = self.confusion.iter().flatten().sum();
         let correct: usize = (0..classes.len()).map(|c| self.confusion[c][c]).sum();
         let n = samples.max(1) as f64;
@@ -82,6 +117,7 @@ impl Tally {
             accuracy: correct as f64 / n,
             classes: classes.to_vec(),
             confusion: self.confusion,
+            per_sample,
         }
     }
 }

@@ -8,7 +8,21 @@ mod rank;
 mod session;
 
 pub use checkpoint::{Checkpoint, Lineage, TrainingState};
-pub use evaluation::Evaluation;
+pub use evaluation::{Evaluation, SampleScore};
 pub use folder::{CheckpointFolder, FolderRules};
 pub use rank::{CopyValues, RankStep};
 pub use session::{meter, DeviceSummary, Session, StepReport};
+
+/// An f64 crossing ranks as its bits: JSON has no NaN or infinity, and an overflowing fp16
+/// step's loss can be either.
+pub(crate) mod f64_bits {
+    use serde::{Deserialize, Deserializer, Serializer};
+
+    pub fn serialize<S: Serializer>(v: &f64, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_u64(v.to_bits())
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<f64, D::Error> {
+        u64::deserialize(d).map(f64::from_bits)
+    }
+}

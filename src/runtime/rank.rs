@@ -16,7 +16,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use crate::backend::meter::ConvWorkspace;
-use crate::comm::{Comm, Message};
+use crate::comm::{self, Comm, Message};
 use crate::core::rng::splitmix64;
 use crate::data::loader::Loader;
 use crate::data::Pipeline;
@@ -26,7 +26,7 @@ use crate::ops::{batched, loss};
 use crate::optim::{LossScale, Sgd};
 use crate::plan::{Layout, RunConfig};
 use crate::runtime::checkpoint::TrainingState;
-use crate::runtime::evaluation::{evaluated_output, Evaluation, Tally};
+use crate::runtime::evaluation::{evaluated_output, Evaluation, SampleScore, Tally};
 use crate::schemes::schedule::{self, Pass, Task, Timed};
 use crate::schemes::Scheme;
 use crate::tensor::Device;
@@ -49,27 +49,13 @@ struct Pending {
     seeds: Vec<(ValueId, Tensor)>,
 }
 
-/// An f64 crossing ranks as its bits: JSON has no NaN or infinity, and an overflowing fp16
-/// step's loss can be either.
-mod f64_bits {
-    use serde::{Deserialize, Deserializer, Serializer};
-
-    pub fn serialize<S: Serializer>(v: &f64, s: S) -> Result<S::Ok, S::Error> {
-        s.serialize_u64(v.to_bits())
-    }
-
-    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<f64, D::Error> {
-        u64::deserialize(d).map(f64::from_bits)
-    }
-}
-
 /// What one rank did in one step.
 #[derive(Clone, Debug, Default, serde::Serialize, serde::Deserialize)]
 pub struct RankStep {
     /// The world rank.
     pub rank: usize,
     /// This rank's share of the step's loss (Σ weight·loss / M over its loss outputs).
-    #[serde(with = "f64_bits")]
+    #[serde(with = "crate::runtime::f64_bits")]
     pub loss: f64,
     /// Correct predictions of the first output, and images it scored, on this rank.
     pub correct: usize,
@@ -677,14 +663,20 @@ impl Rank {
             )?;
             if scores {
                 let labels = data.labels(at, len)?;
-                tally.add(&self.device, &outs[n_out], &labels)?;
+                tally.add(&self.device, &outs[n_out], &labels, at)?;
             }
             self.device.backend().synchronize()?;
             self.current.busy += start.elapsed().as_secs_f64();
             self.send(t, 0, &outs[..n_out])?;
         }
+        let mine = std::mem::take(&mut tally.samples);
         let sum = self.comm.sum_f64(tally.to_vec())?;
-        Ok(Tally::from_vec(&sum, classes).finish(data.classes()))
+        let mut samples: Vec<SampleScore> = comm::all_gather(self.comm.as_ref(), &mine)?
+            .into_iter()
+            .flatten()
+            .collect();
+        samples.sort_by_key(|s| s.position);
+        Ok(Tally::from_vec(&sum, classes).finish(data.classes(), samples))
     }
 
     /// Runs a backward task; returns when its computation started.

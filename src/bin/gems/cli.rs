@@ -273,6 +273,9 @@ pub struct EvalArgs {
     /// At most this many samples [default: all; 1000 of synthetic data].
     #[arg(long)]
     pub samples: Option<usize>,
+    /// Write each sample's result to this CSV file: sample, true class, predicted class, loss.
+    #[arg(long, value_name = "FILE.csv")]
+    pub per_sample: Option<PathBuf>,
     #[arg(long, default_value_t = 50)]
     pub batch_size: usize,
     /// Leave unreadable samples out with a warning instead of stopping.

@@ -66,6 +66,7 @@ pub fn eval(a: EvalArgs) -> anyhow::Result<()> {
         ),
     };
     let (finite, train) = (data.train.samples().is_some(), data.train.clone());
+    let held_out = data.val.clone();
     let mut t = Session::new(&graph, run, data)?;
     match (&a.checkpoint, &a.init) {
         (Some(file), _) => t.restore(file)?,
@@ -84,6 +85,14 @@ pub fn eval(a: EvalArgs) -> anyhow::Result<()> {
             t.evaluate_held_out(samples)?
         }
     };
+    if let Some(path) = &a.per_sample {
+        // The samples' order: the data given, else the held-out split.
+        let order = match (&a.data, finite) {
+            (Some(_), true) => Some(&train),
+            _ => held_out.as_ref(),
+        };
+        write_per_sample(path, &e, order)?;
+    }
     println!(
         "{} at step {}: loss {:.4}, accuracy {:.1}% on {} {what}",
         model,
@@ -153,5 +162,36 @@ pub fn export(a: ExportArgs) -> anyhow::Result<()> {
         }
     };
     println!("wrote {what} to {}", a.out.display());
+    Ok(())
+}
+
+/// Each sample's result as CSV rows: where it comes from (when `order` is the data evaluated),
+/// its true and predicted classes, its loss.
+fn write_per_sample(
+    path: &std::path::Path,
+    e: &gems::Evaluation,
+    order: Option<&Arc<gems::data::Pipeline>>,
+) -> anyhow::Result<()> {
+    use std::io::Write;
+    let file = std::fs::File::create(path)
+        .map_err(|err| anyhow::anyhow!("cannot write {}: {err}", path.display()))?;
+    let mut out = std::io::BufWriter::new(file);
+    writeln!(out, "sample,true,predicted,loss")?;
+    let quoted = |s: String| match s.contains([',', '"', '\n']) {
+        true => format!("\"{}\"", s.replace('"', "\"\"")),
+        false => s,
+    };
+    for s in &e.per_sample {
+        let sample = order.map_or(s.position.to_string(), |p| p.describe(s.position));
+        writeln!(
+            out,
+            "{},{},{},{}",
+            quoted(sample),
+            quoted(e.classes[s.label as usize].clone()),
+            quoted(e.classes[s.predicted as usize].clone()),
+            s.loss
+        )?;
+    }
+    out.flush()?;
     Ok(())
 }
