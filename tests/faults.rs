@@ -594,3 +594,49 @@ fn results_do_not_depend_on_the_thread_count() {
         std::fs::remove_dir_all(&d).ok();
     }
 }
+
+#[test]
+fn a_run_extended_by_resuming_spans_its_schedule_over_the_new_total() {
+    // A cosine that ended at the first run's last step would train on at a rate of 0.
+    let d = scratch("extend");
+    let ck = d.join("ck");
+    let first = [
+        "train",
+        "--steps",
+        "4",
+        "--batch-size",
+        "4",
+        "--checkpoint",
+        ck.to_str().unwrap(),
+    ];
+    assert!(run(&first, 120).ok);
+    let metrics = d.join("m.jsonl");
+    let step4 = ck.join("step-000004.safetensors");
+    let more = [
+        "train",
+        "--resume",
+        step4.to_str().unwrap(),
+        "--steps",
+        "8",
+        "--metrics",
+        metrics.to_str().unwrap(),
+    ];
+    let r = run(&more, 120);
+    assert!(r.ok, "{}", r.err);
+    let rates: Vec<f64> = std::fs::read_to_string(&metrics)
+        .unwrap()
+        .lines()
+        .map(|l| {
+            serde_json::from_str::<serde_json::Value>(l).unwrap()["lr"]
+                .as_f64()
+                .unwrap()
+        })
+        .collect();
+    assert_eq!(rates.len(), 4);
+    assert!(rates.iter().all(|&lr| lr > 0.01), "{rates:?}");
+    assert!(
+        rates.windows(2).all(|w| w[1] < w[0]),
+        "a cosine falls: {rates:?}"
+    );
+    std::fs::remove_dir_all(&d).ok();
+}

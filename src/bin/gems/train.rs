@@ -28,7 +28,10 @@ pub fn setup(a: &TrainArgs) -> anyhow::Result<(Graph, RunConfig)> {
             let (model, side, classes) = ckpt.model()?;
             let mut t = ckpt.config()?;
             (a.on.for_checkpoint()?)(&mut t);
+            // --steps is the run's new total, which the schedule spans (a cosine that ended at
+            // the old total would otherwise train on at a rate of 0).
             t.steps = a.steps.unwrap_or(t.steps);
+            t.schedule.total = t.steps;
             if let Some(Choice::Fixed(b)) = a.batch_size {
                 t.batch_size = b;
             }
