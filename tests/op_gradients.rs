@@ -1,7 +1,7 @@
 //! Every op's backward against central finite differences in f64 on random inputs, and its
 //! f32 forward against its f64 forward.
 
-use gems::ops::conv::Conv2d;
+use gems::ops::conv::{Conv2d, ConvTranspose2d};
 use gems::ops::pool::AdaptiveAvgPool;
 use gems::ops::pool::{AvgPool, GlobalAvgPool, MaxPool, Window};
 use gems::ops::{
@@ -845,4 +845,131 @@ fn conv_kernel_wider_than_image() {
         "conv 5x5 pad 3 stride 2 on 2x3",
         one(conv(2, (5, 5), 2, (3, 3), 1, 1, false), &[2, 2, 3], 2),
     );
+}
+
+fn conv_t(
+    c_out: usize,
+    k: usize,
+    stride: usize,
+    pad: usize,
+    out_pad: usize,
+    groups: usize,
+    bias: bool,
+) -> Op {
+    Op::ConvTranspose2d(ConvTranspose2d {
+        c_out,
+        kernel: (k, k),
+        stride: (stride, stride),
+        pad: (pad, pad),
+        output_padding: (out_pad, out_pad),
+        groups,
+        bias,
+    })
+}
+
+#[test]
+fn conv_transpose() {
+    check_gradients(
+        "conv-transpose 2x2/2 (U-Net)",
+        one(conv_t(3, 2, 2, 0, 0, 1, true), &[4, 5, 6], 2),
+    );
+    check_gradients(
+        "conv-transpose 3x3/2 pad 1 out-pad 1",
+        one(conv_t(2, 3, 2, 1, 1, 1, true), &[3, 4, 5], 2),
+    );
+    check_gradients(
+        "conv-transpose 4x4/2 pad 1 groups 2",
+        one(conv_t(4, 4, 2, 1, 0, 2, false), &[2, 3, 4], 1),
+    );
+    check_gradients(
+        "conv-transpose 3x3/1 pad 1",
+        one(conv_t(2, 3, 1, 1, 0, 1, false), &[3, 5, 5], 2),
+    );
+}
+
+#[test]
+fn conv_transpose_matches_a_direct_scatter() {
+    // PyTorch's definition, independent of the adjoint the op runs as: every input pixel adds
+    // its weighted kernel into the output at (i·s - p + a, j·s - p + b).
+    for (op, input, batch) in [
+        (conv_t(3, 2, 2, 0, 0, 1, true), [4, 5, 6], 2),
+        (conv_t(2, 3, 2, 1, 1, 1, true), [3, 40, 37], 2),
+        (conv_t(4, 4, 2, 1, 0, 2, false), [2, 7, 9], 3),
+    ] {
+        let Op::ConvTranspose2d(t) = &op else {
+            unreachable!()
+        };
+        let case = one(op.clone(), &input, batch);
+        let s = setup(&case, 7);
+        let (y, _, _) = run_forward(&case, &s, &s.inputs, &s.params, DType::F64, true);
+        let got = y.to_f64_vec().unwrap();
+        let (x, w) = (&s.inputs[0], &s.params[0]);
+        let [c_in, h, wi] = input;
+        let (oh, ow) = (s.out_shape.dim(2), s.out_shape.dim(3));
+        let (ci_g, co_g, k) = (c_in / t.groups, t.c_out / t.groups, t.kernel.0);
+        let mut want = vec![0.0; s.out_shape.numel()];
+        for n in 0..batch {
+            for ci in 0..c_in {
+                let grp = ci / ci_g;
+                for i in 0..h {
+                    for j in 0..wi {
+                        let v = x[((n * c_in + ci) * h + i) * wi + j];
+                        for co in 0..co_g {
+                            for a in 0..k {
+                                for b in 0..k {
+                                    let (r, c) = (
+                                        (i * t.stride.0 + a) as isize - t.pad.0 as isize,
+                                        (j * t.stride.1 + b) as isize - t.pad.1 as isize,
+                                    );
+                                    if r >= 0 && c >= 0 && (r as usize) < oh && (c as usize) < ow {
+                                        let out = grp * co_g + co;
+                                        want[((n * t.c_out + out) * oh + r as usize) * ow
+                                            + c as usize] +=
+                                            v * w[((ci * co_g + co) * k + a) * k + b];
+                                    }
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        if t.bias {
+            for (i, v) in want.iter_mut().enumerate() {
+                *v += s.params[1][(i / (oh * ow)) % t.c_out];
+            }
+        }
+        let err = got
+            .iter()
+            .zip(&want)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0.0, f64::max);
+        assert!(err < 1e-12, "{}: max error {err}", op.describe());
+        assert_eq!(
+            (oh, ow),
+            (
+                (input[1] - 1) * t.stride.0 + k + t.output_padding.0 - 2 * t.pad.0,
+                (input[2] - 1) * t.stride.1 + k + t.output_padding.1 - 2 * t.pad.1
+            )
+        );
+    }
+}
+
+#[test]
+fn upsample_nearest_repeats_pixels() {
+    let (mut b, x) = gems::GraphBuilder::new("up", "Up", Shape::new([2, 3, 4]));
+    let y = b.upsample_nearest("up", x, 2).unwrap();
+    assert_eq!(b.shape(y).dims(), &[2, 6, 8]);
+    let g = b.finish(vec![]).unwrap();
+    let Op::AdaptiveAvgPool(p) = g.nodes[0].op.clone() else {
+        panic!("{:?}", g.nodes[0].op)
+    };
+    let case = one(Op::AdaptiveAvgPool(p), &[2, 3, 4], 2);
+    let s = setup(&case, 3);
+    let (y, _, _) = run_forward(&case, &s, &s.inputs, &s.params, DType::F64, true);
+    let got = y.to_f64_vec().unwrap();
+    for (i, v) in got.iter().enumerate() {
+        let (nc, r, c) = (i / 48, (i / 8) % 6, i % 8);
+        assert_eq!(*v, s.inputs[0][nc * 12 + (r / 2) * 4 + c / 2]);
+    }
 }

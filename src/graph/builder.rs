@@ -1,7 +1,7 @@
 //! Building a graph from nested blocks.
 
 use super::{Block, BlockId, Graph, Node, Output, Param, Value, ValueId};
-use crate::ops::conv::Conv2d;
+use crate::ops::conv::{Conv2d, ConvTranspose2d};
 use crate::ops::Init;
 use crate::ops::{activation, dropout, elementwise, linear, norm, pool, shape, Op};
 use crate::tensor::Shape;
@@ -112,6 +112,32 @@ impl GraphBuilder {
     /// A 2-d convolution of `x`.
     pub fn conv(&mut self, name: &str, x: ValueId, c: Conv2d) -> Result<ValueId> {
         self.op(name, Op::Conv2d(c), &[x])
+    }
+    /// A 2-d transposed convolution of `x` (an up-convolution).
+    pub fn conv_transpose(
+        &mut self,
+        name: &str,
+        x: ValueId,
+        c: ConvTranspose2d,
+    ) -> Result<ValueId> {
+        self.op(name, Op::ConvTranspose2d(c), &[x])
+    }
+    /// `x` upsampled `scale` times in each direction by repeating pixels (PyTorch's
+    /// `Upsample(scale_factor=scale, mode="nearest")`): an adaptive average pool to the
+    /// larger size, whose windows are then single pixels.
+    pub fn upsample_nearest(&mut self, name: &str, x: ValueId, scale: usize) -> Result<ValueId> {
+        let (h, w) = match self.shape(x).dims() {
+            [_, h, w] => (*h, *w),
+            _ => {
+                return Err(Error::Shape(format!(
+                    "{name}: upsampling needs a C×H×W input"
+                )))
+            }
+        };
+        if scale == 0 {
+            return Err(Error::Shape(format!("{name}: a scale of 0")));
+        }
+        self.adaptive_avg_pool(name, x, (h * scale, w * scale))
     }
     /// Batch normalization of `x` (PyTorch's defaults: eps 1e-5, momentum 0.1).
     pub fn batchnorm(&mut self, name: &str, x: ValueId) -> Result<ValueId> {

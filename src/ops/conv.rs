@@ -64,6 +64,25 @@ impl Conv2d {
     }
 }
 
+/// Refuses channels that do not divide into `groups`, and an empty kernel or stride.
+fn check_sizes(
+    c_in: usize,
+    c_out: usize,
+    groups: usize,
+    kernel: (usize, usize),
+    stride: (usize, usize),
+) -> std::result::Result<(), String> {
+    if groups == 0 || !c_in.is_multiple_of(groups) || !c_out.is_multiple_of(groups) {
+        return Err(format!(
+            "{c_in} input and {c_out} output channels are not divisible into {groups} groups"
+        ));
+    }
+    if stride.0 == 0 || stride.1 == 0 || kernel.0 == 0 || kernel.1 == 0 {
+        return Err("kernel and stride must be positive".into());
+    }
+    Ok(())
+}
+
 impl fmt::Display for Conv2d {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "conv {}x{}", self.kernel.0, self.kernel.1)?;
@@ -83,18 +102,7 @@ impl fmt::Display for Conv2d {
 impl Operator for Conv2d {
     fn infer(&self, inputs: &[&Shape]) -> std::result::Result<Shape, String> {
         let (c, h, w) = chw(inputs[0])?;
-        if self.groups == 0
-            || !c.is_multiple_of(self.groups)
-            || !self.c_out.is_multiple_of(self.groups)
-        {
-            return Err(format!(
-                "{} input and {} output channels are not divisible into {} groups",
-                c, self.c_out, self.groups
-            ));
-        }
-        if self.stride.0 == 0 || self.stride.1 == 0 || self.kernel.0 == 0 || self.kernel.1 == 0 {
-            return Err("kernel and stride must be positive".into());
-        }
+        check_sizes(c, self.c_out, self.groups, self.kernel, self.stride)?;
         let ho = window_out(h, self.kernel.0, self.stride.0, self.pad.0, self.dilation.0)?;
         let wo = window_out(w, self.kernel.1, self.stride.1, self.pad.1, self.dilation.1)?;
         Ok(Shape::new([self.c_out, ho, wo]))
@@ -191,6 +199,219 @@ impl Operator for Conv2d {
     fn flops(&self, inputs: &[&Shape], output: &Shape) -> u64 {
         let c_in = inputs[0].dim(0) / self.groups;
         let macs = output.numel() * c_in * self.kernel.0 * self.kernel.1;
+        2 * macs as u64 + if self.bias { output.numel() as u64 } else { 0 }
+    }
+
+    fn saves(&self, _inputs: &[&Shape]) -> SavesFor {
+        SavesFor {
+            inputs: true,
+            ..Default::default()
+        }
+    }
+}
+
+/// A 2-d transposed convolution as PyTorch's `ConvTranspose2d` (weights `[c_in, c_out /
+/// groups, kh, kw]`): the adjoint of the [`Conv2d`] from its output back to its input, so it
+/// runs on the backend's convolution kernels with their roles exchanged (forward is that
+/// convolution's backward-data, backward-data its forward, the weight gradient its
+/// backward-filter with input and output swapped).
+#[derive(Clone, Debug, PartialEq)]
+pub struct ConvTranspose2d {
+    /// Output channels.
+    pub c_out: usize,
+    /// (height, width) of the kernel.
+    pub kernel: (usize, usize),
+    /// (vertical, horizontal) stride: how much larger the output is.
+    pub stride: (usize, usize),
+    /// (vertical, horizontal) padding removed from each side of the output.
+    pub pad: (usize, usize),
+    /// Rows and columns added at the bottom and right of the output (less than the stride),
+    /// choosing among the output sizes a strided convolution maps to the same input size.
+    pub output_padding: (usize, usize),
+    /// Channel groups.
+    pub groups: usize,
+    /// Whether it adds a per-channel bias.
+    pub bias: bool,
+}
+
+impl ConvTranspose2d {
+    /// A square k×k transposed convolution with bias, as U-Net's up-convolution (k = stride = 2).
+    pub fn new(c_out: usize, k: usize, stride: usize) -> Self {
+        ConvTranspose2d {
+            c_out,
+            kernel: (k, k),
+            stride: (stride, stride),
+            pad: (0, 0),
+            output_padding: (0, 0),
+            groups: 1,
+            bias: true,
+        }
+    }
+
+    /// The geometry of the adjoint convolution on an NCHW input of shape `x`: that
+    /// convolution's input is this op's output and its output this op's input.
+    pub fn geom(&self, x: &Shape) -> Result<ConvGeom> {
+        let (n, c_in, h, w) = x.nchw();
+        let out = self
+            .infer(&[&Shape::new([c_in, h, w])])
+            .map_err(crate::Error::Shape)?;
+        Ok(ConvGeom {
+            n,
+            c_in: self.c_out,
+            h: out.dim(1),
+            w: out.dim(2),
+            c_out: c_in,
+            kh: self.kernel.0,
+            kw: self.kernel.1,
+            stride: self.stride,
+            pad: self.pad,
+            dilation: (1, 1),
+            groups: self.groups,
+            h_out: h,
+            w_out: w,
+        })
+    }
+}
+
+impl fmt::Display for ConvTranspose2d {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "conv-transpose {}x{}", self.kernel.0, self.kernel.1)?;
+        if self.stride != (1, 1) {
+            write!(f, "/{}", self.stride.0)?;
+        }
+        if self.groups != 1 {
+            write!(f, " groups {}", self.groups)?;
+        }
+        write!(f, " ->{}", self.c_out)
+    }
+}
+
+impl Operator for ConvTranspose2d {
+    fn infer(&self, inputs: &[&Shape]) -> std::result::Result<Shape, String> {
+        let (c, h, w) = chw(inputs[0])?;
+        check_sizes(c, self.c_out, self.groups, self.kernel, self.stride)?;
+        if self.output_padding.0 >= self.stride.0 || self.output_padding.1 >= self.stride.1 {
+            return Err("output padding must be smaller than the stride".into());
+        }
+        if h == 0 || w == 0 {
+            return Err("an empty input".into());
+        }
+        // PyTorch: (in - 1)·s - 2p + k + output_padding, which the convolution maps back.
+        let size = |input: usize, k: usize, s: usize, p: usize, extra: usize| {
+            ((input - 1) * s + k + extra)
+                .checked_sub(2 * p)
+                .filter(|&o| o > 0)
+                .ok_or_else(|| format!("padding {p} leaves no output of a {k}-wide kernel"))
+        };
+        let ho = size(
+            h,
+            self.kernel.0,
+            self.stride.0,
+            self.pad.0,
+            self.output_padding.0,
+        )?;
+        let wo = size(
+            w,
+            self.kernel.1,
+            self.stride.1,
+            self.pad.1,
+            self.output_padding.1,
+        )?;
+        Ok(Shape::new([self.c_out, ho, wo]))
+    }
+
+    fn params(&self, inputs: &[&Shape]) -> Vec<ParamSpec> {
+        let c_in = inputs[0].dim(0);
+        let (kh, kw) = self.kernel;
+        // PyTorch's default: U(±1/√fan_in), fan_in = (c_out / groups)·kh·kw for this layout.
+        let bound = 1.0 / ((self.c_out / self.groups * kh * kw) as f64).sqrt();
+        let mut p = vec![ParamSpec {
+            suffix: "weight",
+            shape: Shape::new([c_in, self.c_out / self.groups, kh, kw]),
+            init: Init::Uniform(bound),
+            trainable: true,
+        }];
+        if self.bias {
+            p.push(ParamSpec {
+                suffix: "bias",
+                shape: Shape::new([self.c_out]),
+                init: Init::Uniform(bound),
+                trainable: true,
+            });
+        }
+        p
+    }
+
+    fn forward(&self, ctx: &Ctx, xs: &[&Tensor], params: &mut [Tensor]) -> Result<(Tensor, Saved)> {
+        let x = xs[0];
+        let g = self.geom(x.shape())?;
+        let be = ctx.device.backend();
+        let mut y = ctx.activation(Shape::new([g.n, g.c_in, g.h, g.w]), x)?;
+        let mut ws = ctx.workspace(be.conv2d_workspace(&g), x.dtype().compute())?;
+        be.conv2d_backward_data(
+            x.storage(),
+            params[0].storage(),
+            y.storage_mut()?,
+            ws.storage_mut()?,
+            &g,
+        )?;
+        if self.bias {
+            let cg = ChannelGeom {
+                n: g.n,
+                c: g.c_in,
+                hw: g.h * g.w,
+            };
+            be.add_channel_bias(y.storage_mut()?, params[1].storage(), &cg)?;
+        }
+        Ok((y, Saved(vec![x.clone()])))
+    }
+
+    fn backward(
+        &self,
+        ctx: &Ctx,
+        b: Backward,
+        params: &[Tensor],
+        grads: &mut [Tensor],
+    ) -> Result<Vec<Option<Tensor>>> {
+        let (x, dy) = (&b.saved.0[0], &b.dy);
+        let g = self.geom(x.shape())?;
+        let be = ctx.device.backend();
+        let mut ws = ctx.workspace(be.conv2d_workspace(&g), x.dtype().compute())?;
+        // The adjoint's weight gradient: its input is dy, its output gradient x.
+        be.conv2d_backward_filter(
+            dy.storage(),
+            x.storage(),
+            grads[0].storage_mut()?,
+            ws.storage_mut()?,
+            &g,
+        )?;
+        if self.bias {
+            let cg = ChannelGeom {
+                n: g.n,
+                c: g.c_in,
+                hw: g.h * g.w,
+            };
+            be.channel_sum(dy.storage(), grads[1].storage_mut()?, &cg)?;
+        }
+        let dx = if b.need[0] {
+            let mut dx = ctx.activation(b.inputs[0].clone(), x)?;
+            be.conv2d_forward(
+                dy.storage(),
+                params[0].storage(),
+                dx.storage_mut()?,
+                ws.storage_mut()?,
+                &g,
+            )?;
+            Some(dx)
+        } else {
+            None
+        };
+        Ok(vec![dx])
+    }
+
+    fn flops(&self, inputs: &[&Shape], output: &Shape) -> u64 {
+        let c_out = self.c_out / self.groups;
+        let macs = inputs[0].numel() * c_out * self.kernel.0 * self.kernel.1;
         2 * macs as u64 + if self.bias { output.numel() as u64 } else { 0 }
     }
 

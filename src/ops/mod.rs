@@ -131,6 +131,8 @@ pub trait Operator {
 pub enum Op {
     /// 2-d convolution.
     Conv2d(conv::Conv2d),
+    /// 2-d transposed convolution (U-Net's up-convolution).
+    ConvTranspose2d(conv::ConvTranspose2d),
     /// Batch normalization (optionally fused with the following ReLU).
     BatchNorm(norm::BatchNorm),
     /// max(x, 0).
@@ -164,6 +166,7 @@ impl Op {
     pub fn get(&self) -> &dyn Operator {
         match self {
             Op::Conv2d(o) => o,
+            Op::ConvTranspose2d(o) => o,
             Op::BatchNorm(o) => o,
             Op::Relu(o) => o,
             Op::Add(o) => o,
@@ -184,6 +187,7 @@ impl Op {
     pub fn describe(&self) -> String {
         match self {
             Op::Conv2d(c) => c.to_string(),
+            Op::ConvTranspose2d(c) => c.to_string(),
             Op::BatchNorm(b) if b.relu => "batchnorm+relu".into(),
             Op::BatchNorm(_) => "batchnorm".into(),
             Op::Relu(_) => "relu".into(),
