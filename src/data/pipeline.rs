@@ -208,20 +208,12 @@ pub fn open(c: &DataConfig, image_size: usize, classes: usize, seed: u64) -> Res
         }
         SourceSpec::Folder(dir) => {
             let f = Folder::open(dir, c.skip_bad)?;
-            let skipped = f
-                .skipped
-                .iter()
-                .map(|(p, why)| (p.display().to_string(), why.clone()))
-                .collect();
+            let skipped = named(&f.skipped);
             (Arc::new(f), skipped)
         }
         SourceSpec::Slides { dir, labels, tiles } => {
             let s = Slides::open(dir, labels, tiles, c.skip_bad)?;
-            let skipped = s
-                .skipped
-                .iter()
-                .map(|(p, why)| (p.display().to_string(), why.clone()))
-                .collect();
+            let skipped = named(&s.skipped);
             (Arc::new(s), skipped)
         }
     };
@@ -246,6 +238,14 @@ pub fn open(c: &DataConfig, image_size: usize, classes: usize, seed: u64) -> Res
         },
         skipped,
     })
+}
+
+/// Files left out at opening, as (where, why) for messages.
+fn named(skipped: &[(PathBuf, String)]) -> Vec<(String, String)> {
+    skipped
+        .iter()
+        .map(|(p, why)| (p.display().to_string(), why.clone()))
+        .collect()
 }
 
 /// Samples 0..n divided into (training, held out): each held out with probability `val`, by
