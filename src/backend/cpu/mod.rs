@@ -275,6 +275,27 @@ pub fn tune_host_allocator() {
     });
 }
 
+/// `n` zeros, written by every thread for large buffers: the heap keeps its blocks (see
+/// [`tune_host_allocator`]), so a reused block must be cleared, and `vec![0; n]` clears it on
+/// one thread (a tenth of a resnet110v2 step at 256², measured with perf).
+fn zeroed<T: bytemuck::Zeroable + Copy + Send + Sync>(n: usize) -> Vec<T> {
+    const PARALLEL: usize = 1 << 16;
+    if n < PARALLEL {
+        return vec![T::zeroed(); n];
+    }
+    let mut v = Vec::with_capacity(n);
+    v.spare_capacity_mut()[..n]
+        .par_chunks_mut(PARALLEL)
+        .for_each(|c| {
+            c.iter_mut().for_each(|x| {
+                x.write(T::zeroed());
+            })
+        });
+    // SAFETY: the first n elements were all written just above.
+    unsafe { v.set_len(n) };
+    v
+}
+
 fn copy_bytes(src: &[u8], dst: &mut [u8]) -> Result<()> {
     if src.len() != dst.len() {
         return Err(Error::Internal(format!(
@@ -302,10 +323,10 @@ impl Backend for Cpu {
 
     fn zeros(&self, numel: usize, dtype: DType) -> Result<Storage> {
         Ok(match dtype {
-            DType::F32 => Storage::F32(vec![0.0; numel]),
-            DType::F64 => Storage::F64(vec![0.0; numel]),
-            DType::BF16 => Storage::BF16(vec![half::bf16::ZERO; numel]),
-            DType::F16 => Storage::F16(vec![half::f16::ZERO; numel]),
+            DType::F32 => Storage::F32(zeroed(numel)),
+            DType::F64 => Storage::F64(zeroed(numel)),
+            DType::BF16 => Storage::BF16(zeroed(numel)),
+            DType::F16 => Storage::F16(zeroed(numel)),
         })
     }
 
