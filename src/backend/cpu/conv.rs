@@ -292,7 +292,10 @@ pub fn backward_data<T: Float>(dy: &[T], w: &[T], dx: &mut [T], ws: &mut [T], g:
         .for_each(|((dxs, dys), lane)| {
             let dcol = &mut lane[..col_tile_len(g)];
             for (dx_n, dy_n) in dxs.chunks_mut(x_len).zip(dys.chunks(y_len)) {
-                dx_n.fill(T::zero());
+                // col2im adds into dx; a pointwise convolution's products overwrite all of it.
+                if !g.is_pointwise() {
+                    dx_n.fill(T::zero());
+                }
                 for t in 0..tiles {
                     let oh = tile_rows(g, t);
                     let (off, cols) = (oh.start * g.w_out, oh.len() * g.w_out);
