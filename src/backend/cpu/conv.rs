@@ -361,43 +361,59 @@ pub fn backward_filter<T: Float>(x: &[T], dy: &[T], dw: &mut [T], ws: &mut [T], 
     // about twice as fast with the larger of C_out and C_in·k² as the rows of the result, so
     // the partial sums are dWᵀ += im2col(x) · dyᵀ where C_in·k² is the larger.
     let transposed = rows_g >= co_g;
+    if items == 0 {
+        return;
+    }
+    // A lane past the last item (items not a multiple of the lanes) holds no partial sums.
+    let busy = |l: usize| l * per < items;
     let ws = &mut ws[..lanes * lane_len(g)];
     ws.par_chunks_mut(lane_len(g))
         .enumerate()
+        .filter(|(l, _)| busy(*l))
         .for_each(|(l, lane)| {
             let (col, part) = lane.split_at_mut(cl);
-            part.fill(T::zero());
-            for item in l * per..((l + 1) * per).min(items) {
+            for (k, item) in (l * per..((l + 1) * per).min(items)).enumerate() {
                 let (n, oh) = (item / tiles, tile_rows(g, item % tiles));
                 let (off, cols) = (oh.start * g.w_out, oh.len() * g.w_out);
                 let x_n = &x[n * x_len..(n + 1) * x_len];
                 if !g.is_pointwise() {
                     im2col(x_n, col, g, oh);
                 }
+                // The lane's first product sets its partial sums: no zeroing pass.
+                let add = k > 0;
                 for gi in 0..g.groups {
                     let im = rhs_view(g, x_n, col, gi, off, cols);
                     let d = View::rows(&dy[n * y_len + gi * co_g * hw_out + off..], hw_out);
                     let part = &mut part[gi * co_g * rows_g..];
                     if transposed {
-                        gemm(rows_g, co_g, cols, part, co_g, im, d.t(), true, par_gemm);
+                        gemm(rows_g, co_g, cols, part, co_g, im, d.t(), add, par_gemm);
                     } else {
-                        gemm(co_g, rows_g, cols, part, rows_g, d, im.t(), true, par_gemm);
+                        gemm(co_g, rows_g, cols, part, rows_g, d, im.t(), add, par_gemm);
                     }
                 }
             }
         });
-    for lane in ws.chunks(lane_len(g)) {
-        for (gi, part) in lane[cl..].chunks(co_g * rows_g).enumerate() {
-            let dw = &mut dw[gi * co_g * rows_g..(gi + 1) * co_g * rows_g];
-            if transposed {
-                for (r, row) in part.chunks(co_g).enumerate() {
-                    for (co, p) in row.iter().enumerate() {
-                        dw[co * rows_g + r] += *p;
-                    }
+    // The lanes summed in lane order into the first (contiguous), then added to dw once.
+    let (first, rest) = ws.split_at_mut(lane_len(g));
+    let total = &mut first[cl..];
+    for (l, lane) in rest.chunks(lane_len(g)).enumerate() {
+        if busy(l + 1) {
+            total
+                .iter_mut()
+                .zip(&lane[cl..])
+                .for_each(|(t, p)| *t += *p);
+        }
+    }
+    for (gi, part) in total.chunks(co_g * rows_g).enumerate() {
+        let dw = &mut dw[gi * co_g * rows_g..(gi + 1) * co_g * rows_g];
+        if transposed {
+            for (r, row) in part.chunks(co_g).enumerate() {
+                for (co, p) in row.iter().enumerate() {
+                    dw[co * rows_g + r] += *p;
                 }
-            } else {
-                dw.iter_mut().zip(part).for_each(|(d, p)| *d += *p);
             }
+        } else {
+            dw.iter_mut().zip(part).for_each(|(d, p)| *d += *p);
         }
     }
 }
