@@ -19,8 +19,10 @@
  *             *found = 1 when any x[i] is inf or NaN (the check of the unscaled gradients
  *             before a step under dynamic loss scaling). Never writes 0: the host zeroes
  *             *found first, and may run it over several tensors before reading it once.
- *             One vote per warp (__any_sync), so at most one lane per warp stores; the stores
- *             all write 1, so their order does not matter.
+ *             One vote per warp (__any_sync), so at most one lane per warp stores, with
+ *             atomicOr: the stores all set 1, but plain stores to one word from several blocks
+ *             would be a data race in CUDA's memory model (and the emulator's race check
+ *             reports them).
  *
  * Launch (both): 1-d grid-stride, blockDim.x = 256,
  * gridDim.x = min(ceil(numel / 256), 32 x SMs); w, grad and buf (and nonfinite's x) are read
@@ -53,5 +55,5 @@ extern "C" __global__ void nonfinite_f32(const float* x, int64_t numel, uint32_t
     GEMS_FOR(i, numel) bad |= (__float_as_uint(x[i]) & 0x7f800000u) == 0x7f800000u;
     /* Every lane reaches the vote (the loop above is the only divergence and it has ended);
      * blockDim.x is a multiple of 32, so the full mask names live lanes. */
-    if (__any_sync(0xffffffffu, bad) && (threadIdx.x & 31) == 0) *found = 1u;
+    if (__any_sync(0xffffffffu, bad) && (threadIdx.x & 31) == 0) atomicOr(found, 1u);
 }

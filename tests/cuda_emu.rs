@@ -11,6 +11,10 @@
 //!   reports the kernel, the block and the two threads (the tensor-core stamps still compute
 //!   the right values in the emulator, so only the race check sees it).
 //!
+//! Found by the race check over the whole GPU suite, and kept: the finiteness flag set by
+//! plain stores from several blocks (a data race in CUDA's memory model, though every store
+//! wrote 1); it is now set with `atomicOr`.
+//!
 //! (a) and (b) run with the driver's chaos on (random delays per stream, a fixed seed), so the
 //! unenforced orderings happen; each is tried a number of times and must show at least once.
 #![cfg(feature = "cuda-emu")]
@@ -157,4 +161,36 @@ fn planted_c_a_missing_syncthreads_in_the_conv_tile_loop_is_reported_as_a_race()
             "the race check missed the planted race: {line}"
         );
     }
+}
+
+/// The race check is read when the driver loads: the test runs itself again in a process of
+/// its own with it on.
+const RACE_CHILD: &str = "GEMS_TEST_RACE_CHILD";
+
+#[test]
+fn the_finiteness_flag_set_from_several_blocks_is_not_a_race() {
+    if std::env::var_os(RACE_CHILD).is_none() {
+        let name = "the_finiteness_flag_set_from_several_blocks_is_not_a_race";
+        let out = Command::new(std::env::current_exe().unwrap())
+            .args(["--exact", name, "--nocapture", "--test-threads", "1"])
+            .env(RACE_CHILD, "1")
+            .env("GEMS_EMU_RACECHECK", "1")
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stdout) + String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success() && text.contains("race check on"), "{text}");
+        return;
+    }
+    let device = gpu();
+    // Infinities in every block of 256 (and NaN once), so many warps of many blocks vote.
+    let host: Vec<f64> = (0..64 * 256)
+        .map(|i| match i % 256 {
+            3 => f64::INFINITY,
+            _ if i == 1000 => f64::NAN,
+            _ => 1.0,
+        })
+        .collect();
+    let x = device.backend().upload(&host, DType::F32).unwrap();
+    let finite = device.backend().all_finite(&x);
+    assert_eq!(finite.unwrap(), false);
 }

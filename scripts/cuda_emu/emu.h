@@ -77,6 +77,7 @@ inline float __fsub_rn(float a, float b) { return a - b; }
 inline float __fmul_rn(float a, float b) { return a * b; }
 // Not a plain write for the race check.
 EMU_INTERNAL inline float atomicAdd(float* p, float v) { static std::mutex m; std::lock_guard<std::mutex> g(m); float o = *p; *p = o + v; return o; }
+EMU_INTERNAL inline uint32_t atomicOr(uint32_t* p, uint32_t v) { static std::mutex m; std::lock_guard<std::mutex> g(m); uint32_t o = *p; *p = o | v; return o; }
 inline uint32_t to_tf32(float f) { uint32_t u = __float_as_uint(f); u += 0x1000u; return u & ~0x1fffu; }
 inline float bf(uint32_t v, int hi) { return __uint_as_float((hi ? (v >> 16) : (v & 0xffff)) << 16); }
 inline float hf(uint32_t v, int hi) { uint16_t b = hi ? (v >> 16) : (v & 0xffff); _Float16 h; memcpy(&h, &b, 2); return (float)h; }
