@@ -113,11 +113,12 @@ typedef struct GemsDropout {
     uint64_t seed;
 } GemsDropout;
 
-/* Softmax cross-entropy over n rows of k logits; scale multiplies the gradient
- * (1 / n for the mean loss). */
+/* Softmax cross-entropy over n samples of k classes at `positions` places each (the backend's
+ * LossGeom); scale multiplies the gradient (the loss weight times the loss scale). */
 typedef struct GemsLoss {
     int32_t n;
     int32_t k;
+    int32_t positions;
     double scale;
 } GemsLoss;
 

@@ -32,7 +32,7 @@
 use std::cell::RefCell;
 
 use gems::backend::cuda::{self, ConvImpl};
-use gems::backend::{ChannelGeom, ConvGeom, CopyMode, DeviceKind, PoolGeom, SgdStep};
+use gems::backend::{ChannelGeom, ConvGeom, CopyMode, DeviceKind, LossGeom, PoolGeom, SgdStep};
 use gems::graph::policy::SavePolicy;
 use gems::tensor::{DType, Device, Precision, Storage};
 use gems::{Dataset, RunConfig, Scheme, Session, StepReport, TrainConfig};
@@ -678,34 +678,49 @@ fn linear_matches(precision: Precision) {
     }
 }
 
-/// Softmax cross-entropy: logits and dlogits in the activation type, the loss and the
-/// probabilities f32; dlogits scaled by 1/n, and with a loss scale as fp16 training passes it.
+/// Softmax cross-entropy per place: logits and dlogits in the activation type, the loss and
+/// the probabilities f32; classifier rows (one place) and per-pixel maps (k small, many
+/// places), with weights per place (0 at unlabelled places) and a loss scale as fp16 training
+/// passes it.
 fn loss_matches(precision: Precision) {
     let p = Pair::new(precision);
     let (dtype, tol, sum_tol) = (p.dtype, tol(precision), sum_tol(precision));
-    for (n, k) in [(1, 2), (5, 10), (64, 1000), (3, 300)] {
+    for (n, k, positions) in [
+        (1, 2, 1),
+        (5, 10, 1),
+        (64, 1000, 1),
+        (3, 300, 1),
+        (2, 3, 37 * 29),
+        (1, 5, 700),
+    ] {
         let (cpu, gpu) = (p.cpu.backend(), p.gpu.backend());
-        let name = format!("{precision} {n}x{k}");
-        let logits: Vec<f64> = p.values(n * k).iter().map(|v| 4.0 * v).collect();
+        let g = LossGeom { n, k, positions };
+        let name = format!("{precision} {n}x{k}x{positions}");
+        let numel = n * k * positions;
+        let logits: Vec<f64> = p.values(numel).iter().map(|v| 4.0 * v).collect();
         let (x, xg) = p.both_as(&logits, dtype);
-        let labels: Vec<u32> = (0..n).map(|i| ((i * 7 + 3) % k) as u32).collect();
-        let (mut probs, mut probsg) = p.output(n * k);
+        let places = n * positions;
+        let labels: Vec<u32> = (0..places).map(|i| ((i * 7 + 3) % k) as u32).collect();
+        let weights: Vec<f64> = (0..places)
+            .map(|i| [0.5, 0.0, 1.25, 2.0][i % 4] / places as f64)
+            .collect();
+        let (mut probs, mut probsg) = p.output(numel);
         let l = cpu
-            .softmax_cross_entropy(&x, &labels, &mut probs, n, k)
+            .softmax_cross_entropy(&x, &labels, &weights, &mut probs, &g)
             .unwrap();
         let lg = gpu
-            .softmax_cross_entropy(&xg, &labels, &mut probsg, n, k)
+            .softmax_cross_entropy(&xg, &labels, &weights, &mut probsg, &g)
             .unwrap();
         assert!(
             (l - lg).abs() <= sum_tol * l.abs().max(1.0),
             "loss {name}: CPU {l}, GPU {lg}"
         );
         p.check(&format!("softmax {name}"), &probs, &probsg, sum_tol);
-        for scale in [1.0 / n as f64, 1024.0 / n as f64] {
-            let (mut dl, mut dlg) = p.output_as(n * k, dtype);
-            cpu.softmax_cross_entropy_backward(&probs, &labels, &mut dl, scale, n, k)
+        for scale in [1.0, 1024.0] {
+            let (mut dl, mut dlg) = p.output_as(numel, dtype);
+            cpu.softmax_cross_entropy_backward(&probs, &labels, &weights, &mut dl, scale, &g)
                 .unwrap();
-            gpu.softmax_cross_entropy_backward(&probsg, &labels, &mut dlg, scale, n, k)
+            gpu.softmax_cross_entropy_backward(&probsg, &labels, &weights, &mut dlg, scale, &g)
                 .unwrap();
             p.check(
                 &format!("softmax backward {name} (scale {scale})"),

@@ -4,7 +4,7 @@
 //! every rank together.
 
 use gems::backend::cpu::Cpu;
-use gems::backend::{Backend, ChannelGeom, ConvGeom, PoolGeom};
+use gems::backend::{Backend, ChannelGeom, ConvGeom, LossGeom, PoolGeom};
 use gems::optim::schedule::{Decay, LrSchedule};
 use gems::optim::SgdConfig;
 use gems::runtime::Checkpoint;
@@ -282,19 +282,25 @@ fn every_op_in_16_bits_is_the_f32_op_rounded_once() {
         same("linear backward-weights", &dw16, &dw32);
 
         let labels = [1, 6, 0];
+        let weights = [0.5, 0.0, 2.0 / 3.0];
+        let g = LossGeom {
+            n,
+            k: d_out,
+            positions: 1,
+        };
         let (mut p16, mut p32) = (zeros(n * d_out, DType::F32), zeros(n * d_out, DType::F32));
         let l16 = be
-            .softmax_cross_entropy(&ldy16, &labels, &mut p16, n, d_out)
+            .softmax_cross_entropy(&ldy16, &labels, &weights, &mut p16, &g)
             .unwrap();
         let l32 = be
-            .softmax_cross_entropy(&ldy32, &labels, &mut p32, n, d_out)
+            .softmax_cross_entropy(&ldy32, &labels, &weights, &mut p32, &g)
             .unwrap();
         assert_eq!(l16.to_bits(), l32.to_bits(), "loss");
         same("probabilities", &p16, &p32);
         let (mut a, mut b) = (zeros(n * d_out, dtype), zeros(n * d_out, DType::F32));
-        be.softmax_cross_entropy_backward(&p16, &labels, &mut a, 1024.0 / 3.0, n, d_out)
+        be.softmax_cross_entropy_backward(&p16, &labels, &weights, &mut a, 1024.0 / 3.0, &g)
             .unwrap();
-        be.softmax_cross_entropy_backward(&p32, &labels, &mut b, 1024.0 / 3.0, n, d_out)
+        be.softmax_cross_entropy_backward(&p32, &labels, &weights, &mut b, 1024.0 / 3.0, &g)
             .unwrap();
         rounded_once("loss gradient", &a, &b);
     }

@@ -1,6 +1,7 @@
 //! Every op's backward against central finite differences in f64 on random inputs, and its
 //! f32 forward against its f64 forward.
 
+use gems::data::UNLABELLED;
 use gems::ops::conv::{Conv2d, ConvTranspose2d};
 use gems::ops::pool::AdaptiveAvgPool;
 use gems::ops::pool::{AvgPool, GlobalAvgPool, MaxPool, Window};
@@ -575,41 +576,230 @@ fn linear_and_dropout() {
     );
 }
 
+/// Random logits of `shape` and labels for its places: every third place of a per-pixel map
+/// unlabelled.
+fn loss_case(shape: &[usize], seed: u64) -> (Shape, Vec<f64>, Vec<u32>) {
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    let shape = Shape::new(shape.to_vec());
+    let logits = (0..shape.numel())
+        .map(|_| rng.random_range(-2.0..2.0))
+        .collect();
+    let (k, places) = (shape.dim(1), shape.numel() / shape.dim(1));
+    let labels = (0..places)
+        .map(|q| match shape.rank() {
+            4 if q % 3 == 1 => UNLABELLED,
+            _ => rng.random_range(0..k as u32),
+        })
+        .collect();
+    (shape, logits, labels)
+}
+
+/// The loss from its definition, in f64: each sample's Σ w·ℓ / Σ w over its labelled places,
+/// averaged over the samples.
+fn direct_loss(shape: &Shape, logits: &[f64], labels: &[u32], cw: Option<&[f64]>) -> f64 {
+    let (n, k) = (shape.dim(0), shape.dim(1));
+    let positions = shape.numel() / (n * k);
+    let mut mean = 0.0;
+    for s in 0..n {
+        let (mut sum, mut total) = (0.0, 0.0);
+        for p in 0..positions {
+            let label = labels[s * positions + p];
+            if label == UNLABELLED {
+                continue;
+            }
+            let z: Vec<f64> = (0..k)
+                .map(|j| logits[(s * k + j) * positions + p])
+                .collect();
+            let lse = z.iter().map(|v| v.exp()).sum::<f64>().ln();
+            let w = cw.map_or(1.0, |cw| cw[label as usize]);
+            sum += w * (lse - z[label as usize]);
+            total += w;
+        }
+        mean += if total > 0.0 { sum / total } else { 0.0 } / n as f64;
+    }
+    mean
+}
+
 #[test]
-fn softmax_cross_entropy() {
+fn softmax_cross_entropy_gradients_and_definition() {
     let d = device();
-    let mut rng = ChaCha8Rng::seed_from_u64(3);
-    let (n, k) = (4, 5);
-    let logits: Vec<f64> = (0..n * k).map(|_| rng.random_range(-2.0..2.0)).collect();
-    let labels = [1u32, 4, 0, 2];
-    let shape = Shape::new([n, k]);
-    let f = |l: &[f64]| {
-        loss::softmax_cross_entropy(&d, &upload(&d, &shape, l, DType::F64), &labels)
+    for (dims, cw) in [
+        (vec![4, 5], None),
+        (vec![4, 5], Some(vec![0.5, 2.0, 1.0, 0.0, 3.0])),
+        (vec![3, 4, 3, 5], None),
+        (vec![3, 4, 3, 5], Some(vec![0.25, 1.5, 0.0, 2.0])),
+    ] {
+        let (shape, logits, labels) = loss_case(&dims, 3);
+        let cw = cw.as_deref();
+        let f = |l: &[f64]| {
+            loss::softmax_cross_entropy(&d, &upload(&d, &shape, l, DType::F64), &labels, cw)
+                .unwrap()
+                .loss
+        };
+        let x = upload(&d, &shape, &logits, DType::F64);
+        let ce = loss::softmax_cross_entropy(&d, &x, &labels, cw).unwrap();
+        let want = direct_loss(&shape, &logits, &labels, cw);
+        assert!(
+            (ce.loss - want).abs() <= 1e-12 * want,
+            "{dims:?}: {} vs {want}",
+            ce.loss
+        );
+        let per = loss::per_sample(&x, &labels, cw).unwrap();
+        let mean = per.iter().sum::<f64>() / per.len() as f64;
+        assert!((mean - want).abs() <= 1e-12 * want, "{dims:?} per sample");
+        for (s, &l) in per.iter().enumerate() {
+            let sample = shape.numel() / shape.dim(0);
+            let places = labels.len() / shape.dim(0);
+            let one = Shape::new(
+                [1].into_iter()
+                    .chain(dims[1..].iter().copied())
+                    .collect::<Vec<_>>(),
+            );
+            let direct = direct_loss(
+                &one,
+                &logits[s * sample..(s + 1) * sample],
+                &labels[s * places..(s + 1) * places],
+                cw,
+            );
+            assert!(
+                (l - direct).abs() <= 1e-12 * direct.max(1.0),
+                "{dims:?} sample {s}"
+            );
+        }
+        let g = ce
+            .backward(&d, 0.7, DType::F64)
             .unwrap()
-            .0
-    };
-    let (_, probs) =
-        loss::softmax_cross_entropy(&d, &upload(&d, &shape, &logits, DType::F64), &labels).unwrap();
-    let g = loss::softmax_cross_entropy_backward(&d, &probs, &labels, 0.7, DType::F64)
+            .to_f64_vec()
+            .unwrap();
+        let numeric: Vec<f64> = (0..logits.len())
+            .map(|i| {
+                let (mut a, mut b) = (logits.clone(), logits.clone());
+                a[i] += H;
+                b[i] -= H;
+                0.7 * (f(&a) - f(&b)) / (2.0 * H)
+            })
+            .collect();
+        assert!(
+            rel_error(&g, &numeric) <= 1e-6,
+            "{dims:?}: {g:?} vs {numeric:?}"
+        );
+    }
+}
+
+/// A batch of 4 scores exactly as the mean of its two micro-batches of 2, loss and gradients
+/// (what the runtime relies on when it cuts a batch).
+#[test]
+fn softmax_cross_entropy_of_a_batch_is_the_mean_of_its_micro_batches() {
+    let d = device();
+    let (shape, logits, mut labels) = loss_case(&[4, 3, 4, 5], 5);
+    // A sample with no labelled pixel counts 0 in either cut.
+    labels[20..40].fill(UNLABELLED);
+    let cw = [0.5, 2.0, 1.25];
+    let whole = loss::softmax_cross_entropy(
+        &d,
+        &upload(&d, &shape, &logits, DType::F64),
+        &labels,
+        Some(&cw),
+    )
+    .unwrap();
+    let dwhole = whole
+        .backward(&d, 1.0, DType::F64)
         .unwrap()
         .to_f64_vec()
         .unwrap();
-    let numeric: Vec<f64> = (0..n * k)
-        .map(|i| {
-            let (mut a, mut b) = (logits.clone(), logits.clone());
-            a[i] += H;
-            b[i] -= H;
-            0.7 * (f(&a) - f(&b)) / (2.0 * H)
-        })
-        .collect();
-    assert!(rel_error(&g, &numeric) <= 1e-6, "{g:?} vs {numeric:?}");
-    // Out-of-range labels are refused, not indexed.
-    assert!(loss::softmax_cross_entropy(
-        &d,
-        &upload(&d, &shape, &logits, DType::F64),
-        &[0, 1, 9, 2]
-    )
-    .is_err());
+    let half = Shape::new([2, 3, 4, 5]);
+    let (mut loss, mut grad) = (0.0, Vec::new());
+    for m in 0..2 {
+        let x = upload(&d, &half, &logits[m * 120..(m + 1) * 120], DType::F64);
+        let ce =
+            loss::softmax_cross_entropy(&d, &x, &labels[m * 40..(m + 1) * 40], Some(&cw)).unwrap();
+        loss += ce.loss / 2.0;
+        grad.extend(
+            ce.backward(&d, 0.5, DType::F64)
+                .unwrap()
+                .to_f64_vec()
+                .unwrap(),
+        );
+    }
+    assert!(
+        (loss - whole.loss).abs() <= 1e-15 * whole.loss,
+        "{loss} vs {}",
+        whole.loss
+    );
+    assert_eq!(grad, dwhole);
+}
+
+/// With every pixel labelled and no weights, the loss is the plain mean over all pixels:
+/// PyTorch's `F.cross_entropy(logits, target)` (reduction "mean") on N×K×H×W logits. With one
+/// place per sample it is the mean over the batch, as before.
+#[test]
+fn softmax_cross_entropy_is_pytorchs_mean_over_pixels() {
+    let d = device();
+    for dims in [vec![2, 3, 4, 5], vec![6, 7]] {
+        let (shape, logits, _) = loss_case(&dims, 7);
+        let places = shape.numel() / shape.dim(1);
+        let labels: Vec<u32> = (0..places).map(|q| (q % dims[1]) as u32).collect();
+        let (k, positions) = (dims[1], places / dims[0]);
+        let sum: f64 = (0..places)
+            .map(|q| {
+                let (s, p) = (q / positions, q % positions);
+                let z: Vec<f64> = (0..k)
+                    .map(|j| logits[(s * k + j) * positions + p])
+                    .collect();
+                z.iter().map(|v| v.exp()).sum::<f64>().ln() - z[labels[q] as usize]
+            })
+            .sum();
+        let x = upload(&d, &shape, &logits, DType::F64);
+        let ce = loss::softmax_cross_entropy(&d, &x, &labels, None).unwrap();
+        let want = sum / places as f64;
+        assert!(
+            (ce.loss - want).abs() <= 1e-13 * want,
+            "{dims:?}: {} vs {want}",
+            ce.loss
+        );
+        // The predictions are the most probable class of each place.
+        let p = ce.probs.to_f64_vec().unwrap();
+        for (q, &c) in loss::predictions(&ce.probs).unwrap().iter().enumerate() {
+            let (s, pos) = (q / positions, q % positions);
+            let at = |j: usize| p[(s * k + j) * positions + pos];
+            assert!(
+                (0..k).all(|j| at(j) <= at(c as usize)),
+                "{dims:?} place {q}"
+            );
+        }
+    }
+}
+
+#[test]
+fn softmax_cross_entropy_refuses_bad_labels_and_weights() {
+    let d = device();
+    let (shape, logits, labels) = loss_case(&[2, 3, 2, 2], 9);
+    let x = upload(&d, &shape, &logits, DType::F64);
+    let mut bad = labels.clone();
+    bad[5] = 3;
+    let refused = |labels: &[u32], cw: Option<&[f64]>| {
+        loss::softmax_cross_entropy(&d, &x, labels, cw).is_err()
+            && loss::per_sample(&x, labels, cw).is_err()
+    };
+    assert!(refused(&bad, None), "a label ≥ K");
+    assert!(
+        refused(&labels[1..], None),
+        "a label count that does not match"
+    );
+    assert!(refused(&labels, Some(&[1.0, 1.0])), "a weight count ≠ K");
+    assert!(
+        refused(&labels, Some(&[1.0, -0.5, 1.0])),
+        "a negative weight"
+    );
+    assert!(
+        refused(&labels, Some(&[1.0, f64::NAN, 1.0])),
+        "a NaN weight"
+    );
+    let flat = upload(&d, &Shape::new([24]), &logits, DType::F64);
+    assert!(
+        loss::softmax_cross_entropy(&d, &flat, &labels, None).is_err(),
+        "logits of rank 1"
+    );
 }
 
 #[test]

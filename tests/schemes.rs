@@ -197,16 +197,9 @@ fn hand_rolled(g: &Graph, c: &TrainConfig, steps: usize) -> (Vec<f64>, Vec<Vec<f
         let mut total = 0.0;
         let mut seeds = Vec::new();
         for (out, logits) in g.outputs.iter().zip(logits) {
-            let (l, probs) = loss::softmax_cross_entropy(&device, &logits, &labels).unwrap();
-            total += out.weight * l;
-            let grad = loss::softmax_cross_entropy_backward(
-                &device,
-                &probs,
-                &labels,
-                out.weight,
-                c.activations(),
-            )
-            .unwrap();
+            let ce = loss::softmax_cross_entropy(&device, &logits, &labels, None).unwrap();
+            total += out.weight * ce.loss;
+            let grad = ce.backward(&device, out.weight, c.activations()).unwrap();
             seeds.push((out.value, grad));
         }
         graph::backward(g, &mut params, &device, tape, seeds, &[]).unwrap();

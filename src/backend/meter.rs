@@ -5,7 +5,7 @@
 
 use std::sync::{Arc, OnceLock};
 
-use super::{Backend, ChannelGeom, ConvGeom, DeviceKind, Event, PoolGeom, SgdStep};
+use super::{Backend, ChannelGeom, ConvGeom, DeviceKind, Event, LossGeom, PoolGeom, SgdStep};
 use crate::backend::host::HostPool;
 use crate::backend::Storage;
 use crate::core::DType;
@@ -336,9 +336,9 @@ impl Backend for Meter {
         &self,
         _logits: &Storage,
         _labels: &[u32],
+        _weights: &[f64],
         _probs: &mut Storage,
-        _n: usize,
-        _k: usize,
+        _g: &LossGeom,
     ) -> Result<f64> {
         Ok(0.0)
     }
@@ -347,10 +347,10 @@ impl Backend for Meter {
         &self,
         _probs: &Storage,
         _labels: &[u32],
+        _weights: &[f64],
         _dlogits: &mut Storage,
         _scale: f64,
-        _n: usize,
-        _k: usize,
+        _g: &LossGeom,
     ) -> Result<()> {
         Ok(())
     }

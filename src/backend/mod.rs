@@ -100,6 +100,26 @@ pub struct ChannelGeom {
     pub hw: usize,
 }
 
+/// n samples of k classes scored at `positions` places each: 1 for a classifier's N×K logits,
+/// H·W for per-pixel N×K×H×W logits. Logits, probabilities and their gradient are laid out
+/// n × k × positions (class stride `positions`); labels and weights n × positions.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LossGeom {
+    /// Samples.
+    pub n: usize,
+    /// Classes.
+    pub k: usize,
+    /// Places scored per sample.
+    pub positions: usize,
+}
+
+impl LossGeom {
+    /// Places scored in all: n · positions.
+    pub fn places(&self) -> usize {
+        self.n * self.positions
+    }
+}
+
 /// SGD hyper-parameters for one update.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct SgdStep {
@@ -365,24 +385,27 @@ pub trait Backend: Send + Sync {
         hw: usize,
     ) -> Result<()>;
 
-    /// Mean cross-entropy of softmax(logits) (n × k) against `labels`; writes the probabilities.
+    /// Σ over the n·positions places q of weights[q] · (−log softmax(logits)[labels[q]]),
+    /// summed in f64 whatever the logits' dtype; writes the probabilities. Every label is < k
+    /// (the host gives unlabelled places label 0 and weight 0). Weights are f64 because the host
+    /// folds each sample's normalisation into them and the f64 reference must stay exact.
     fn softmax_cross_entropy(
         &self,
         logits: &Storage,
         labels: &[u32],
+        weights: &[f64],
         probs: &mut Storage,
-        n: usize,
-        k: usize,
+        g: &LossGeom,
     ) -> Result<f64>;
-    /// dlogits = scale · (probs - onehot(labels)).
+    /// dlogits = scale · weights[q] · (probs − onehot(labels[q])) at every class of place q.
     fn softmax_cross_entropy_backward(
         &self,
         probs: &Storage,
         labels: &[u32],
+        weights: &[f64],
         dlogits: &mut Storage,
         scale: f64,
-        n: usize,
-        k: usize,
+        g: &LossGeom,
     ) -> Result<()>;
 
     /// One SGD update of `w` from `grad`, with its momentum buffer.

@@ -17,6 +17,9 @@ use crate::Result;
 /// Colour planes of every image the sources yield.
 pub const CHANNELS: usize = 3;
 
+/// A place no loss or score counts (unlabelled pixels).
+pub const UNLABELLED: u32 = u32::MAX;
+
 /// A decoded image: `CHANNELS` planes of `height × width` values (CHW), in [0, 1] for
 /// decoded files.
 #[derive(Clone, Debug, PartialEq)]

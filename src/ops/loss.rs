@@ -1,106 +1,205 @@
-//! Softmax cross-entropy on logits (N × K), the mean over the batch. Not a graph op: the
-//! trainer applies it to each graph output with that output's weight.
+//! Softmax cross-entropy of a classifier's logits (N × K, one label per sample) or a
+//! segmenter's (N × K × H × W, one label per pixel), with unlabelled places and class weights.
+//! Not a graph op: the trainer applies it to each graph output with that output's weight.
+//!
+//! The loss is the mean over the N samples of each sample's weighted mean over its labelled
+//! places, so it is the same however a batch is cut into micro-batches. The host folds that
+//! normalisation into one weight per place (class weight / (N · the sample's total weight), 0
+//! where unlabelled), and the backend sums weight · (−log p[label]) over the places.
 
-use crate::tensor::Device;
-use crate::tensor::Tensor;
+use crate::backend::LossGeom;
+use crate::data::UNLABELLED;
+use crate::memory::Category;
+use crate::tensor::{DType, Device, Shape, Tensor};
 use crate::{Error, Result};
 
-/// The mean loss and the softmax probabilities (kept for backward and accuracy).
+/// A scored batch: its loss, the softmax probabilities (for backward and predictions), and
+/// the labels and weights per place backward needs.
+pub struct CrossEntropy {
+    /// The loss as [`softmax_cross_entropy`] defines it.
+    pub loss: f64,
+    /// softmax(logits) over the classes, the logits' shape, in their compute type.
+    pub probs: Tensor,
+    labels: Vec<u32>,
+    weights: Vec<f64>,
+}
+
+/// Softmax cross-entropy of logits N×K (labels: one per sample) or N×K×H×W (labels: one per
+/// pixel, N·H·W of them, sample-major, row-major), UNLABELLED places left out, each place's
+/// term scaled by its class's weight (`class_weights`, one per class, all 1 when None). The
+/// loss is the mean over the N samples of each sample's weighted mean over its labelled
+/// places (Σ w·ℓ / Σ w; a sample with no labelled place counts 0). With one place per sample
+/// and no weights it is the plain mean; with no unlabelled places and no weights, the mean over
+/// all pixels (PyTorch's `cross_entropy` with `reduction="mean"`).
 pub fn softmax_cross_entropy(
     device: &Device,
     logits: &Tensor,
     labels: &[u32],
-) -> Result<(f64, Tensor)> {
-    let (n, k) = match logits.shape().dims() {
-        [n, k] => (*n, *k),
-        _ => {
-            return Err(Error::Shape(format!(
-                "logits must be N×K, got {}",
-                logits.shape()
-            )))
-        }
-    };
-    if labels.len() != n {
-        return Err(Error::Shape(format!(
-            "{} labels for a batch of {n}",
-            labels.len()
-        )));
-    }
-    if let Some(&bad) = labels.iter().find(|&&l| l as usize >= k) {
-        return Err(Error::Config(format!(
-            "label {bad} is out of range for {k} classes"
-        )));
-    }
+    class_weights: Option<&[f64]>,
+) -> Result<CrossEntropy> {
+    let g = geometry(logits.shape())?;
+    let (labels, weights) = place_weights(&g, labels, class_weights)?;
     let mut probs = device.zeros(
         logits.shape().clone(),
         logits.dtype().compute(),
-        crate::memory::Category::Activations,
+        Category::Activations,
     )?;
     let loss = device.backend().softmax_cross_entropy(
         logits.storage(),
-        labels,
+        &labels,
+        &weights,
         probs.storage_mut()?,
-        n,
-        k,
+        &g,
     )?;
-    Ok((loss, probs))
-}
-
-/// d(weight · mean loss)/d logits, as activations of `dtype`.
-pub fn softmax_cross_entropy_backward(
-    device: &Device,
-    probs: &Tensor,
-    labels: &[u32],
-    weight: f64,
-    dtype: crate::tensor::DType,
-) -> Result<Tensor> {
-    let (n, k) = (probs.shape().dim(0), probs.shape().dim(1));
-    let mut d = device.zeros(
-        probs.shape().clone(),
-        dtype,
-        crate::memory::Category::Activations,
-    )?;
-    device.backend().softmax_cross_entropy_backward(
-        probs.storage(),
+    Ok(CrossEntropy {
+        loss,
+        probs,
         labels,
-        d.storage_mut()?,
-        weight / n as f64,
-        n,
-        k,
-    )?;
-    Ok(d)
+        weights,
+    })
 }
 
-/// How many rows have their largest probability at the label.
-pub fn correct(probs: &Tensor, labels: &[u32]) -> Result<usize> {
-    Ok(predictions(probs)?
-        .iter()
-        .zip(labels)
-        .filter(|(p, l)| p == l)
-        .count())
+impl CrossEntropy {
+    /// d(weight · loss)/d logits, as activations of `dtype`.
+    pub fn backward(&self, device: &Device, weight: f64, dtype: DType) -> Result<Tensor> {
+        let g = geometry(self.probs.shape())?;
+        let mut d = device.zeros(self.probs.shape().clone(), dtype, Category::Activations)?;
+        device.backend().softmax_cross_entropy_backward(
+            self.probs.storage(),
+            &self.labels,
+            &self.weights,
+            d.storage_mut()?,
+            weight,
+            &g,
+        )?;
+        Ok(d)
+    }
 }
 
-/// Each row's cross-entropy, log Σ exp(logits) - logits[label], in f64 on the host.
-pub fn per_sample(logits: &Tensor, labels: &[u32]) -> Result<Vec<f64>> {
-    let k = logits.shape().dim(1);
-    Ok(logits
-        .to_f64_vec()?
-        .chunks(k)
-        .zip(labels)
-        .map(|(row, &label)| {
-            let max = row.iter().copied().fold(f64::NEG_INFINITY, f64::max);
-            let sum: f64 = row.iter().map(|&z| (z - max).exp()).sum();
-            max + sum.ln() - row[label as usize]
+/// The most probable class at every place (N·positions, sample-major; the first of equals).
+pub fn predictions(probs: &Tensor) -> Result<Vec<u32>> {
+    let g = geometry(probs.shape())?;
+    let p = probs.to_f64_vec()?;
+    Ok((0..g.places())
+        .map(|q| {
+            let (s, pos) = (q / g.positions, q % g.positions);
+            let at = |j: usize| p[(s * g.k + j) * g.positions + pos];
+            (0..g.k).fold(0, |b, j| if at(j) > at(b) { j } else { b }) as u32
         })
         .collect())
 }
 
-/// The most probable class of each row (the first of equals).
-pub fn predictions(probs: &Tensor) -> Result<Vec<u32>> {
-    let k = probs.shape().dim(1);
-    Ok(probs
-        .to_f64_vec()?
-        .chunks(k)
-        .map(|row| (0..k).fold(0, |b, j| if row[j] > row[b] { j } else { b }) as u32)
+/// Each sample's loss as [`softmax_cross_entropy`] defines it, from the logits in f64 on the
+/// host.
+pub fn per_sample(
+    logits: &Tensor,
+    labels: &[u32],
+    class_weights: Option<&[f64]>,
+) -> Result<Vec<f64>> {
+    let g = geometry(logits.shape())?;
+    check(&g, labels, class_weights)?;
+    let x = logits.to_f64_vec()?;
+    Ok((0..g.n)
+        .map(|s| {
+            let (mut sum, mut total) = (0.0, 0.0);
+            for pos in 0..g.positions {
+                let label = labels[s * g.positions + pos];
+                if label == UNLABELLED {
+                    continue;
+                }
+                let at = |j: usize| x[(s * g.k + j) * g.positions + pos];
+                let max = (0..g.k).map(at).fold(f64::NEG_INFINITY, f64::max);
+                let lse = max + (0..g.k).map(|j| (at(j) - max).exp()).sum::<f64>().ln();
+                let w = class_weights.map_or(1.0, |cw| cw[label as usize]);
+                sum += w * (lse - at(label as usize));
+                total += w;
+            }
+            if total > 0.0 {
+                sum / total
+            } else {
+                0.0
+            }
+        })
         .collect())
+}
+
+/// Samples, classes and places per sample of logits (or probabilities) N×K or N×K×H×W.
+fn geometry(shape: &Shape) -> Result<LossGeom> {
+    let (n, k, positions) = match shape.dims() {
+        [n, k] => (*n, *k, 1),
+        [n, k, h, w] => (*n, *k, h * w),
+        _ => {
+            return Err(Error::Shape(format!(
+                "logits must be N×K or N×K×H×W, got {shape}"
+            )))
+        }
+    };
+    if k == 0 {
+        return Err(Error::Shape(format!("logits {shape} have no classes")));
+    }
+    Ok(LossGeom { n, k, positions })
+}
+
+/// Refuses labels and class weights that do not fit `g`.
+fn check(g: &LossGeom, labels: &[u32], class_weights: Option<&[f64]>) -> Result<()> {
+    if labels.len() != g.places() {
+        return Err(Error::Shape(format!(
+            "{} labels for {} samples of {} places",
+            labels.len(),
+            g.n,
+            g.positions
+        )));
+    }
+    if let Some(&bad) = labels
+        .iter()
+        .find(|&&l| l as usize >= g.k && l != UNLABELLED)
+    {
+        return Err(Error::Config(format!(
+            "label {bad} is out of range for {} classes",
+            g.k
+        )));
+    }
+    if let Some(cw) = class_weights {
+        if cw.len() != g.k {
+            return Err(Error::Config(format!(
+                "{} class weights for {} classes",
+                cw.len(),
+                g.k
+            )));
+        }
+        if let Some(bad) = cw.iter().find(|w| !(w.is_finite() && **w >= 0.0)) {
+            return Err(Error::Config(format!(
+                "class weight {bad} is not a finite number ≥ 0"
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// Each place's label for the backend (UNLABELLED as class 0) and weight: its class's weight
+/// divided by N and by its sample's total weight (0 where unlabelled, and in a sample whose
+/// total is 0), so that Σ weight · ℓ is the loss.
+fn place_weights(
+    g: &LossGeom,
+    labels: &[u32],
+    class_weights: Option<&[f64]>,
+) -> Result<(Vec<u32>, Vec<f64>)> {
+    check(g, labels, class_weights)?;
+    let class_weight = |l: u32| match l {
+        UNLABELLED => 0.0,
+        l => class_weights.map_or(1.0, |cw| cw[l as usize]),
+    };
+    let mut weights: Vec<f64> = labels.iter().map(|&l| class_weight(l)).collect();
+    for sample in weights.chunks_mut(g.positions.max(1)) {
+        let total: f64 = sample.iter().sum();
+        if total > 0.0 {
+            let denominator = g.n as f64 * total;
+            sample.iter_mut().for_each(|w| *w /= denominator);
+        }
+    }
+    let labels = labels
+        .iter()
+        .map(|&l| if l == UNLABELLED { 0 } else { l })
+        .collect();
+    Ok((labels, weights))
 }

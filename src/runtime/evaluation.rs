@@ -72,10 +72,10 @@ impl Tally {
         labels: &[u32],
         first: u64,
     ) -> Result<()> {
-        let (l, probs) = loss::softmax_cross_entropy(device, logits, labels)?;
-        self.loss += l * labels.len() as f64;
-        let losses = loss::per_sample(logits, labels)?;
-        let predicted = loss::predictions(&probs)?;
+        let ce = loss::softmax_cross_entropy(device, logits, labels, None)?;
+        self.loss += ce.loss * labels.len() as f64;
+        let losses = loss::per_sample(logits, labels, None)?;
+        let predicted = loss::predictions(&ce.probs)?;
         for (i, ((&t, p), l)) in labels.iter().zip(predicted).zip(losses).enumerate() {
             self.confusion[t as usize][p as usize] += 1;
             self.samples.push(SampleScore {

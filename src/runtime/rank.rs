@@ -526,18 +526,21 @@ impl Rank {
             };
             let m_total = s.micro_batches_per_step() as f64;
             for (o, logits) in losses.iter().zip(&outs[n_out..]) {
-                let (l, probs) = loss::softmax_cross_entropy(&self.device, logits, &labels)?;
-                self.current.loss += o.weight * l / m_total;
+                let ce = loss::softmax_cross_entropy(&self.device, logits, &labels, None)?;
+                self.current.loss += o.weight * ce.loss / m_total;
                 if g.outputs.first() == Some(o) {
-                    self.current.correct += loss::correct(&probs, &labels)?;
+                    let predicted = loss::predictions(&ce.probs)?;
+                    self.current.correct += predicted
+                        .iter()
+                        .zip(&labels)
+                        .filter(|(p, l)| p == l)
+                        .count();
                     self.current.scored += mb;
                 }
                 seeds.push((
                     o.value,
-                    loss::softmax_cross_entropy_backward(
+                    ce.backward(
                         &self.device,
-                        &probs,
-                        &labels,
                         o.weight / m_total
                             * self.loss_scale.as_ref().map_or(1.0, LossScale::factor),
                         c.train.activations(),

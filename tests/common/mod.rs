@@ -51,10 +51,10 @@ fn run(
     .unwrap();
     let (mut total, mut seeds) = (0.0, Vec::new());
     for (o, y) in g.outputs.iter().zip(ys) {
-        let (l, probs) = loss::softmax_cross_entropy(d, &y, labels).unwrap();
-        total += o.weight * l;
+        let ce = loss::softmax_cross_entropy(d, &y, labels, None).unwrap();
+        total += o.weight * ce.loss;
         if backward {
-            let dy = loss::softmax_cross_entropy_backward(d, &probs, labels, o.weight, y.dtype());
+            let dy = ce.backward(d, o.weight, y.dtype());
             seeds.push((o.value, dy.unwrap()));
         }
     }

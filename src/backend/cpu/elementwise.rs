@@ -3,7 +3,7 @@
 use rayon::prelude::*;
 
 use super::{simd, Float};
-use crate::backend::{ChannelGeom, SgdStep};
+use crate::backend::{ChannelGeom, LossGeom, SgdStep};
 use crate::core::rng::uniform;
 
 /// Below this many elements a parallel loop costs more than it saves.
@@ -104,49 +104,81 @@ pub fn dropout_mask<T: Float>(mask: &mut [T], p: f64, seed: u64) {
     });
 }
 
+/// Places per parallel task of the loss: fixed, so the f64 sum's order (places in order within
+/// a block, blocks in order) does not depend on the thread count.
+const LOSS_BLOCK: usize = 1024;
+
+/// `data` (n × k × positions) cut into blocks of at most LOSS_BLOCK places of one sample, each
+/// as its k class rows, with the index of the block's first place (sample-major).
+fn place_blocks<'a, T>(data: &'a mut [T], g: &LossGeom) -> Vec<(usize, Vec<&'a mut [T]>)> {
+    let mut blocks = Vec::new();
+    for (s, sample) in data.chunks_mut(g.k * g.positions).enumerate() {
+        let mut rows: Vec<_> = sample
+            .chunks_mut(g.positions)
+            .map(|r| r.chunks_mut(LOSS_BLOCK))
+            .collect();
+        for b in 0..g.positions.div_ceil(LOSS_BLOCK) {
+            let first = s * g.positions + b * LOSS_BLOCK;
+            blocks.push((first, rows.iter_mut().filter_map(Iterator::next).collect()));
+        }
+    }
+    blocks
+}
+
 pub fn softmax_cross_entropy<T: Float>(
     logits: &[T],
     labels: &[u32],
+    weights: &[f64],
     probs: &mut [T],
-    n: usize,
-    k: usize,
+    g: &LossGeom,
 ) -> f64 {
-    let mut loss = 0.0;
-    for i in 0..n {
-        let row = &logits[i * k..(i + 1) * k];
-        let p = &mut probs[i * k..(i + 1) * k];
-        let max = row.iter().fold(T::neg_infinity(), |m, &v| m.max(v));
-        let mut sum = T::zero();
-        for (p, &v) in p.iter_mut().zip(row) {
-            *p = (v - max).exp();
-            sum += *p;
-        }
-        p.iter_mut().for_each(|p| *p = *p / sum);
-        let label = labels[i] as usize;
-        loss += (sum.ln() - (row[label] - max)).f64();
-    }
-    loss / n as f64
+    let partial: Vec<f64> = place_blocks(probs, g)
+        .into_par_iter()
+        .map(|(first, mut p)| {
+            let (s, q0) = (first / g.positions, first % g.positions);
+            let x = |j: usize, q: usize| logits[(s * g.k + j) * g.positions + q0 + q];
+            let mut loss = 0.0;
+            for q in 0..p[0].len() {
+                let max = (0..g.k).fold(T::neg_infinity(), |m, j| m.max(x(j, q)));
+                let mut sum = T::zero();
+                for (j, row) in p.iter_mut().enumerate() {
+                    row[q] = (x(j, q) - max).exp();
+                    sum += row[q];
+                }
+                p.iter_mut().for_each(|row| row[q] = row[q] / sum);
+                let label = labels[first + q] as usize;
+                loss += weights[first + q] * (sum.ln() - (x(label, q) - max)).f64();
+            }
+            loss
+        })
+        .collect();
+    partial.iter().sum()
 }
 
 pub fn softmax_cross_entropy_backward<T: Float>(
     probs: &[T],
     labels: &[u32],
+    weights: &[f64],
     dlogits: &mut [T],
     scale: f64,
-    n: usize,
-    k: usize,
+    g: &LossGeom,
 ) {
-    let s = T::of(scale);
-    for i in 0..n {
-        for j in 0..k {
-            let onehot = if labels[i] as usize == j {
-                T::one()
-            } else {
-                T::zero()
-            };
-            dlogits[i * k + j] = s * (probs[i * k + j] - onehot);
-        }
-    }
+    place_blocks(dlogits, g)
+        .into_par_iter()
+        .for_each(|(first, mut d)| {
+            let (s, q0) = (first / g.positions, first % g.positions);
+            for (j, row) in d.iter_mut().enumerate() {
+                let p = &probs[(s * g.k + j) * g.positions + q0..];
+                for (q, d) in row.iter_mut().enumerate() {
+                    let onehot = if labels[first + q] as usize == j {
+                        T::one()
+                    } else {
+                        T::zero()
+                    };
+                    *d = T::of(scale * weights[first + q]) * (p[q] - onehot);
+                }
+            }
+        });
 }
 
 /// PyTorch's SGD: g = grad_scale·grad + wd·w; buf = momentum·buf + g; step along buf (or

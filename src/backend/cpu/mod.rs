@@ -13,7 +13,7 @@ use rayon::prelude::*;
 
 use std::sync::Arc;
 
-use super::{Backend, ChannelGeom, ConvGeom, Event, PoolGeom, SgdStep};
+use super::{Backend, ChannelGeom, ConvGeom, Event, LossGeom, PoolGeom, SgdStep};
 use crate::backend::host::{Block, HostPool};
 use crate::backend::Storage;
 use crate::core::DType;
@@ -652,23 +652,23 @@ impl Backend for Cpu {
         &self,
         logits: &Storage,
         labels: &[u32],
+        weights: &[f64],
         probs: &mut Storage,
-        n: usize,
-        k: usize,
+        g: &LossGeom,
     ) -> Result<f64> {
-        compute!(logits.dtype(), T, [logits], [probs] => Ok(elementwise::softmax_cross_entropy::<T>(logits, labels, probs, n, k)))
+        compute!(logits.dtype(), T, [logits], [probs] => Ok(elementwise::softmax_cross_entropy::<T>(logits, labels, weights, probs, g)))
     }
 
     fn softmax_cross_entropy_backward(
         &self,
         probs: &Storage,
         labels: &[u32],
+        weights: &[f64],
         dlogits: &mut Storage,
         scale: f64,
-        n: usize,
-        k: usize,
+        g: &LossGeom,
     ) -> Result<()> {
-        compute!(probs.dtype(), T, [probs], [dlogits] => elementwise::softmax_cross_entropy_backward::<T>(probs, labels, dlogits, scale, n, k));
+        compute!(probs.dtype(), T, [probs], [dlogits] => elementwise::softmax_cross_entropy_backward::<T>(probs, labels, weights, dlogits, scale, g));
         Ok(())
     }
 

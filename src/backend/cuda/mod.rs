@@ -39,7 +39,7 @@ use cudarc::driver::{
     DeviceRepr, LaunchConfig, PushKernelArg,
 };
 
-use super::{Backend, ChannelGeom, ConvGeom, Event, PoolGeom, SgdStep};
+use super::{Backend, ChannelGeom, ConvGeom, Event, LossGeom, PoolGeom, SgdStep};
 use crate::backend::host::{Block, HostPool};
 use crate::backend::Storage;
 use crate::core::{DType, Precision};
@@ -1200,43 +1200,37 @@ impl Backend for Cuda {
         &self,
         logits: &Storage,
         labels: &[u32],
+        weights: &[f64],
         probs: &mut Storage,
-        n: usize,
-        k: usize,
+        g: &LossGeom,
     ) -> Result<f64> {
-        let l = params::GemsLoss {
-            n: dim32(n, "batch")?,
-            k: dim32(k, "classes")?,
-            scale: 1.0,
-        };
-        let (labels, _l1) = self.labels(labels)?;
-        let (mut rows, _l2) = self.scratch::<f32>(n)?;
+        let l = loss_params(g, 1.0)?;
+        let (labels, _l1) = self.place_values(labels)?;
+        let (weights, _l2) = self.place_values(&weights_f32(weights))?;
+        let blocks = g.places().div_ceil(256).max(1);
+        let (mut partial, _l3) = self.scratch::<f32>(blocks)?;
         let t = Ty::of(logits)?;
-        launch!(self, t.kernel("softmax_cross_entropy"), Self::per_item(n, 256)?;
-            t.arg(logits)?, &labels, dev_mut(probs)?, &mut rows, &l)?;
-        // The mean in f64 on the host, in row order, as the CPU backend adds it.
-        let rows = download(&rows)?;
-        Ok(rows.iter().map(|&r| r as f64).sum::<f64>() / n.max(1) as f64)
+        launch!(self, t.kernel("softmax_cross_entropy"), Self::per_item(blocks, 256)?;
+            t.arg(logits)?, &labels, &weights, dev_mut(probs)?, &mut partial, &l)?;
+        // The blocks' sums added in f64 on the host, in block order: the same bits every run.
+        Ok(download(&partial)?.iter().map(|&b| b as f64).sum())
     }
 
     fn softmax_cross_entropy_backward(
         &self,
         probs: &Storage,
         labels: &[u32],
+        weights: &[f64],
         dlogits: &mut Storage,
         scale: f64,
-        n: usize,
-        k: usize,
+        g: &LossGeom,
     ) -> Result<()> {
-        let l = params::GemsLoss {
-            n: dim32(n, "batch")?,
-            k: dim32(k, "classes")?,
-            scale,
-        };
-        let (labels, _lease) = self.labels(labels)?;
+        let l = loss_params(g, scale)?;
+        let (labels, _l1) = self.place_values(labels)?;
+        let (weights, _l2) = self.place_values(&weights_f32(weights))?;
         let t = Ty::of(dlogits)?;
-        launch!(self, t.kernel("softmax_cross_entropy_backward"), self.grid_1d(n * k);
-            dev(probs)?, &labels, t.arg_mut(dlogits)?, &l)
+        launch!(self, t.kernel("softmax_cross_entropy_backward"), self.grid_1d(g.places());
+            dev(probs)?, &labels, &weights, t.arg_mut(dlogits)?, &l)
     }
 
     fn sgd_update(
@@ -1552,18 +1546,34 @@ impl Cuda {
         }
     }
 
-    /// Class labels in device memory, leased as workspace.
-    fn labels(&self, labels: &[u32]) -> Result<(CudaSlice<u32>, Lease)> {
+    /// One value per scored place (a label or a loss weight) in device memory, leased as
+    /// workspace.
+    fn place_values<T: DeviceRepr>(&self, values: &[T]) -> Result<(CudaSlice<T>, Lease)> {
         let lease = self
             .allocator
-            .lease((labels.len() * 4) as u64, Category::Workspace)?;
-        let slice = if labels.is_empty() {
+            .lease(std::mem::size_of_val(values) as u64, Category::Workspace)?;
+        let slice = if values.is_empty() {
             self.stream.null().map_err(driver_error)?
         } else {
-            self.stream.clone_htod(labels).map_err(driver_error)?
+            self.stream.clone_htod(values).map_err(driver_error)?
         };
         Ok((slice, lease))
     }
+}
+
+/// The loss kernels' parameters for `g`.
+fn loss_params(g: &LossGeom, scale: f64) -> Result<params::GemsLoss> {
+    Ok(params::GemsLoss {
+        n: dim32(g.n, "batch")?,
+        k: dim32(g.k, "classes")?,
+        positions: dim32(g.positions, "positions")?,
+        scale,
+    })
+}
+
+/// The loss weights as the kernels read them (they compute in f32).
+fn weights_f32(weights: &[f64]) -> Vec<f32> {
+    weights.iter().map(|&w| w as f32).collect()
 }
 
 /// An activation's f32 elements for cuBLAS (see [`Cuda::widen`]).

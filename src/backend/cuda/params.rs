@@ -257,17 +257,21 @@ const _: () = {
 pub struct GemsLoss {
     pub n: i32,
     pub k: i32,
+    pub positions: i32,
     pub scale: f64,
 }
 #[allow(clippy::unnecessary_operation, clippy::identity_op)]
 const _: () = {
-    ["Size of GemsLoss"][::std::mem::size_of::<GemsLoss>() - 16usize];
+    ["Size of GemsLoss"][::std::mem::size_of::<GemsLoss>() - 24usize];
     ["Alignment of GemsLoss"][::std::mem::align_of::<GemsLoss>() - 8usize];
     ["Offset of field: GemsLoss::n"][::std::mem::offset_of!(GemsLoss, n) - 0usize];
     ["Offset of field: GemsLoss::k"][::std::mem::offset_of!(GemsLoss, k) - 4usize];
     [
+        "Offset of field: GemsLoss::positions",
+    ][::std::mem::offset_of!(GemsLoss, positions) - 8usize];
+    [
         "Offset of field: GemsLoss::scale",
-    ][::std::mem::offset_of!(GemsLoss, scale) - 8usize];
+    ][::std::mem::offset_of!(GemsLoss, scale) - 16usize];
 };
 #[repr(C)]
 #[derive(Debug, Default, Copy, Clone, PartialEq)]
