@@ -12,13 +12,35 @@ pub mod transform;
 
 pub use pipeline::{open, DataConfig, Dataset, Pipeline, SourceSpec};
 
-use crate::Result;
+use crate::{Error, Result};
 
 /// Colour planes of every image the sources yield.
 pub const CHANNELS: usize = 3;
 
-/// A place no loss or score counts (unlabelled pixels).
+/// The target of a pixel that has no label: it takes no part in the loss or the metrics.
 pub const UNLABELLED: u32 = u32::MAX;
+
+/// What a data set's labels say: a class per image, or a class per pixel.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub enum Task {
+    /// One class per image.
+    #[default]
+    Classify,
+    /// One class per pixel (a mask per image).
+    Segment,
+}
+
+/// Per-pixel labels of one sample, at the resolution its [`Image`] has: class indices, or
+/// [`UNLABELLED`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Mask {
+    /// Height in pixels.
+    pub height: usize,
+    /// Width in pixels.
+    pub width: usize,
+    /// Row-major labels.
+    pub labels: Vec<u32>,
+}
 
 /// A decoded image: `CHANNELS` planes of `height × width` values (CHW), in [0, 1] for
 /// decoded files.
@@ -61,4 +83,16 @@ pub trait Source: Send + Sync {
     fn read(&self, index: usize) -> Result<Image>;
     /// Where sample `index` comes from, for messages (a file name, a slide and tile position).
     fn describe(&self, index: usize) -> String;
+    /// The task its labels serve.
+    fn task(&self) -> Task {
+        Task::Classify
+    }
+    /// The per-pixel labels of sample `index`, the size [`Source::read`] gives, without
+    /// decoding the image (segmentation sources).
+    fn mask(&self, index: usize) -> Result<Mask> {
+        Err(Error::Config(format!(
+            "{} has a class per image, not per pixel: it has no mask",
+            self.describe(index)
+        )))
+    }
 }

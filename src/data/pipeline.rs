@@ -13,7 +13,7 @@ use super::order::Epochs;
 use super::slide::{self, Slides, TileConfig};
 use super::synthetic::{Stream, Synthetic};
 use super::transform::Transform;
-use super::{Image, Source, CHANNELS};
+use super::{Image, Mask, Source, Task, CHANNELS, UNLABELLED};
 use crate::core::rng::{splitmix64, uniform};
 use crate::{Error, Result};
 
@@ -70,10 +70,14 @@ pub struct DataConfig {
     pub workers: usize,
     /// Batches prepared ahead at most.
     pub prefetch: usize,
+    /// A class per image or per pixel (configurations saved before segmentation classify).
+    #[serde(default)]
+    pub task: Task,
 }
 
 impl Default for DataConfig {
-    /// Synthetic data, no augmentation, nothing held out, two workers four batches ahead.
+    /// Synthetic data, no augmentation, nothing held out, two workers four batches ahead,
+    /// classifying.
     fn default() -> DataConfig {
         DataConfig {
             source: SourceSpec::Synthetic,
@@ -82,6 +86,7 @@ impl Default for DataConfig {
             skip_bad: false,
             workers: 2,
             prefetch: 4,
+            task: Task::Classify,
         }
     }
 }
@@ -350,17 +355,33 @@ impl Pipeline {
         })
     }
 
-    /// Samples of each class in one epoch, in label order (`None` for an unbounded stream).
+    /// Samples of each class in one epoch, in label order, or when segmenting labelled pixels
+    /// of each class (at the source's resolution, not augmented); `None` for an unbounded
+    /// stream.
     pub fn class_counts(&self) -> Result<Option<Vec<usize>>> {
         let Some(n) = self.samples() else {
             return Ok(None);
         };
-        let mut counts = vec![0; self.classes().len()];
+        let classes = self.classes().len();
+        let mut counts = vec![0; classes];
+        let mut count = |label: u32| {
+            let slot = counts
+                .get_mut(label as usize)
+                .ok_or_else(|| Error::Internal(format!("label {label} of {classes} classes")))?;
+            *slot += 1;
+            Ok::<_, Error>(())
+        };
         for pos in 0..n as u64 {
-            let label = self.label(pos)? as usize;
-            *counts.get_mut(label).ok_or_else(|| {
-                Error::Internal(format!("label {label} of {} classes", self.classes().len()))
-            })? += 1;
+            match self.task() {
+                Task::Classify => count(self.label(pos)?)?,
+                Task::Segment => {
+                    if let Some(mask) = self.mask(pos)? {
+                        for &label in mask.labels.iter().filter(|&&l| l != UNLABELLED) {
+                            count(label)?;
+                        }
+                    }
+                }
+            }
         }
         Ok(Some(counts))
     }
@@ -406,11 +427,60 @@ impl Pipeline {
         (first..first + n as u64).map(|p| self.label(p)).collect()
     }
 
+    /// The task its source serves.
+    pub fn task(&self) -> Task {
+        self.source.task()
+    }
+
+    /// Target values per sample: 1 (a class) when classifying, image_size² (a class per
+    /// pixel, row-major) when segmenting.
+    pub fn positions(&self) -> usize {
+        match self.task() {
+            Task::Classify => 1,
+            Task::Segment => self.image_size * self.image_size,
+        }
+    }
+
+    /// Targets of positions first..first+n: n·positions() values, UNLABELLED where a pixel
+    /// has no label. A pixel's target went through exactly the window, resampling (nearest)
+    /// and flips its image went through, so targets and inputs line up pixel for pixel.
+    /// Reads masks only, never images; an unreadable mask with `skip_bad` is all UNLABELLED.
+    pub fn targets(&self, first: u64, n: usize) -> Result<Vec<u32>> {
+        if self.task() == Task::Classify {
+            return self.labels(first, n);
+        }
+        let mut out = Vec::with_capacity(n * self.positions());
+        for pos in first..first + n as u64 {
+            match self.mask(pos)? {
+                Some(mask) => {
+                    self.transform
+                        .append_mask(&mask, self.image_size, &mut self.rng(pos), &mut out)
+                }
+                None => out.resize(out.len() + self.positions(), UNLABELLED),
+            }
+        }
+        Ok(out)
+    }
+
+    /// The mask of position `pos`; none when it is unreadable and `skip_bad` (warned and
+    /// counted).
+    fn mask(&self, pos: u64) -> Result<Option<Mask>> {
+        let index = self.index(pos);
+        match self.source.mask(index) {
+            Ok(mask) => Ok(Some(mask)),
+            Err(e) if self.skip_bad => {
+                self.skipping(index, &e);
+                Ok(None)
+            }
+            Err(e) => Err(e),
+        }
+    }
+
     /// Prepares the input at position `pos` into `out` and returns its label. An unreadable
     /// sample is an error, or with `skip_bad` a warning, a count, and a blank (mean) input.
     pub fn sample(&self, pos: u64, out: &mut [f32]) -> Result<u32> {
-        let (label, read) = self.read(pos)?;
-        match read {
+        let label = self.label(pos)?;
+        match self.read(pos)? {
             Some(img) => self
                 .transform
                 .apply(&img, self.image_size, &mut self.rng(pos), out),
@@ -419,7 +489,7 @@ impl Pipeline {
         Ok(label)
     }
 
-    /// Positions first..first+n as one NCHW batch and its labels.
+    /// Positions first..first+n as one NCHW batch and its targets ([`Pipeline::targets`]).
     pub fn batch(&self, first: u64, n: usize) -> Result<(Vec<f32>, Vec<u32>)> {
         let len = self.sample_len();
         let mut pixels = Vec::new();
@@ -432,40 +502,39 @@ impl Pipeline {
                     self.image_size
                 ))
             })?;
-        let labels = (first..first + n as u64)
-            .map(|pos| {
-                let (label, read) = self.read(pos)?;
-                match read {
-                    Some(img) => self.transform.append(
-                        &img,
-                        self.image_size,
-                        &mut self.rng(pos),
-                        &mut pixels,
-                    ),
-                    None => pixels.resize(pixels.len() + len, 0.0),
+        let targets = self.targets(first, n)?;
+        for pos in first..first + n as u64 {
+            match self.read(pos)? {
+                Some(img) => {
+                    self.transform
+                        .append(&img, self.image_size, &mut self.rng(pos), &mut pixels)
                 }
-                Ok(label)
-            })
-            .collect::<Result<_>>()?;
-        Ok((pixels, labels))
+                None => pixels.resize(pixels.len() + len, 0.0),
+            }
+        }
+        Ok((pixels, targets))
     }
 
-    /// The label of position `pos` and its decoded image; no image when it is unreadable and
-    /// `skip_bad` (warned and counted).
-    fn read(&self, pos: u64) -> Result<(u32, Option<Image>)> {
+    /// The decoded image at position `pos`; none when it is unreadable and `skip_bad` (warned
+    /// and counted).
+    fn read(&self, pos: u64) -> Result<Option<Image>> {
         let index = self.index(pos);
-        let label = self.source.label(index)?;
         match self.source.read(index) {
-            Ok(img) => Ok((label, Some(img))),
+            Ok(img) => Ok(Some(img)),
             Err(e) if self.skip_bad => {
-                self.bad.fetch_add(1, Ordering::Relaxed);
-                eprintln!("warning: skipping a bad sample: {e}");
-                *self.last_bad.lock().unwrap_or_else(|p| p.into_inner()) =
-                    Some(self.source.describe(index));
-                Ok((label, None))
+                self.skipping(index, &e);
+                Ok(None)
             }
             Err(e) => Err(e),
         }
+    }
+
+    /// Warns of and counts unreadable sample `index`.
+    fn skipping(&self, index: usize, e: &Error) {
+        self.bad.fetch_add(1, Ordering::Relaxed);
+        eprintln!("warning: skipping a bad sample: {e}");
+        *self.last_bad.lock().unwrap_or_else(|p| p.into_inner()) =
+            Some(self.source.describe(index));
     }
 
     /// The random stream that augments position `pos`: it differs per position, so per epoch
@@ -504,11 +573,7 @@ impl Source for Renamed {
     }
 
     fn label(&self, index: usize) -> Result<u32> {
-        let label = self.inner.label(index)?;
-        self.map
-            .get(label as usize)
-            .copied()
-            .ok_or_else(|| Error::Internal(format!("label {label} of {} classes", self.map.len())))
+        self.renamed(self.inner.label(index)?)
     }
 
     fn read(&self, index: usize) -> Result<Image> {
@@ -517,5 +582,30 @@ impl Source for Renamed {
 
     fn describe(&self, index: usize) -> String {
         self.inner.describe(index)
+    }
+
+    fn task(&self) -> Task {
+        self.inner.task()
+    }
+
+    fn mask(&self, index: usize) -> Result<Mask> {
+        let mut mask = self.inner.mask(index)?;
+        for label in &mut mask.labels {
+            *label = self.renamed(*label)?;
+        }
+        Ok(mask)
+    }
+}
+
+impl Renamed {
+    /// `label` numbered as in the new class names; UNLABELLED stays.
+    fn renamed(&self, label: u32) -> Result<u32> {
+        if label == UNLABELLED {
+            return Ok(label);
+        }
+        self.map
+            .get(label as usize)
+            .copied()
+            .ok_or_else(|| Error::Internal(format!("label {label} of {} classes", self.map.len())))
     }
 }

@@ -4,7 +4,7 @@
 
 use rand::Rng;
 
-use super::{Image, CHANNELS};
+use super::{Image, Mask, CHANNELS};
 
 /// ImageNet's per-channel mean and standard deviation, the convention pretrained CNNs expect.
 pub const MEAN: [f32; CHANNELS] = [0.485, 0.456, 0.406];
@@ -41,28 +41,40 @@ impl Transform {
         self.rows(img, size, rng, |row| out.extend_from_slice(row));
     }
 
+    /// Appends `mask` prepared as `size`² targets (row-major) to `out`: the window, the
+    /// resampling (nearest) and the flips [`Transform::append`] gives its image when `rng`
+    /// is in the same state, so each target lines up with its input pixel.
+    pub fn append_mask(&self, mask: &Mask, size: usize, rng: &mut impl Rng, out: &mut Vec<u32>) {
+        let Window {
+            side,
+            y0,
+            x0,
+            flip_x,
+            flip_y,
+        } = Window::draw(self.augment, mask.height, mask.width, rng);
+        // The source pixel holding each output pixel's centre.
+        let nearest = |from: usize, o: usize| {
+            let centre = from as f64 + (o as f64 + 0.5) * side as f64 / size as f64;
+            (centre as usize).clamp(from, from + side - 1)
+        };
+        let flip = |o: usize, flipped: bool| if flipped { size - 1 - o } else { o };
+        let cols: Vec<usize> = (0..size).map(|tx| nearest(x0, flip(tx, flip_x))).collect();
+        out.reserve(size * size);
+        for ty in 0..size {
+            let row = &mask.labels[nearest(y0, flip(ty, flip_y)) * mask.width..][..mask.width];
+            out.extend(cols.iter().map(|&x| row[x]));
+        }
+    }
+
     /// Hands `emit` the rows of `img` prepared as a `size`² model input, in CHW order.
     fn rows(&self, img: &Image, size: usize, rng: &mut impl Rng, mut emit: impl FnMut(&[f32])) {
-        let short = img.height.min(img.width);
-        let (side, y0, x0, flip_x, flip_y) = if self.augment {
-            let side = ((short as f64 * rng.random_range(MIN_CROP..=1.0)).round() as usize)
-                .clamp(1, short);
-            (
-                side,
-                rng.random_range(0..=img.height - side),
-                rng.random_range(0..=img.width - side),
-                rng.random_bool(0.5),
-                rng.random_bool(0.5),
-            )
-        } else {
-            (
-                short,
-                (img.height - short) / 2,
-                (img.width - short) / 2,
-                false,
-                false,
-            )
-        };
+        let Window {
+            side,
+            y0,
+            x0,
+            flip_x,
+            flip_y,
+        } = Window::draw(self.augment, img.height, img.width, rng);
         let plane = img.height * img.width;
         let mut row = vec![0.0f32; size];
         // Normalizes and flips a resampled row, then hands it on.
@@ -110,6 +122,41 @@ impl Transform {
                 }
                 finish(&mut row, c);
             }
+        }
+    }
+}
+
+/// The square of an image an input shows (side, top, left) and its flips.
+struct Window {
+    side: usize,
+    y0: usize,
+    x0: usize,
+    flip_x: bool,
+    flip_y: bool,
+}
+
+impl Window {
+    /// The window of a `height × width` image: drawn from `rng` when augmenting, the centred
+    /// largest square otherwise. Inputs and targets both draw it here, so they line up.
+    fn draw(augment: bool, height: usize, width: usize, rng: &mut impl Rng) -> Window {
+        let short = height.min(width);
+        if !augment {
+            return Window {
+                side: short,
+                y0: (height - short) / 2,
+                x0: (width - short) / 2,
+                flip_x: false,
+                flip_y: false,
+            };
+        }
+        let side =
+            ((short as f64 * rng.random_range(MIN_CROP..=1.0)).round() as usize).clamp(1, short);
+        Window {
+            side,
+            y0: rng.random_range(0..=height - side),
+            x0: rng.random_range(0..=width - side),
+            flip_x: rng.random_bool(0.5),
+            flip_y: rng.random_bool(0.5),
         }
     }
 }
@@ -366,5 +413,56 @@ mod tests {
             assert_eq!(appended[0], 1.0);
             assert_eq!(appended[1..], written[..]);
         }
+    }
+
+    #[test]
+    fn masks_take_their_images_window_and_flips() {
+        // Image values and mask labels both number the source pixels, so where the window is
+        // copied unresampled (no crop, or a crop at the input's side), each target names the
+        // pixel its input shows.
+        let (h, w) = (20, 26);
+        let img = Image {
+            height: h,
+            width: w,
+            pixels: (0..CHANNELS * h * w)
+                .map(|i| (i % (h * w)) as f32)
+                .collect(),
+        };
+        let mask = Mask {
+            height: h,
+            width: w,
+            labels: (0..(h * w) as u32).collect(),
+        };
+        let t = Transform {
+            augment: true,
+            normalize: false,
+        };
+        let mut exact = 0;
+        for seed in 0..200 {
+            let (mut pixels, mut targets) = (Vec::new(), Vec::new());
+            let (mut a, mut b) = (
+                ChaCha8Rng::seed_from_u64(seed),
+                ChaCha8Rng::seed_from_u64(seed),
+            );
+            t.append(&img, 16, &mut a, &mut pixels);
+            t.append_mask(&mask, 16, &mut b, &mut targets);
+            // Both drew the same numbers.
+            assert_eq!(a.random::<u64>(), b.random::<u64>());
+            let window = Window::draw(true, h, w, &mut ChaCha8Rng::seed_from_u64(seed));
+            if window.side == 16 {
+                exact += 1;
+                let first: Vec<u32> = pixels[..256].iter().map(|&v| v as u32).collect();
+                assert_eq!(first, targets, "seed {seed}");
+            }
+        }
+        assert!(exact > 0, "no draw cut a window of the input's side");
+        // Not augmented: the centred square (columns 3..23), each output the pixel holding its
+        // centre.
+        let mut targets = Vec::new();
+        PLAIN.append_mask(&mask, 10, &mut ChaCha8Rng::seed_from_u64(0), &mut targets);
+        let want: Vec<u32> = (0..10)
+            .flat_map(|y| (0..10).map(move |x| ((2 * y + 1) * w + 4 + 2 * x) as u32))
+            .collect();
+        assert_eq!(targets, want);
     }
 }

@@ -8,7 +8,7 @@ use clap::{Args, Parser, Subcommand};
 use gems::backend::cuda::ConvImpl;
 use gems::backend::{CopyMode, DeviceKind};
 use gems::data::slide::TileConfig;
-use gems::data::{DataConfig, SourceSpec};
+use gems::data::{DataConfig, SourceSpec, Task};
 use gems::memory::parse_bytes;
 use gems::optim::schedule::Decay;
 use gems::schemes::{Kind, Order, Scheme};
@@ -475,6 +475,8 @@ impl DataArgs {
             skip_bad: self.skip_bad,
             workers: self.workers,
             prefetch: self.prefetch,
+            // The model's output decides the task, once it is built.
+            task: Task::Classify,
         })
     }
 }
