@@ -6,11 +6,16 @@ offload study, and host<->device copy bandwidth, with the models, optimizer and 
     python3 scripts/torch_reference.py train --model resnet110v2 --image-size 1024 --batch max
     python3 scripts/torch_reference.py offload-models --batch 16
     python3 scripts/torch_reference.py bandwidth
+    python3 scripts/torch_reference.py state-dict --model unet --classes 2 --out tests/data/unet.names
 
 Each prints one line per measurement and writes every result to the --json file, rewritten after
 each measurement so that a run cut short keeps what it measured. A measurement that fails (out
 of memory, unsupported) is recorded as an error and the others still run; the exit status is 1
 if any failed.
+
+state-dict writes a model's state_dict keys and shapes, one `name d0,d1,...` line each, the
+fixtures (tests/data/<model>.names) that gems's parameter names and shapes are checked against;
+it needs no GPU. The ResNet-encoder U-Net comes from the segmentation-models-pytorch package.
 
 --device cpu exists only to check this script on a machine without a GPU: CUDA events become
 time.perf_counter, pinned memory is skipped, `all` shrinks every size. Its numbers mean nothing.
@@ -40,13 +45,20 @@ GEMS_PARAMS = {
     "vgg19": (139_611_210, 4096),
     "alexnet": (57_044_810, 4096),
     "inception_v3_noaux": (21_806_058, 2048),
+    # Segmentation: the input width of the last conv times its kernel area.
+    "unet": (31_038_218, 64),
+    "unet_resnet34": (24_437_674, 16 * 9),
 }
+
+# Models whose output is a [classes, H, W] map of logits, trained on one label per pixel.
+SEGMENTATION = {"unet", "unet_resnet34"}
 
 # torchvision's auxiliary Inception head needs 299² inputs; without it the model takes 224²
 # (gems calls that model inception_v3_noaux).
 GEMS_NAME = {"inception_v3": "inception_v3_noaux"}
 
-MODELS = ["resnet20v2", "resnet56v2", "resnet110v2", "resnet50", "vgg19", "alexnet", "inception_v3"]
+MODELS = ["resnet20v2", "resnet56v2", "resnet110v2", "resnet50", "vgg19", "alexnet", "inception_v3",
+          "unet", "unet_resnet34"]
 OFFLOAD_MODELS = ["vgg19", "alexnet", "resnet50", "inception_v3"]
 
 # Seconds for 20 epochs of the GPU baseline on a V100 in the GEMS follow-up poster's offload
@@ -116,9 +128,90 @@ class ResNetV2(nn.Module):
         return self.fc(torch.flatten(x, 1))
 
 
+class DoubleConv(nn.Module):
+    """(3×3 conv without bias, BN, ReLU) twice, as milesial/Pytorch-UNet's DoubleConv (and with
+    its names: `double_conv.0.weight`, `double_conv.1.running_mean`, ...)."""
+
+    def __init__(self, c_in, c_out):
+        super().__init__()
+        self.double_conv = nn.Sequential(
+            nn.Conv2d(c_in, c_out, 3, padding=1, bias=False), nn.BatchNorm2d(c_out),
+            nn.ReLU(inplace=True),
+            nn.Conv2d(c_out, c_out, 3, padding=1, bias=False), nn.BatchNorm2d(c_out),
+            nn.ReLU(inplace=True))
+
+    def forward(self, x):
+        return self.double_conv(x)
+
+
+class Down(nn.Module):
+    """A 2×2 max pool, then a DoubleConv."""
+
+    def __init__(self, c_in, c_out):
+        super().__init__()
+        self.maxpool_conv = nn.Sequential(nn.MaxPool2d(2), DoubleConv(c_in, c_out))
+
+    def forward(self, x):
+        return self.maxpool_conv(x)
+
+
+class Up(nn.Module):
+    """A 2×2/2 transposed conv halving the channels, the skip concatenated before it, then a
+    DoubleConv (milesial's Up with bilinear=False; sides divisible by 2^depth need no padding)."""
+
+    def __init__(self, c_in, c_out):
+        super().__init__()
+        self.up = nn.ConvTranspose2d(c_in, c_in // 2, 2, stride=2)
+        self.conv = DoubleConv(c_in, c_out)
+
+    def forward(self, x, skip):
+        return self.conv(torch.cat([skip, self.up(x)], dim=1))
+
+
+class OutConv(nn.Module):
+    def __init__(self, c_in, classes):
+        super().__init__()
+        self.conv = nn.Conv2d(c_in, classes, 1)
+
+    def forward(self, x):
+        return self.conv(x)
+
+
+class UNet(nn.Module):
+    """milesial/Pytorch-UNet's UNet(3, classes, bilinear=False) for depth 4 and width 64, rebuilt
+    with the same modules and names; gems's unet_d<depth>_w<width> for others."""
+
+    def __init__(self, classes, depth=4, width=64):
+        super().__init__()
+        self.depth = depth
+        self.inc = DoubleConv(3, width)
+        for i in range(1, depth + 1):
+            self.add_module(f"down{i}", Down(width << (i - 1), width << i))
+        for i in range(1, depth + 1):
+            c = width << (depth - i)
+            self.add_module(f"up{i}", Up(2 * c, c))
+        self.outc = OutConv(width, classes)
+
+    def forward(self, x):
+        x = self.inc(x)
+        skips = []
+        for i in range(1, self.depth + 1):
+            skips.append(x)
+            x = getattr(self, f"down{i}")(x)
+        for i in range(1, self.depth + 1):
+            x = getattr(self, f"up{i}")(x, skips.pop())
+        return self.outc(x)
+
+
 def build_model(name, classes):
     """The model called `name`, checked against gems's parameter count."""
-    if name.endswith("v2"):
+    if name == "unet":
+        model = UNet(classes)
+    elif name == "unet_resnet34":
+        import segmentation_models_pytorch as smp  # only the ResNet-encoder U-Net needs it
+
+        model = smp.Unet("resnet34", encoder_weights=None, classes=classes)
+    elif name.endswith("v2"):
         model = ResNetV2(int(name[len("resnet"):-len("v2")]), classes)
     elif name == "inception_v3":
         model = torchvision.models.inception_v3(
@@ -166,7 +259,9 @@ def make_trainer(name, classes, precision, channels_last, device):
 
     def inputs(batch, image_size):
         x = torch.randn(batch, 3, image_size, image_size, device=device)
-        return x.contiguous(memory_format=layout), torch.randint(classes, (batch,), device=device)
+        # A label per image, or per pixel for segmentation (cross-entropy averages over pixels).
+        labels = (batch, image_size, image_size) if name in SEGMENTATION else (batch,)
+        return x.contiguous(memory_format=layout), torch.randint(classes, labels, device=device)
 
     return step, inputs, count
 
@@ -464,6 +559,15 @@ def environment(device):
     return env
 
 
+def state_dict_names(name, classes, out):
+    """Writes `name`'s state_dict as `key d0,d1,...` lines (a scalar has no dims)."""
+    model, count = build_model(name, classes)
+    lines = [f"{k} {','.join(map(str, v.shape))}".rstrip() for k, v in model.state_dict().items()]
+    with open(out, "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print(f"{name} for {classes} classes: {count:,} parameters, {len(lines)} entries in {out}")
+
+
 def batch_arg(s):
     return s if s == "max" else int(s)
 
@@ -505,7 +609,15 @@ def main():
     a = command("all", "everything a GPU session needs, within a time budget")
     a.add_argument("--budget-s", type=float, default=240)
 
+    n = sub.add_parser("state-dict", help="a model's state_dict names and shapes (a fixture)")
+    n.add_argument("--model", required=True, choices=MODELS)
+    n.add_argument("--classes", type=int, default=2)
+    n.add_argument("--out", required=True, help="the .names file to write")
+
     args = p.parse_args()
+    if args.command == "state-dict":
+        state_dict_names(args.model, args.classes, args.out)
+        return
     if args.device == "cuda" and not torch.cuda.is_available():
         sys.exit("no CUDA device (use --device cpu to check the script)")
     device = torch.device(args.device)

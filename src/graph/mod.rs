@@ -116,11 +116,12 @@ impl Graph {
         self.input_shape().dims().last().copied().unwrap_or(0)
     }
 
-    /// Classes the model scores: the width of its first output.
+    /// Classes the model scores: the channels of its first output (`[classes]` logits per
+    /// sample, or `[classes, H, W]` for segmentation).
     pub fn classes(&self) -> usize {
         self.outputs
             .first()
-            .and_then(|o| self.values[o.value].shape.dims().last().copied())
+            .and_then(|o| self.values[o.value].shape.dims().first().copied())
             .unwrap_or(0)
     }
 

@@ -1,10 +1,12 @@
 //! Model builders. Each builds a graph from nested blocks for a given image size and number
-//! of classes, and refuses configurations its architecture cannot take.
+//! of classes, and refuses configurations its architecture cannot take. Classifiers output
+//! `[classes]` logits per sample, segmentation models (the U-Nets) `[classes, H, W]`.
 
 pub mod amoebanet;
 pub mod inception;
 pub mod resnet;
 pub mod torchvision;
+pub mod unet;
 
 use crate::graph::Graph;
 use crate::{Error, Result};
@@ -24,14 +26,21 @@ pub const LISTED: &[&str] = &[
     "resnet50",
     "inception_v3",
     "amoebanet_d",
+    "unet",
+    "unet_resnet18",
+    "unet_resnet34",
 ];
 
 /// Builds the model called `name` for `image_size`² RGB images and `classes` classes.
 pub fn build(name: &str, image_size: usize, classes: usize) -> Result<Graph> {
     if classes < 2 {
         return Err(Error::Config(format!(
-            "{name}: a classifier needs at least 2 classes, got {classes}"
+            "{name}: a model needs at least 2 classes (for segmentation, count the background), \
+             got {classes}"
         )));
+    }
+    if let Some(spec) = unet::parse(name)? {
+        return unet::build(name, spec, image_size, classes);
     }
     if let Some(spec) = resnet::ResNetSpec::parse(name)? {
         return resnet::build(name, &spec, image_size, classes);
@@ -46,7 +55,7 @@ pub fn build(name: &str, image_size: usize, classes: usize) -> Result<Graph> {
         return amoebanet::build(name, spec, image_size, classes);
     }
     Err(Error::Config(format!(
-        "unknown model '{name}' (known: {}, or resnet<9n+2>v2 / resnet<6n+2>v1)",
+        "unknown model '{name}' (known: {}, or resnet<9n+2>v2 / resnet<6n+2>v1 / unet_d<depth>_w<width>)",
         LISTED.join(", ")
     )))
 }

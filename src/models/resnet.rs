@@ -135,8 +135,14 @@ fn preact_bottleneck(
     b.add("add", h, shortcut)
 }
 
-/// conv3×3(stride)-BN-ReLU-conv3×3-BN, plus identity or a 1×1 projection with BN, then ReLU.
-fn basic_block(b: &mut GraphBuilder, x: ValueId, width: usize, stride: usize) -> Result<ValueId> {
+/// conv3×3(stride)-BN-ReLU-conv3×3-BN, plus identity or a 1×1 projection with BN, then ReLU:
+/// torchvision's `BasicBlock`, with its names.
+pub(super) fn basic_block(
+    b: &mut GraphBuilder,
+    x: ValueId,
+    width: usize,
+    stride: usize,
+) -> Result<ValueId> {
     let h = b.conv("conv1", x, Conv2d::new(width, 3, stride, 1))?;
     let h = b.batchnorm_relu("bn1", h)?;
     let h = b.conv("conv2", h, Conv2d::new(width, 3, 1, 1))?;

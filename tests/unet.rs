@@ -1,0 +1,273 @@
+//! The U-Nets (src/models/unet.rs): parameter counts, names, shapes and order against the
+//! references' state_dicts (tests/data/<model>.names, written by `scripts/torch_reference.py
+//! state-dict`: milesial's UNet as rebuilt there, smp's Unet from its package), per-pixel
+//! outputs, where the skips go, refused configurations, and whole-model gradients against
+//! finite differences.
+
+use gems::graph::{self, Graph, Params};
+use gems::ops::{batched, Op};
+use gems::tensor::Device;
+use gems::{models, Category, DType};
+
+#[test]
+fn parameter_counts_match_the_references() {
+    // PyTorch's counts (sum of numel over parameters) for 2 classes.
+    for (name, want) in [
+        ("unet", 31_037_698),
+        ("unet_d3_w16", 482_754),
+        ("unet_d2_w4", 7_554),
+        ("unet_resnet34", 24_436_514),
+        ("unet_resnet18", 14_328_354),
+    ] {
+        let g = models::build(name, 64, 2).unwrap();
+        assert_eq!(g.parameter_count(), want, "{name}");
+    }
+    assert_eq!(
+        models::build("unet_d4_w64", 32, 2)
+            .unwrap()
+            .parameter_count(),
+        31_037_698
+    );
+}
+
+/// `(name, shape)` per line of a `.names` file; an empty shape is a scalar.
+fn state_dict(model: &str) -> Vec<(String, Vec<usize>)> {
+    let path = format!("{}/tests/data/{model}.names", env!("CARGO_MANIFEST_DIR"));
+    std::fs::read_to_string(&path)
+        .unwrap_or_else(|e| panic!("{path}: {e}"))
+        .lines()
+        .map(|line| {
+            let (name, shape) = line.split_once(' ').unwrap_or((line, ""));
+            let dims = shape
+                .split(',')
+                .filter(|d| !d.is_empty())
+                .map(|d| d.parse().unwrap())
+                .collect();
+            (name.to_string(), dims)
+        })
+        .collect()
+}
+
+#[test]
+fn parameters_are_named_and_shaped_as_the_reference_state_dicts() {
+    for name in ["unet", "unet_resnet34"] {
+        let g = models::build(name, 64, 2).unwrap();
+        let (tracked, entries): (Vec<_>, Vec<_>) = state_dict(name)
+            .into_iter()
+            .partition(|(n, _)| n.ends_with(".num_batches_tracked"));
+        // Same entries in the same order, so that a state_dict loads strictly.
+        let ours: Vec<(String, Vec<usize>)> = g
+            .params
+            .iter()
+            .map(|p| (p.name.clone(), p.spec.shape.dims().to_vec()))
+            .collect();
+        for (i, (a, b)) in ours.iter().zip(&entries).enumerate() {
+            assert_eq!(a, b, "{name}: entry {i}");
+        }
+        assert_eq!(ours.len(), entries.len(), "{name}");
+        // num_batches_tracked (not kept by gems): one per BN node.
+        let bns: Vec<String> = g
+            .nodes
+            .iter()
+            .filter(|n| matches!(n.op, Op::BatchNorm(_)))
+            .map(|n| format!("{}.num_batches_tracked", n.name))
+            .collect();
+        let tracked: Vec<String> = tracked.into_iter().map(|(n, _)| n).collect();
+        assert_eq!(tracked, bns, "{name}");
+    }
+}
+
+#[test]
+fn outputs_are_per_pixel_logits() {
+    for (name, side, classes) in [
+        ("unet", 16, 2),
+        ("unet_d3_w16", 40, 5),
+        ("unet_resnet18", 96, 3),
+    ] {
+        let g = models::build(name, side, classes).unwrap();
+        assert_eq!(g.outputs.len(), 1, "{name}");
+        let out = &g.values[g.outputs[0].value].shape;
+        assert_eq!(out.dims(), [classes, side, side], "{name}");
+        assert_eq!(g.classes(), classes, "{name}");
+    }
+}
+
+/// The node called `name`.
+fn node<'g>(g: &'g Graph, name: &str) -> &'g graph::Node {
+    g.nodes
+        .iter()
+        .find(|n| n.name == name)
+        .unwrap_or_else(|| panic!("{}: no node {name}", g.name))
+}
+
+#[test]
+fn skips_run_from_the_encoder_to_the_decoders_concats() {
+    // milesial: up<i> concatenates [skip, upsampled]; up1's skip is down3's output.
+    let g = models::build("unet", 64, 2).unwrap();
+    let cat = node(&g, "up1.cat");
+    let skip = node(&g, "down3.maxpool_conv.1.double_conv.4").output;
+    assert_eq!(cat.inputs, [skip, node(&g, "up1.up").output]);
+    assert_eq!(g.values[skip].shape.dims(), [512, 8, 8]);
+    let cat4 = node(&g, "up4.cat");
+    assert_eq!(cat4.inputs[0], node(&g, "inc.double_conv.4").output);
+    // Each skip is read by the next down-step and by its concat only.
+    assert_eq!(g.values[skip].consumers.len(), 2);
+    // smp: [upsampled, skip]; block 0's skip is layer3's output, block 4 has none.
+    let g = models::build("unet_resnet34", 64, 2).unwrap();
+    let cat = node(&g, "decoder.blocks.0.cat");
+    let layer3 = node(&g, "encoder.layer3.5.relu2").output;
+    assert_eq!(cat.inputs, [node(&g, "decoder.blocks.0.up").output, layer3]);
+    assert_eq!(
+        node(&g, "decoder.blocks.3.cat").inputs[1],
+        node(&g, "encoder.bn1").output
+    );
+    assert!(g.nodes.iter().all(|n| n.name != "decoder.blocks.4.cat"));
+}
+
+#[test]
+fn bad_configurations_are_refused() {
+    let msg = |name: &str, side: usize, classes: usize| {
+        models::build(name, side, classes)
+            .err()
+            .map(|e| e.to_string())
+            .unwrap_or_default()
+    };
+    let e = msg("unet", 100, 2);
+    assert!(
+        e.contains("multiple of 16") && e.contains("96 or 112"),
+        "{e}"
+    );
+    let e = msg("unet_resnet34", 16, 2);
+    assert!(
+        e.contains("multiple of 32") && e.contains("such as 32;"),
+        "{e}"
+    );
+    assert!(msg("unet_d3_w16", 0, 2).contains("multiple of 8"));
+    assert!(msg("unet", 64, 1).contains("at least 2 classes"));
+    for (name, why) in [
+        ("unet_d0_w16", "at least 1"),
+        ("unet_d3_w0", "at least 1"),
+        ("unet_d3", "_w<width>"),
+        ("unet_dx_w16", "numbers"),
+        ("unet_d12_w64", "at most 65536"),
+        ("unet_d99_w1", "at most 65536"),
+    ] {
+        let e = msg(name, 64, 2);
+        assert!(e.contains(why), "{name}: {e}");
+    }
+    assert!(msg("unet_resnet50", 64, 2).contains("unknown model"));
+}
+
+/// L = Σ r·y over the logits of 2 images for fixed pseudo-random r (|r| ≤ 1/len), in f64; with `backward`,
+/// parameter gradients are added into `params.grads`.
+fn run(g: &Graph, params: &mut Params, d: &Device, x: &[f64], backward: bool) -> f64 {
+    let xt = d
+        .upload(
+            batched(2, g.input_shape()),
+            x,
+            DType::F64,
+            Category::Activations,
+        )
+        .unwrap();
+    let out = g.outputs[0].value;
+    let (ys, tape) = graph::forward(
+        g,
+        params,
+        d,
+        vec![(g.input, xt)],
+        0..g.nodes.len(),
+        &[out],
+        Some(&graph::policy::SavePolicy::keep_all()),
+        false,
+        9,
+    )
+    .unwrap();
+    let y = ys[0].to_f64_vec().unwrap();
+    // Weights of a mean, so that L stays near 1 and rounds as a loss would.
+    let n = y.len() as f64;
+    let r: Vec<f64> = (0..y.len())
+        .map(|i| ((i * 7919 % 101) as f64 - 50.0) / (50.0 * n))
+        .collect();
+    let l = y.iter().zip(&r).map(|(a, b)| a * b).sum();
+    if backward {
+        let dy = d
+            .upload(ys[0].shape().clone(), &r, DType::F64, Category::Activations)
+            .unwrap();
+        graph::backward(g, params, d, tape, vec![(out, dy)], &[]).unwrap();
+    }
+    l
+}
+
+#[test]
+fn whole_model_gradients_match_finite_differences() {
+    // The stem, a skip's producer, an up-convolution, a decoder BN, the head.
+    for (name, side, probes) in [
+        (
+            "unet_d2_w4",
+            16,
+            &[
+                "inc.double_conv.0.weight",
+                "down1.maxpool_conv.1.double_conv.3.weight",
+                "up1.up.weight",
+                "up1.up.bias",
+                "up2.conv.double_conv.1.weight",
+                "outc.conv.bias",
+            ][..],
+        ),
+        (
+            "unet_resnet18",
+            32,
+            &[
+                "encoder.conv1.weight",
+                "encoder.layer2.0.downsample.0.weight",
+                "decoder.blocks.1.conv1.0.weight",
+                "decoder.blocks.4.conv2.1.bias",
+                "segmentation_head.0.weight",
+            ][..],
+        ),
+    ] {
+        let g = models::build(name, side, 2).unwrap();
+        let d = Device::cpu("test", None);
+        let mut params = Params::init(&g, &d, DType::F64, 3).unwrap();
+        let data = gems::data::synthetic::Synthetic {
+            seed: 1,
+            classes: 2,
+            image_size: side,
+        };
+        let (x, _) = data.batch(0, 2);
+        let total = run(&g, &mut params, &d, &x, true);
+        for pname in probes {
+            let pi = g.params.iter().position(|p| p.name == *pname).unwrap();
+            let analytic = params.grads[pi].as_ref().unwrap().to_f64_vec().unwrap();
+            let original = params.values[pi].to_f64_vec().unwrap();
+            let shape = g.params[pi].spec.shape.clone();
+            for i in [0, original.len() / 2, original.len() - 1] {
+                let a = analytic[i];
+                let mut at = |delta: f64| {
+                    let mut v = original.clone();
+                    v[i] += delta;
+                    params.values[pi] = d
+                        .upload(shape.clone(), &v, DType::F64, Category::Weights)
+                        .unwrap();
+                    run(&g, &mut params, &d, &x, false)
+                };
+                // Steps small enough that no ReLU input or max-pool choice switches; where the
+                // first still carries a unit across a kink, smaller ones are tried (a wrong
+                // gradient disagrees at every step).
+                let mut tried = Vec::new();
+                let agrees = [1.0, 1e-1, 1e-2].into_iter().any(|shrink| {
+                    let h = shrink * 1e-7 / a.abs().max(1.0);
+                    let numeric = (at(h) - at(-h)) / (2.0 * h);
+                    tried.push(numeric);
+                    (a - numeric).abs()
+                        <= 1e-5 * a.abs().max(numeric.abs()) + 10.0 * f64::EPSILON * total.abs() / h
+                });
+                at(0.0);
+                assert!(
+                    agrees,
+                    "{name} {pname}[{i}]: analytic {a}, numeric at shrinking steps {tried:?}"
+                );
+            }
+        }
+    }
+}
