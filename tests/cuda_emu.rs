@@ -178,7 +178,10 @@ fn the_finiteness_flag_set_from_several_blocks_is_not_a_race() {
             .output()
             .unwrap();
         let text = String::from_utf8_lossy(&out.stdout) + String::from_utf8_lossy(&out.stderr);
-        assert!(out.status.success() && text.contains("race check on"), "{text}");
+        assert!(
+            out.status.success() && text.contains("race check on"),
+            "{text}"
+        );
         return;
     }
     let device = gpu();

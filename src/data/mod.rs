@@ -4,6 +4,7 @@
 
 pub mod folder;
 pub mod loader;
+pub mod maps;
 pub mod order;
 pub mod pipeline;
 pub mod slide;
@@ -70,6 +71,22 @@ impl Image {
     }
 }
 
+/// A square tile of a whole-slide image: the slide, the pyramid level it was cut from, and its
+/// corner and side in pixels of that level.
+#[derive(Clone, Copy)]
+pub struct TilePlace<'a> {
+    /// The slide.
+    pub slide: &'a slide::Slide,
+    /// The level the tile was cut from.
+    pub level: usize,
+    /// Left edge in pixels of that level.
+    pub x: u32,
+    /// Top edge in pixels of that level.
+    pub y: u32,
+    /// Side in pixels of that level.
+    pub side: u32,
+}
+
 /// Labelled images addressed by index. Implementations are cheap to share between threads;
 /// `read` may be called concurrently for different indices.
 pub trait Source: Send + Sync {
@@ -86,6 +103,11 @@ pub trait Source: Send + Sync {
     /// The task its labels serve.
     fn task(&self) -> Task {
         Task::Classify
+    }
+    /// Where on a whole-slide image sample `index` was cut (for prediction maps); `None` for
+    /// samples that are not a slide's tiles.
+    fn place(&self, _index: usize) -> Option<TilePlace<'_>> {
+        None
     }
     /// The per-pixel labels of sample `index`, the size [`Source::read`] gives, without
     /// decoding the image (segmentation sources).

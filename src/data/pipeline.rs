@@ -13,7 +13,7 @@ use super::order::Epochs;
 use super::slide::{self, Slides, TileConfig};
 use super::synthetic::{Stream, Synthetic};
 use super::transform::Transform;
-use super::{Image, Mask, Source, Task, CHANNELS, UNLABELLED};
+use super::{Image, Mask, Source, Task, TilePlace, CHANNELS, UNLABELLED};
 use crate::core::rng::{splitmix64, uniform};
 use crate::{Error, Result};
 
@@ -417,6 +417,11 @@ impl Pipeline {
         self.source.describe(self.index(pos))
     }
 
+    /// Where on a slide the sample at position `pos` was cut, if it is a slide's tile.
+    pub fn place(&self, pos: u64) -> Option<TilePlace<'_>> {
+        self.source.place(self.index(pos))
+    }
+
     /// The label of the sample at position `pos` of the order.
     pub fn label(&self, pos: u64) -> Result<u32> {
         self.source.label(self.index(pos))
@@ -582,6 +587,10 @@ impl Source for Renamed {
 
     fn describe(&self, index: usize) -> String {
         self.inner.describe(index)
+    }
+
+    fn place(&self, index: usize) -> Option<TilePlace<'_>> {
+        self.inner.place(index)
     }
 
     fn task(&self) -> Task {

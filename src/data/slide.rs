@@ -21,7 +21,7 @@ use tiff::encoder::{TiffEncoder, TiffKind};
 use tiff::tags::{CompressionMethod, PhotometricInterpretation, PlanarConfiguration, Tag};
 use tiff::{ColorType, TiffError, TiffFormatError, TiffResult};
 
-use super::{Image, Source, CHANNELS};
+use super::{Image, Source, TilePlace, CHANNELS};
 use crate::core::rng::splitmix64;
 use crate::{Error, Result};
 
@@ -214,18 +214,14 @@ pub fn make_slide(path: &Path, opts: &MakeSlide) -> Result<MadeSlide> {
             tile_height: opts.tile,
         })
         .collect();
-    let file = File::create(path)
-        .map_err(|e| Error::Data(format!("cannot create {}: {e}", path.display())))?;
-    let mut out = BufWriter::with_capacity(1 << 20, file);
-    let written = if bigtiff {
-        TiffEncoder::new_big(&mut out).and_then(|t| write_pyramid(t, opts, &levels))
-    } else {
-        TiffEncoder::new(&mut out).and_then(|t| write_pyramid(t, opts, &levels))
-    };
-    written.map_err(|e| Error::Data(format!("writing {}: {e}", path.display())))?;
-    out.flush()
-        .map_err(|e| Error::Data(format!("writing {}: {e}", path.display())))?;
-    let bytes = std::fs::metadata(path)?.len();
+    let painters: Vec<Painter> = (0..levels.len()).map(|k| Painter::new(opts, k)).collect();
+    let about = format!(
+        "gems synthetic slide: {} classes, seed {}, {}-pixel regions",
+        opts.classes, opts.seed, opts.region
+    );
+    let bytes = write_tiled(path, &levels, &about, bigtiff, |k, tx, ty| {
+        painters[k].tile(&levels[k], tx, ty)
+    })?;
     Ok(MadeSlide {
         levels,
         regions: regions(opts),
@@ -235,16 +231,42 @@ pub fn make_slide(path: &Path, opts: &MakeSlide) -> Result<MadeSlide> {
     })
 }
 
+/// Writes a tiled TIFF of 8-bit RGB with deflate-compressed tiles, one image per level
+/// (levels after the first marked reduced-resolution, NewSubfileType 1), BigTIFF when asked.
+/// `paint(level, column, row)` makes a whole tile (interleaved RGB, tile_width × tile_height,
+/// padded past the level's edge); a few tiles are held at a time, whatever the image's size.
+/// Returns the file's size.
+pub fn write_tiled(
+    path: &Path,
+    levels: &[Level],
+    description: &str,
+    bigtiff: bool,
+    paint: impl Fn(usize, u32, u32) -> Vec<u8> + Sync,
+) -> Result<u64> {
+    let file = File::create(path)
+        .map_err(|e| Error::Data(format!("cannot create {}: {e}", path.display())))?;
+    let mut out = BufWriter::with_capacity(1 << 20, file);
+    let written = if bigtiff {
+        TiffEncoder::new_big(&mut out).and_then(|t| write_levels(t, levels, description, &paint))
+    } else {
+        TiffEncoder::new(&mut out).and_then(|t| write_levels(t, levels, description, &paint))
+    };
+    written.map_err(|e| Error::Data(format!("writing {}: {e}", path.display())))?;
+    out.flush()
+        .map_err(|e| Error::Data(format!("writing {}: {e}", path.display())))?;
+    Ok(std::fs::metadata(path)?.len())
+}
+
 /// Tiles are made and compressed this many at a time, in parallel, then written in order.
 const WRITE_BATCH: u32 = 64;
 
-fn write_pyramid<W: Write + Seek, K: TiffKind>(
+fn write_levels<W: Write + Seek, K: TiffKind>(
     mut tiff: TiffEncoder<W, K>,
-    opts: &MakeSlide,
     levels: &[Level],
+    description: &str,
+    paint: &(impl Fn(usize, u32, u32) -> Vec<u8> + Sync),
 ) -> TiffResult<()> {
     for (k, level) in levels.iter().enumerate() {
-        let painter = Painter::new(opts, k);
         let mut dir = tiff.image_directory()?;
         let count = level.tiles_across() * level.tiles_down();
         let mut offsets = Vec::with_capacity(count as usize);
@@ -253,8 +275,7 @@ fn write_pyramid<W: Write + Seek, K: TiffKind>(
             let packed = (first..count.min(first + WRITE_BATCH))
                 .into_par_iter()
                 .map(|t| {
-                    let raw =
-                        painter.tile(level, t % level.tiles_across(), t / level.tiles_across());
+                    let raw = paint(k, t % level.tiles_across(), t / level.tiles_across());
                     let mut z =
                         flate2::write::ZlibEncoder::new(Vec::new(), flate2::Compression::fast());
                     z.write_all(&raw)?;
@@ -283,11 +304,7 @@ fn write_pyramid<W: Write + Seek, K: TiffKind>(
         dir.write_tag(Tag::TileWidth, level.tile_width)?;
         dir.write_tag(Tag::TileLength, level.tile_height)?;
         if k == 0 {
-            let about = format!(
-                "gems synthetic slide: {} classes, seed {}, {}-pixel regions",
-                opts.classes, opts.seed, opts.region
-            );
-            dir.write_tag(Tag::ImageDescription, about.as_str())?;
+            dir.write_tag(Tag::ImageDescription, description)?;
         }
         dir.write_tag(Tag::TileOffsets, K::convert_slice(&offsets))?;
         dir.write_tag(Tag::TileByteCounts, K::convert_slice(&sizes))?;
@@ -926,6 +943,17 @@ impl Source for Slides {
         let t = self.tile(index)?;
         let size = self.config.tile;
         self.slides[t.slide].read_region(self.config.level, t.x, t.y, size, size)
+    }
+
+    fn place(&self, index: usize) -> Option<TilePlace<'_>> {
+        let t = self.tiles.get(index)?;
+        Some(TilePlace {
+            slide: &self.slides[t.slide],
+            level: self.config.level,
+            x: t.x,
+            y: t.y,
+            side: self.config.tile,
+        })
     }
 
     /// `a.tiff level 1 tile at (2048, 1024)`, the corner in pixels of that level.

@@ -125,6 +125,13 @@ impl Graph {
             .unwrap_or(0)
     }
 
+    /// Places each sample is scored at: 1 for a classifier, H·W for per-pixel logits.
+    pub fn positions(&self) -> usize {
+        self.outputs.first().map_or(1, |o| {
+            self.values[o.value].shape.dims().iter().skip(1).product()
+        })
+    }
+
     /// Trainable parameters of the nodes in `nodes`.
     pub fn trainable_in(&self, nodes: std::ops::Range<usize>) -> usize {
         self.nodes[nodes]

@@ -8,6 +8,7 @@ pub mod resnet;
 pub mod torchvision;
 pub mod unet;
 
+use crate::data::Task;
 use crate::graph::Graph;
 use crate::{Error, Result};
 
@@ -30,6 +31,14 @@ pub const LISTED: &[&str] = &[
     "unet_resnet18",
     "unet_resnet34",
 ];
+
+/// What model `name` predicts: a class per image, or per pixel (the U-Nets).
+pub fn task(name: &str) -> Result<Task> {
+    Ok(match unet::parse(name)? {
+        Some(_) => Task::Segment,
+        None => Task::Classify,
+    })
+}
 
 /// Builds the model called `name` for `image_size`² RGB images and `classes` classes.
 pub fn build(name: &str, image_size: usize, classes: usize) -> Result<Graph> {

@@ -48,6 +48,8 @@ pub struct TrainConfig {
     pub conv: ConvImpl,
     /// fp16's first dynamic loss scale.
     pub loss_scale: f64,
+    /// Each class's weight in the loss (`None`: all 1), as PyTorch's `CrossEntropyLoss(weight=)`.
+    pub class_weights: Option<Vec<f64>>,
 }
 
 impl TrainConfig {
@@ -80,6 +82,7 @@ impl TrainConfig {
             precision: Precision::Fp32,
             conv: ConvImpl::Native,
             loss_scale: LossScale::INITIAL,
+            class_weights: None,
         }
     }
 
@@ -111,6 +114,15 @@ impl TrainConfig {
         }
         if !(self.loss_scale.is_finite() && self.loss_scale > 0.0) {
             return bad("first loss scale", self.loss_scale, "a finite number > 0");
+        }
+        let weights = self.class_weights.iter().flatten();
+        if let Some(&w) = weights.clone().find(|w| !(w.is_finite() && **w >= 0.0)) {
+            return bad("class weight", w, "a finite number ≥ 0");
+        }
+        if self.class_weights.is_some() && weights.sum::<f64>() == 0.0 {
+            return Err(Error::Config(
+                "the class weights are all 0: no class would count in the loss".into(),
+            ));
         }
         Ok(())
     }

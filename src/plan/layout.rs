@@ -43,6 +43,18 @@ impl Layout {
     pub fn on(graph: Arc<Graph>, c: &RunConfig) -> Result<Layout> {
         let t = &c.train;
         t.check()?;
+        if let Some(w) = t
+            .class_weights
+            .as_ref()
+            .filter(|w| w.len() != graph.classes())
+        {
+            return Err(Error::Config(format!(
+                "{} class weights for {}'s {} classes",
+                w.len(),
+                graph.name,
+                graph.classes()
+            )));
+        }
         c.scheme.validate(t.batch_size)?;
         t.precision.check(t.dtype).map_err(Error::Config)?;
         let micro = c.micro_batch();

@@ -91,7 +91,7 @@ impl Lineage {
 
 /// Metadata keys that define a run's computation (hashed into `config_hash`); the others
 /// record progress or identity.
-const CONFIG_KEYS: [&str; 15] = [
+const CONFIG_KEYS: [&str; 16] = [
     "model",
     "image_size",
     "classes",
@@ -107,6 +107,7 @@ const CONFIG_KEYS: [&str; 15] = [
     "weight_decay",
     "nesterov",
     "data",
+    "class_weights",
 ];
 
 /// FNV-1a over the configuration's keys and values, in a fixed order: equal for two runs
@@ -178,6 +179,10 @@ fn metadata(
     .into_iter()
     .map(|(k, v)| (k.to_string(), v))
     .collect();
+    if let Some(w) = &c.class_weights {
+        let w = serde_json::to_string(w).expect("weights serialize");
+        meta.insert("class_weights".into(), w);
+    }
     if let Some(l) = &state.loss_scale {
         // The whole state, so a resumed run grows and skips as the uninterrupted one would.
         let state = serde_json::to_string(l).expect("a loss scale serializes");
@@ -435,6 +440,14 @@ impl Checkpoint {
                     Error::Config(format!("the checkpoint's data configuration: {e}"))
                 })?,
                 None => crate::data::DataConfig::default(),
+            },
+            class_weights: match self.meta.get("class_weights") {
+                Some(json) => {
+                    Some(serde_json::from_str(json).map_err(|e| {
+                        Error::Config(format!("the checkpoint's class weights: {e}"))
+                    })?)
+                }
+                None => None,
             },
         })
     }

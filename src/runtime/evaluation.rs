@@ -1,7 +1,8 @@
 //! Evaluation on held-out samples: forward only, BN in eval mode, no dropout; the loss and a
-//! confusion matrix of the first output used outside training.
+//! confusion matrix of the first output used outside training, over samples for a classifier
+//! and over labelled pixels for a segmentation model (with each class's IoU and Dice).
 
-use crate::data::Pipeline;
+use crate::data::{Pipeline, UNLABELLED};
 use crate::graph::{Graph, ValueId};
 use crate::ops::loss;
 use crate::tensor::Device;
@@ -15,34 +16,72 @@ pub struct Evaluation {
     pub samples: usize,
     /// Mean loss per sample.
     pub loss: f64,
-    /// Fraction predicted correctly.
+    /// Fraction of the scored places predicted correctly: samples for a classifier, labelled
+    /// pixels (pixel accuracy) for a segmentation model.
     pub accuracy: f64,
     /// The class names, in label order.
     pub classes: Vec<String>,
-    /// `confusion[true][predicted]` counts.
+    /// `confusion[true][predicted]` counts of samples, or of labelled pixels.
     pub confusion: Vec<Vec<usize>>,
     /// Each sample's result, by position in the data's order.
     pub per_sample: Vec<SampleScore>,
 }
 
 /// One sample's result in an evaluation.
-#[derive(Clone, Copy, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct SampleScore {
     /// Its position in the evaluated data's order ([`Pipeline::index`] names the sample).
     pub position: u64,
-    /// Its true class.
+    /// Its true class; for a segmented sample, the class most of its labelled pixels have
+    /// ([`UNLABELLED`] when none is labelled).
     pub label: u32,
-    /// The most probable class.
+    /// The most probable class; for a segmented sample, the class predicted at most pixels.
     pub predicted: u32,
-    /// Its cross-entropy loss, computed in f64 from the logits.
+    /// Its loss as training defines it, computed in f64 from the logits.
     #[serde(with = "crate::runtime::f64_bits")]
     pub loss: f64,
+    /// Per class: its softmax probability, or for a segmented sample the fraction of its
+    /// pixels predicted as that class.
+    pub scores: Vec<f32>,
+    /// A segmented sample's predicted classes at every `map_every`-th pixel each way (the
+    /// centre pixel of each block), row-major, when the evaluation was asked to keep them.
+    pub map: Vec<u32>,
 }
 
 impl Evaluation {
-    /// Samples of each true class.
+    /// Samples (or labelled pixels) of each true class.
     pub fn per_class(&self) -> Vec<usize> {
         self.confusion.iter().map(|row| row.iter().sum()).collect()
+    }
+
+    /// Each class's intersection over union, TP / (TP + FP + FN); `None` for a class neither
+    /// present nor predicted.
+    pub fn iou(&self) -> Vec<Option<f64>> {
+        self.overlap(|tp, fp, fn_| tp / (tp + fp + fn_))
+    }
+
+    /// Each class's Dice coefficient, 2·TP / (2·TP + FP + FN); `None` as for [`Self::iou`].
+    pub fn dice(&self) -> Vec<Option<f64>> {
+        self.overlap(|tp, fp, fn_| 2.0 * tp / (2.0 * tp + fp + fn_))
+    }
+
+    /// The mean of the classes' IoU over the classes present or predicted.
+    pub fn mean_iou(&self) -> f64 {
+        let known: Vec<f64> = self.iou().into_iter().flatten().collect();
+        known.iter().sum::<f64>() / known.len().max(1) as f64
+    }
+
+    /// `f(TP, FP, FN)` of each class from the confusion counts.
+    fn overlap(&self, f: impl Fn(f64, f64, f64) -> f64) -> Vec<Option<f64>> {
+        let k = self.confusion.len();
+        (0..k)
+            .map(|c| {
+                let tp = self.confusion[c][c] as f64;
+                let fn_ = self.confusion[c].iter().sum::<usize>() as f64 - tp;
+                let fp = (0..k).map(|t| self.confusion[t][c]).sum::<usize>() as f64 - tp;
+                (tp + fp + fn_ > 0.0).then(|| f(tp, fp, fn_))
+            })
+            .collect()
     }
 }
 
@@ -52,37 +91,83 @@ pub(crate) struct Tally {
     pub loss: f64,
     pub confusion: Vec<Vec<usize>>,
     pub samples: Vec<SampleScore>,
+    /// Keep each segmented sample's predicted classes at every this many pixels (0: none).
+    pub map_every: usize,
 }
 
 impl Tally {
-    pub fn new(classes: usize) -> Tally {
+    pub fn new(classes: usize, map_every: usize) -> Tally {
         Tally {
             loss: 0.0,
             confusion: vec![vec![0; classes]; classes],
             samples: Vec::new(),
+            map_every,
         }
     }
 
-    /// Scores one batch's logits against its labels; its samples are at positions `first`,
-    /// `first + 1`, … of the data's order.
+    /// Scores one batch's logits (N×K, or N×K×H×W per pixel) against its targets (one per
+    /// sample, or per pixel); its samples are at positions `first`, `first + 1`, … of the
+    /// data's order.
     pub fn add(
         &mut self,
         device: &Device,
         logits: &Tensor,
         labels: &[u32],
+        class_weights: Option<&[f64]>,
         first: u64,
     ) -> Result<()> {
-        let ce = loss::softmax_cross_entropy(device, logits, labels, None)?;
-        self.loss += ce.loss * labels.len() as f64;
-        let losses = loss::per_sample(logits, labels, None)?;
+        let dims = logits.shape().dims().to_vec();
+        let (n, k) = (dims[0], dims[1]);
+        let places: usize = dims[2..].iter().product();
+        let ce = loss::softmax_cross_entropy(device, logits, labels, class_weights)?;
+        self.loss += ce.loss * n as f64;
+        let losses = loss::per_sample(logits, labels, class_weights)?;
         let predicted = loss::predictions(&ce.probs)?;
-        for (i, ((&t, p), l)) in labels.iter().zip(predicted).zip(losses).enumerate() {
-            self.confusion[t as usize][p as usize] += 1;
+        // A classifier's probabilities, for each sample's scores.
+        let probs = match places {
+            1 => ce.probs.to_f64_vec()?,
+            _ => Vec::new(),
+        };
+        for (i, loss) in losses.into_iter().enumerate() {
+            let truth = &labels[i * places..][..places];
+            let guess = &predicted[i * places..][..places];
+            let (mut present, mut chosen) = (vec![0usize; k], vec![0usize; k]);
+            for (&t, &p) in truth.iter().zip(guess) {
+                chosen[p as usize] += 1;
+                if t != UNLABELLED {
+                    self.confusion[t as usize][p as usize] += 1;
+                    present[t as usize] += 1;
+                }
+            }
+            let most = |counts: &[usize]| {
+                (0..k).fold(0, |b, c| if counts[c] > counts[b] { c } else { b }) as u32
+            };
+            let label = match places {
+                1 => truth[0],
+                _ if present.iter().all(|&c| c == 0) => UNLABELLED,
+                _ => most(&present),
+            };
+            let scores = match places {
+                1 => probs[i * k..][..k].iter().map(|&p| p as f32).collect(),
+                _ => chosen.iter().map(|&c| c as f32 / places as f32).collect(),
+            };
+            let map = match (places, self.map_every) {
+                (1, _) | (_, 0) => Vec::new(),
+                (_, every) => {
+                    let (h, w) = (dims[2], dims[3]);
+                    let rows = (every / 2..h).step_by(every);
+                    rows.flat_map(|y| (every / 2..w).step_by(every).map(move |x| (y, x)))
+                        .map(|(y, x)| guess[y * w + x])
+                        .collect()
+                }
+            };
             self.samples.push(SampleScore {
                 position: first + i as u64,
-                label: t,
-                predicted: p,
-                loss: l,
+                label,
+                predicted: most(&chosen),
+                loss,
+                scores,
+                map,
             });
         }
         Ok(())
@@ -102,19 +187,20 @@ impl Tally {
                 .map(|row| row.iter().map(|&n| n as usize).collect())
                 .collect(),
             samples: Vec::new(),
+            map_every: 0,
         }
     }
 
-    /// The evaluation over the samples scored: their count comes from the tally, so a batch
-    /// scored twice or not at all shows.
+    /// The evaluation over the samples scored (`per_sample`, every rank's): their count comes
+    /// from them and the places from the tally, so a batch scored twice or not at all shows.
     pub fn finish(self, classes: &[String], per_sample: Vec<SampleScore>) -> Evaluation {
-        let samples: usize = self.confusion.iter().flatten().sum();
+        let places: usize = self.confusion.iter().flatten().sum();
         let correct: usize = (0..classes.len()).map(|c| self.confusion[c][c]).sum();
-        let n = samples.max(1) as f64;
+        let samples = per_sample.len();
         Evaluation {
             samples,
-            loss: self.loss / n,
-            accuracy: correct as f64 / n,
+            loss: self.loss / samples.max(1) as f64,
+            accuracy: correct as f64 / places.max(1) as f64,
             classes: classes.to_vec(),
             confusion: self.confusion,
             per_sample,

@@ -19,7 +19,7 @@ use crate::backend::meter::ConvWorkspace;
 use crate::comm::{self, Comm, Message};
 use crate::core::rng::splitmix64;
 use crate::data::loader::Loader;
-use crate::data::Pipeline;
+use crate::data::{Pipeline, UNLABELLED};
 use crate::graph::{self, Params, RunningUpdate, Tape, ValueId};
 use crate::memory::{Category, MemoryStats};
 use crate::ops::{batched, loss};
@@ -57,9 +57,9 @@ pub struct RankStep {
     /// This rank's share of the step's loss (Σ weight·loss / M over its loss outputs).
     #[serde(with = "crate::runtime::f64_bits")]
     pub loss: f64,
-    /// Correct predictions of the first output, and images it scored, on this rank.
+    /// Correct predictions of the first output on this rank: of images, or of labelled pixels.
     pub correct: usize,
-    /// Images it scored.
+    /// Images (or labelled pixels) it scored.
     pub scored: usize,
     /// Wall seconds of the step on this rank, and of them computing (forward, backward, loss,
     /// optimizer).
@@ -509,43 +509,43 @@ impl Rank {
         let mut seeds = Vec::new();
         let n_out = layout.outputs[t.stage].len();
         if !losses.is_empty() {
-            let labels = match &self.data {
-                Some(d) => d.labels(self.first_image(gm), mb)?,
-                // A metered run computes nothing: any labels do. Its sizes may be anything a
+            let targets = match &self.data {
+                Some(d) => d.targets(self.first_image(gm), mb)?,
+                // A metered run computes nothing: any targets do. Its sizes may be anything a
                 // caller asks about, so a batch the host cannot even label is an error.
                 None => {
-                    let mut labels = Vec::new();
-                    labels.try_reserve_exact(mb).map_err(|_| {
-                        Error::Config(format!(
-                            "a micro-batch of {mb} images is more than this machine can hold"
-                        ))
-                    })?;
-                    labels.resize(mb, 0);
-                    labels
+                    let count = mb.checked_mul(g.positions());
+                    let mut targets = Vec::new();
+                    count
+                        .and_then(|n| targets.try_reserve_exact(n).ok())
+                        .ok_or_else(|| {
+                            Error::Config(format!(
+                                "a micro-batch of {mb} images is more than this machine can label"
+                            ))
+                        })?;
+                    targets.resize(count.unwrap_or(0), 0);
+                    targets
                 }
             };
             let m_total = s.micro_batches_per_step() as f64;
+            let weights = c.train.class_weights.as_deref();
             for (o, logits) in losses.iter().zip(&outs[n_out..]) {
-                let ce = loss::softmax_cross_entropy(&self.device, logits, &labels, None)?;
+                let ce = loss::softmax_cross_entropy(&self.device, logits, &targets, weights)?;
                 self.current.loss += o.weight * ce.loss / m_total;
-                if g.outputs.first() == Some(o) {
+                if g.outputs.first() == Some(o) && self.data.is_some() {
                     let predicted = loss::predictions(&ce.probs)?;
-                    self.current.correct += predicted
-                        .iter()
-                        .zip(&labels)
-                        .filter(|(p, l)| p == l)
-                        .count();
-                    self.current.scored += mb;
+                    for (&p, &t) in predicted.iter().zip(&targets) {
+                        self.current.correct += usize::from(p == t);
+                        self.current.scored += usize::from(t != UNLABELLED);
+                    }
                 }
-                seeds.push((
-                    o.value,
-                    ce.backward(
-                        &self.device,
-                        o.weight / m_total
-                            * self.loss_scale.as_ref().map_or(1.0, LossScale::factor),
-                        c.train.activations(),
-                    )?,
-                ));
+                let scale = self.loss_scale.as_ref().map_or(1.0, LossScale::factor);
+                let d = ce.backward(
+                    &self.device,
+                    o.weight / m_total * scale,
+                    c.train.activations(),
+                )?;
+                seeds.push((o.value, d));
             }
         }
         self.device.backend().synchronize()?;
@@ -598,7 +598,12 @@ impl Rank {
     /// statistics gathered); each rank adds what it scored (nothing unless it holds the
     /// evaluated output) into one sum over the world. That sum also holds every rank until all
     /// have finished evaluating, so the next step's messages never meet evaluation's.
-    pub fn evaluate(&mut self, data: &Arc<Pipeline>, n: usize) -> Result<Evaluation> {
+    pub fn evaluate(
+        &mut self,
+        data: &Arc<Pipeline>,
+        n: usize,
+        map_every: usize,
+    ) -> Result<Evaluation> {
         let (c, layout) = (Arc::clone(&self.c), Arc::clone(&self.layout));
         let (s, g) = (&c.scheme, &layout.graph);
         let mb = self.micro_size();
@@ -628,7 +633,7 @@ impl Rank {
         };
         let out = evaluated_output(g)?;
         let classes = g.classes();
-        let mut tally = Tally::new(classes);
+        let mut tally = Tally::new(classes, map_every);
         for t in tasks {
             let (at, len) = span(t.micro);
             let feeds = if t.stage == 0 {
@@ -665,8 +670,9 @@ impl Rank {
                 0,
             )?;
             if scores {
-                let labels = data.labels(at, len)?;
-                tally.add(&self.device, &outs[n_out], &labels, at)?;
+                let targets = data.targets(at, len)?;
+                let weights = c.train.class_weights.as_deref();
+                tally.add(&self.device, &outs[n_out], &targets, weights, at)?;
             }
             self.device.backend().synchronize()?;
             self.current.busy += start.elapsed().as_secs_f64();

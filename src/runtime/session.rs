@@ -40,9 +40,9 @@ pub struct StepReport {
     pub step: usize,
     /// The step's loss: Σ weight·loss over the outputs, averaged over its micro-batches.
     pub loss: f64,
-    /// Correct predictions of the first output, and images it scored.
+    /// Correct predictions of the first output: of images, or of labelled pixels.
     pub correct: usize,
-    /// Images it scored.
+    /// Images (or labelled pixels) it scored.
     pub scored: usize,
     /// Images the step trained on: η·B·D.
     pub images: usize,
@@ -241,10 +241,24 @@ impl Session {
     /// first `samples` (default: all) of `data`'s order, with BN in eval mode and no dropout,
     /// in micro-batches of B/m images through the scheme's stages; changes nothing.
     pub fn evaluate(&mut self, data: &Arc<Pipeline>, samples: Option<usize>) -> Result<Evaluation> {
+        self.predict(data, samples, 0)
+    }
+
+    /// [`Session::evaluate`] that also keeps each segmented sample's predicted classes at
+    /// every `map_every`-th pixel each way ([`SampleScore::map`](crate::runtime::SampleScore),
+    /// for prediction maps; 0 keeps none).
+    pub fn predict(
+        &mut self,
+        data: &Arc<Pipeline>,
+        samples: Option<usize>,
+        map_every: usize,
+    ) -> Result<Evaluation> {
         let n = held_out_samples(data, samples)?;
         check_data(&self.layout.graph, data)?;
         let data = data.clone();
-        Ok(self.all(move |r| r.evaluate(&data, n))?.swap_remove(0))
+        Ok(self
+            .all(move |r| r.evaluate(&data, n, map_every))?
+            .swap_remove(0))
     }
 
     /// [`Session::evaluate`] on the held-out samples of the session's data (a validation
@@ -494,7 +508,8 @@ fn receive<T: 'static>(w: &Worker) -> Result<T> {
     *out.downcast::<Result<T>>().map_err(|_| lost())?
 }
 
-/// The data must be what the model takes: its images' side and its classes.
+/// The data must be what the model takes: its images' side, its task (a class per image, or
+/// per pixel) and its classes.
 fn check_data(g: &Graph, data: &Pipeline) -> Result<()> {
     if data.image_size() != g.image_size() {
         return Err(Error::Config(format!(
@@ -502,6 +517,18 @@ fn check_data(g: &Graph, data: &Pipeline) -> Result<()> {
             data.image_size(),
             g.name,
             g.image_size()
+        )));
+    }
+    if data.positions() != g.positions() {
+        let what = |places: usize| match places {
+            1 => "a class per image",
+            _ => "a class per pixel",
+        };
+        return Err(Error::Config(format!(
+            "the data labels {} but {} predicts {}",
+            what(data.positions()),
+            g.name,
+            what(g.positions())
         )));
     }
     let names = data.classes();

@@ -276,6 +276,15 @@ pub struct EvalArgs {
     /// Write each sample's result to this CSV file: sample, true class, predicted class, loss.
     #[arg(long, value_name = "FILE.csv")]
     pub per_sample: Option<PathBuf>,
+    /// For slides: write into this folder each slide's predictions stitched into a map (a
+    /// PNG of the slide with the classes' colours over it, a tiled TIFF of the colours) and
+    /// tiles.csv (each tile's place, classes, loss and per-class scores).
+    #[arg(long, value_name = "DIR")]
+    pub predictions: Option<PathBuf>,
+    /// The slides' pyramid level the maps are drawn at [default: the finest whose longer side
+    /// is at most 2048 pixels].
+    #[arg(long, requires = "predictions")]
+    pub map_level: Option<usize>,
     #[arg(long, default_value_t = 50)]
     pub batch_size: usize,
     /// Leave unreadable samples out with a warning instead of stopping.
@@ -467,7 +476,8 @@ pub struct DataArgs {
 }
 
 impl DataArgs {
-    pub fn config(&self, image_size: usize) -> anyhow::Result<DataConfig> {
+    /// The data for a model of `image_size`² inputs that serves `task`.
+    pub fn config(&self, image_size: usize, task: Task) -> anyhow::Result<DataConfig> {
         Ok(DataConfig {
             source: self.slides.spec(&self.data, image_size)?,
             augment: self.augment,
@@ -475,8 +485,7 @@ impl DataArgs {
             skip_bad: self.skip_bad,
             workers: self.workers,
             prefetch: self.prefetch,
-            // The model's output decides the task, once it is built.
-            task: Task::Classify,
+            task,
         })
     }
 }
@@ -542,6 +551,10 @@ pub struct TrainArgs {
         allow_negative_numbers = true
     )]
     pub loss_scale: f64,
+    /// Each class's weight in the loss, in class order, e.g. 0.2,1,1 (PyTorch's
+    /// CrossEntropyLoss(weight=)) [default: all 1].
+    #[arg(long, value_delimiter = ',', conflicts_with = "resume")]
+    pub class_weights: Option<Vec<f64>>,
     /// Device capacity, e.g. 2GiB (emulated on the CPU; on a GPU the smaller of this and its
     /// free memory; default unlimited / the free memory).
     #[arg(long, value_parser = parse_bytes)]

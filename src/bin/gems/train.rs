@@ -45,7 +45,7 @@ pub fn setup(a: &TrainArgs) -> anyhow::Result<(Graph, RunConfig)> {
             (models::build(&model, side, classes)?, t)
         }
         None => {
-            let data = a.input.config(a.image_size)?;
+            let data = a.input.config(a.image_size, models::task(&a.model)?)?;
             let classes = match (gems::data::pipeline::class_names(&data.source)?, a.classes) {
                 (None, given) => given.unwrap_or(10),
                 (Some(names), Some(given)) if given != names.len() => anyhow::bail!(
@@ -87,6 +87,7 @@ pub fn setup(a: &TrainArgs) -> anyhow::Result<(Graph, RunConfig)> {
                 precision: a.on.precision(),
                 conv: a.conv,
                 loss_scale: a.loss_scale,
+                class_weights: a.class_weights.clone(),
                 ..TrainConfig::new(1, steps)
             };
             (models::build(&a.model, a.image_size, classes)?, train)
