@@ -1,19 +1,32 @@
 #!/usr/bin/env python3
-"""The largest image side (multiple of 32) resnet110v2 trains at batch 1 within 80 GB per GPU, per scheme, from metered plans (gems plan). Extra arguments go to every plan (e.g. --precision bf16)."""
-import subprocess, sys
-extra = sys.argv[1:]
+"""The largest image side (a multiple of --step) a model trains at batch 1 within 80 GB per GPU,
+per scheme, from metered plans (gems plan). --model (default resnet110v2) and --step (default
+32); other arguments go to every plan (e.g. --precision bf16, --classes 2)."""
+import argparse, subprocess
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--model", default="resnet110v2")
+parser.add_argument("--step", type=int, default=32, help="sides tried are multiples of this")
+parser.add_argument("--schemes", default="single,mp,mast", help="of single, mp, mast (P=4)")
+known, extra = parser.parse_known_args()
+step = known.step
+
 def fits(args, size):
-    out = subprocess.run(["./target/release/gems", "plan", "--model", "resnet110v2", "--batch-size", "1", "--image-size", str(size), "--device-memory", "80GB"] + args + extra, capture_output=True, text=True)
+    out = subprocess.run(["./target/release/gems", "plan", "--model", known.model, "--batch-size", "1", "--image-size", str(size), "--device-memory", "80GB"] + args + extra, capture_output=True, text=True)
     if out.returncode != 0:
         raise SystemExit(out.stderr)
     return "exceeds" not in out.stdout
-for name, args in [("single", []), ("mp P=4", ["--scheme", "mp", "--split", "4"]), ("mast P=4", ["--scheme", "mast", "--split", "4"])]:
-    lo, hi = 32, 32
+
+schemes = {"single": [], "mp": ["--scheme", "mp", "--split", "4"], "mast": ["--scheme", "mast", "--split", "4"]}
+for name in known.schemes.split(","):
+    args = schemes[name]
+    hi = step
     while fits(args, hi * 2):
         hi *= 2
     lo, hi = hi, hi * 2
-    while hi - lo > 32:
-        mid = (lo + hi) // 2 // 32 * 32
+    while hi - lo > step:
+        mid = (lo + hi) // 2 // step * step
         if fits(args, mid): lo = mid
         else: hi = mid
-    print(f"{name}: largest side {lo} (multiple of 32)")
+    label = name if name == "single" else f"{name} P=4"
+    print(f"{known.model} {label}: largest side {lo} (multiple of {step})")

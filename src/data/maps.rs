@@ -183,3 +183,45 @@ impl ClassMap {
         .map_err(|e| Error::Data(format!("cannot write {}: {e}", path.display())))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::data::slide::{make_slide, MakeSlide};
+
+    #[test]
+    fn a_tile_paints_the_map_pixels_whose_centres_it_holds_at_a_coarser_level() {
+        let path = std::env::temp_dir().join(format!("gems-map-{}.tiff", std::process::id()));
+        let opts = MakeSlide {
+            tile: 64,
+            levels: 3,
+            region: 128,
+            ..MakeSlide::new(256, 192)
+        };
+        make_slide(&path, &opts).unwrap();
+        let slide = Slide::open(&path).unwrap();
+        let mut map = ClassMap::new(&slide, 1).unwrap();
+        assert_eq!((map.width, map.height), (128, 96));
+        // A level-0 tile at (64, 0), side 64, predicted as a 2×2 grid of 32-pixel cells.
+        map.paint(&slide, 0, (64, 0), 64, 32.0, 2, &[0, 1, 2, 3])
+            .unwrap();
+        for my in 0..96u32 {
+            for mx in 0..128u32 {
+                let want = match (mx, my) {
+                    (32..=47, 0..=15) => 0,
+                    (48..=63, 0..=15) => 1,
+                    (32..=47, 16..=31) => 2,
+                    (48..=63, 16..=31) => 3,
+                    _ => NOTHING,
+                };
+                assert_eq!(map.classes[(my * 128 + mx) as usize], want, "({mx}, {my})");
+            }
+        }
+        // A level-1 tile (two level-0 pixels per pixel) classified as one class.
+        map.paint(&slide, 1, (0, 64), 32, 32.0, 1, &[5]).unwrap();
+        assert_eq!(map.classes[64 * 128], 5);
+        assert_eq!(map.classes[95 * 128 + 31], 5);
+        assert_eq!(map.classes[95 * 128 + 32], NOTHING);
+        std::fs::remove_file(&path).unwrap();
+    }
+}
