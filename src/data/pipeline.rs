@@ -11,7 +11,7 @@ use rand_chacha::ChaCha8Rng;
 use super::folder::Folder;
 use super::order::Epochs;
 use super::slide::{self, Slides, TileConfig};
-use super::synthetic::{Stream, Synthetic};
+use super::synthetic::{SceneStream, Scenes, Stream, Synthetic};
 use super::transform::Transform;
 use super::{Image, Mask, Source, Task, TilePlace, CHANNELS, UNLABELLED};
 use crate::core::rng::{splitmix64, uniform};
@@ -117,19 +117,50 @@ impl Dataset {
     /// Synthetic images of `classes` classes (see [`Synthetic`]): the training stream from
     /// `seed`, and another seed's stream held out.
     pub fn synthetic(image_size: usize, classes: usize, seed: u64) -> Dataset {
-        Dataset::synthetic_with(image_size, classes, seed, false)
+        Dataset::streams(Task::Classify, image_size, classes, seed, false)
     }
 
-    /// [`Dataset::synthetic`], the training stream augmented with `augment`.
-    fn synthetic_with(image_size: usize, classes: usize, seed: u64, augment: bool) -> Dataset {
-        let stream = |seed| {
-            Arc::new(Stream::new(Synthetic {
-                seed,
-                classes,
-                image_size,
-            }))
+    /// Synthetic scenes of `classes` classes (the background included, at least 2; see
+    /// [`Scenes`]) to segment: the training stream from `seed`, another seed's held out.
+    pub fn scenes(image_size: usize, classes: usize, seed: u64) -> Result<Dataset> {
+        Dataset::synthetic_with(Task::Segment, image_size, classes, seed, false)
+    }
+
+    /// Synthetic data for `task`, the training stream augmented with `augment`.
+    fn synthetic_with(
+        task: Task,
+        image_size: usize,
+        classes: usize,
+        seed: u64,
+        augment: bool,
+    ) -> Result<Dataset> {
+        if task == Task::Segment && classes < 2 {
+            return Err(Error::Config(format!(
+                "synthetic segmentation needs at least 2 classes (the background and a shape), \
+                 not {classes}"
+            )));
+        }
+        Ok(Dataset::streams(task, image_size, classes, seed, augment))
+    }
+
+    /// The synthetic stream of `task` from `seed` for training (augmented with `augment`),
+    /// and another seed's held out.
+    fn streams(task: Task, image_size: usize, classes: usize, seed: u64, augment: bool) -> Dataset {
+        let stream = |seed| -> Arc<dyn Source> {
+            match task {
+                Task::Classify => Arc::new(Stream::new(Synthetic {
+                    seed,
+                    classes,
+                    image_size,
+                })),
+                Task::Segment => Arc::new(SceneStream::new(Scenes {
+                    seed,
+                    classes,
+                    image_size,
+                })),
+            }
         };
-        let pipeline = |source: Arc<Stream>, training| {
+        let pipeline = |source: Arc<dyn Source>, training| {
             let transform = Transform {
                 augment: augment && training,
                 normalize: false,
@@ -207,9 +238,7 @@ pub fn open(c: &DataConfig, image_size: usize, classes: usize, seed: u64) -> Res
     };
     let (source, skipped): (Arc<dyn Source>, Vec<(String, String)>) = match &c.source {
         SourceSpec::Synthetic => {
-            return Ok(Dataset::synthetic_with(
-                image_size, classes, seed, c.augment,
-            ))
+            return Dataset::synthetic_with(c.task, image_size, classes, seed, c.augment)
         }
         SourceSpec::Folder(dir) => {
             let f = Folder::open(dir, c.skip_bad)?;
