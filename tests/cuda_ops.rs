@@ -32,7 +32,9 @@
 use std::cell::RefCell;
 
 use gems::backend::cuda::{self, ConvImpl};
-use gems::backend::{ChannelGeom, ConvGeom, CopyMode, DeviceKind, LossGeom, PoolGeom, SgdStep};
+use gems::backend::{
+    ChannelGeom, ConvGeom, CopyMode, DeviceKind, LossGeom, PoolGeom, ResizeGeom, SgdStep,
+};
 use gems::graph::policy::SavePolicy;
 use gems::tensor::{DType, Device, Precision, Storage};
 use gems::{Dataset, RunConfig, Scheme, Session, StepReport, TrainConfig};
@@ -109,6 +111,10 @@ per_precision! {
         linear_tf32_matches_cpu = Tf32,
         linear_bf16_matches_cpu = Bf16,
         linear_f16_matches_cpu = Fp16;
+    resize_matches():
+        resize_fp32_matches_cpu = Fp32,
+        resize_bf16_matches_cpu = Bf16,
+        resize_f16_matches_cpu = Fp16;
     loss_matches():
         loss_fp32_matches_cpu = Fp32,
         loss_bf16_matches_cpu = Bf16,
@@ -675,6 +681,48 @@ fn linear_matches(precision: Precision) {
         gpu.linear_backward(&xg, &wg, &dyg, None, &mut dwg, n, d_in, d_out)
             .unwrap();
         p.check(&format!("{name} dw again"), &dw, &dwg, sum_tol);
+    }
+}
+
+/// Bilinear resizing in the activation type, enlarging and shrinking with and without
+/// align_corners; the backward (a gather on the GPU, a scatter on the CPU) gives the same bits
+/// on every run.
+fn resize_matches(precision: Precision) {
+    let p = Pair::new(precision);
+    let (dtype, tol) = (p.dtype, tol(precision));
+    for align_corners in [false, true] {
+        for (n, c, h, w, h_out, w_out) in [
+            (2, 3, 5, 7, 10, 14),
+            (1, 4, 9, 6, 4, 5),
+            (2, 2, 6, 1, 13, 3),
+            (1, 2, 33, 31, 1, 64),
+        ] {
+            let g = ResizeGeom {
+                n,
+                c,
+                h,
+                w,
+                h_out,
+                w_out,
+                align_corners,
+            };
+            let (cpu, gpu) = (p.cpu.backend(), p.gpu.backend());
+            let (nx, ny) = (n * c * h * w, n * c * h_out * w_out);
+            let (x, xg) = p.input_as(nx, dtype);
+            let (dy, dyg) = p.input_as(ny, dtype);
+            let name = format!("{precision} bilinear {g:?}");
+            let (mut y, mut yg) = p.output_as(ny, dtype);
+            cpu.resize_bilinear_forward(&x, &mut y, &g).unwrap();
+            gpu.resize_bilinear_forward(&xg, &mut yg, &g).unwrap();
+            p.check(&name, &y, &yg, tol);
+            let (mut dx, mut dxg) = p.output_as(nx, dtype);
+            cpu.resize_bilinear_backward(&dy, &mut dx, &g).unwrap();
+            gpu.resize_bilinear_backward(&dyg, &mut dxg, &g).unwrap();
+            p.check(&format!("{name} backward"), &dx, &dxg, tol);
+            let (_, mut again) = p.output_as(nx, dtype);
+            gpu.resize_bilinear_backward(&dyg, &mut again, &g).unwrap();
+            assert_eq!(p.host(&dxg), p.host(&again), "{name}: backward run twice");
+        }
     }
 }
 
