@@ -122,6 +122,18 @@ typedef struct GemsLoss {
     double scale;
 } GemsLoss;
 
+/* Bilinear resizing of each plane from h x w to h_out x w_out (the backend's ResizeGeom);
+ * align_corners is 0 or 1. */
+typedef struct GemsResizeGeom {
+    int32_t n;
+    int32_t c;
+    int32_t h;
+    int32_t w;
+    int32_t h_out;
+    int32_t w_out;
+    int32_t align_corners;
+} GemsResizeGeom;
+
 /* Channel concatenation (and its backward, the split): copies channels
  * [src_off, src_off + count) of src (n x src_c x hw) into channels
  * [dst_off, dst_off + count) of dst (n x dst_c x hw). */

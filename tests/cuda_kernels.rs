@@ -104,6 +104,17 @@ const ENTRIES: &[(&str, &[&str])] = &[
         ],
     ),
     (
+        "resize",
+        &[
+            "resize_bilinear_forward_f32",
+            "resize_bilinear_backward_f32",
+            "resize_bilinear_forward_bf16",
+            "resize_bilinear_backward_bf16",
+            "resize_bilinear_forward_f16",
+            "resize_bilinear_backward_f16",
+        ],
+    ),
+    (
         "loss",
         &[
             "softmax_cross_entropy_f32",

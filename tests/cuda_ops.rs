@@ -32,9 +32,12 @@
 use std::cell::RefCell;
 
 use gems::backend::cuda::{self, ConvImpl};
-use gems::backend::{ChannelGeom, ConvGeom, CopyMode, DeviceKind, LossGeom, PoolGeom, SgdStep};
+use gems::backend::{
+    ChannelGeom, ConvGeom, CopyMode, DeviceKind, LossGeom, PoolGeom, ResizeGeom, SgdStep,
+};
 use gems::graph::policy::SavePolicy;
-use gems::tensor::{DType, Device, Precision, Storage};
+use gems::ops::conv::ConvTranspose2d;
+use gems::tensor::{DType, Device, Precision, Shape, Storage};
 use gems::{Dataset, RunConfig, Scheme, Session, StepReport, TrainConfig};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -109,6 +112,15 @@ per_precision! {
         linear_tf32_matches_cpu = Tf32,
         linear_bf16_matches_cpu = Bf16,
         linear_f16_matches_cpu = Fp16;
+    resize_matches():
+        resize_fp32_matches_cpu = Fp32,
+        resize_bf16_matches_cpu = Bf16,
+        resize_f16_matches_cpu = Fp16;
+    conv_transpose_matches():
+        conv_transpose_fp32_matches_cpu = Fp32,
+        conv_transpose_tf32_matches_cpu = Tf32,
+        conv_transpose_bf16_matches_cpu = Bf16,
+        conv_transpose_f16_matches_cpu = Fp16;
     loss_matches():
         loss_fp32_matches_cpu = Fp32,
         loss_bf16_matches_cpu = Bf16,
@@ -675,6 +687,137 @@ fn linear_matches(precision: Precision) {
         gpu.linear_backward(&xg, &wg, &dyg, None, &mut dwg, n, d_in, d_out)
             .unwrap();
         p.check(&format!("{name} dw again"), &dw, &dwg, sum_tol);
+    }
+}
+
+/// Bilinear resizing in the activation type, enlarging and shrinking with and without
+/// align_corners; the backward (a gather on the GPU, a scatter on the CPU) gives the same bits
+/// on every run.
+fn resize_matches(precision: Precision) {
+    let p = Pair::new(precision);
+    let (dtype, tol) = (p.dtype, tol(precision));
+    for align_corners in [false, true] {
+        for (n, c, h, w, h_out, w_out) in [
+            (2, 3, 5, 7, 10, 14),
+            (1, 4, 9, 6, 4, 5),
+            (2, 2, 6, 1, 13, 3),
+            (1, 2, 33, 31, 1, 64),
+        ] {
+            let g = ResizeGeom {
+                n,
+                c,
+                h,
+                w,
+                h_out,
+                w_out,
+                align_corners,
+            };
+            let (cpu, gpu) = (p.cpu.backend(), p.gpu.backend());
+            let (nx, ny) = (n * c * h * w, n * c * h_out * w_out);
+            let (x, xg) = p.input_as(nx, dtype);
+            let (dy, dyg) = p.input_as(ny, dtype);
+            let name = format!("{precision} bilinear {g:?}");
+            let (mut y, mut yg) = p.output_as(ny, dtype);
+            cpu.resize_bilinear_forward(&x, &mut y, &g).unwrap();
+            gpu.resize_bilinear_forward(&xg, &mut yg, &g).unwrap();
+            p.check(&name, &y, &yg, tol);
+            let (mut dx, mut dxg) = p.output_as(nx, dtype);
+            cpu.resize_bilinear_backward(&dy, &mut dx, &g).unwrap();
+            gpu.resize_bilinear_backward(&dyg, &mut dxg, &g).unwrap();
+            p.check(&format!("{name} backward"), &dx, &dxg, tol);
+            let (_, mut again) = p.output_as(nx, dtype);
+            gpu.resize_bilinear_backward(&dyg, &mut again, &g).unwrap();
+            assert_eq!(p.host(&dxg), p.host(&again), "{name}: backward run twice");
+        }
+    }
+}
+
+/// The transposed convolution as its op runs it (the convolution's backward-data forward,
+/// its forward for dx, its backward-filter with input and output swapped for dw, the bias),
+/// on the geometry the op builds: groups, stride 2, output padding, batch 1.
+fn conv_transpose_matches(precision: Precision) {
+    let p = Pair::new(precision);
+    let (dtype, tol) = (p.dtype, tol(precision));
+    for (n, c_in, h, w, op) in [
+        (1, 4, 5, 6, ConvTranspose2d::new(6, 2, 2)),
+        (
+            1,
+            6,
+            4,
+            5,
+            ConvTranspose2d {
+                c_out: 4,
+                kernel: (3, 3),
+                stride: (2, 2),
+                pad: (1, 1),
+                output_padding: (1, 1),
+                groups: 2,
+                bias: true,
+            },
+        ),
+        (
+            2,
+            3,
+            3,
+            4,
+            ConvTranspose2d {
+                c_out: 5,
+                kernel: (4, 3),
+                stride: (2, 3),
+                pad: (1, 0),
+                output_padding: (1, 2),
+                groups: 1,
+                bias: true,
+            },
+        ),
+    ] {
+        let g = op.geom(&Shape::new([n, c_in, h, w])).unwrap();
+        // The adjoint convolution's input is the op's output, and its output the op's input.
+        let (nx, nw, ny) = (
+            g.n * g.c_out * g.h_out * g.w_out,
+            g.c_out * g.col_rows(),
+            g.n * g.c_in * g.h * g.w,
+        );
+        let cg = ChannelGeom {
+            n: g.n,
+            c: g.c_in,
+            hw: g.h * g.w,
+        };
+        let (x, xg) = p.input_as(nx, dtype);
+        let (wt, wtg) = p.input(nw);
+        let (b, bg) = p.input(op.c_out);
+        let (dy, dyg) = p.input_as(ny, dtype);
+        let (cpu, gpu) = (p.cpu.backend(), p.gpu.backend());
+        let mut ws = cpu.zeros(cpu.conv2d_workspace(&g), DType::F32).unwrap();
+        let mut wsg = gpu.zeros(gpu.conv2d_workspace(&g), DType::F32).unwrap();
+        let name = format!("{precision} {op} on {n}x{c_in}x{h}x{w}");
+
+        let (mut y, mut yg) = p.output_as(ny, dtype);
+        cpu.conv2d_backward_data(&x, &wt, &mut y, &mut ws, &g)
+            .unwrap();
+        gpu.conv2d_backward_data(&xg, &wtg, &mut yg, &mut wsg, &g)
+            .unwrap();
+        cpu.add_channel_bias(&mut y, &b, &cg).unwrap();
+        gpu.add_channel_bias(&mut yg, &bg, &cg).unwrap();
+        p.check(&format!("{name} forward"), &y, &yg, tol);
+
+        let (mut dx, mut dxg) = p.output_as(nx, dtype);
+        cpu.conv2d_forward(&dy, &wt, &mut dx, &mut ws, &g).unwrap();
+        gpu.conv2d_forward(&dyg, &wtg, &mut dxg, &mut wsg, &g)
+            .unwrap();
+        p.check(&format!("{name} dx"), &dx, &dxg, tol);
+
+        // dw and db (f32) accumulate: both start from the same values.
+        let (mut dw, mut dwg) = p.input(nw);
+        cpu.conv2d_backward_filter(&dy, &x, &mut dw, &mut ws, &g)
+            .unwrap();
+        gpu.conv2d_backward_filter(&dyg, &xg, &mut dwg, &mut wsg, &g)
+            .unwrap();
+        p.check(&format!("{name} dw"), &dw, &dwg, tol);
+        let (mut db, mut dbg) = p.input(op.c_out);
+        cpu.channel_sum(&dy, &mut db, &cg).unwrap();
+        gpu.channel_sum(&dyg, &mut dbg, &cg).unwrap();
+        p.check(&format!("{name} db"), &db, &dbg, sum_tol(precision));
     }
 }
 

@@ -6,7 +6,7 @@ use gems::ops::conv::{Conv2d, ConvTranspose2d};
 use gems::ops::pool::AdaptiveAvgPool;
 use gems::ops::pool::{AvgPool, GlobalAvgPool, MaxPool, Window};
 use gems::ops::{
-    activation, dropout, elementwise, linear, loss, norm, shape, Backward, Ctx, Op, Saved,
+    activation, dropout, elementwise, linear, loss, norm, resize, shape, Backward, Ctx, Op, Saved,
 };
 use gems::tensor::Device;
 use gems::{Category, DType, Shape, Tensor};
@@ -1162,4 +1162,153 @@ fn upsample_nearest_repeats_pixels() {
         let (nc, r, c) = (i / 48, (i / 8) % 6, i % 8);
         assert_eq!(*v, s.inputs[0][nc * 12 + (r / 2) * 4 + c / 2]);
     }
+}
+
+fn resize(out: (usize, usize), align_corners: bool) -> Op {
+    Op::ResizeBilinear(resize::ResizeBilinear { out, align_corners })
+}
+
+#[test]
+fn resize_bilinear_gradients() {
+    for align_corners in [false, true] {
+        for (input, out) in [
+            ([2, 3, 5], (7, 8)), // enlarging, odd sizes
+            ([2, 7, 6], (3, 4)), // shrinking
+            ([1, 4, 9], (9, 2)), // one way each
+            ([3, 5, 4], (1, 3)), // a single row: align_corners' scale 0
+            ([1, 1, 1], (3, 2)), // a single pixel spread
+        ] {
+            check_gradients(
+                &format!("bilinear {input:?} -> {out:?} align_corners={align_corners}"),
+                one(resize(out, align_corners), &input, 2),
+            );
+        }
+    }
+}
+
+/// PyTorch's `upsample_bilinear2d` written out from its definition (area_pixel_compute_scale
+/// and area_pixel_compute_source_index), in f64.
+fn pytorch_bilinear(x: &[f64], (h, w): (usize, usize), out: (usize, usize), ac: bool) -> Vec<f64> {
+    let tap = |o: usize, input: usize, out: usize| {
+        let src = if ac {
+            let scale = if out > 1 {
+                (input - 1) as f64 / (out - 1) as f64
+            } else {
+                0.0
+            };
+            scale * o as f64
+        } else {
+            let src = input as f64 / out as f64 * (o as f64 + 0.5) - 0.5;
+            if src < 0.0 {
+                0.0
+            } else {
+                src
+            }
+        };
+        let i0 = (src.floor() as usize).min(input - 1);
+        let i1 = if i0 < input - 1 { i0 + 1 } else { i0 };
+        let l1 = src - i0 as f64;
+        (i0, i1, 1.0 - l1, l1)
+    };
+    let mut y = Vec::new();
+    for plane in x.chunks(h * w) {
+        for oh in 0..out.0 {
+            let (h0, h1, a0, a1) = tap(oh, h, out.0);
+            for ow in 0..out.1 {
+                let (w0, w1, b0, b1) = tap(ow, w, out.1);
+                let at = |r: usize, c: usize| plane[r * w + c];
+                y.push(
+                    a0 * (b0 * at(h0, w0) + b1 * at(h0, w1))
+                        + a1 * (b0 * at(h1, w0) + b1 * at(h1, w1)),
+                );
+            }
+        }
+    }
+    y
+}
+
+#[test]
+fn resize_bilinear_matches_pytorch() {
+    // F.interpolate(torch.tensor([[[[1., 2.], [3., 4.]]]]), size=4, mode="bilinear", ...).
+    let known = [
+        (
+            false,
+            [
+                1.0, 1.25, 1.75, 2.0, 1.5, 1.75, 2.25, 2.5, 2.5, 2.75, 3.25, 3.5, 3.0, 3.25, 3.75,
+                4.0,
+            ],
+        ),
+        (
+            true,
+            [
+                1.0,
+                4.0 / 3.0,
+                5.0 / 3.0,
+                2.0,
+                5.0 / 3.0,
+                2.0,
+                7.0 / 3.0,
+                8.0 / 3.0,
+                7.0 / 3.0,
+                8.0 / 3.0,
+                3.0,
+                10.0 / 3.0,
+                3.0,
+                10.0 / 3.0,
+                11.0 / 3.0,
+                4.0,
+            ],
+        ),
+    ];
+    for (ac, want) in known {
+        let case = one(resize((4, 4), ac), &[1, 2, 2], 1);
+        let mut s = setup(&case, 1);
+        s.inputs[0] = vec![1.0, 2.0, 3.0, 4.0];
+        let (y, _, _) = run_forward(&case, &s, &s.inputs, &s.params, DType::F64, true);
+        let got = y.to_f64_vec().unwrap();
+        assert!(
+            rel_error(&got, &want) <= 1e-15,
+            "align_corners={ac}: {got:?}"
+        );
+        assert_eq!(pytorch_bilinear(&s.inputs[0], (2, 2), (4, 4), ac), got);
+    }
+    for ac in [false, true] {
+        for (input, out) in [
+            ([3, 5, 7], (11, 4)),
+            ([2, 6, 6], (6, 6)),
+            ([2, 9, 4], (2, 13)),
+        ] {
+            let case = one(resize(out, ac), &input, 2);
+            let s = setup(&case, 4);
+            let (y, _, _) = run_forward(&case, &s, &s.inputs, &s.params, DType::F64, true);
+            let want = pytorch_bilinear(&s.inputs[0], (input[1], input[2]), out, ac);
+            assert_eq!(
+                y.to_f64_vec().unwrap(),
+                want,
+                "{input:?} -> {out:?} ac={ac}"
+            );
+        }
+    }
+    // Same size without align_corners, or with it: the identity.
+    let case = one(resize((6, 6), false), &[2, 6, 6], 2);
+    let s = setup(&case, 4);
+    let (y, _, _) = run_forward(&case, &s, &s.inputs, &s.params, DType::F64, true);
+    assert_eq!(y.to_f64_vec().unwrap(), s.inputs[0]);
+}
+
+#[test]
+fn upsample_and_resize_bilinear_in_the_builder() {
+    let (mut b, x) = gems::GraphBuilder::new("up", "Up", Shape::new([2, 3, 5]));
+    let y = b.upsample_bilinear("up", x, 2, false).unwrap();
+    assert_eq!(b.shape(y).dims(), &[2, 6, 10]);
+    let z = b.resize_bilinear("down", y, (4, 7), true).unwrap();
+    assert_eq!(b.shape(z).dims(), &[2, 4, 7]);
+    assert!(b.upsample_bilinear("zero", z, 0, false).is_err());
+    assert!(b.resize_bilinear("empty", z, (0, 3), false).is_err());
+    let g = b.finish(vec![]).unwrap();
+    let op = g.nodes[1].op.get();
+    let (input, output) = (Shape::new([2, 6, 10]), Shape::new([2, 4, 7]));
+    assert_eq!(op.flops(&[&input], &output), 8 * 2 * 4 * 7);
+    assert_eq!(op.saves(&[&input]), gems::ops::SavesFor::default());
+    assert_eq!(g.nodes[1].op.describe(), "bilinear 4x7 align-corners");
 }

@@ -25,6 +25,8 @@
 #undef STAMP
 #include "pool.cu"
 #undef STAMP
+#include "resize.cu"
+#undef STAMP
 EMU_F16_IMPL
 #ifdef GEMS_EMU_RACECHECK
 #include "racecheck.h"

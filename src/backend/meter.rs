@@ -5,7 +5,9 @@
 
 use std::sync::{Arc, OnceLock};
 
-use super::{Backend, ChannelGeom, ConvGeom, DeviceKind, Event, LossGeom, PoolGeom, SgdStep};
+use super::{
+    Backend, ChannelGeom, ConvGeom, DeviceKind, Event, LossGeom, PoolGeom, ResizeGeom, SgdStep,
+};
 use crate::backend::host::HostPool;
 use crate::backend::Storage;
 use crate::core::DType;
@@ -289,6 +291,24 @@ impl Backend for Meter {
         _dy: &Storage,
         _dx: &mut Storage,
         _g: &PoolGeom,
+    ) -> Result<()> {
+        Ok(())
+    }
+
+    fn resize_bilinear_forward(
+        &self,
+        _x: &Storage,
+        _y: &mut Storage,
+        _g: &ResizeGeom,
+    ) -> Result<()> {
+        Ok(())
+    }
+
+    fn resize_bilinear_backward(
+        &self,
+        _dy: &Storage,
+        _dx: &mut Storage,
+        _g: &ResizeGeom,
     ) -> Result<()> {
         Ok(())
     }

@@ -89,6 +89,28 @@ impl PoolGeom {
     }
 }
 
+/// Bilinear resizing of each plane of an NCHW batch from h × w to h_out × w_out, as PyTorch's
+/// `F.interpolate(mode="bilinear")` with an output size.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ResizeGeom {
+    /// Images in the batch.
+    pub n: usize,
+    /// Channels.
+    pub c: usize,
+    /// Input height.
+    pub h: usize,
+    /// Input width.
+    pub w: usize,
+    /// Output height.
+    pub h_out: usize,
+    /// Output width.
+    pub w_out: usize,
+    /// PyTorch's `align_corners`: corner pixels' centres map onto each other (scale
+    /// (in − 1)/(out − 1)) rather than the corners of the images (scale in/out, half-pixel
+    /// offset).
+    pub align_corners: bool,
+}
+
 /// A batch seen per channel: n × c × hw.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct ChannelGeom {
@@ -345,6 +367,16 @@ pub trait Backend: Send + Sync {
         dy: &Storage,
         dx: &mut Storage,
         g: &PoolGeom,
+    ) -> Result<()>;
+
+    /// Each plane resized bilinearly (see [`ResizeGeom`]).
+    fn resize_bilinear_forward(&self, x: &Storage, y: &mut Storage, g: &ResizeGeom) -> Result<()>;
+    /// dx (overwritten) = the adjoint of the resize applied to dy, the same bits every run.
+    fn resize_bilinear_backward(
+        &self,
+        dy: &Storage,
+        dx: &mut Storage,
+        g: &ResizeGeom,
     ) -> Result<()>;
 
     /// y (n × out) = x (n × in) · wᵀ (w: out × in).

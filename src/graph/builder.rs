@@ -3,7 +3,7 @@
 use super::{Block, BlockId, Graph, Node, Output, Param, Value, ValueId};
 use crate::ops::conv::{Conv2d, ConvTranspose2d};
 use crate::ops::Init;
-use crate::ops::{activation, dropout, elementwise, linear, norm, pool, shape, Op};
+use crate::ops::{activation, dropout, elementwise, linear, norm, pool, resize, shape, Op};
 use crate::tensor::Shape;
 use crate::{Error, Result};
 
@@ -138,6 +138,41 @@ impl GraphBuilder {
             return Err(Error::Shape(format!("{name}: a scale of 0")));
         }
         self.adaptive_avg_pool(name, x, (h * scale, w * scale))
+    }
+    /// `x` upsampled `scale` times in each direction by bilinear interpolation (PyTorch's
+    /// `Upsample(scale_factor=scale, mode="bilinear", align_corners=...)`).
+    pub fn upsample_bilinear(
+        &mut self,
+        name: &str,
+        x: ValueId,
+        scale: usize,
+        align_corners: bool,
+    ) -> Result<ValueId> {
+        let (h, w) = match self.shape(x).dims() {
+            [_, h, w] => (*h, *w),
+            _ => {
+                return Err(Error::Shape(format!(
+                    "{name}: upsampling needs a C×H×W input"
+                )))
+            }
+        };
+        if scale == 0 {
+            return Err(Error::Shape(format!("{name}: a scale of 0")));
+        }
+        self.resize_bilinear(name, x, (h * scale, w * scale), align_corners)
+    }
+    /// `x` resized to `out.0 × out.1` by bilinear interpolation (PyTorch's
+    /// `F.interpolate(x, size=out, mode="bilinear", align_corners=...)`), enlarging or
+    /// shrinking.
+    pub fn resize_bilinear(
+        &mut self,
+        name: &str,
+        x: ValueId,
+        out: (usize, usize),
+        align_corners: bool,
+    ) -> Result<ValueId> {
+        let op = resize::ResizeBilinear { out, align_corners };
+        self.op(name, Op::ResizeBilinear(op), &[x])
     }
     /// Batch normalization of `x` (PyTorch's defaults: eps 1e-5, momentum 0.1).
     pub fn batchnorm(&mut self, name: &str, x: ValueId) -> Result<ValueId> {

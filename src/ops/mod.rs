@@ -10,6 +10,7 @@ pub mod linear;
 pub mod loss;
 pub mod norm;
 pub mod pool;
+pub mod resize;
 pub mod shape;
 
 use crate::memory::Category;
@@ -159,6 +160,8 @@ pub enum Op {
     AvgPoolExcludePad(pool::AvgPoolExcludePad),
     /// Zero padding of the spatial dimensions.
     Pad2d(shape::Pad2d),
+    /// Bilinear resizing to a given size (PyTorch's `F.interpolate(mode="bilinear")`).
+    ResizeBilinear(resize::ResizeBilinear),
 }
 
 impl Op {
@@ -180,6 +183,7 @@ impl Op {
             Op::Dropout(o) => o,
             Op::AvgPoolExcludePad(o) => o,
             Op::Pad2d(o) => o,
+            Op::ResizeBilinear(o) => o,
         }
     }
 
@@ -202,6 +206,16 @@ impl Op {
             Op::Dropout(d) => format!("dropout p={}", d.p),
             Op::AvgPoolExcludePad(p) => format!("avgpool {} excluding padding", p.0),
             Op::Pad2d(p) => format!("pad {},{},{},{}", p.top, p.bottom, p.left, p.right),
+            Op::ResizeBilinear(r) => format!(
+                "bilinear {}x{}{}",
+                r.out.0,
+                r.out.1,
+                if r.align_corners {
+                    " align-corners"
+                } else {
+                    ""
+                }
+            ),
         }
     }
 }

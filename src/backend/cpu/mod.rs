@@ -7,13 +7,14 @@ mod elementwise;
 pub use crate::core::rng::{splitmix64, uniform};
 mod norm;
 mod pool;
+mod resize;
 mod wide;
 
 use rayon::prelude::*;
 
 use std::sync::Arc;
 
-use super::{Backend, ChannelGeom, ConvGeom, Event, LossGeom, PoolGeom, SgdStep};
+use super::{Backend, ChannelGeom, ConvGeom, Event, LossGeom, PoolGeom, ResizeGeom, SgdStep};
 use crate::backend::host::{Block, HostPool};
 use crate::backend::Storage;
 use crate::core::DType;
@@ -599,6 +600,21 @@ impl Backend for Cpu {
         g: &PoolGeom,
     ) -> Result<()> {
         compute!(dy.dtype(), T, [dy], [dx] => pool::adaptive_avg_backward::<T>(dy, dx, g));
+        Ok(())
+    }
+
+    fn resize_bilinear_forward(&self, x: &Storage, y: &mut Storage, g: &ResizeGeom) -> Result<()> {
+        compute!(x.dtype(), T, [x], [y] => resize::forward::<T>(x, y, g));
+        Ok(())
+    }
+
+    fn resize_bilinear_backward(
+        &self,
+        dy: &Storage,
+        dx: &mut Storage,
+        g: &ResizeGeom,
+    ) -> Result<()> {
+        compute!(dy.dtype(), T, [dy], [dx] => resize::backward::<T>(dy, dx, g));
         Ok(())
     }
 

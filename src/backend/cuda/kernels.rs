@@ -22,6 +22,7 @@ pub const SOURCES: &[(&str, &str)] = &[
     ("batchnorm", include_str!("../../../cuda/batchnorm.cu")),
     ("activation", include_str!("../../../cuda/activation.cu")),
     ("pool", include_str!("../../../cuda/pool.cu")),
+    ("resize", include_str!("../../../cuda/resize.cu")),
     ("loss", include_str!("../../../cuda/loss.cu")),
     ("optim", include_str!("../../../cuda/optim.cu")),
     ("elementwise", include_str!("../../../cuda/elementwise.cu")),

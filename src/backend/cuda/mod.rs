@@ -39,7 +39,7 @@ use cudarc::driver::{
     DeviceRepr, LaunchConfig, PushKernelArg,
 };
 
-use super::{Backend, ChannelGeom, ConvGeom, Event, LossGeom, PoolGeom, SgdStep};
+use super::{Backend, ChannelGeom, ConvGeom, Event, LossGeom, PoolGeom, ResizeGeom, SgdStep};
 use crate::backend::host::{Block, HostPool};
 use crate::backend::Storage;
 use crate::core::{DType, Precision};
@@ -57,6 +57,7 @@ unsafe impl DeviceRepr for params::GemsSgdStep {}
 unsafe impl DeviceRepr for params::GemsDropout {}
 unsafe impl DeviceRepr for params::GemsLoss {}
 unsafe impl DeviceRepr for params::GemsCopyChannels {}
+unsafe impl DeviceRepr for params::GemsResizeGeom {}
 
 /// Which kernels run convolutions on a GPU.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
@@ -600,6 +601,19 @@ fn conv_params(g: &ConvGeom) -> Result<params::GemsConvGeom> {
     })
 }
 
+/// The resize kernels' parameters for `g`.
+fn resize_params(g: &ResizeGeom) -> Result<params::GemsResizeGeom> {
+    Ok(params::GemsResizeGeom {
+        n: dim32(g.n, "batch")?,
+        c: dim32(g.c, "channels")?,
+        h: dim32(g.h, "height")?,
+        w: dim32(g.w, "width")?,
+        h_out: dim32(g.h_out, "height")?,
+        w_out: dim32(g.w_out, "width")?,
+        align_corners: g.align_corners as i32,
+    })
+}
+
 fn pool_params(g: &PoolGeom) -> Result<params::GemsPoolGeom> {
     Ok(params::GemsPoolGeom {
         n: dim32(g.n, "batch")?,
@@ -1120,6 +1134,23 @@ impl Backend for Cuda {
             "adaptive_avg_pool_backward"
         };
         launch!(self, t.kernel(name), self.grid_1d(g.n * g.c * g.h * g.w);
+            t.arg(dy)?, t.arg_mut(dx)?, &p)
+    }
+
+    fn resize_bilinear_forward(&self, x: &Storage, y: &mut Storage, g: &ResizeGeom) -> Result<()> {
+        let (t, p) = (Ty::of(x)?, resize_params(g)?);
+        launch!(self, t.kernel("resize_bilinear_forward"), self.grid_1d(g.n * g.c * g.h_out * g.w_out);
+            t.arg(x)?, t.arg_mut(y)?, &p)
+    }
+
+    fn resize_bilinear_backward(
+        &self,
+        dy: &Storage,
+        dx: &mut Storage,
+        g: &ResizeGeom,
+    ) -> Result<()> {
+        let (t, p) = (Ty::of(dy)?, resize_params(g)?);
+        launch!(self, t.kernel("resize_bilinear_backward"), self.grid_1d(g.n * g.c * g.h * g.w);
             t.arg(dy)?, t.arg_mut(dx)?, &p)
     }
 

@@ -275,6 +275,43 @@ const _: () = {
 };
 #[repr(C)]
 #[derive(Debug, Default, Copy, Clone, PartialEq)]
+pub struct GemsResizeGeom {
+    pub n: i32,
+    pub c: i32,
+    pub h: i32,
+    pub w: i32,
+    pub h_out: i32,
+    pub w_out: i32,
+    pub align_corners: i32,
+}
+#[allow(clippy::unnecessary_operation, clippy::identity_op)]
+const _: () = {
+    ["Size of GemsResizeGeom"][::std::mem::size_of::<GemsResizeGeom>() - 28usize];
+    ["Alignment of GemsResizeGeom"][::std::mem::align_of::<GemsResizeGeom>() - 4usize];
+    [
+        "Offset of field: GemsResizeGeom::n",
+    ][::std::mem::offset_of!(GemsResizeGeom, n) - 0usize];
+    [
+        "Offset of field: GemsResizeGeom::c",
+    ][::std::mem::offset_of!(GemsResizeGeom, c) - 4usize];
+    [
+        "Offset of field: GemsResizeGeom::h",
+    ][::std::mem::offset_of!(GemsResizeGeom, h) - 8usize];
+    [
+        "Offset of field: GemsResizeGeom::w",
+    ][::std::mem::offset_of!(GemsResizeGeom, w) - 12usize];
+    [
+        "Offset of field: GemsResizeGeom::h_out",
+    ][::std::mem::offset_of!(GemsResizeGeom, h_out) - 16usize];
+    [
+        "Offset of field: GemsResizeGeom::w_out",
+    ][::std::mem::offset_of!(GemsResizeGeom, w_out) - 20usize];
+    [
+        "Offset of field: GemsResizeGeom::align_corners",
+    ][::std::mem::offset_of!(GemsResizeGeom, align_corners) - 24usize];
+};
+#[repr(C)]
+#[derive(Debug, Default, Copy, Clone, PartialEq)]
 pub struct GemsCopyChannels {
     pub n: i32,
     pub hw: i32,
