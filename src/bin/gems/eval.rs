@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 
-use gems::data::{DataConfig, SourceSpec};
+use gems::data::{DataConfig, SourceSpec, Task};
 use gems::runtime::Checkpoint;
 use gems::{models, RunConfig, Scheme, Session, TrainConfig};
 
@@ -26,7 +26,7 @@ pub fn eval(a: EvalArgs) -> anyhow::Result<()> {
         (None, _) => {
             let source = a.data.as_ref().expect("clap requires --data with --init");
             let spec = a.slides.spec(source, a.image_size)?;
-            let classes = match gems::data::pipeline::class_names(&spec)? {
+            let classes = match gems::data::pipeline::class_names(&spec, Task::Classify)? {
                 Some(names) => names.len(),
                 None => a.classes.unwrap_or(10),
             };
