@@ -1,5 +1,5 @@
 //! Data: image folders, bad files, the epoch order and its sharding, the loader, and
-//! training plus evaluation on a folder of images from the command line.
+//! training plus evaluation on a folder of images from the command line; segmentation masks.
 
 use std::path::{Path, PathBuf};
 #[path = "common/cli.rs"]
@@ -10,7 +10,7 @@ use std::sync::Arc;
 
 use gems::data::loader::Loader;
 use gems::data::transform::{Transform, MEAN, STD};
-use gems::data::{DataConfig, Image, Pipeline, Source, SourceSpec};
+use gems::data::{DataConfig, Image, Pipeline, Source, SourceSpec, Task, UNLABELLED};
 use gems::schemes::{Kind, Order, Scheme};
 
 fn temp(name: &str) -> PathBuf {
@@ -496,4 +496,234 @@ fn cli_learns_a_generated_slide_and_eval_reports_it() {
         "{eval}"
     );
     std::fs::remove_dir_all(d).ok();
+}
+
+// ------------------------------------------------------------------------------------------
+// Segmentation: image/mask folders, targets under augmentation, synthetic scenes.
+
+/// The colour of pixels of class `label` (255: unlabelled) in segmentation test images.
+fn class_colour(label: u8) -> [u8; 3] {
+    match label {
+        255 => [200, 200, 200],
+        c => [c * 80, 255 - c * 80, 40],
+    }
+}
+
+/// Writes `images/<stem>.<ext>` coloured by `labels` (w×h, row-major) and `masks/<stem>.png`.
+fn pair(dir: &Path, stem: &str, ext: &str, w: u32, h: u32, labels: &[u8]) {
+    std::fs::create_dir_all(dir.join("images")).unwrap();
+    std::fs::create_dir_all(dir.join("masks")).unwrap();
+    let img = image::RgbImage::from_fn(w, h, |x, y| {
+        image::Rgb(class_colour(labels[(y * w + x) as usize]))
+    });
+    img.save(dir.join(format!("images/{stem}.{ext}"))).unwrap();
+    image::GrayImage::from_raw(w, h, labels.to_vec())
+        .unwrap()
+        .save(dir.join(format!("masks/{stem}.png")))
+        .unwrap();
+}
+
+/// 8×8 blocks of classes 0 to 2 or unlabelled (255), drawn from `seed`.
+fn blocks(w: u32, h: u32, seed: u64) -> Vec<u8> {
+    (0..w * h)
+        .map(|i| {
+            let (bx, by) = ((i % w) / 8, (i / w) / 8);
+            let hash = gems::core::rng::splitmix64(seed ^ ((by as u64) << 16 | bx as u64));
+            [0, 1, 2, 255][(hash % 4) as usize]
+        })
+        .collect()
+}
+
+fn segment(dir: &Path) -> DataConfig {
+    DataConfig {
+        source: SourceSpec::Folder(dir.into()),
+        task: Task::Segment,
+        ..DataConfig::default()
+    }
+}
+
+#[test]
+fn targets_line_up_with_augmented_inputs() {
+    let d = temp("seg-augment");
+    std::fs::write(d.join("classes.txt"), "background\nstroma\ntumour\n").unwrap();
+    pair(&d, "a", "png", 48, 40, &blocks(48, 40, 1));
+    pair(&d, "b", "tiff", 40, 44, &blocks(40, 44, 2));
+    // Shrinking (32) and enlarging (44) windows of 32 to 40 pixels.
+    for size in [32, 44] {
+        let c = DataConfig {
+            augment: true,
+            ..segment(&d)
+        };
+        let data = gems::data::open(&c, size, 0, 7).unwrap();
+        let p = &data.train;
+        assert_eq!((p.task(), p.positions()), (Task::Segment, size * size));
+        let n = 16;
+        let targets = p.targets(0, n).unwrap();
+        let (pixels, batch_targets) = p.batch(0, n).unwrap();
+        assert_eq!(targets, batch_targets);
+        let mut checked = 0;
+        for s in 0..n {
+            let t = &targets[s * size * size..][..size * size];
+            let x = &pixels[s * 3 * size * size..][..3 * size * size];
+            let at = |ty: usize, tx: usize| t[ty * size + tx];
+            for ty in 0..size {
+                for tx in 0..size {
+                    // Where the neighbours agree, the input is the class's pure colour (the
+                    // linear filter's taps lie between the neighbours' nearest pixels).
+                    let label = at(ty, tx);
+                    let near = (ty.saturating_sub(1)..(ty + 2).min(size)).flat_map(|y| {
+                        (tx.saturating_sub(1)..(tx + 2).min(size)).map(move |x| (y, x))
+                    });
+                    if near.clone().any(|(y, x)| at(y, x) != label) {
+                        continue;
+                    }
+                    checked += 1;
+                    let colour = class_colour(if label == UNLABELLED {
+                        255
+                    } else {
+                        label as u8
+                    });
+                    for ch in 0..3 {
+                        let want = (colour[ch] as f32 / 255.0 - MEAN[ch]) / STD[ch];
+                        let got = x[ch * size * size + ty * size + tx];
+                        assert!(
+                            (got - want).abs() < 1e-3,
+                            "size {size} sample {s} pixel ({tx}, {ty}) channel {ch}: {got} vs {want} (target {label})"
+                        );
+                    }
+                }
+            }
+        }
+        assert!(
+            checked > n * size * size / 3,
+            "only {checked} pixels checked"
+        );
+        assert!(targets.contains(&UNLABELLED));
+    }
+}
+
+#[test]
+fn folder_masks_count_rename_and_refuse() {
+    let d = temp("seg-folder");
+    std::fs::write(d.join("classes.txt"), "background\nstroma\ntumour\n").unwrap();
+    // 4×2: background, stroma, tumour and unlabelled pixels in known numbers.
+    pair(&d, "a", "png", 4, 2, &[0, 0, 0, 1, 2, 2, 255, 255]);
+    pair(&d, "b", "jpg", 4, 2, &[1; 8]);
+    let data = gems::data::open(&segment(&d), 4, 0, 3).unwrap();
+    assert_eq!(data.classes, ["background", "stroma", "tumour"]);
+    let p = &data.train;
+    assert_eq!(p.class_counts().unwrap(), Some(vec![3, 9, 2]));
+    let pos = (0..2).find(|&pos| p.index(pos) == 0).unwrap();
+    let want = [0, 0, 0, 1, 2, 2, UNLABELLED, UNLABELLED];
+    // The centred 2×2 square of a, resampled to 4×4 by nearest.
+    let t = p.targets(pos, 1).unwrap();
+    let centred: Vec<u32> = (0..16)
+        .map(|i| want[(i / 4 / 2) * 4 + 1 + (i % 4) / 2])
+        .collect();
+    assert_eq!(t, centred);
+    // Renumbered by name; unlabelled stays.
+    let names: Vec<String> = ["tumour", "background", "stroma"].map(String::from).into();
+    let renamed = p.by_class_names(&names).unwrap();
+    let map = |l: u32| {
+        if l == UNLABELLED {
+            l
+        } else {
+            [1, 2, 0][l as usize]
+        }
+    };
+    assert_eq!(
+        renamed.targets(pos, 1).unwrap(),
+        centred.iter().map(|&l| map(l)).collect::<Vec<_>>()
+    );
+    assert_eq!(renamed.class_counts().unwrap(), Some(vec![2, 3, 9]));
+
+    let refused = |setup: &dyn Fn(&Path), needles: &[&str]| {
+        let d = temp("seg-refused");
+        std::fs::write(d.join("classes.txt"), "background\ntumour\n").unwrap();
+        pair(&d, "a", "png", 4, 2, &[0; 8]);
+        setup(&d);
+        let e = match gems::data::open(&segment(&d), 4, 0, 3) {
+            Err(e) => e.to_string(),
+            Ok(data) => data.train.class_counts().unwrap_err().to_string(),
+        };
+        for n in needles {
+            assert!(e.contains(n), "{e:?} lacks {n:?}");
+        }
+    };
+    refused(
+        &|d| pair(d, "b", "png", 4, 2, &[0, 1, 5, 0, 0, 0, 0, 0]),
+        &["masks/b.png", "value 5"],
+    );
+    refused(
+        &|d| std::fs::remove_file(d.join("masks/a.png")).unwrap(),
+        &["images/a.png", "has no mask"],
+    );
+    refused(
+        &|d| solid(&d.join("images/c.png"), 4, 2, [0, 0, 0]),
+        &["images/c.png", "has no mask"],
+    );
+    refused(
+        &|d| {
+            image::GrayImage::new(4, 2)
+                .save(d.join("masks/c.png"))
+                .unwrap()
+        },
+        &["masks/c.png", "has no image"],
+    );
+    refused(
+        &|d| {
+            image::GrayImage::new(4, 3)
+                .save(d.join("masks/a.png"))
+                .unwrap()
+        },
+        &["masks/a.png", "4×3", "4×2"],
+    );
+    refused(
+        &|d| solid(&d.join("masks/a.png"), 4, 2, [0, 0, 0]),
+        &["masks/a.png", "grayscale"],
+    );
+    refused(
+        &|d| std::fs::remove_file(d.join("classes.txt")).unwrap(),
+        &["classes.txt"],
+    );
+    // With --skip-bad an unreadable image leaves its pair out, by name.
+    std::fs::write(d.join("images/c.png"), "not a png").unwrap();
+    image::GrayImage::new(3, 3)
+        .save(d.join("masks/c.png"))
+        .unwrap();
+    let c = DataConfig {
+        skip_bad: true,
+        ..segment(&d)
+    };
+    let data = gems::data::open(&c, 4, 0, 3).unwrap();
+    assert_eq!(data.train.samples(), Some(2));
+    assert!(
+        data.skipped[0].0.ends_with("images/c.png"),
+        "{:?}",
+        data.skipped
+    );
+    assert!(gems::data::open(&segment(&d), 4, 0, 3).is_err());
+}
+
+#[test]
+fn synthetic_scenes_segment() {
+    let c = DataConfig {
+        task: Task::Segment,
+        augment: true,
+        ..DataConfig::default()
+    };
+    let data = gems::data::open(&c, 32, 3, 5).unwrap();
+    assert_eq!(data.classes, ["background", "1", "2"]);
+    let (train, val) = (&data.train, data.val.as_ref().unwrap());
+    assert_eq!((train.task(), train.positions()), (Task::Segment, 32 * 32));
+    let t = train.targets(10, 4).unwrap();
+    assert_eq!(t.len(), 4 * 32 * 32);
+    assert_eq!(train.batch(10, 4).unwrap().1, t);
+    assert!(
+        (0..3).all(|c| t.contains(&c)),
+        "every class shows in 4 scenes"
+    );
+    assert_ne!(val.targets(10, 4).unwrap(), t);
+    let e = gems::data::open(&c, 32, 1, 5).err().unwrap().to_string();
+    assert!(e.contains("at least 2 classes"), "{e}");
 }

@@ -32,7 +32,10 @@ fn gems(args: &[&str]) -> String {
 
 /// The number after `key` in `text`.
 fn number_after(text: &str, key: &str) -> f64 {
-    let at = text.find(key).unwrap_or_else(|| panic!("no '{key}' in:\n{text}")) + key.len();
+    let at = text
+        .find(key)
+        .unwrap_or_else(|| panic!("no '{key}' in:\n{text}"))
+        + key.len();
     text[at..]
         .split_whitespace()
         .next()
@@ -47,9 +50,26 @@ fn slide(dir: &Path) -> (PathBuf, PathBuf) {
     std::fs::create_dir_all(&slides).unwrap();
     let (tiff, labels) = (slides.join("a.tiff"), dir.join("labels.csv"));
     gems(&[
-        "data", "make-slide", "--out", tiff.to_str().unwrap(), "--width", "1024", "--height",
-        "768", "--tile", "64", "--levels", "3", "--classes", "3", "--region", "256", "--seed",
-        "3", "--labels", labels.to_str().unwrap(),
+        "data",
+        "make-slide",
+        "--out",
+        tiff.to_str().unwrap(),
+        "--width",
+        "1024",
+        "--height",
+        "768",
+        "--tile",
+        "64",
+        "--levels",
+        "3",
+        "--classes",
+        "3",
+        "--region",
+        "256",
+        "--seed",
+        "3",
+        "--labels",
+        labels.to_str().unwrap(),
     ]);
     (slides, labels)
 }
@@ -66,10 +86,29 @@ fn a_unet_learns_the_regions_of_a_slide_and_maps_its_predictions() {
     let data = format!("slides:{}", slides.display());
     let ckpt = dir.join("ckpt");
     let train = gems(&[
-        "train", "--model", "unet_d3_w8", "--data", &data, "--labels",
-        labels.to_str().unwrap(), "--image-size", "64", "--batch-size", "8", "--steps", "240",
-        "--lr", "0.05", "--val", "0.2", "--seed", "1", "--checkpoint",
-        ckpt.to_str().unwrap(), "--checkpoint-every", "240",
+        "train",
+        "--model",
+        "unet_d3_w8",
+        "--data",
+        &data,
+        "--labels",
+        labels.to_str().unwrap(),
+        "--image-size",
+        "64",
+        "--batch-size",
+        "8",
+        "--steps",
+        "240",
+        "--lr",
+        "0.05",
+        "--val",
+        "0.2",
+        "--seed",
+        "1",
+        "--checkpoint",
+        ckpt.to_str().unwrap(),
+        "--checkpoint-every",
+        "240",
     ]);
     // The pixel balance of the training tiles: a trivial predictor paints every pixel with
     // the commonest class, scoring its share as IoU for that class and 0 for the others.
@@ -86,8 +125,13 @@ fn a_unet_learns_the_regions_of_a_slide_and_maps_its_predictions() {
     let trivial = shares.iter().copied().fold(0.0, f64::max) / shares.len() as f64;
     let out = dir.join("maps");
     let eval = gems(&[
-        "eval", "--checkpoint", ckpt.join("step-000240.safetensors").to_str().unwrap(),
-        "--predictions", out.to_str().unwrap(), "--map-level", "0",
+        "eval",
+        "--checkpoint",
+        ckpt.join("step-000240.safetensors").to_str().unwrap(),
+        "--predictions",
+        out.to_str().unwrap(),
+        "--map-level",
+        "0",
     ]);
     let miou = number_after(&eval, "mean IoU");
     assert!(
@@ -108,7 +152,19 @@ fn a_unet_learns_the_regions_of_a_slide_and_maps_its_predictions() {
     let csv = std::fs::read_to_string(out.join("tiles.csv")).unwrap();
     let mut rows = csv.lines();
     let header: Vec<&str> = rows.next().unwrap().split(',').collect();
-    assert_eq!(&header[..8], ["slide", "level", "x", "y", "side", "true", "predicted", "loss"]);
+    assert_eq!(
+        &header[..8],
+        [
+            "slide",
+            "level",
+            "x",
+            "y",
+            "side",
+            "true",
+            "predicted",
+            "loss"
+        ]
+    );
     let names = &header[8..];
     let mut tiles = 0;
     for row in rows {
@@ -123,7 +179,9 @@ fn a_unet_learns_the_regions_of_a_slide_and_maps_its_predictions() {
                 counts[class as usize] += 1;
             }
         }
-        let most = (0..counts.len()).max_by_key(|&c| (counts[c], usize::MAX - c)).unwrap();
+        let most = (0..counts.len())
+            .max_by_key(|&c| (counts[c], usize::MAX - c))
+            .unwrap();
         assert_eq!(most as u8, predicted, "tile at ({x}, {y}): {counts:?}");
         tiles += 1;
     }

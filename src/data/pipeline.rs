@@ -8,7 +8,7 @@ use std::sync::{Arc, Mutex};
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 
-use super::folder::Folder;
+use super::folder::{Folder, Pairs};
 use super::order::Epochs;
 use super::slide::{self, Slides, TileConfig};
 use super::synthetic::{SceneStream, Scenes, Stream, Synthetic};
@@ -30,7 +30,8 @@ pub const MAX_WORKERS: usize = 1024;
 pub enum SourceSpec {
     /// Generated on the fly (see [`Synthetic`]).
     Synthetic,
-    /// One sub-folder per class (see [`Folder`]).
+    /// One sub-folder per class (see [`Folder`]), or to segment images and masks (see
+    /// [`Pairs`]).
     Folder(PathBuf),
     /// Tiles of the slides in `dir`, labelled by the CSV file `labels` (see [`Slides`]).
     Slides {
@@ -91,13 +92,14 @@ impl Default for DataConfig {
     }
 }
 
-/// The classes of a source that names its own (`None` for synthetic data, whose count the
-/// run chooses), without listing its samples.
-pub fn class_names(source: &SourceSpec) -> Result<Option<Vec<String>>> {
-    match source {
-        SourceSpec::Synthetic => Ok(None),
-        SourceSpec::Folder(dir) => Folder::class_names(dir).map(Some),
-        SourceSpec::Slides { labels, .. } => slide::label_classes(labels).map(Some),
+/// The classes of a source that names its own for `task` (`None` for synthetic data, whose
+/// count the run chooses), without listing its samples.
+pub fn class_names(source: &SourceSpec, task: Task) -> Result<Option<Vec<String>>> {
+    match (source, task) {
+        (SourceSpec::Synthetic, _) => Ok(None),
+        (SourceSpec::Folder(dir), Task::Classify) => Folder::class_names(dir).map(Some),
+        (SourceSpec::Folder(dir), Task::Segment) => Pairs::class_names(dir).map(Some),
+        (SourceSpec::Slides { labels, .. }, task) => slide::label_classes(labels, task).map(Some),
     }
 }
 
@@ -240,13 +242,18 @@ pub fn open(c: &DataConfig, image_size: usize, classes: usize, seed: u64) -> Res
         SourceSpec::Synthetic => {
             return Dataset::synthetic_with(c.task, image_size, classes, seed, c.augment)
         }
+        SourceSpec::Folder(dir) if c.task == Task::Segment => {
+            let f = Pairs::open(dir, c.skip_bad)?;
+            let skipped = named(&f.skipped);
+            (Arc::new(f), skipped)
+        }
         SourceSpec::Folder(dir) => {
             let f = Folder::open(dir, c.skip_bad)?;
             let skipped = named(&f.skipped);
             (Arc::new(f), skipped)
         }
         SourceSpec::Slides { dir, labels, tiles } => {
-            let s = Slides::open(dir, labels, tiles, c.skip_bad)?;
+            let s = Slides::open_for(c.task, dir, labels, tiles, c.skip_bad)?;
             let skipped = named(&s.skipped);
             (Arc::new(s), skipped)
         }

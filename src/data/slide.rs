@@ -21,7 +21,7 @@ use tiff::encoder::{TiffEncoder, TiffKind};
 use tiff::tags::{CompressionMethod, PhotometricInterpretation, PlanarConfiguration, Tag};
 use tiff::{ColorType, TiffError, TiffFormatError, TiffResult};
 
-use super::{Image, Source, TilePlace, CHANNELS};
+use super::{Image, Mask, Source, Task, TilePlace, CHANNELS, UNLABELLED};
 use crate::core::rng::splitmix64;
 use crate::{Error, Result};
 
@@ -726,7 +726,8 @@ pub struct Tile {
     pub x: u32,
     /// Top edge in pixels of the configured level.
     pub y: u32,
-    /// Its class's index in [`Slides`]'s class names.
+    /// Its class's index in [`Slides`]'s class names (when segmenting, the class at its
+    /// centre, or [`UNLABELLED`]).
     pub label: u32,
 }
 
@@ -749,6 +750,13 @@ pub struct Tile {
 /// region reaching outside its slide or holding no tile's centre, regions of different labels
 /// that overlap, and a class left with no tile.
 ///
+/// To segment ([`Slides::open_for`] with [`Task::Segment`]), every tile of a slide that passes
+/// the tissue filter is a sample, and rows label pixels ([`Slides::tile_mask`]): each pixel
+/// takes the label of the first region holding its centre, a whole-slide row labels every
+/// pixel, and pixels in no region are of the class [`BACKGROUND`] (added to the class names);
+/// a region labelled [`UNLABELLED_REGION`] marks its pixels [`UNLABELLED`]. A region need
+/// not hold a tile's centre, nor a class a tile.
+///
 /// The tissue filter reads each tile once at opening, from the coarsest level on which the
 /// tile still spans [`TISSUE_FOOTPRINT`] pixels (so opening costs a small fraction of reading
 /// the tiles), decoding each TIFF tile of that level at most once.
@@ -757,6 +765,9 @@ pub struct Slides {
     classes: Vec<String>,
     tiles: Vec<Tile>,
     config: TileConfig,
+    task: Task,
+    /// Per slide, its regions in level-0 pixels and their classes, in file order.
+    regions: Vec<Vec<([u32; 4], u32)>>,
     /// Slides left out at opening because they could not be read (`skip_bad`), and why.
     pub skipped: Vec<(PathBuf, String)>,
 }
@@ -766,14 +777,25 @@ pub struct Slides {
 pub const TISSUE_FOOTPRINT: u32 = 8;
 
 impl Slides {
-    /// Opens every slide in `dir`, reads the labels in `labels` and lists the tiles. With
-    /// `skip_bad`, a slide that cannot be opened or read (damaged, truncated) is left out with
-    /// its reason in [`Slides::skipped`] instead of failing.
+    /// Opens every slide in `dir`, reads the labels in `labels` and lists the tiles, to
+    /// classify. With `skip_bad`, a slide that cannot be opened or read (damaged, truncated)
+    /// is left out with its reason in [`Slides::skipped`] instead of failing.
     pub fn open(dir: &Path, labels: &Path, config: &TileConfig, skip_bad: bool) -> Result<Slides> {
+        Slides::open_for(Task::Classify, dir, labels, config, skip_bad)
+    }
+
+    /// [`Slides::open`] for `task`.
+    pub fn open_for(
+        task: Task,
+        dir: &Path,
+        labels: &Path,
+        config: &TileConfig,
+        skip_bad: bool,
+    ) -> Result<Slides> {
         if config.stride == 0 {
             return Err(Error::Config("tile stride must be at least 1 pixel".into()));
         }
-        let rows = read_labels(labels)?;
+        let rows = read_labels(labels, task)?;
         let mut paths = Vec::new();
         let entries = std::fs::read_dir(dir)
             .map_err(|e| Error::Data(format!("cannot read {}: {e}", dir.display())))?;
@@ -797,6 +819,7 @@ impl Slides {
         }
         let mut slides = Vec::new();
         let mut tiles = Vec::new();
+        let mut regions = Vec::new();
         let mut skipped = Vec::new();
         let mut named = std::collections::HashSet::new();
         for path in paths {
@@ -824,6 +847,7 @@ impl Slides {
             match slide_tiles(&slide, slides.len(), labelled, &rows, config) {
                 Ok(t) => {
                     tiles.extend(t);
+                    regions.push(rows.regions(labelled, &slide.levels()[0]));
                     slides.push(slide);
                 }
                 Err(e) if skip_bad => skipped.push((path, e.to_string())),
@@ -842,9 +866,13 @@ impl Slides {
         }
         let mut counts = vec![0usize; rows.classes.len()];
         for t in &tiles {
-            counts[t.label as usize] += 1;
+            if let Some(n) = counts.get_mut(t.label as usize) {
+                *n += 1;
+            }
         }
-        if let Some(class) = counts.iter().position(|&n| n == 0) {
+        // A segmenting tile holds many classes: its centre's says little.
+        let empty = counts.iter().position(|&n| n == 0);
+        if let Some(class) = empty.filter(|_| task == Task::Classify) {
             let label = &rows.classes[class];
             let mut lines: Vec<usize> = rows
                 .by_slide
@@ -871,6 +899,8 @@ impl Slides {
             classes: rows.classes,
             tiles,
             config: *config,
+            task,
+            regions,
             skipped,
         })
     }
@@ -919,6 +949,61 @@ impl Slides {
         Ok(path)
     }
 
+    /// The labels of tile `index`'s pixels, row-major: each pixel takes the class of the first
+    /// region (in file order) holding its centre in level-0 pixels, else the background's.
+    /// Computed from the rectangles as per-row spans, without reading pixels.
+    pub fn tile_mask(&self, index: usize) -> Result<Mask> {
+        let t = *self.tile(index)?;
+        let (base, level) = (
+            self.slides[t.slide].levels()[0],
+            self.slides[t.slide].levels()[self.config.level],
+        );
+        let (sx, sy) = (
+            base.width as f64 / level.width as f64,
+            base.height as f64 / level.height as f64,
+        );
+        let n = self.config.tile as usize;
+        let background = match self
+            .classes
+            .binary_search_by(|c| c.as_str().cmp(BACKGROUND))
+        {
+            Ok(i) => i as u32,
+            Err(_) => UNLABELLED,
+        };
+        let mut labels = vec![background; n * n];
+        // The pixels [first, end) along an axis whose centres lie in [from, from + len).
+        let span = |corner: u32, scale: f64, from: u32, len: u32| {
+            let inside = |p: usize| {
+                let centre = (corner as f64 + p as f64 + 0.5) * scale;
+                centre >= from as f64 && centre < from as f64 + len as f64
+            };
+            let first = (0..n).position(inside).unwrap_or(n);
+            let end = first + (first..n).take_while(|&p| inside(p)).count();
+            first..end
+        };
+        // Later regions first, so the first one holding a pixel paints it last.
+        let (left, top) = (t.x as f64 * sx, t.y as f64 * sy);
+        let (right, bottom) = (left + n as f64 * sx, top + n as f64 * sy);
+        for &([x, y, w, h], class) in self.regions[t.slide].iter().rev() {
+            let (x0, y0) = (x as f64, y as f64);
+            if x0 >= right || x0 + w as f64 <= left || y0 >= bottom || y0 + h as f64 <= top {
+                continue;
+            }
+            let cols = span(t.x, sx, x, w);
+            if cols.is_empty() {
+                continue;
+            }
+            for row in span(t.y, sy, y, h) {
+                labels[row * n + cols.start..row * n + cols.end].fill(class);
+            }
+        }
+        Ok(Mask {
+            height: n,
+            width: n,
+            labels,
+        })
+    }
+
     fn tile(&self, index: usize) -> Result<&Tile> {
         self.tiles.get(index).ok_or_else(|| {
             Error::Internal(format!("tile {index} asked of {} tiles", self.tiles.len()))
@@ -954,6 +1039,14 @@ impl Source for Slides {
             y: t.y,
             side: self.config.tile,
         })
+    }
+
+    fn task(&self) -> Task {
+        self.task
+    }
+
+    fn mask(&self, index: usize) -> Result<Mask> {
+        self.tile_mask(index)
     }
 
     /// `a.tiff level 1 tile at (2048, 1024)`, the corner in pixels of that level.
@@ -1033,9 +1126,30 @@ struct Labels {
     path: PathBuf,
     by_slide: HashMap<String, SlideLabels>,
     classes: Vec<String>,
+    task: Task,
 }
 
 impl Labels {
+    /// The number of class `label`; [`UNLABELLED`] for unlabelled regions when segmenting.
+    fn number(&self, label: &str) -> u32 {
+        match self.classes.binary_search_by(|c| c.as_str().cmp(label)) {
+            Ok(i) => i as u32,
+            Err(_) => UNLABELLED,
+        }
+    }
+
+    /// A slide's rows as regions of numbered classes, in file order: a whole-slide row is
+    /// one region covering `base`.
+    fn regions(&self, rows: &SlideLabels, base: &Level) -> Vec<([u32; 4], u32)> {
+        match rows {
+            SlideLabels::Whole(l, _) => vec![([0, 0, base.width, base.height], self.number(l))],
+            SlideLabels::Regions(list) => list
+                .iter()
+                .map(|r| (r.rect, self.number(&r.label)))
+                .collect(),
+        }
+    }
+
     /// The key of the rows for the slide at `path`: its file name, else its stem.
     fn key_for(&self, path: &Path) -> Option<String> {
         let stem = path.file_stem().map(|s| s.to_string_lossy().into_owned());
@@ -1054,12 +1168,17 @@ impl Labels {
     }
 }
 
-/// The class names a labels file gives (see [`Slides`]), without opening any slide.
-pub fn label_classes(labels: &Path) -> Result<Vec<String>> {
-    Ok(read_labels(labels)?.classes)
+/// The class names a labels file gives for `task` (see [`Slides`]), without opening any slide.
+pub fn label_classes(labels: &Path, task: Task) -> Result<Vec<String>> {
+    Ok(read_labels(labels, task)?.classes)
 }
 
-fn read_labels(path: &Path) -> Result<Labels> {
+/// When segmenting, the class of pixels in no region; added to the class names.
+pub const BACKGROUND: &str = "background";
+/// When segmenting, the label of regions whose pixels are [`UNLABELLED`]; not a class.
+pub const UNLABELLED_REGION: &str = "unlabelled";
+
+fn read_labels(path: &Path, task: Task) -> Result<Labels> {
     let text = crate::core::files::read_text(path)?;
     let mut by_slide: HashMap<String, SlideLabels> = HashMap::new();
     let bad = |line: usize, why: &str| Error::BadInput {
@@ -1139,6 +1258,10 @@ fn read_labels(path: &Path) -> Result<Labels> {
             SlideLabels::Regions(list) => list.iter().map(|r| r.label.clone()).collect(),
         })
         .collect();
+    if task == Task::Segment {
+        classes.retain(|c| c != UNLABELLED_REGION);
+        classes.push(BACKGROUND.into());
+    }
     classes.sort();
     classes.dedup();
     if classes.is_empty() {
@@ -1151,6 +1274,7 @@ fn read_labels(path: &Path) -> Result<Labels> {
         path: path.to_path_buf(),
         by_slide,
         classes,
+        task,
     })
 }
 
@@ -1192,7 +1316,8 @@ fn tile_centres(slide: &Slide, config: &TileConfig) -> Result<Vec<Placed>> {
         .collect())
 }
 
-/// Refuses region rows of `slide` that reach outside it or hold no tile's centre.
+/// Refuses region rows of `slide` that reach outside it or (classifying) hold no tile's
+/// centre.
 fn check_regions(
     slide: &Slide,
     rows: &SlideLabels,
@@ -1214,6 +1339,10 @@ fn check_regions(
             );
             return Err(labels.error(r.line, &why));
         }
+    }
+    if labels.task == Task::Segment {
+        // Every tile is a sample, whatever its centre: a region may lie between centres.
+        return Ok(());
     }
     let centres = tile_centres(slide, config)?;
     for r in regions {
@@ -1245,7 +1374,7 @@ fn slide_tiles(
         Some(_) => Some(tile_brightness(slide, config, cols, rows_down)?),
         None => None,
     };
-    let number = |label: &String| labels.classes.binary_search(label).unwrap_or_default() as u32;
+    let number = |label: &String| labels.number(label);
     let mut tiles = Vec::new();
     for (i, ((x, y), (cx, cy))) in tile_centres(slide, config)?.into_iter().enumerate() {
         if let (Some(b), Some(limit)) = (&brightness, config.tissue_threshold) {
@@ -1258,7 +1387,8 @@ fn slide_tiles(
             SlideLabels::Regions(list) => list
                 .iter()
                 .find(|region| region.holds(cx, cy))
-                .map(|region| number(&region.label)),
+                .map(|region| number(&region.label))
+                .or((labels.task == Task::Segment).then(|| labels.number(BACKGROUND))),
         };
         if let Some(label) = label {
             tiles.push(Tile {

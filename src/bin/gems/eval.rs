@@ -30,7 +30,7 @@ pub fn eval(a: EvalArgs) -> anyhow::Result<()> {
         (None, _) => {
             let source = a.data.as_ref().expect("clap requires --data with --init");
             let spec = a.slides.spec(source, a.image_size)?;
-            let classes = match gems::data::pipeline::class_names(&spec)? {
+            let classes = match gems::data::pipeline::class_names(&spec, models::task(&a.model)?)? {
                 Some(names) => names.len(),
                 None => a.classes.unwrap_or(10),
             };

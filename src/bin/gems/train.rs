@@ -6,7 +6,7 @@ use std::time::Instant;
 
 use indicatif::{ProgressBar, ProgressStyle};
 
-use gems::data::Pipeline;
+use gems::data::{Pipeline, Task};
 use gems::fit::{self, Auto};
 use gems::graph::policy::{Keep, SavePolicy};
 use gems::memory::human_bytes;
@@ -46,7 +46,10 @@ pub fn setup(a: &TrainArgs) -> anyhow::Result<(Graph, RunConfig)> {
         }
         None => {
             let data = a.input.config(a.image_size, models::task(&a.model)?)?;
-            let classes = match (gems::data::pipeline::class_names(&data.source)?, a.classes) {
+            let classes = match (
+                gems::data::pipeline::class_names(&data.source, data.task)?,
+                a.classes,
+            ) {
                 (None, given) => given.unwrap_or(10),
                 (Some(names), Some(given)) if given != names.len() => anyhow::bail!(
                     "--classes {given}, but the data has {} classes ({})",
@@ -162,7 +165,7 @@ pub fn train(a: TrainArgs) -> anyhow::Result<()> {
 }
 
 /// Opens the run's data for `graph`; where `speaks`, warns of samples left out and prints the
-/// samples of each class (a class the data lacks is refused when the source is opened).
+/// samples of each class (when segmenting, the share of labelled pixels of each) (a class the data lacks is refused when the source is opened).
 fn open_data(graph: &Graph, c: &RunConfig, speaks: bool) -> anyhow::Result<gems::Dataset> {
     let t = &c.train;
     let data = gems::data::open(&t.data, graph.image_size(), graph.classes(), t.seed)?;
@@ -172,14 +175,21 @@ fn open_data(graph: &Graph, c: &RunConfig, speaks: bool) -> anyhow::Result<gems:
             let Some(counts) = p.class_counts()? else {
                 return Ok(None);
             };
-            let per_class: Vec<String> = p
-                .classes()
-                .iter()
-                .zip(&counts)
-                .map(|(name, n)| format!("{name} {n}"))
-                .collect();
             let total: usize = counts.iter().sum();
-            Ok(Some(format!("{total} {what} ({})", per_class.join(", "))))
+            let per_class = |each: &dyn Fn(usize) -> String| -> String {
+                let named = p.classes().iter().zip(&counts);
+                let parts: Vec<String> = named.map(|(c, &n)| format!("{c} {}", each(n))).collect();
+                parts.join(", ")
+            };
+            Ok(Some(match p.task() {
+                Task::Classify => format!("{total} {what} ({})", per_class(&|n| n.to_string())),
+                // Segmenting: the samples, and the class balance over their labelled pixels.
+                Task::Segment => format!(
+                    "{} {what}; pixels: {}",
+                    p.samples().unwrap_or(0),
+                    per_class(&|n| format!("{:.1}%", 100.0 * n as f64 / total.max(1) as f64))
+                ),
+            }))
         };
         let mut parts = split(&data.train, "for training")?
             .into_iter()
