@@ -237,7 +237,11 @@ fn whole_model_gradients_match_finite_differences() {
         let (x, _) = data.batch(0, 2);
         let total = run(&g, &mut params, &d, &x, true);
         for pname in probes {
-            let pi = g.params.iter().position(|p| p.name == *pname).unwrap();
+            let pi = g
+                .params
+                .iter()
+                .position(|p| p.name == *pname)
+                .unwrap_or_else(|| panic!("{name} has no parameter {pname}"));
             let analytic = params.grads[pi].as_ref().unwrap().to_f64_vec().unwrap();
             let original = params.values[pi].to_f64_vec().unwrap();
             let shape = g.params[pi].spec.shape.clone();
