@@ -1,13 +1,16 @@
 //! The U-Nets (src/models/unet.rs): parameter counts, names, shapes and order against the
 //! references' state_dicts (tests/data/<model>.names, written by `scripts/torch_reference.py
 //! state-dict`: milesial's UNet as rebuilt there, smp's Unet from its package), per-pixel
-//! outputs, where the skips go, refused configurations, and whole-model gradients against
-//! finite differences.
+//! outputs, where the skips go, refused configurations, the forward against PyTorch's on
+//! weights it made (tests/data/unet_forward, written by `scripts/make_unet_fixture.py`), and
+//! whole-model gradients against finite differences.
 
 use gems::graph::{self, Graph, Params};
 use gems::ops::{batched, Op};
 use gems::tensor::Device;
 use gems::{models, Category, DType};
+use safetensors::tensor::Dtype;
+use safetensors::SafeTensors;
 
 #[test]
 fn parameter_counts_match_the_references() {
@@ -237,7 +240,11 @@ fn whole_model_gradients_match_finite_differences() {
         let (x, _) = data.batch(0, 2);
         let total = run(&g, &mut params, &d, &x, true);
         for pname in probes {
-            let pi = g.params.iter().position(|p| p.name == *pname).unwrap();
+            let pi = g
+                .params
+                .iter()
+                .position(|p| p.name == *pname)
+                .unwrap_or_else(|| panic!("{name} has no parameter {pname}"));
             let analytic = params.grads[pi].as_ref().unwrap().to_f64_vec().unwrap();
             let original = params.values[pi].to_f64_vec().unwrap();
             let shape = g.params[pi].spec.shape.clone();
@@ -270,4 +277,72 @@ fn whole_model_gradients_match_finite_differences() {
             }
         }
     }
+}
+
+/// The values of tensor `name` (f32 or f64) of a safetensors file, as f64.
+fn read(st: &SafeTensors, name: &str) -> Vec<f64> {
+    let t = st.tensor(name).unwrap_or_else(|e| panic!("{name}: {e}"));
+    let bytes = t.data();
+    match t.dtype() {
+        Dtype::F32 => bytes
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes(b.try_into().unwrap()) as f64)
+            .collect(),
+        Dtype::F64 => bytes
+            .chunks_exact(8)
+            .map(|b| f64::from_le_bytes(b.try_into().unwrap()))
+            .collect(),
+        other => panic!("{name}: {other:?}"),
+    }
+}
+
+#[test]
+fn unet_computes_what_pytorch_computes() {
+    // milesial's UNet at depth 2, width 4 with PyTorch's weights and random BN statistics, in
+    // evaluation mode, f64: the same logits up to the order of summation.
+    let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/data/unet_forward");
+    let weights = std::fs::read(format!("{dir}/weights.safetensors")).unwrap();
+    let weights = SafeTensors::deserialize(&weights).unwrap();
+    let io = std::fs::read(format!("{dir}/io.safetensors")).unwrap();
+    let io = SafeTensors::deserialize(&io).unwrap();
+    let g = models::build("unet_d2_w4", 16, 2).unwrap();
+    let d = Device::cpu("test", None);
+    let mut params = Params::init(&g, &d, DType::F64, 0).unwrap();
+    for (i, p) in g.params.iter().enumerate() {
+        let dims = weights.tensor(&p.name).unwrap().shape().to_vec();
+        assert_eq!(dims, p.spec.shape.dims(), "{}", p.name);
+        let v = read(&weights, &p.name);
+        params.values[i] = d
+            .upload(p.spec.shape.clone(), &v, DType::F64, Category::Weights)
+            .unwrap();
+    }
+    let x = d
+        .upload(
+            batched(2, g.input_shape()),
+            &read(&io, "input"),
+            DType::F64,
+            Category::Activations,
+        )
+        .unwrap();
+    let out = g.outputs[0].value;
+    let (ys, _) = graph::forward(
+        &g,
+        &mut params,
+        &d,
+        vec![(g.input, x)],
+        0..g.nodes.len(),
+        &[out],
+        None,
+        false,
+        0,
+    )
+    .unwrap();
+    assert_eq!(ys[0].shape().dims(), [2, 2, 16, 16]);
+    let (got, want) = (ys[0].to_f64_vec().unwrap(), read(&io, "logits"));
+    let worst = got
+        .iter()
+        .zip(&want)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0.0, f64::max);
+    assert!(worst < 1e-10, "largest difference from PyTorch {worst}");
 }

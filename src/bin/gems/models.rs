@@ -41,9 +41,12 @@ pub fn list(a: ModelsArgs) -> anyhow::Result<()> {
                     Some(cap) => {
                         let mut one = RunConfig::new(TrainConfig::new(1, 1), Scheme::single(1));
                         one.train.dtype = a.dtype;
-                        match gems::fit::largest_batch(&g, &one, cap, 1 << 20)? {
-                            0 => "none".to_string(),
-                            b => b.to_string(),
+                        // A model the planner cannot meter says why in its row, the rest
+                        // are still listed.
+                        match gems::fit::largest_batch(&g, &one, cap, 1 << 20) {
+                            Ok(0) => "none".to_string(),
+                            Ok(b) => b.to_string(),
+                            Err(e) => format!("n/a: {e}"),
                         }
                     }
                     None => String::new(),
