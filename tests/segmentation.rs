@@ -118,6 +118,7 @@ fn a_unet_learns_the_regions_of_a_slide_and_maps_its_predictions() {
         .unwrap_or_else(|| panic!("no pixel balance in:\n{train}"))
         .split("pixels:")
         .nth(1)
+        .and_then(|rest| rest.split(';').next())
         .unwrap()
         .split(',')
         .map(|part| number_after(part.trim_start(), " ") / 100.0)
