@@ -800,6 +800,11 @@ fn softmax_cross_entropy_refuses_bad_labels_and_weights() {
         loss::softmax_cross_entropy(&d, &flat, &labels, None).is_err(),
         "logits of rank 1"
     );
+    let empty = upload(&d, &Shape::new([2, 3, 0, 4]), &[], DType::F64);
+    assert!(
+        loss::softmax_cross_entropy(&d, &empty, &[], None).is_err(),
+        "logits of no places"
+    );
 }
 
 #[test]

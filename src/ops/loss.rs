@@ -134,8 +134,10 @@ fn geometry(shape: &Shape) -> Result<LossGeom> {
             )))
         }
     };
-    if k == 0 {
-        return Err(Error::Shape(format!("logits {shape} have no classes")));
+    if k == 0 || positions == 0 {
+        return Err(Error::Shape(format!(
+            "logits {shape} have no classes or no places"
+        )));
     }
     Ok(LossGeom { n, k, positions })
 }
@@ -190,7 +192,7 @@ fn place_weights(
         l => class_weights.map_or(1.0, |cw| cw[l as usize]),
     };
     let mut weights: Vec<f64> = labels.iter().map(|&l| class_weight(l)).collect();
-    for sample in weights.chunks_mut(g.positions.max(1)) {
+    for sample in weights.chunks_mut(g.positions) {
         let total: f64 = sample.iter().sum();
         if total > 0.0 {
             let denominator = g.n as f64 * total;
