@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
-"""Writes tests/data/unet_forward/: a small U-Net's weights and the logits PyTorch computes with
-them, for tests/unet.rs's check that gems's unet computes what milesial's UNet computes.
+"""Writes tests/data/unet_forward/: U-Net logits PyTorch computes, for tests/unet.rs's checks that
+gems's unet and unet_resnet34 compute what milesial's UNet and smp's Unet compute.
 
     .venv-torch/bin/python scripts/make_unet_fixture.py
 
@@ -8,8 +8,12 @@ them, for tests/unet.rs's check that gems's unet computes what milesial's UNet c
   width 4) (gems's unet_d2_w4), PyTorch's initialisation (seed 0) with the BN affine parameters
   and running statistics drawn at random too (so evaluation-mode BN matters), stored as f32;
 - io.safetensors: `input`, 2 random 3×16×16 images, and `logits`, the 2×2×16×16 output in
-  evaluation mode, both f64, computed in f64 from the f32 weights.
-Written with the standard library and torch only (no safetensors package needed).
+  evaluation mode, both f64, computed in f64 from the f32 weights;
+- resnet34_logits.safetensors: `logits`, smp's Unet("resnet34", classes=2) in evaluation mode on
+  one 32² image, f64, with weights and image from `pattern` (too many weights to ship: gems's
+  test makes the same ones).
+Written with the standard library, torch and segmentation-models-pytorch (no safetensors
+package needed).
 """
 
 import json
@@ -17,6 +21,9 @@ import os
 import struct
 import sys
 
+import math
+
+import segmentation_models_pytorch as smp
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -42,6 +49,33 @@ def save_safetensors(path, tensors):
         f.write(struct.pack("<Q", len(head)) + head + b"".join(blobs))
 
 
+def pattern(j, shape, name):
+    """Tensor j's values (j = 0 for the image, then 1, 2, ... in state_dict order without
+    num_batches_tracked), from integer hashing so that gems rebuilds them bit for bit: u in
+    [-1, 1) per element, scaled as a layer keeps activations at scale (conv weights
+    u·√(3/fan_in), BN weights and running variances 1 + u/2, other vectors u/5)."""
+    n = math.prod(shape)
+    h = (torch.arange(n, dtype=torch.int64) * 2654435761 + (j + 1) * 2246822519) % 2**32
+    u = h.double() / 2**32 * 2 - 1
+    if len(shape) == 4:
+        u = u * math.sqrt(3 / math.prod(shape[1:]))
+    elif name.endswith((".running_var", ".weight")):
+        u = 1 + u / 2
+    elif len(shape) == 1:
+        u = u / 5
+    return u.reshape(shape)
+
+
+def resnet34_logits():
+    model = smp.Unet("resnet34", encoder_weights=None, classes=2).double().eval()
+    state = model.state_dict()
+    names = [k for k in state if not k.endswith(".num_batches_tracked")]
+    with torch.no_grad():
+        for j, k in enumerate(names, start=1):
+            state[k].copy_(pattern(j, list(state[k].shape), k))
+        return model(pattern(0, [1, 3, 32, 32], "input"))
+
+
 def main():
     torch.manual_seed(0)
     model = UNet(2, depth=2, width=4)
@@ -63,6 +97,9 @@ def main():
     save_safetensors(os.path.join(OUT, "weights.safetensors"), state)
     save_safetensors(os.path.join(OUT, "io.safetensors"), {"input": x, "logits": logits})
     print(f"wrote {OUT}: {len(state)} tensors, logits {list(logits.shape)}")
+    logits = resnet34_logits()
+    save_safetensors(os.path.join(OUT, "resnet34_logits.safetensors"), {"logits": logits})
+    print(f"unet_resnet34 logits {list(logits.shape)}, |max| {logits.abs().max().item():.3g}")
 
 
 if __name__ == "__main__":

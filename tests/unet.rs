@@ -1,9 +1,9 @@
 //! The U-Nets (src/models/unet.rs): parameter counts, names, shapes and order against the
 //! references' state_dicts (tests/data/<model>.names, written by `scripts/torch_reference.py
 //! state-dict`: milesial's UNet as rebuilt there, smp's Unet from its package), per-pixel
-//! outputs, where the skips go, refused configurations, the forward against PyTorch's on
-//! weights it made (tests/data/unet_forward, written by `scripts/make_unet_fixture.py`), and
-//! whole-model gradients against finite differences.
+//! outputs, where the skips go, refused configurations, the forward against PyTorch's
+//! (tests/data/unet_forward, written by `scripts/make_unet_fixture.py`), and whole-model
+//! gradients against finite differences.
 
 use gems::graph::{self, Graph, Params};
 use gems::ops::{batched, Op};
@@ -203,7 +203,9 @@ fn run(g: &Graph, params: &mut Params, d: &Device, x: &[f64], backward: bool) ->
 
 #[test]
 fn whole_model_gradients_match_finite_differences() {
-    // The stem, a skip's producer, an up-convolution, a decoder BN, the head.
+    // The stem, a skip's producer, an up-convolution, a decoder BN, the head. unet_resnet18 at
+    // 64², so that layer4's training-mode BN sees 2×2 pixels per image: at 32² it normalizes
+    // two values per channel to ±1, and finite differences through it lose their accuracy.
     for (name, side, probes) in [
         (
             "unet_d2_w4",
@@ -219,7 +221,7 @@ fn whole_model_gradients_match_finite_differences() {
         ),
         (
             "unet_resnet18",
-            32,
+            64,
             &[
                 "encoder.conv1.weight",
                 "encoder.layer2.0.downsample.0.weight",
@@ -296,37 +298,27 @@ fn read(st: &SafeTensors, name: &str) -> Vec<f64> {
     }
 }
 
-#[test]
-fn unet_computes_what_pytorch_computes() {
-    // milesial's UNet at depth 2, width 4 with PyTorch's weights and random BN statistics, in
-    // evaluation mode, f64: the same logits up to the order of summation.
-    let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/data/unet_forward");
-    let weights = std::fs::read(format!("{dir}/weights.safetensors")).unwrap();
-    let weights = SafeTensors::deserialize(&weights).unwrap();
-    let io = std::fs::read(format!("{dir}/io.safetensors")).unwrap();
-    let io = SafeTensors::deserialize(&io).unwrap();
-    let g = models::build("unet_d2_w4", 16, 2).unwrap();
+/// Evaluation-mode logits of `g` in f64 on `x`, a batch of `n` images, with `values` as its
+/// parameters in `g.params` order.
+fn eval_logits(g: &Graph, values: Vec<Vec<f64>>, x: &[f64], n: usize) -> Vec<f64> {
     let d = Device::cpu("test", None);
-    let mut params = Params::init(&g, &d, DType::F64, 0).unwrap();
-    for (i, p) in g.params.iter().enumerate() {
-        let dims = weights.tensor(&p.name).unwrap().shape().to_vec();
-        assert_eq!(dims, p.spec.shape.dims(), "{}", p.name);
-        let v = read(&weights, &p.name);
+    let mut params = Params::init(g, &d, DType::F64, 0).unwrap();
+    for (i, (p, v)) in g.params.iter().zip(values).enumerate() {
         params.values[i] = d
             .upload(p.spec.shape.clone(), &v, DType::F64, Category::Weights)
             .unwrap();
     }
     let x = d
         .upload(
-            batched(2, g.input_shape()),
-            &read(&io, "input"),
+            batched(n, g.input_shape()),
+            x,
             DType::F64,
             Category::Activations,
         )
         .unwrap();
     let out = g.outputs[0].value;
     let (ys, _) = graph::forward(
-        &g,
+        g,
         &mut params,
         &d,
         vec![(g.input, x)],
@@ -337,12 +329,84 @@ fn unet_computes_what_pytorch_computes() {
         0,
     )
     .unwrap();
-    assert_eq!(ys[0].shape().dims(), [2, 2, 16, 16]);
-    let (got, want) = (ys[0].to_f64_vec().unwrap(), read(&io, "logits"));
-    let worst = got
+    ys[0].to_f64_vec().unwrap()
+}
+
+/// The largest difference between `got` and `want`, relative to want's largest magnitude.
+fn worst_relative(got: &[f64], want: &[f64]) -> f64 {
+    assert_eq!(got.len(), want.len());
+    let scale = want.iter().fold(0.0, |m: f64, v| m.max(v.abs()));
+    got.iter()
+        .zip(want)
+        .map(|(a, b)| (a - b).abs() / scale)
+        .fold(0.0, f64::max)
+}
+
+fn fixture(file: &str) -> Vec<u8> {
+    let path = format!(
+        "{}/tests/data/unet_forward/{file}",
+        env!("CARGO_MANIFEST_DIR")
+    );
+    std::fs::read(&path).unwrap_or_else(|e| panic!("{path}: {e}"))
+}
+
+#[test]
+fn unet_computes_what_pytorch_computes() {
+    // milesial's UNet at depth 2, width 4 with PyTorch's weights and random BN statistics, in
+    // evaluation mode, f64: the same logits up to the order of summation.
+    let weights = fixture("weights.safetensors");
+    let weights = SafeTensors::deserialize(&weights).unwrap();
+    let io = fixture("io.safetensors");
+    let io = SafeTensors::deserialize(&io).unwrap();
+    let g = models::build("unet_d2_w4", 16, 2).unwrap();
+    let values = g
+        .params
         .iter()
-        .zip(&want)
-        .map(|(a, b)| (a - b).abs())
-        .fold(0.0, f64::max);
-    assert!(worst < 1e-10, "largest difference from PyTorch {worst}");
+        .map(|p| {
+            let dims = weights.tensor(&p.name).unwrap().shape().to_vec();
+            assert_eq!(dims, p.spec.shape.dims(), "{}", p.name);
+            read(&weights, &p.name)
+        })
+        .collect();
+    let got = eval_logits(&g, values, &read(&io, "input"), 2);
+    let worst = worst_relative(&got, &read(&io, "logits"));
+    assert!(worst < 1e-12, "largest difference from PyTorch {worst}");
+}
+
+/// make_unet_fixture.py's `pattern`: tensor `j`'s values from integer hashing, u in [-1, 1)
+/// scaled by shape and name (conv weights u·√(3/fan_in), BN weights and running variances
+/// 1 + u/2, other vectors u/5), bit for bit as PyTorch's side makes them.
+fn pattern(j: u64, dims: &[usize], name: &str) -> Vec<f64> {
+    let n = dims.iter().product::<usize>() as u64;
+    (0..n)
+        .map(|i| {
+            let h = (i * 2_654_435_761 + (j + 1) * 2_246_822_519) % (1 << 32);
+            let u = h as f64 / (1u64 << 32) as f64 * 2.0 - 1.0;
+            if dims.len() == 4 {
+                u * (3.0 / dims[1..].iter().product::<usize>() as f64).sqrt()
+            } else if name.ends_with(".running_var") || name.ends_with(".weight") {
+                1.0 + u / 2.0
+            } else {
+                u / 5.0
+            }
+        })
+        .collect()
+}
+
+#[test]
+fn unet_resnet34_computes_what_smp_computes() {
+    // smp's Unet("resnet34") in evaluation mode, f64, on weights and an image both sides make.
+    let g = models::build("unet_resnet34", 32, 2).unwrap();
+    let values = g
+        .params
+        .iter()
+        .enumerate()
+        .map(|(j, p)| pattern(j as u64 + 1, p.spec.shape.dims(), &p.name))
+        .collect();
+    let x = pattern(0, &[1, 3, 32, 32], "input");
+    let got = eval_logits(&g, values, &x, 1);
+    let want = fixture("resnet34_logits.safetensors");
+    let want = read(&SafeTensors::deserialize(&want).unwrap(), "logits");
+    let worst = worst_relative(&got, &want);
+    assert!(worst < 1e-12, "largest difference from smp {worst}");
 }

@@ -65,24 +65,21 @@ impl Spec {
 /// `unet` → depth 4, width 64; `unet_d3_w16` → depth 3, width 16; `unet_resnet34`,
 /// `unet_resnet18`; `Ok(None)` when not a U-Net name.
 pub fn parse(name: &str) -> Result<Option<Spec>> {
-    match name {
-        "unet" => {
-            return Ok(Some(Spec::Plain {
-                depth: 4,
-                width: 64,
-            }))
-        }
-        "unet_resnet18" => {
-            return Ok(Some(Spec::ResNet {
-                blocks: [2, 2, 2, 2],
-            }))
-        }
-        "unet_resnet34" => {
-            return Ok(Some(Spec::ResNet {
-                blocks: [3, 4, 6, 3],
-            }))
-        }
-        _ => {}
+    let named = match name {
+        "unet" => Some(Spec::Plain {
+            depth: 4,
+            width: 64,
+        }),
+        "unet_resnet18" => Some(Spec::ResNet {
+            blocks: [2, 2, 2, 2],
+        }),
+        "unet_resnet34" => Some(Spec::ResNet {
+            blocks: [3, 4, 6, 3],
+        }),
+        _ => None,
+    };
+    if named.is_some() {
+        return Ok(named);
     }
     let Some(rest) = name.strip_prefix("unet_d") else {
         return Ok(None);
