@@ -78,7 +78,8 @@ pub trait Source: Send + Sync {
     fn samples(&self) -> Option<usize>;
     /// Class names, in label order.
     fn classes(&self) -> &[String];
-    /// The label of sample `index`, without decoding it.
+    /// The label of sample `index`, without decoding it (segmentation sources: the class at
+    /// its centre, a summary for listings; targets come from [`Source::mask`]).
     fn label(&self, index: usize) -> Result<u32>;
     /// Decodes sample `index`. Errors are [`crate::Error::Data`] naming the file.
     fn read(&self, index: usize) -> Result<Image>;
