@@ -705,3 +705,38 @@ fn background_is_named_once_and_unlabelled_is_no_class() {
         ["background", "tumour", "unlabelled"]
     );
 }
+
+#[test]
+fn segmenting_keeps_tissue_tiles_and_splits() {
+    let dir = temp_dir("seg-tissue");
+    make_slide(&dir.join("a.tiff"), &small(1)).unwrap();
+    make_slide(&dir.join("b.tiff"), &small(2)).unwrap();
+    let labels = dir.join("labels.csv");
+    std::fs::write(&labels, SEGMENT_ROWS).unwrap();
+    let all = config(0, 32, 32);
+    let tissue = TileConfig {
+        tissue_threshold: Some(0.8),
+        ..all
+    };
+    let every = Slides::open_for(Task::Segment, &dir, &labels, &all, false).unwrap();
+    let kept = Slides::open_for(Task::Segment, &dir, &labels, &tissue, false).unwrap();
+    let (every, kept) = (every.samples().unwrap(), kept.samples().unwrap());
+    assert!(kept > every / 4 && kept < every, "{kept} of {every}");
+    let c = DataConfig {
+        source: SourceSpec::Slides {
+            dir: dir.clone(),
+            labels,
+            tiles: tissue,
+        },
+        task: Task::Segment,
+        val: 0.3,
+        ..DataConfig::default()
+    };
+    let data = gems::data::open(&c, 16, 0, 2).unwrap();
+    let (train, val) = (&data.train, data.val.as_ref().unwrap());
+    assert_eq!(train.samples().unwrap() + val.samples().unwrap(), kept);
+    let pixels =
+        |p: &gems::data::Pipeline| p.class_counts().unwrap().unwrap().iter().sum::<usize>();
+    assert!(pixels(train) > 0 && pixels(val) > 0);
+    assert_eq!(val.targets(0, 2).unwrap().len(), 2 * 16 * 16);
+}
