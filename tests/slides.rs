@@ -1,14 +1,15 @@
 //! Whole-slide images: synthetic pyramidal TIFFs written tile by tile, read back region by
 //! region, cut into labelled tiles; memory stays bounded on a slide far larger than the bound;
-//! bad files are refused by name.
+//! bad files are refused by name; region rows rasterised into tile masks.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use gems::data::slide::{
-    class_name, make_slide, MadeSlide, MakeSlide, Slide, Slides, TileConfig, TISSUE_FOOTPRINT,
+    class_name, label_classes, make_slide, MadeSlide, MakeSlide, Slide, Slides, TileConfig,
+    TISSUE_FOOTPRINT,
 };
-use gems::data::{Image, Source};
+use gems::data::{DataConfig, Image, Source, SourceSpec, Task, UNLABELLED};
 use rayon::prelude::*;
 
 fn temp_dir(name: &str) -> PathBuf {
@@ -588,4 +589,154 @@ fn memory_child() {
     );
     assert!(mean > 0.4 && mean < 0.95, "mean {mean}");
     assert!(grown < 48 << 20, "peak memory grew {} MiB", grown >> 20);
+}
+
+/// Region rows of a.tiff (file order matters where they overlap), and b.tiff labelled whole.
+const SEGMENT_ROWS: &str = "slide,x,y,w,h,label
+a.tiff,10,20,300,150,tumour
+a.tiff,200,100,200,200,tumour
+a.tiff,450,50,101,333,stroma
+a.tiff,0,400,77,99,unlabelled
+a.tiff,600,0,5,5,stroma
+b.tiff,stroma
+";
+
+/// The label of level-0 point (x, y) by the definition: the first region holding it.
+fn by_hand(x: f64, y: f64) -> u32 {
+    // Classes sort as background 0, stroma 1, tumour 2.
+    let rows = [
+        (10, 20, 300, 150, 2),
+        (200, 100, 200, 200, 2),
+        (450, 50, 101, 333, 1),
+        (0, 400, 77, 99, UNLABELLED),
+        (600, 0, 5, 5, 1),
+    ];
+    rows.iter()
+        .find(|&&(rx, ry, w, h, _)| {
+            let (rx, ry) = (rx as f64, ry as f64);
+            x >= rx && x < rx + w as f64 && y >= ry && y < ry + h as f64
+        })
+        .map_or(0, |r| r.4)
+}
+
+#[test]
+fn region_rows_rasterise_into_tile_masks_at_levels_0_and_1() {
+    let dir = temp_dir("masks");
+    make_slide(&dir.join("a.tiff"), &small(1)).unwrap();
+    make_slide(&dir.join("b.tiff"), &small(2)).unwrap();
+    let labels = dir.join("labels.csv");
+    std::fs::write(&labels, SEGMENT_ROWS).unwrap();
+    // Classifying, the tiny region holds no tile's centre and is refused; segmenting, not.
+    let e = error_of(Slides::open(&dir, &labels, &config(0, 64, 50), false));
+    assert!(e.contains("line 6") && e.contains("centre of no"), "{e}");
+    for (level, tile, stride, scale) in [(0, 64, 50, 1.0), (1, 40, 30, 2.0)] {
+        let cfg = config(level, tile, stride);
+        let s = Slides::open_for(Task::Segment, &dir, &labels, &cfg, false).unwrap();
+        assert_eq!(s.classes(), ["background", "stroma", "tumour"]);
+        assert_eq!(s.task(), Task::Segment);
+        // Every tile of both slides, whatever its centre.
+        let (w, h) = (700 / scale as u32, 500 / scale as u32);
+        let grid = ((w - tile) / stride + 1) * ((h - tile) / stride + 1);
+        assert_eq!(s.samples(), Some(2 * grid as usize), "level {level}");
+        let mut counts = vec![0usize; 3];
+        let mut unlabelled = 0;
+        for (i, t) in s.tiles().iter().enumerate() {
+            let mask = s.mask(i).unwrap();
+            assert_eq!((mask.width, mask.height), (tile as usize, tile as usize));
+            for py in 0..tile {
+                for px in 0..tile {
+                    let centre = |corner: u32, p: u32| (corner + p) as f64 * scale + 0.5 * scale;
+                    let want = match t.slide {
+                        0 => by_hand(centre(t.x, px), centre(t.y, py)),
+                        _ => 1,
+                    };
+                    let got = mask.labels[(py * tile + px) as usize];
+                    assert_eq!(
+                        got,
+                        want,
+                        "level {level} {} pixel ({px}, {py})",
+                        s.describe(i)
+                    );
+                    match got {
+                        UNLABELLED => unlabelled += 1,
+                        c => counts[c as usize] += 1,
+                    }
+                }
+            }
+        }
+        assert!(
+            counts.iter().all(|&n| n > 0) && unlabelled > 0,
+            "{counts:?}"
+        );
+        // The pipeline counts the same pixels and, unaugmented at the tile's side, its
+        // targets are the masks.
+        let spec = SourceSpec::Slides {
+            dir: dir.clone(),
+            labels: labels.clone(),
+            tiles: cfg,
+        };
+        let c = DataConfig {
+            source: spec,
+            task: Task::Segment,
+            ..DataConfig::default()
+        };
+        let p = gems::data::open(&c, tile as usize, 0, 1).unwrap().train;
+        assert_eq!(p.class_counts().unwrap(), Some(counts));
+        let first = s.mask(p.index(3)).unwrap().labels;
+        assert_eq!(p.targets(3, 1).unwrap(), first);
+    }
+}
+
+#[test]
+fn background_is_named_once_and_unlabelled_is_no_class() {
+    let dir = temp_dir("background");
+    let labels = dir.join("labels.csv");
+    std::fs::write(
+        &labels,
+        "a.tiff,0,0,8,8,background\na.tiff,20,0,8,8,unlabelled\nb.tiff,tumour\n",
+    )
+    .unwrap();
+    assert_eq!(
+        label_classes(&labels, Task::Segment).unwrap(),
+        ["background", "tumour"]
+    );
+    assert_eq!(
+        label_classes(&labels, Task::Classify).unwrap(),
+        ["background", "tumour", "unlabelled"]
+    );
+}
+
+#[test]
+fn segmenting_keeps_tissue_tiles_and_splits() {
+    let dir = temp_dir("seg-tissue");
+    make_slide(&dir.join("a.tiff"), &small(1)).unwrap();
+    make_slide(&dir.join("b.tiff"), &small(2)).unwrap();
+    let labels = dir.join("labels.csv");
+    std::fs::write(&labels, SEGMENT_ROWS).unwrap();
+    let all = config(0, 32, 32);
+    let tissue = TileConfig {
+        tissue_threshold: Some(0.8),
+        ..all
+    };
+    let every = Slides::open_for(Task::Segment, &dir, &labels, &all, false).unwrap();
+    let kept = Slides::open_for(Task::Segment, &dir, &labels, &tissue, false).unwrap();
+    let (every, kept) = (every.samples().unwrap(), kept.samples().unwrap());
+    assert!(kept > every / 4 && kept < every, "{kept} of {every}");
+    let c = DataConfig {
+        source: SourceSpec::Slides {
+            dir: dir.clone(),
+            labels,
+            tiles: tissue,
+        },
+        task: Task::Segment,
+        val: 0.3,
+        ..DataConfig::default()
+    };
+    let data = gems::data::open(&c, 16, 0, 2).unwrap();
+    let (train, val) = (&data.train, data.val.as_ref().unwrap());
+    assert_eq!(train.samples().unwrap() + val.samples().unwrap(), kept);
+    let pixels =
+        |p: &gems::data::Pipeline| p.class_counts().unwrap().unwrap().iter().sum::<usize>();
+    assert!(pixels(train) > 0 && pixels(val) > 0);
+    assert_eq!(val.targets(0, 2).unwrap().len(), 2 * 16 * 16);
 }

@@ -11,11 +11,11 @@ use std::time::{Duration, Instant};
 use super::pipeline::Pipeline;
 use crate::{Error, Result};
 
-/// A prepared batch: NCHW pixels and labels.
+/// A prepared batch: NCHW pixels and targets.
 pub struct Batch {
     /// The batch's images, NCHW.
     pub pixels: Vec<f32>,
-    /// Their labels.
+    /// Their targets ([`Pipeline::targets`]): a class per image, or per pixel when segmenting.
     pub labels: Vec<u32>,
     /// How long [`Loader::next_batch`] waited for it.
     pub waited: Duration,

@@ -1,5 +1,6 @@
 //! Training data: sources of labelled images addressed by index (synthetic, image folders,
-//! tiled whole-slide images), the epoch order and its sharding across data-parallel groups,
+//! tiled whole-slide images), labelled per image (classification) or per pixel (masks, for
+//! segmentation), the epoch order and its sharding across data-parallel groups,
 //! augmentation, and a loader that prepares batches ahead on worker threads.
 
 pub mod folder;
@@ -94,7 +95,8 @@ pub trait Source: Send + Sync {
     fn samples(&self) -> Option<usize>;
     /// Class names, in label order.
     fn classes(&self) -> &[String];
-    /// The label of sample `index`, without decoding it.
+    /// The label of sample `index`, without decoding it (segmentation sources: the class at
+    /// its centre, a summary for listings; targets come from [`Source::mask`]).
     fn label(&self, index: usize) -> Result<u32>;
     /// Decodes sample `index`. Errors are [`crate::Error::Data`] naming the file.
     fn read(&self, index: usize) -> Result<Image>;

@@ -372,6 +372,29 @@ mod tests {
             }
         }
         assert!(seen.iter().all(|&n| n > 48 * 48), "{seen:?}");
+        // The grating moves every channel alike, the class colours sum to 0 over channels:
+        // less each pixel's channel mean, the nearest class colour names most pixels.
+        let colour = |c: usize| -> [f64; 3] {
+            let hue = std::f64::consts::TAU * c as f64 / 3.0;
+            match c {
+                0 => [0.0; 3],
+                _ => [0, 1, 2].map(|k| 0.6 * (hue - std::f64::consts::TAU * k as f64 / 3.0).cos()),
+            }
+        };
+        let (img, mask) = d.sample(99);
+        let right = (0..48 * 48)
+            .filter(|&i| {
+                let px = [0, 1, 2].map(|c| img.pixels[c * 48 * 48 + i] as f64);
+                let mean = px.iter().sum::<f64>() / 3.0;
+                let far = |c: usize| -> f64 {
+                    let k = colour(c);
+                    (0..3).map(|j| (px[j] - mean - k[j]).powi(2)).sum()
+                };
+                let best = (0..4).min_by(|&a, &b| far(a).total_cmp(&far(b))).unwrap();
+                best as u32 == mask.labels[i]
+            })
+            .count();
+        assert!(right > 48 * 48 * 8 / 10, "{right} of {} pixels", 48 * 48);
         let (a, _) = d.sample(0);
         let (b, _) = Scenes { seed: 4, ..d }.sample(0);
         assert_ne!(a, b);
