@@ -19,6 +19,11 @@ pub fn make_slide(a: MakeSlideArgs) -> anyhow::Result<()> {
     opts.noise = a.noise;
     opts.bigtiff = a.bigtiff;
     let started = Instant::now();
+    // A new slide folder is made, as a user naming `slides/a.tiff` expects.
+    if let Some(dir) = a.out.parent().filter(|d| !d.as_os_str().is_empty()) {
+        std::fs::create_dir_all(dir)
+            .map_err(|e| anyhow::anyhow!("cannot create {}: {e}", dir.display()))?;
+    }
     let made = gems::data::slide::make_slide(&a.out, &opts)?;
     let name = a
         .out

@@ -282,10 +282,21 @@ fn write_predictions(
         "slide,level,x,y,side,true,predicted,loss,{}",
         scores.join(",")
     )?;
+    // Tiles in reading order (the evaluation's order is an epoch's shuffle).
+    let mut placed = e
+        .per_sample
+        .iter()
+        .map(|s| {
+            Ok((
+                order.place(s.position).ok_or_else(|| not_a_slide(order))?,
+                s,
+            ))
+        })
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    placed.sort_by_key(|(p, _)| (p.slide.path().to_path_buf(), p.y, p.x));
     // Maps by slide, in the order slides first appear.
     let mut maps: Vec<(&Slide, ClassMap)> = Vec::new();
-    for s in &e.per_sample {
-        let place = order.place(s.position).ok_or_else(|| not_a_slide(order))?;
+    for (place, s) in placed {
         let at = match maps
             .iter()
             .position(|(m, _)| m.path() == place.slide.path())
