@@ -191,6 +191,7 @@ fn a_checkpoint_of_another_model_is_refused_by_name() {
 }
 
 /// Tensors of a checkpoint by name (the file's metadata is not compared).
+#[cfg(feature = "mpi")]
 fn tensors(path: &Path) -> HashMap<String, Vec<u8>> {
     let bytes = std::fs::read(path).unwrap();
     let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();

@@ -188,3 +188,53 @@ fn a_unet_learns_the_regions_of_a_slide_and_maps_its_predictions() {
     }
     assert!(tiles > 10, "{tiles} held-out tiles");
 }
+
+#[test]
+fn a_classifier_maps_each_tile_in_its_predicted_class() {
+    let dir = temp_dir("classify");
+    let (slides, labels) = slide(&dir);
+    let data = format!("slides:{}", slides.display());
+    let ckpt = dir.join("ckpt");
+    gems(&[
+        "train", "--model", "resnet20v2", "--data", &data, "--labels",
+        labels.to_str().unwrap(), "--image-size", "32", "--tile-size", "64", "--batch-size",
+        "16", "--steps", "4", "--checkpoint", ckpt.to_str().unwrap(),
+    ]);
+    let out = dir.join("maps");
+    gems(&[
+        "eval", "--checkpoint", ckpt.join("step-000004.safetensors").to_str().unwrap(),
+        "--data", &data, "--labels", labels.to_str().unwrap(), "--tile-size", "64",
+        "--predictions", out.to_str().unwrap(), "--map-level", "1",
+    ]);
+    // Level 1 is 512×384: each 64² tile of level 0 covers a 32² square, in its class's colour.
+    let map = Slide::open(&out.join("a.tiff")).unwrap();
+    let (w, h) = (map.levels()[0].width, map.levels()[0].height);
+    assert_eq!((w, h), (512, 384));
+    let rgb = map.read_rgb8(0, 0, 0, w, h).unwrap();
+    let csv = std::fs::read_to_string(out.join("tiles.csv")).unwrap();
+    let mut rows = csv.lines();
+    let header: Vec<&str> = rows.next().unwrap().split(',').collect();
+    let names = &header[8..];
+    let mut painted = vec![false; (w * h) as usize];
+    for row in rows {
+        let f: Vec<&str> = row.split(',').collect();
+        let (x, y): (u32, u32) = (f[2].parse().unwrap(), f[3].parse().unwrap());
+        let predicted = names.iter().position(|n| *n == f[6]).unwrap() as u8;
+        // The class probabilities follow, one per class, summing to 1.
+        let p: f64 = f[8..].iter().map(|v| v.parse::<f64>().unwrap()).sum();
+        assert!((p - 1.0).abs() < 1e-5, "{row}");
+        for my in y / 2..y / 2 + 32 {
+            for mx in x / 2..x / 2 + 32 {
+                let at = (my * w + mx) as usize;
+                assert_eq!(class_of(&rgb[at * 3..at * 3 + 3]), Some(predicted), "({mx}, {my})");
+                painted[at] = true;
+            }
+        }
+    }
+    // Tiles whose centre is in no region were left out: their squares stay unpainted.
+    for (at, p) in painted.iter().enumerate() {
+        if !p {
+            assert_eq!(class_of(&rgb[at * 3..at * 3 + 3]), None);
+        }
+    }
+}
