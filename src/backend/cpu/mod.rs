@@ -14,7 +14,9 @@ use rayon::prelude::*;
 
 use std::sync::Arc;
 
-use super::{Backend, ChannelGeom, ConvGeom, Event, LossGeom, PoolGeom, ResizeGeom, SgdStep};
+use super::{
+    Backend, ChannelGeom, ConvGeom, Event, LossGeom, PoolGeom, ResizeGeom, SgdStep, POISON,
+};
 use crate::backend::host::{Block, HostPool};
 use crate::backend::Storage;
 use crate::core::DType;
@@ -276,23 +278,36 @@ pub fn tune_host_allocator() {
     });
 }
 
-/// `n` zeros, written by every thread for large buffers: the heap keeps its blocks (see
-/// [`tune_host_allocator`]), so a reused block must be cleared, and `vec![0; n]` clears it on
-/// one thread (a tenth of a resnet110v2 step at 256², measured with perf).
-fn zeroed<T: bytemuck::Zeroable + Copy + Send + Sync>(n: usize) -> Vec<T> {
+/// `n` copies of `value`, written by every thread for large buffers: the heap keeps its
+/// blocks (see [`tune_host_allocator`]), so a reused block must be cleared, and `vec![0; n]`
+/// clears it on one thread (a tenth of a resnet110v2 step at 256², measured with perf).
+fn filled<T: Copy + Send + Sync>(n: usize, value: T) -> Vec<T> {
     const PARALLEL: usize = 1 << 16;
     if n < PARALLEL {
-        return vec![T::zeroed(); n];
+        return vec![value; n];
     }
     let mut v = Vec::with_capacity(n);
     v.spare_capacity_mut()[..n]
         .par_chunks_mut(PARALLEL)
         .for_each(|c| {
             c.iter_mut().for_each(|x| {
-                x.write(T::zeroed());
+                x.write(value);
             })
         });
     // SAFETY: the first n elements were all written just above.
+    unsafe { v.set_len(n) };
+    v
+}
+
+/// `n` elements left as the heap block held them (NaN under [`POISON`]): for outputs their
+/// kernel overwrites, which then skip [`filled`]'s pass over memory.
+fn unfilled<T: bytemuck::Pod + Send + Sync>(n: usize, nan: T) -> Vec<T> {
+    if POISON {
+        return filled(n, nan);
+    }
+    let mut v = Vec::with_capacity(n);
+    // SAFETY: every bit pattern is a valid element (Pod); the bytes are an earlier tensor's
+    // or fresh zero pages, and the caller overwrites every element before reading it.
     unsafe { v.set_len(n) };
     v
 }
@@ -324,10 +339,19 @@ impl Backend for Cpu {
 
     fn zeros(&self, numel: usize, dtype: DType) -> Result<Storage> {
         Ok(match dtype {
-            DType::F32 => Storage::F32(zeroed(numel)),
-            DType::F64 => Storage::F64(zeroed(numel)),
-            DType::BF16 => Storage::BF16(zeroed(numel)),
-            DType::F16 => Storage::F16(zeroed(numel)),
+            DType::F32 => Storage::F32(filled(numel, 0.0)),
+            DType::F64 => Storage::F64(filled(numel, 0.0)),
+            DType::BF16 => Storage::BF16(filled(numel, half::bf16::ZERO)),
+            DType::F16 => Storage::F16(filled(numel, half::f16::ZERO)),
+        })
+    }
+
+    fn empty(&self, numel: usize, dtype: DType) -> Result<Storage> {
+        Ok(match dtype {
+            DType::F32 => Storage::F32(unfilled(numel, f32::NAN)),
+            DType::F64 => Storage::F64(unfilled(numel, f64::NAN)),
+            DType::BF16 => Storage::BF16(unfilled(numel, half::bf16::NAN)),
+            DType::F16 => Storage::F16(unfilled(numel, half::f16::NAN)),
         })
     }
 
