@@ -732,3 +732,25 @@ impl Backend for Cpu {
         compute!(s.dtype(), T, [s], [] => Ok(s.par_iter().all(|v| v.is_finite())))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Tests see unwritten elements as NaN: the `poison` feature is on in every `cargo test`,
+    /// on both sides of `filled`'s parallel threshold and in every dtype.
+    #[test]
+    fn unfilled_storage_is_poisoned_under_test() {
+        assert!(POISON);
+        for dtype in [DType::F32, DType::F64, DType::BF16, DType::F16] {
+            for n in [3, 1 << 17] {
+                let s = Cpu.empty(n, dtype).unwrap();
+                assert_eq!(s.len(), n);
+                assert!(
+                    s.to_f64_vec().unwrap().iter().all(|v| v.is_nan()),
+                    "{dtype:?}"
+                );
+            }
+        }
+    }
+}
