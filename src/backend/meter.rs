@@ -71,6 +71,10 @@ impl Backend for Meter {
         Ok(Storage::Virtual(dtype, numel))
     }
 
+    fn empty(&self, numel: usize, dtype: DType) -> Result<Storage> {
+        Ok(Storage::Virtual(dtype, numel))
+    }
+
     fn upload(&self, data: &[f64], dtype: DType) -> Result<Storage> {
         Ok(Storage::Virtual(dtype, data.len()))
     }

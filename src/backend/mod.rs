@@ -14,6 +14,11 @@ use crate::core::DType;
 use crate::Result;
 pub use storage::Storage;
 
+/// Whether [`Backend::empty`] fills its storage with NaN: in debug builds and in every
+/// `cargo test` (the `poison` feature), so an element a kernel fails to write shows up as NaN
+/// in the results instead of silently keeping an earlier tensor's value.
+pub const POISON: bool = cfg!(any(debug_assertions, feature = "poison"));
+
 /// Geometry of a 2-d convolution over an NCHW batch (weights: c_out × c_in/groups × kh × kw).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct ConvGeom {
@@ -165,6 +170,9 @@ pub trait Backend: Send + Sync {
     fn name(&self) -> String;
     /// Zero-filled storage.
     fn zeros(&self, numel: usize, dtype: DType) -> Result<Storage>;
+    /// Storage whose every element the caller overwrites before anything reads it: not
+    /// filled, so it holds whatever its memory held (NaN under [`POISON`]).
+    fn empty(&self, numel: usize, dtype: DType) -> Result<Storage>;
     /// `data` converted to `dtype` on this backend.
     fn upload(&self, data: &[f64], dtype: DType) -> Result<Storage>;
     /// `s` (elements in host memory, or already this backend's) as this backend's storage:

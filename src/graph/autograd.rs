@@ -348,7 +348,7 @@ fn accumulate(device: &Device, slot: &mut Option<Tensor>, g: Tensor) -> Result<(
         be.add_assign(s, acc.storage())?;
         acc = g;
     } else {
-        let mut sum = device.zeros(acc.shape().clone(), acc.dtype(), Category::Activations)?;
+        let mut sum = device.empty(acc.shape().clone(), acc.dtype(), Category::Activations)?;
         be.add(acc.storage(), g.storage(), sum.storage_mut()?)?;
         acc = sum;
     }

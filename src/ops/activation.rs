@@ -19,7 +19,7 @@ impl Operator for Relu {
         xs: &[&Tensor],
         _params: &mut [Tensor],
     ) -> Result<(Tensor, Saved)> {
-        let mut y = ctx.activation(xs[0].shape().clone(), xs[0])?;
+        let mut y = ctx.output(xs[0].shape().clone(), xs[0])?;
         ctx.device
             .backend()
             .relu_forward(xs[0].storage(), y.storage_mut()?)?;
@@ -35,7 +35,7 @@ impl Operator for Relu {
         _grads: &mut [Tensor],
     ) -> Result<Vec<Option<Tensor>>> {
         let y = &b.saved.0[0];
-        let mut dx = ctx.activation(y.shape().clone(), y)?;
+        let mut dx = ctx.output(y.shape().clone(), y)?;
         ctx.device
             .backend()
             .relu_backward(y.storage(), b.dy.storage(), dx.storage_mut()?)?;

@@ -134,7 +134,7 @@ impl Operator for Conv2d {
         let x = xs[0];
         let g = self.geom(x.shape())?;
         let be = ctx.device.backend();
-        let mut y = ctx.activation(Shape::new([g.n, g.c_out, g.h_out, g.w_out]), x)?;
+        let mut y = ctx.output(Shape::new([g.n, g.c_out, g.h_out, g.w_out]), x)?;
         let mut ws = ctx.workspace(be.conv2d_workspace(&g), x.dtype().compute())?;
         be.conv2d_forward(
             x.storage(),
@@ -181,7 +181,7 @@ impl Operator for Conv2d {
             be.channel_sum(dy.storage(), grads[1].storage_mut()?, &cg)?;
         }
         let dx = if b.need[0] {
-            let mut dx = ctx.activation(b.inputs[0].clone(), x)?;
+            let mut dx = ctx.output(b.inputs[0].clone(), x)?;
             be.conv2d_backward_data(
                 dy.storage(),
                 params[0].storage(),
@@ -346,7 +346,7 @@ impl Operator for ConvTranspose2d {
         let x = xs[0];
         let g = self.geom(x.shape())?;
         let be = ctx.device.backend();
-        let mut y = ctx.activation(Shape::new([g.n, g.c_in, g.h, g.w]), x)?;
+        let mut y = ctx.output(Shape::new([g.n, g.c_in, g.h, g.w]), x)?;
         let mut ws = ctx.workspace(be.conv2d_workspace(&g), x.dtype().compute())?;
         be.conv2d_backward_data(
             x.storage(),
@@ -394,7 +394,7 @@ impl Operator for ConvTranspose2d {
             be.channel_sum(dy.storage(), grads[1].storage_mut()?, &cg)?;
         }
         let dx = if b.need[0] {
-            let mut dx = ctx.activation(b.inputs[0].clone(), x)?;
+            let mut dx = ctx.output(b.inputs[0].clone(), x)?;
             be.conv2d_forward(
                 dy.storage(),
                 params[0].storage(),

@@ -31,9 +31,9 @@ impl Operator for Dropout {
             return Ok((x.clone(), Saved::default()));
         }
         let be = ctx.device.backend();
-        let mut mask = ctx.activation(x.shape().clone(), x)?;
+        let mut mask = ctx.output(x.shape().clone(), x)?;
         be.dropout_mask(mask.storage_mut()?, self.p, ctx.seed)?;
-        let mut y = ctx.activation(x.shape().clone(), x)?;
+        let mut y = ctx.output(x.shape().clone(), x)?;
         be.mul(x.storage(), mask.storage(), y.storage_mut()?)?;
         Ok((y, Saved(vec![mask])))
     }
@@ -48,7 +48,7 @@ impl Operator for Dropout {
         let Some(mask) = b.saved.0.first() else {
             return Ok(vec![Some(b.dy)]);
         };
-        let mut dx = ctx.activation(b.dy.shape().clone(), &b.dy)?;
+        let mut dx = ctx.output(b.dy.shape().clone(), &b.dy)?;
         ctx.device
             .backend()
             .mul(b.dy.storage(), mask.storage(), dx.storage_mut()?)?;

@@ -26,7 +26,7 @@ impl Operator for Add {
         xs: &[&Tensor],
         _params: &mut [Tensor],
     ) -> Result<(Tensor, Saved)> {
-        let mut y = ctx.activation(xs[0].shape().clone(), xs[0])?;
+        let mut y = ctx.output(xs[0].shape().clone(), xs[0])?;
         ctx.device
             .backend()
             .add(xs[0].storage(), xs[1].storage(), y.storage_mut()?)?;

@@ -51,7 +51,7 @@ impl Operator for Linear {
         let x = xs[0];
         let n = x.shape().dim(0);
         let be = ctx.device.backend();
-        let mut y = ctx.activation(Shape::new([n, self.d_out]), x)?;
+        let mut y = ctx.output(Shape::new([n, self.d_out]), x)?;
         be.linear_forward(
             x.storage(),
             params[0].storage(),
@@ -85,7 +85,7 @@ impl Operator for Linear {
         let n = x.shape().dim(0);
         let be = ctx.device.backend();
         let mut dx = if b.need[0] {
-            Some(ctx.activation(x.shape().clone(), x)?)
+            Some(ctx.output(x.shape().clone(), x)?)
         } else {
             None
         };

@@ -39,7 +39,7 @@ pub fn softmax_cross_entropy(
 ) -> Result<CrossEntropy> {
     let g = geometry(logits.shape())?;
     let (labels, weights) = place_weights(&g, labels, class_weights)?;
-    let mut probs = device.zeros(
+    let mut probs = device.empty(
         logits.shape().clone(),
         logits.dtype().compute(),
         Category::Activations,
@@ -63,7 +63,7 @@ impl CrossEntropy {
     /// d(weight · loss)/d logits, as activations of `dtype`.
     pub fn backward(&self, device: &Device, weight: f64, dtype: DType) -> Result<Tensor> {
         let g = geometry(self.probs.shape())?;
-        let mut d = device.zeros(self.probs.shape().clone(), dtype, Category::Activations)?;
+        let mut d = device.empty(self.probs.shape().clone(), dtype, Category::Activations)?;
         device.backend().softmax_cross_entropy_backward(
             self.probs.storage(),
             &self.labels,

@@ -85,10 +85,17 @@ pub struct Ctx<'a> {
 }
 
 impl Ctx<'_> {
-    /// A fresh activation (or activation gradient) tensor.
+    /// A fresh activation (or activation gradient) tensor, zero-filled: for kernels that
+    /// leave elements to the zeros (padding) or add into their output.
     pub fn activation(&self, shape: Shape, like: &Tensor) -> Result<Tensor> {
         self.device
             .zeros(shape, like.dtype(), Category::Activations)
+    }
+    /// A fresh activation (or activation gradient) tensor for a kernel that writes every
+    /// element: not filled (see [`Device::empty`]), which saves a pass over its memory.
+    pub fn output(&self, shape: Shape, like: &Tensor) -> Result<Tensor> {
+        self.device
+            .empty(shape, like.dtype(), Category::Activations)
     }
     /// Statistics saved for backward beside `like` (batch norm's mean and variance): kept in
     /// its compute type, f32 under mixed precision.
@@ -96,10 +103,11 @@ impl Ctx<'_> {
         self.device
             .zeros(shape, like.dtype().compute(), Category::Activations)
     }
-    /// Scratch space of `dtype` that lives for one kernel call.
+    /// Scratch space of `dtype` that lives for one kernel call, not filled: every kernel that
+    /// takes workspace writes it before reading it.
     pub fn workspace(&self, elements: usize, dtype: DType) -> Result<Tensor> {
         self.device
-            .zeros(Shape::new([elements]), dtype, Category::Workspace)
+            .empty(Shape::new([elements]), dtype, Category::Workspace)
     }
 }
 

@@ -120,7 +120,7 @@ impl Operator for BatchNorm {
         let x = xs[0];
         let g = geom(x);
         let be = ctx.device.backend();
-        let mut y = ctx.activation(x.shape().clone(), x)?;
+        let mut y = ctx.output(x.shape().clone(), x)?;
         let [gamma, beta, rmean, rvar] = &params[..] else {
             return Err(crate::Error::Internal(
                 "batchnorm expects 4 parameters".into(),
@@ -183,7 +183,7 @@ impl Operator for BatchNorm {
             ));
         };
         let g = geom(x);
-        let mut dx = ctx.activation(x.shape().clone(), x)?;
+        let mut dx = ctx.output(x.shape().clone(), x)?;
         let (dgamma, rest) = grads.split_at_mut(1);
         let be = ctx.device.backend();
         let (dy, gamma, beta) = (b.dy.storage(), params[0].storage(), params[1].storage());

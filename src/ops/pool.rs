@@ -129,7 +129,7 @@ impl Operator for MaxPool {
     ) -> Result<(Tensor, Saved)> {
         let x = xs[0];
         let g = self.0.geom(x.shape())?;
-        let mut y = ctx.activation(Shape::new([g.n, g.c, g.h_out, g.w_out]), x)?;
+        let mut y = ctx.output(Shape::new([g.n, g.c, g.h_out, g.w_out]), x)?;
         ctx.device
             .backend()
             .max_pool_forward(x.storage(), y.storage_mut()?, &g)?;
@@ -145,7 +145,7 @@ impl Operator for MaxPool {
     ) -> Result<Vec<Option<Tensor>>> {
         let x = &b.saved.0[0];
         let g = self.0.geom(x.shape())?;
-        let mut dx = ctx.activation(x.shape().clone(), x)?;
+        let mut dx = ctx.output(x.shape().clone(), x)?;
         ctx.device.backend().max_pool_backward(
             x.storage(),
             b.dy.storage(),
@@ -180,7 +180,7 @@ impl Operator for AvgPool {
     ) -> Result<(Tensor, Saved)> {
         let x = xs[0];
         let g = self.0.geom(x.shape())?;
-        let mut y = ctx.activation(Shape::new([g.n, g.c, g.h_out, g.w_out]), x)?;
+        let mut y = ctx.output(Shape::new([g.n, g.c, g.h_out, g.w_out]), x)?;
         ctx.device
             .backend()
             .avg_pool_forward(x.storage(), y.storage_mut()?, &g)?;
@@ -195,7 +195,7 @@ impl Operator for AvgPool {
         _grads: &mut [Tensor],
     ) -> Result<Vec<Option<Tensor>>> {
         let g = self.0.geom(&b.inputs[0])?;
-        let mut dx = ctx.activation(b.inputs[0].clone(), &b.dy)?;
+        let mut dx = ctx.output(b.inputs[0].clone(), &b.dy)?;
         ctx.device
             .backend()
             .avg_pool_backward(b.dy.storage(), dx.storage_mut()?, &g)?;
@@ -244,7 +244,7 @@ impl Operator for GlobalAvgPool {
     ) -> Result<(Tensor, Saved)> {
         let x = xs[0];
         let g = Self::geom(x.shape());
-        let mut y = ctx.activation(Shape::new([g.n, g.c, 1, 1]), x)?;
+        let mut y = ctx.output(Shape::new([g.n, g.c, 1, 1]), x)?;
         ctx.device
             .backend()
             .avg_pool_forward(x.storage(), y.storage_mut()?, &g)?;
@@ -259,7 +259,7 @@ impl Operator for GlobalAvgPool {
         _grads: &mut [Tensor],
     ) -> Result<Vec<Option<Tensor>>> {
         let g = Self::geom(&b.inputs[0]);
-        let mut dx = ctx.activation(b.inputs[0].clone(), &b.dy)?;
+        let mut dx = ctx.output(b.inputs[0].clone(), &b.dy)?;
         ctx.device
             .backend()
             .avg_pool_backward(b.dy.storage(), dx.storage_mut()?, &g)?;
@@ -316,7 +316,7 @@ impl Operator for AdaptiveAvgPool {
     ) -> Result<(Tensor, Saved)> {
         let x = xs[0];
         let g = self.geom(x.shape());
-        let mut y = ctx.activation(Shape::new([g.n, g.c, g.h_out, g.w_out]), x)?;
+        let mut y = ctx.output(Shape::new([g.n, g.c, g.h_out, g.w_out]), x)?;
         ctx.device
             .backend()
             .adaptive_avg_pool_forward(x.storage(), y.storage_mut()?, &g)?;
@@ -331,7 +331,7 @@ impl Operator for AdaptiveAvgPool {
         _grads: &mut [Tensor],
     ) -> Result<Vec<Option<Tensor>>> {
         let g = self.geom(&b.inputs[0]);
-        let mut dx = ctx.activation(b.inputs[0].clone(), &b.dy)?;
+        let mut dx = ctx.output(b.inputs[0].clone(), &b.dy)?;
         ctx.device
             .backend()
             .adaptive_avg_pool_backward(b.dy.storage(), dx.storage_mut()?, &g)?;
@@ -423,7 +423,7 @@ impl Operator for AvgPoolExcludePad {
         let mut sum = ctx.workspace(g.n * g.c * g.h_out * g.w_out, x.dtype())?;
         be.avg_pool_forward(x.storage(), sum.storage_mut()?, &g)?;
         let scale = self.scale(ctx, &g, x)?;
-        let mut y = ctx.activation(Shape::new([g.n, g.c, g.h_out, g.w_out]), x)?;
+        let mut y = ctx.output(Shape::new([g.n, g.c, g.h_out, g.w_out]), x)?;
         be.mul(sum.storage(), scale.storage(), y.storage_mut()?)?;
         Ok((y, Saved::default()))
     }
@@ -441,7 +441,7 @@ impl Operator for AvgPoolExcludePad {
         let mut dsum = ctx.workspace(b.dy.numel(), b.dy.dtype())?;
         be.mul(b.dy.storage(), scale.storage(), dsum.storage_mut()?)?;
         drop(scale);
-        let mut dx = ctx.activation(b.inputs[0].clone(), &b.dy)?;
+        let mut dx = ctx.output(b.inputs[0].clone(), &b.dy)?;
         be.avg_pool_backward(dsum.storage(), dx.storage_mut()?, &g)?;
         Ok(vec![Some(dx)])
     }

@@ -44,7 +44,7 @@ impl Operator for ResizeBilinear {
     ) -> Result<(Tensor, Saved)> {
         let x = xs[0];
         let g = self.geom(x.shape());
-        let mut y = ctx.activation(Shape::new([g.n, g.c, g.h_out, g.w_out]), x)?;
+        let mut y = ctx.output(Shape::new([g.n, g.c, g.h_out, g.w_out]), x)?;
         ctx.device
             .backend()
             .resize_bilinear_forward(x.storage(), y.storage_mut()?, &g)?;
@@ -59,7 +59,7 @@ impl Operator for ResizeBilinear {
         _grads: &mut [Tensor],
     ) -> Result<Vec<Option<Tensor>>> {
         let g = self.geom(&b.inputs[0]);
-        let mut dx = ctx.activation(b.inputs[0].clone(), &b.dy)?;
+        let mut dx = ctx.output(b.inputs[0].clone(), &b.dy)?;
         ctx.device
             .backend()
             .resize_bilinear_backward(b.dy.storage(), dx.storage_mut()?, &g)?;

@@ -74,7 +74,7 @@ impl Operator for Concat {
     ) -> Result<(Tensor, Saved)> {
         let (n, _, h, w) = xs[0].shape().nchw();
         let c_total: usize = xs.iter().map(|x| x.shape().dim(1)).sum();
-        let mut y = ctx.activation(Shape::new([n, c_total, h, w]), xs[0])?;
+        let mut y = ctx.output(Shape::new([n, c_total, h, w]), xs[0])?;
         let mut off = 0;
         for x in xs {
             let c = x.shape().dim(1);
@@ -105,7 +105,7 @@ impl Operator for Concat {
         for (shape, &need) in b.inputs.iter().zip(b.need) {
             let c = shape.dim(1);
             out.push(if need {
-                let mut dx = ctx.activation(shape.clone(), &b.dy)?;
+                let mut dx = ctx.output(shape.clone(), &b.dy)?;
                 ctx.device.backend().copy_channels(
                     b.dy.storage(),
                     dx.storage_mut()?,

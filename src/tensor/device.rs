@@ -173,7 +173,7 @@ impl Device {
     /// reads it must [`Backend::wait`] for (`None`: it is there already).
     pub fn from_host(&self, t: &Tensor) -> Result<(Tensor, Option<Event>)> {
         self.reap(false)?;
-        let mut d = self.zeros(t.shape().clone(), t.dtype(), Category::Activations)?;
+        let mut d = self.empty(t.shape().clone(), t.dtype(), Category::Activations)?;
         let e = self.backend().copy_in(
             t.storage(),
             d.storage_mut()?,
@@ -220,16 +220,28 @@ impl Device {
 
     /// A zero-filled tensor whose bytes count as `category`.
     pub fn zeros(&self, shape: Shape, dtype: DType, category: Category) -> Result<Tensor> {
+        self.leased(shape, dtype, category, |b, n| b.zeros(n, dtype))
+    }
+
+    /// A tensor whose bytes count as `category`, for a kernel that writes every element:
+    /// not filled ([`Backend::empty`]), leased as [`Device::zeros`] leases.
+    pub fn empty(&self, shape: Shape, dtype: DType, category: Category) -> Result<Tensor> {
+        self.leased(shape, dtype, category, |b, n| b.empty(n, dtype))
+    }
+
+    fn leased(
+        &self,
+        shape: Shape,
+        dtype: DType,
+        category: Category,
+        alloc: impl FnOnce(&dyn Backend, usize) -> Result<Storage>,
+    ) -> Result<Tensor> {
         let n = shape.numel();
         let lease = self
             .inner
             .allocator
             .lease((n * dtype.size()) as u64, category)?;
-        Ok(Tensor::from_buffer(
-            shape,
-            self.backend().zeros(n, dtype)?,
-            lease,
-        ))
+        Ok(Tensor::from_buffer(shape, alloc(self.backend(), n)?, lease))
     }
 
     /// A tensor over `storage` (host elements, or this device's), leased as `category`.

@@ -14,7 +14,9 @@ use rayon::prelude::*;
 
 use std::sync::Arc;
 
-use super::{Backend, ChannelGeom, ConvGeom, Event, LossGeom, PoolGeom, ResizeGeom, SgdStep};
+use super::{
+    Backend, ChannelGeom, ConvGeom, Event, LossGeom, PoolGeom, ResizeGeom, SgdStep, POISON,
+};
 use crate::backend::host::{Block, HostPool};
 use crate::backend::Storage;
 use crate::core::DType;
@@ -276,24 +278,43 @@ pub fn tune_host_allocator() {
     });
 }
 
-/// `n` zeros, written by every thread for large buffers: the heap keeps its blocks (see
-/// [`tune_host_allocator`]), so a reused block must be cleared, and `vec![0; n]` clears it on
-/// one thread (a tenth of a resnet110v2 step at 256², measured with perf).
-fn zeroed<T: bytemuck::Zeroable + Copy + Send + Sync>(n: usize) -> Vec<T> {
+/// `n` copies of `value`, written by every thread for large buffers: the heap keeps its
+/// blocks (see [`tune_host_allocator`]), so a reused block must be cleared, and `vec![0; n]`
+/// clears it on one thread (a tenth of a resnet110v2 step at 256², measured with perf).
+fn filled<T: Copy + Send + Sync>(n: usize, value: T) -> Vec<T> {
     const PARALLEL: usize = 1 << 16;
     if n < PARALLEL {
-        return vec![T::zeroed(); n];
+        return vec![value; n];
     }
     let mut v = Vec::with_capacity(n);
     v.spare_capacity_mut()[..n]
         .par_chunks_mut(PARALLEL)
         .for_each(|c| {
             c.iter_mut().for_each(|x| {
-                x.write(T::zeroed());
+                x.write(value);
             })
         });
     // SAFETY: the first n elements were all written just above.
     unsafe { v.set_len(n) };
+    v
+}
+
+/// `n` elements left as the heap block held them (NaN under [`POISON`]): for outputs their
+/// kernel overwrites, which then skip [`filled`]'s pass over memory.
+fn unfilled<T: bytemuck::Pod + Send + Sync>(n: usize, nan: T) -> Vec<T> {
+    if POISON {
+        return filled(n, nan);
+    }
+    let mut v = Vec::with_capacity(n);
+    // Storage is `Vec<T>` everywhere (kernels take `&mut [T]`), so the unset elements are
+    // handed out as `T` rather than `MaybeUninit<T>`, which clippy's lint is about.
+    // SAFETY: every bit pattern is a valid element (Pod); the caller writes every element
+    // before anything reads it (the `poison` tests check that each kernel given such storage
+    // does), so no unset value is ever read.
+    #[allow(clippy::uninit_vec)]
+    unsafe {
+        v.set_len(n)
+    };
     v
 }
 
@@ -324,10 +345,19 @@ impl Backend for Cpu {
 
     fn zeros(&self, numel: usize, dtype: DType) -> Result<Storage> {
         Ok(match dtype {
-            DType::F32 => Storage::F32(zeroed(numel)),
-            DType::F64 => Storage::F64(zeroed(numel)),
-            DType::BF16 => Storage::BF16(zeroed(numel)),
-            DType::F16 => Storage::F16(zeroed(numel)),
+            DType::F32 => Storage::F32(filled(numel, 0.0)),
+            DType::F64 => Storage::F64(filled(numel, 0.0)),
+            DType::BF16 => Storage::BF16(filled(numel, half::bf16::ZERO)),
+            DType::F16 => Storage::F16(filled(numel, half::f16::ZERO)),
+        })
+    }
+
+    fn empty(&self, numel: usize, dtype: DType) -> Result<Storage> {
+        Ok(match dtype {
+            DType::F32 => Storage::F32(unfilled(numel, f32::NAN)),
+            DType::F64 => Storage::F64(unfilled(numel, f64::NAN)),
+            DType::BF16 => Storage::BF16(unfilled(numel, half::bf16::NAN)),
+            DType::F16 => Storage::F16(unfilled(numel, half::f16::NAN)),
         })
     }
 
@@ -706,5 +736,26 @@ impl Backend for Cpu {
 
     fn all_finite(&self, s: &Storage) -> Result<bool> {
         compute!(s.dtype(), T, [s], [] => Ok(s.par_iter().all(|v| v.is_finite())))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Tests see unwritten elements as NaN: the `poison` feature is on in every `cargo test`,
+    /// on both sides of `filled`'s parallel threshold and in every dtype.
+    #[test]
+    fn unfilled_storage_is_poisoned_under_test() {
+        for dtype in [DType::F32, DType::F64, DType::BF16, DType::F16] {
+            for n in [3, 1 << 17] {
+                let s = Cpu.empty(n, dtype).unwrap();
+                assert_eq!(s.len(), n);
+                assert!(
+                    s.to_f64_vec().unwrap().iter().all(|v| v.is_nan()),
+                    "{dtype:?}"
+                );
+            }
+        }
     }
 }

@@ -39,7 +39,9 @@ use cudarc::driver::{
     DeviceRepr, LaunchConfig, PushKernelArg,
 };
 
-use super::{Backend, ChannelGeom, ConvGeom, Event, LossGeom, PoolGeom, ResizeGeom, SgdStep};
+use super::{
+    Backend, ChannelGeom, ConvGeom, Event, LossGeom, PoolGeom, ResizeGeom, SgdStep, POISON,
+};
 use crate::backend::host::{Block, HostPool};
 use crate::backend::Storage;
 use crate::core::{DType, Precision};
@@ -419,6 +421,15 @@ fn alloc_zeros<T: DeviceRepr + cudarc::driver::ValidAsZeroBits>(
     stream.alloc_zeros(numel).map_err(driver_error)
 }
 
+/// `numel` elements left as the device memory held them, for [`Backend::empty`].
+fn alloc_unfilled<T: DeviceRepr>(stream: &Arc<CudaStream>, numel: usize) -> Result<CudaSlice<T>> {
+    if numel == 0 {
+        return stream.null().map_err(driver_error);
+    }
+    // SAFETY: the memory is unset; its caller overwrites every element before reading it.
+    unsafe { stream.alloc(numel) }.map_err(driver_error)
+}
+
 /// The elements of `s`, copied to the host (waits for the work queued before).
 pub fn download<T: DeviceRepr + Default + Clone + Unpin>(s: &CudaSlice<T>) -> Result<Vec<T>> {
     if s.is_empty() {
@@ -684,6 +695,23 @@ impl Backend for Cuda {
             DType::F32 => Ok(Storage::CudaF32(alloc_zeros(&self.stream, numel)?)),
             DType::BF16 | DType::F16 => {
                 Ok(Storage::Cuda16(dtype, alloc_zeros(&self.stream, numel)?))
+            }
+            DType::F64 => Err(unsupported(dtype)),
+        }
+    }
+
+    fn empty(&self, numel: usize, dtype: DType) -> Result<Storage> {
+        if POISON {
+            let mut s = self.zeros(numel, dtype)?;
+            if numel > 0 {
+                self.fill(&mut s, f64::NAN)?;
+            }
+            return Ok(s);
+        }
+        match dtype {
+            DType::F32 => Ok(Storage::CudaF32(alloc_unfilled(&self.stream, numel)?)),
+            DType::BF16 | DType::F16 => {
+                Ok(Storage::Cuda16(dtype, alloc_unfilled(&self.stream, numel)?))
             }
             DType::F64 => Err(unsupported(dtype)),
         }
