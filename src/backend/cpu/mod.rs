@@ -318,6 +318,15 @@ fn unfilled<T: bytemuck::Pod + Send + Sync>(n: usize, nan: T) -> Vec<T> {
     v
 }
 
+/// `nan` under [`POISON`], else `zero`.
+fn poison_or<T>(zero: T, nan: T) -> T {
+    if POISON {
+        nan
+    } else {
+        zero
+    }
+}
+
 fn copy_bytes(src: &[u8], dst: &mut [u8]) -> Result<()> {
     if src.len() != dst.len() {
         return Err(Error::Internal(format!(
@@ -356,8 +365,12 @@ impl Backend for Cpu {
         Ok(match dtype {
             DType::F32 => Storage::F32(unfilled(numel, f32::NAN)),
             DType::F64 => Storage::F64(unfilled(numel, f64::NAN)),
-            DType::BF16 => Storage::BF16(unfilled(numel, half::bf16::NAN)),
-            DType::F16 => Storage::F16(unfilled(numel, half::f16::NAN)),
+            // 16-bit outputs are widened to f32 before their kernel writes them, so they are
+            // never handed out unset: filled, with NaN under test so unwritten ones still show.
+            DType::BF16 => {
+                Storage::BF16(filled(numel, poison_or(half::bf16::ZERO, half::bf16::NAN)))
+            }
+            DType::F16 => Storage::F16(filled(numel, poison_or(half::f16::ZERO, half::f16::NAN))),
         })
     }
 
