@@ -67,19 +67,12 @@ fn sum_tol(precision: Precision) -> f64 {
 /// The op tests: a `#[test]` for each family and precision (so that a failure names its
 /// precision), each running the family's one test body, `body(Precision::P, args…)`.
 macro_rules! per_precision {
-    ($on:ident: $($body:ident $args:tt: $($test:ident = $precision:ident),+;)+) => {
-        $($(per_precision!(@one $on, $test, $body, $precision, $args);)+)+
+    ($($body:ident $args:tt: $($test:ident = $precision:ident),+;)+) => {
+        $($(per_precision!(@one $test, $body, $precision, $args);)+)+
     };
-    (@one emulated, $test:ident, $body:ident, $precision:ident, ($($arg:expr),*)) => {
+    (@one $test:ident, $body:ident, $precision:ident, ($($arg:expr),*)) => {
         #[test]
         #[cfg_attr(not(feature = "cuda-emu"), ignore = "needs a CUDA device")]
-        fn $test() {
-            $body(Precision::$precision $(, $arg)*);
-        }
-    };
-    (@one cudnn, $test:ident, $body:ident, $precision:ident, ($($arg:expr),*)) => {
-        #[test]
-        #[ignore = "needs a CUDA device and cuDNN (not emulated)"]
         fn $test() {
             $body(Precision::$precision $(, $arg)*);
         }
@@ -89,7 +82,6 @@ macro_rules! per_precision {
 // The op tests: each family's body on each precision it runs in (cuDNN's convolutions run f32
 // only; 16-bit activations are refused, as tested below).
 per_precision! {
-    emulated:
     conv_matches(ConvImpl::Native):
         conv_fp32_matches_cpu = Fp32,
         conv_tf32_matches_cpu = Tf32,
@@ -125,9 +117,6 @@ per_precision! {
         loss_fp32_matches_cpu = Fp32,
         loss_bf16_matches_cpu = Bf16,
         loss_f16_matches_cpu = Fp16;
-}
-per_precision! {
-    cudnn:
     conv_matches(ConvImpl::Cudnn):
         conv_cudnn_fp32_matches_cpu = Fp32,
         conv_cudnn_tf32_matches_cpu = Tf32;
