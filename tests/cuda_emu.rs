@@ -197,7 +197,7 @@ fn the_finiteness_flag_set_from_several_blocks_is_not_a_race() {
         .collect();
     let x = device.backend().upload(&host, DType::F32).unwrap();
     let finite = device.backend().all_finite(&x);
-    assert_eq!(finite.unwrap(), false);
+    assert!(!finite.unwrap());
 }
 
 /// A 3×3 convolution's forward through cuDNN's GEMM algorithm (which needs a workspace), given
