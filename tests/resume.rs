@@ -5,7 +5,7 @@
 //! same through the command line: one file written by one rank, resumed locally as `single`.
 
 use std::collections::HashMap;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 use gems::optim::schedule::{Decay, LrSchedule};
 use gems::optim::SgdConfig;
@@ -192,7 +192,7 @@ fn a_checkpoint_of_another_model_is_refused_by_name() {
 
 /// Tensors of a checkpoint by name (the file's metadata is not compared).
 #[cfg(feature = "mpi")]
-fn tensors(path: &Path) -> HashMap<String, Vec<u8>> {
+fn tensors(path: &std::path::Path) -> HashMap<String, Vec<u8>> {
     let bytes = std::fs::read(path).unwrap();
     let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
     st.tensors()

@@ -196,15 +196,39 @@ fn a_classifier_maps_each_tile_in_its_predicted_class() {
     let data = format!("slides:{}", slides.display());
     let ckpt = dir.join("ckpt");
     gems(&[
-        "train", "--model", "resnet20v2", "--data", &data, "--labels",
-        labels.to_str().unwrap(), "--image-size", "32", "--tile-size", "64", "--batch-size",
-        "16", "--steps", "4", "--checkpoint", ckpt.to_str().unwrap(),
+        "train",
+        "--model",
+        "resnet20v2",
+        "--data",
+        &data,
+        "--labels",
+        labels.to_str().unwrap(),
+        "--image-size",
+        "32",
+        "--tile-size",
+        "64",
+        "--batch-size",
+        "16",
+        "--steps",
+        "4",
+        "--checkpoint",
+        ckpt.to_str().unwrap(),
     ]);
     let out = dir.join("maps");
     gems(&[
-        "eval", "--checkpoint", ckpt.join("step-000004.safetensors").to_str().unwrap(),
-        "--data", &data, "--labels", labels.to_str().unwrap(), "--tile-size", "64",
-        "--predictions", out.to_str().unwrap(), "--map-level", "1",
+        "eval",
+        "--checkpoint",
+        ckpt.join("step-000004.safetensors").to_str().unwrap(),
+        "--data",
+        &data,
+        "--labels",
+        labels.to_str().unwrap(),
+        "--tile-size",
+        "64",
+        "--predictions",
+        out.to_str().unwrap(),
+        "--map-level",
+        "1",
     ]);
     // Level 1 is 512×384: each 64² tile of level 0 covers a 32² square, in its class's colour.
     let map = Slide::open(&out.join("a.tiff")).unwrap();
@@ -226,7 +250,11 @@ fn a_classifier_maps_each_tile_in_its_predicted_class() {
         for my in y / 2..y / 2 + 32 {
             for mx in x / 2..x / 2 + 32 {
                 let at = (my * w + mx) as usize;
-                assert_eq!(class_of(&rgb[at * 3..at * 3 + 3]), Some(predicted), "({mx}, {my})");
+                assert_eq!(
+                    class_of(&rgb[at * 3..at * 3 + 3]),
+                    Some(predicted),
+                    "({mx}, {my})"
+                );
                 painted[at] = true;
             }
         }

@@ -3,8 +3,12 @@
 //! state-dict`: milesial's UNet as rebuilt there, smp's Unet from its package), per-pixel
 //! outputs, where the skips go, refused configurations, the forward against PyTorch's
 //! (tests/data/unet_forward, written by `scripts/make_unet_fixture.py`), and whole-model
-//! gradients against finite differences.
+//! gradients of the per-pixel loss (unlabelled pixels, weighted classes) against finite
+//! differences.
 
+mod common;
+
+use common::{check_model_gradients, Spot};
 use gems::graph::{self, Graph, Params};
 use gems::ops::{batched, Op};
 use gems::tensor::Device;
@@ -161,46 +165,6 @@ fn bad_configurations_are_refused() {
     assert!(msg("unet_resnet50", 64, 2).contains("unknown model"));
 }
 
-/// L = Σ r·y over the logits of 2 images for fixed pseudo-random r (|r| ≤ 1/len), in f64; with `backward`,
-/// parameter gradients are added into `params.grads`.
-fn run(g: &Graph, params: &mut Params, d: &Device, x: &[f64], backward: bool) -> f64 {
-    let xt = d
-        .upload(
-            batched(2, g.input_shape()),
-            x,
-            DType::F64,
-            Category::Activations,
-        )
-        .unwrap();
-    let out = g.outputs[0].value;
-    let (ys, tape) = graph::forward(
-        g,
-        params,
-        d,
-        vec![(g.input, xt)],
-        0..g.nodes.len(),
-        &[out],
-        Some(&graph::policy::SavePolicy::keep_all()),
-        false,
-        9,
-    )
-    .unwrap();
-    let y = ys[0].to_f64_vec().unwrap();
-    // Weights of a mean, so that L stays near 1 and rounds as a loss would.
-    let n = y.len() as f64;
-    let r: Vec<f64> = (0..y.len())
-        .map(|i| ((i * 7919 % 101) as f64 - 50.0) / (50.0 * n))
-        .collect();
-    let l = y.iter().zip(&r).map(|(a, b)| a * b).sum();
-    if backward {
-        let dy = d
-            .upload(ys[0].shape().clone(), &r, DType::F64, Category::Activations)
-            .unwrap();
-        graph::backward(g, params, d, tape, vec![(out, dy)], &[]).unwrap();
-    }
-    l
-}
-
 #[test]
 fn whole_model_gradients_match_finite_differences() {
     // The stem, a skip's producer, an up-convolution, a decoder BN, the head. unet_resnet18 at
@@ -231,53 +195,7 @@ fn whole_model_gradients_match_finite_differences() {
             ][..],
         ),
     ] {
-        let g = models::build(name, side, 2).unwrap();
-        let d = Device::cpu("test", None);
-        let mut params = Params::init(&g, &d, DType::F64, 3).unwrap();
-        let data = gems::data::synthetic::Synthetic {
-            seed: 1,
-            classes: 2,
-            image_size: side,
-        };
-        let (x, _) = data.batch(0, 2);
-        let total = run(&g, &mut params, &d, &x, true);
-        for pname in probes {
-            let pi = g
-                .params
-                .iter()
-                .position(|p| p.name == *pname)
-                .unwrap_or_else(|| panic!("{name} has no parameter {pname}"));
-            let analytic = params.grads[pi].as_ref().unwrap().to_f64_vec().unwrap();
-            let original = params.values[pi].to_f64_vec().unwrap();
-            let shape = g.params[pi].spec.shape.clone();
-            for i in [0, original.len() / 2, original.len() - 1] {
-                let a = analytic[i];
-                let mut at = |delta: f64| {
-                    let mut v = original.clone();
-                    v[i] += delta;
-                    params.values[pi] = d
-                        .upload(shape.clone(), &v, DType::F64, Category::Weights)
-                        .unwrap();
-                    run(&g, &mut params, &d, &x, false)
-                };
-                // Steps small enough that no ReLU input or max-pool choice switches; where the
-                // first still carries a unit across a kink, smaller ones are tried (a wrong
-                // gradient disagrees at every step).
-                let mut tried = Vec::new();
-                let agrees = [1.0, 1e-1, 1e-2].into_iter().any(|shrink| {
-                    let h = shrink * 1e-7 / a.abs().max(1.0);
-                    let numeric = (at(h) - at(-h)) / (2.0 * h);
-                    tried.push(numeric);
-                    (a - numeric).abs()
-                        <= 1e-5 * a.abs().max(numeric.abs()) + 10.0 * f64::EPSILON * total.abs() / h
-                });
-                at(0.0);
-                assert!(
-                    agrees,
-                    "{name} {pname}[{i}]: analytic {a}, numeric at shrinking steps {tried:?}"
-                );
-            }
-        }
+        check_model_gradients(name, side, probes, &[Spot::First, Spot::Middle, Spot::Last]);
     }
 }
 

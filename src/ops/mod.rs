@@ -235,6 +235,22 @@ pub(crate) fn chw(s: &Shape) -> std::result::Result<(usize, usize, usize), Strin
     }
 }
 
+/// The shape of a C×H×W input resized to `out` (an adaptive pool, a resampling), or why not.
+pub(crate) fn resized(
+    what: &str,
+    input: &Shape,
+    out: (usize, usize),
+) -> std::result::Result<Shape, String> {
+    let (c, h, w) = chw(input)?;
+    if out.0 == 0 || out.1 == 0 {
+        return Err(format!("{what} output size must be positive"));
+    }
+    if h == 0 || w == 0 {
+        return Err(format!("{what} input {h}×{w} is empty"));
+    }
+    Ok(Shape::new([c, out.0, out.1]))
+}
+
 /// Output size of a sliding window, or an error when the window does not fit.
 pub(crate) fn window_out(
     input: usize,

@@ -2,7 +2,7 @@
 
 use std::fmt;
 
-use super::{chw, window_out, Backward, Ctx, Operator, Saved, SavesFor};
+use super::{chw, resized, window_out, Backward, Ctx, Operator, Saved, SavesFor};
 use crate::backend::PoolGeom;
 use crate::tensor::{Shape, Tensor};
 use crate::Result;
@@ -305,14 +305,7 @@ impl AdaptiveAvgPool {
 
 impl Operator for AdaptiveAvgPool {
     fn infer(&self, inputs: &[&Shape]) -> std::result::Result<Shape, String> {
-        let (c, h, w) = chw(inputs[0])?;
-        if self.out.0 == 0 || self.out.1 == 0 {
-            return Err("adaptive pool output size must be positive".into());
-        }
-        if h == 0 || w == 0 {
-            return Err(format!("adaptive pool input {h}×{w} is empty"));
-        }
-        Ok(Shape::new([c, self.out.0, self.out.1]))
+        resized("adaptive pool", inputs[0], self.out)
     }
 
     fn forward(

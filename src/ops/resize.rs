@@ -1,7 +1,7 @@
 //! Bilinear resizing (PyTorch's `F.interpolate(mode="bilinear")` to an output size), U-Net's
 //! parameter-free upsampling.
 
-use super::{chw, Backward, Ctx, Operator, Saved, SavesFor};
+use super::{resized, Backward, Ctx, Operator, Saved, SavesFor};
 use crate::backend::ResizeGeom;
 use crate::tensor::{Shape, Tensor};
 use crate::Result;
@@ -33,14 +33,7 @@ impl ResizeBilinear {
 
 impl Operator for ResizeBilinear {
     fn infer(&self, inputs: &[&Shape]) -> std::result::Result<Shape, String> {
-        let (c, h, w) = chw(inputs[0])?;
-        if self.out.0 == 0 || self.out.1 == 0 {
-            return Err("bilinear resize output size must be positive".into());
-        }
-        if h == 0 || w == 0 {
-            return Err(format!("bilinear resize input {h}×{w} is empty"));
-        }
-        Ok(Shape::new([c, self.out.0, self.out.1]))
+        resized("bilinear resize", inputs[0], self.out)
     }
 
     fn forward(

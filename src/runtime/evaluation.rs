@@ -23,6 +23,8 @@ pub struct Evaluation {
     pub classes: Vec<String>,
     /// `confusion[true][predicted]` counts of samples, or of labelled pixels.
     pub confusion: Vec<Vec<usize>>,
+    /// Whether the model predicts a class per pixel (the counts are of pixels).
+    pub per_pixel: bool,
     /// Each sample's result, by position in the data's order.
     pub per_sample: Vec<SampleScore>,
 }
@@ -193,7 +195,12 @@ impl Tally {
 
     /// The evaluation over the samples scored (`per_sample`, every rank's): their count comes
     /// from them and the places from the tally, so a batch scored twice or not at all shows.
-    pub fn finish(self, classes: &[String], per_sample: Vec<SampleScore>) -> Evaluation {
+    pub fn finish(
+        self,
+        classes: &[String],
+        per_sample: Vec<SampleScore>,
+        per_pixel: bool,
+    ) -> Evaluation {
         let places: usize = self.confusion.iter().flatten().sum();
         let correct: usize = (0..classes.len()).map(|c| self.confusion[c][c]).sum();
         let samples = per_sample.len();
@@ -203,6 +210,7 @@ impl Tally {
             accuracy: correct as f64 / places.max(1) as f64,
             classes: classes.to_vec(),
             confusion: self.confusion,
+            per_pixel,
             per_sample,
         }
     }

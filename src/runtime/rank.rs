@@ -520,7 +520,7 @@ impl Rank {
                         .and_then(|n| targets.try_reserve_exact(n).ok())
                         .ok_or_else(|| {
                             Error::Config(format!(
-                                "a micro-batch of {mb} images is more than this machine can label"
+                                "a micro-batch of {mb} images is more than this machine can hold"
                             ))
                         })?;
                     targets.resize(count.unwrap_or(0), 0);
@@ -685,7 +685,8 @@ impl Rank {
             .flatten()
             .collect();
         samples.sort_by_key(|s| s.position);
-        Ok(Tally::from_vec(&sum, classes).finish(data.classes(), samples))
+        let per_pixel = g.positions() > 1;
+        Ok(Tally::from_vec(&sum, classes).finish(data.classes(), samples, per_pixel))
     }
 
     /// Runs a backward task; returns when its computation started.

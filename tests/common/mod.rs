@@ -30,7 +30,7 @@ fn run(
 ) -> f64 {
     let xt = d
         .upload(
-            batched(labels.len(), g.input_shape()),
+            batched(labels.len() / g.positions(), g.input_shape()),
             x,
             DType::F64,
             Category::Activations,
@@ -51,7 +51,7 @@ fn run(
     .unwrap();
     let (mut total, mut seeds) = (0.0, Vec::new());
     for (o, y) in g.outputs.iter().zip(ys) {
-        let ce = loss::softmax_cross_entropy(d, &y, labels, None).unwrap();
+        let ce = loss::softmax_cross_entropy(d, &y, labels, class_weights(g).as_deref()).unwrap();
         total += o.weight * ce.loss;
         if backward {
             let dy = ce.backward(d, o.weight, y.dtype());
@@ -62,6 +62,27 @@ fn run(
         graph::backward(g, params, d, tape, seeds, &[]).unwrap();
     }
     total
+}
+
+/// The loss's targets for `labels` (one per image): those labels for a classifier; for a
+/// segmentation model a class per pixel (a pattern of both classes, with a few pixels
+/// unlabelled) and the classes weighed unequally, so the per-pixel loss is checked in full.
+fn targets(g: &Graph, labels: &[u32]) -> Vec<u32> {
+    let places = g.positions();
+    if places == 1 {
+        return labels.to_vec();
+    }
+    (0..labels.len() * places)
+        .map(|i| match i % 7 {
+            0 => gems::data::UNLABELLED,
+            r => (r as u32 + i as u32 / 13) % g.classes() as u32,
+        })
+        .collect()
+}
+
+/// Class weights of the loss: none for a classifier, unequal ones for a segmentation model.
+fn class_weights(g: &Graph) -> Option<Vec<f64>> {
+    (g.positions() > 1).then(|| (0..g.classes()).map(|k| 1.0 + 0.5 * k as f64).collect())
 }
 
 /// Forward and backward of `name` (2 classes) on 2 synthetic images of `size`² in f64, then
@@ -82,6 +103,7 @@ pub fn check_model_gradients(name: &str, size: usize, probes: &[&str], spots: &[
         image_size: size,
     };
     let (x, labels) = data.batch(0, 2);
+    let labels = targets(&g, &labels);
     let total = run(&g, &mut params, &d, &x, &labels, true);
     assert!(total.is_finite(), "{name}: loss {total}");
     let live = d.memory().live;

@@ -102,7 +102,7 @@ pub fn eval(a: EvalArgs) -> anyhow::Result<()> {
     if let Some(dir) = &a.predictions {
         write_predictions(dir, &e, &order, a.map_level, map_every)?;
     }
-    let pixels = graph.positions() > 1;
+    let pixels = e.per_pixel;
     println!(
         "{} at step {}: loss {:.4}, {}accuracy {:.1}% on {} {what}",
         model,

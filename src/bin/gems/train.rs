@@ -369,8 +369,13 @@ fn run(a: &TrainArgs, mut session: Session, data: &Pipeline, speaks: bool) -> an
         "done: {} steps, {images} images in {secs:.1} s",
         totals.steps
     );
+    let pixel = if session.graph().positions() > 1 {
+        "pixel "
+    } else {
+        ""
+    };
     println!(
-        "  loss {loss:.4}, accuracy {:.1}% (mean of the last {} steps; chance is {:.1}%)",
+        "  loss {loss:.4}, {pixel}accuracy {:.1}% (mean of the last {} steps; chance is {:.1}%)",
         100.0 * acc,
         totals.recent.len(),
         100.0 / session.graph().classes() as f64
@@ -507,21 +512,29 @@ fn timeline(session: &Session, last: &StepReport, path: &Path) -> anyhow::Result
 
 /// A line of validation during training, after `done` of `total` steps.
 pub fn validation_line(done: usize, total: usize, e: &Evaluation) -> String {
-    format!(
-        "step {done:>5}/{total}  validation loss {:.4}, accuracy {:.1}%",
-        e.loss,
-        100.0 * e.accuracy
-    )
+    format!("step {done:>5}/{total}  validation {}", scores(e))
 }
 
 /// The summary's line of the evaluation after the last step.
 pub fn print_validation(e: &Evaluation) {
     println!(
-        "  validation: loss {:.4}, accuracy {:.1}% on {} held-out samples",
-        e.loss,
-        100.0 * e.accuracy,
+        "  validation: {} on {} held-out samples",
+        scores(e),
         e.samples
     );
+}
+
+/// `loss 0.1234, accuracy 95.0%`; per pixel, the pixel accuracy and the mean IoU.
+fn scores(e: &Evaluation) -> String {
+    match e.per_pixel {
+        false => format!("loss {:.4}, accuracy {:.1}%", e.loss, 100.0 * e.accuracy),
+        true => format!(
+            "loss {:.4}, pixel accuracy {:.1}%, mean IoU {:.3}",
+            e.loss,
+            100.0 * e.accuracy,
+            e.mean_iou()
+        ),
+    }
 }
 
 /// Mean loss and accuracy over reports.
