@@ -257,5 +257,8 @@ fn cudnn_gemm_forward(short: usize) -> cudarc::cudnn::sys::cudnnStatus_t {
 fn planted_d_a_cudnn_workspace_smaller_than_its_algorithm_needs_is_refused() {
     use cudarc::cudnn::sys::cudnnStatus_t::*;
     assert_eq!(cudnn_gemm_forward(0), CUDNN_STATUS_SUCCESS);
-    assert_eq!(cudnn_gemm_forward(4), CUDNN_STATUS_BAD_PARAM_SIZE_INSUFFICIENT);
+    assert_eq!(
+        cudnn_gemm_forward(4),
+        CUDNN_STATUS_BAD_PARAM_SIZE_INSUFFICIENT
+    );
 }
