@@ -2,7 +2,8 @@
 //! with that feature), builds the emulated CUDA driver of `scripts/cuda_emu/` with the C++
 //! compiler the `cc` crate finds, into `$OUT_DIR/cuda_emu`:
 //!
-//! - `libcuda.so.1` (driver.cpp) and `libcublas.so.13` (cublas.cpp), the stand-ins cudarc loads;
+//! - `libcuda.so.1` (driver.cpp), `libcublas.so.13` (cublas.cpp) and `libcudnn.so.9`
+//!   (cudnn.cpp), the stand-ins cudarc loads;
 //! - `libgems_emu_kernels.so` and `libgems_emu_kernels_race.so` (kernels.cpp: every kernel of
 //!   `cuda/*.cu` under emu.h, plainly and with the race check), which the driver loads;
 //! - `race_test` and `race_test_planted` (race_test.cpp on `cuda/conv.cu`, and on a copy whose
@@ -112,13 +113,17 @@ fn main() {
     let mut driver = link(&["driver.cpp"], "libcuda.so.1", true);
     driver.arg("-ldl");
     run_all(vec![driver]);
-    let mut cublas = link(&["cublas.cpp"], "libcublas.so.13", true);
-    cublas
-        .arg("-L")
-        .arg(&out)
-        .args(["-l:libcuda.so.1", "-Wl,-rpath,$ORIGIN"]);
+    // cuBLAS and cuDNN queue their work on the driver's streams.
+    let on_driver = |src: &str, name: &str| {
+        let mut c = link(&[src], name, true);
+        c.arg("-L")
+            .arg(&out)
+            .args(["-l:libcuda.so.1", "-Wl,-rpath,$ORIGIN"]);
+        c
+    };
     run_all(vec![
-        cublas,
+        on_driver("cublas.cpp", "libcublas.so.13"),
+        on_driver("cudnn.cpp", "libcudnn.so.9"),
         link(&["kernels.o"], "libgems_emu_kernels.so", true),
         link(
             &["kernels_race.o", "racecheck.o"],

@@ -14,9 +14,10 @@
 #      passed on; without OpenMPI, a warning and the suite without the MPI transport). It
 #      includes the GPU suite's op tests, a resnet110v2 step and the planted-bug tests on the
 #      emulated CUDA driver (build.rs builds it: feature cuda-emu, on in every cargo test), here
-#      with its chaos mode on (GEMS_EMU_CHAOS, seed 1 unless set). The rest of the GPU suite
-#      (16-bit steps, loss scale, training, offload, schemes; about 25 minutes on 2 cores)
-#      runs with: cargo test --release --test cuda_ops -- --ignored --skip cudnn
+#      with its chaos mode on (GEMS_EMU_CHAOS, seed 1 unless set); cuDNN's op tests run on the
+#      emulated cuDNN. The rest of the GPU suite (16-bit steps, loss scale, training, offload,
+#      schemes, a cuDNN step and offload with cuDNN; about 30 minutes on 2 cores) runs with:
+#      cargo test --release --test cuda_ops -- --ignored
 #   3. without extra arguments, every example (examples/).
 #
 # Environment:

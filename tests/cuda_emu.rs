@@ -10,6 +10,8 @@
 //! - (c) conv.cu's tile loop without the `__syncthreads` that ends a tile: the race check
 //!   reports the kernel, the block and the two threads (the tensor-core stamps still compute
 //!   the right values in the emulator, so only the race check sees it).
+//! - (d) cuDNN handed a smaller workspace than the algorithm it runs needs: the emulated cuDNN
+//!   (cudnn.cpp) refuses it, as cuDNN does, naming the reason.
 //!
 //! Found by the race check over the whole GPU suite, and kept: the finiteness flag set by
 //! plain stores from several blocks (a data race in CUDA's memory model, though every store
@@ -196,4 +198,67 @@ fn the_finiteness_flag_set_from_several_blocks_is_not_a_race() {
     let x = device.backend().upload(&host, DType::F32).unwrap();
     let finite = device.backend().all_finite(&x);
     assert!(!finite.unwrap());
+}
+
+/// A 3×3 convolution's forward through cuDNN's GEMM algorithm (which needs a workspace), given
+/// `short` bytes less workspace than cuDNN states: the status.
+fn cudnn_gemm_forward(short: usize) -> cudarc::cudnn::sys::cudnnStatus_t {
+    use cudarc::cudnn::{result as dnn, sys};
+    use cudarc::driver::{CudaContext, DevicePtrMut};
+    use sys::cudnnConvolutionFwdAlgo_t::CUDNN_CONVOLUTION_FWD_ALGO_GEMM as GEMM;
+    use sys::cudnnDataType_t::CUDNN_DATA_FLOAT as F32;
+    use sys::cudnnTensorFormat_t::CUDNN_TENSOR_NCHW as NCHW;
+    let stream = CudaContext::new(0).unwrap().new_stream().unwrap();
+    let buf = |n: usize| stream.alloc_zeros::<f32>(n).unwrap();
+    let (mut x, mut w, mut y) = (buf(2 * 3 * 8 * 8), buf(4 * 3 * 3 * 3), buf(2 * 4 * 8 * 8));
+    // SAFETY: the descriptors describe the buffers just allocated; alpha and beta are f32 on
+    // the stack; the calls are cuDNN's documented ones on live handles.
+    unsafe {
+        let h = dnn::create_handle().unwrap();
+        dnn::set_stream(h, stream.cu_stream() as sys::cudaStream_t).unwrap();
+        let (xd, yd) = (
+            dnn::create_tensor_descriptor().unwrap(),
+            dnn::create_tensor_descriptor().unwrap(),
+        );
+        let (wd, cd) = (
+            dnn::create_filter_descriptor().unwrap(),
+            dnn::create_convolution_descriptor().unwrap(),
+        );
+        dnn::set_tensor4d_descriptor(xd, NCHW, F32, [2, 3, 8, 8]).unwrap();
+        dnn::set_tensor4d_descriptor(yd, NCHW, F32, [2, 4, 8, 8]).unwrap();
+        dnn::set_filter4d_descriptor(wd, F32, NCHW, [4, 3, 3, 3]).unwrap();
+        let mode = sys::cudnnConvolutionMode_t::CUDNN_CROSS_CORRELATION;
+        dnn::set_convolution2d_descriptor(cd, 1, 1, 1, 1, 1, 1, mode, F32).unwrap();
+        let need = dnn::get_convolution_forward_workspace_size(h, xd, wd, cd, yd, GEMM).unwrap();
+        assert!(need > short, "GEMM needs {need} bytes of workspace");
+        let mut ws = stream.alloc_zeros::<u8>(need).unwrap();
+        let (one, zero) = (1.0f32, 0.0f32);
+        let ptr = |p: u64| p as *mut std::ffi::c_void;
+        let status = sys::cudnnConvolutionForward(
+            h,
+            (&one as *const f32).cast(),
+            xd,
+            ptr(x.device_ptr_mut(&stream).0),
+            wd,
+            ptr(w.device_ptr_mut(&stream).0),
+            cd,
+            GEMM,
+            ptr(ws.device_ptr_mut(&stream).0),
+            need - short,
+            (&zero as *const f32).cast(),
+            yd,
+            ptr(y.device_ptr_mut(&stream).0),
+        );
+        status
+    }
+}
+
+#[test]
+fn planted_d_a_cudnn_workspace_smaller_than_its_algorithm_needs_is_refused() {
+    use cudarc::cudnn::sys::cudnnStatus_t::*;
+    assert_eq!(cudnn_gemm_forward(0), CUDNN_STATUS_SUCCESS);
+    assert_eq!(
+        cudnn_gemm_forward(4),
+        CUDNN_STATUS_BAD_PARAM_SIZE_INSUFFICIENT
+    );
 }

@@ -2,10 +2,11 @@
 //! steps. Without a GPU they run on the emulated CUDA driver (scripts/cuda_emu/, built by
 //! build.rs with the `cuda-emu` feature that every `cargo test` turns on; the test binaries find
 //! it on their run path, after any real driver): the op tests, SGD, the casts, the finiteness
-//! flag, the capacity and a resnet110v2 step run in every `cargo test`. The slower ones (whole-model
-//! steps in 16 bits, loss scaling, training, offload, schemes) and the cuDNN ones are
-//! `#[ignore]`d: `cargo test --release --test cuda_ops -- --ignored --skip cudnn` runs them on
-//! the emulator (cuDNN is not emulated), and `-- --include-ignored` everything on a GPU.
+//! flag, the capacity and a resnet110v2 step run in every `cargo test`, cuDNN's op tests on the
+//! emulated cuDNN (scripts/cuda_emu/cudnn.cpp) too. The slower ones (whole-model steps in 16
+//! bits, loss scaling, training, offload, schemes, and with cuDNN a step and offload) are
+//! `#[ignore]`d: `cargo test --release --test cuda_ops -- --ignored` runs them on the emulator,
+//! and `-- --include-ignored` everything on a GPU.
 //! Without a driver at all they fail loudly, never pass silently.
 //!
 //! Inputs are random and never zero; every output the GPU overwrites is first filled with NaN,
@@ -67,19 +68,12 @@ fn sum_tol(precision: Precision) -> f64 {
 /// The op tests: a `#[test]` for each family and precision (so that a failure names its
 /// precision), each running the family's one test body, `body(Precision::P, args…)`.
 macro_rules! per_precision {
-    ($on:ident: $($body:ident $args:tt: $($test:ident = $precision:ident),+;)+) => {
-        $($(per_precision!(@one $on, $test, $body, $precision, $args);)+)+
+    ($($body:ident $args:tt: $($test:ident = $precision:ident),+;)+) => {
+        $($(per_precision!(@one $test, $body, $precision, $args);)+)+
     };
-    (@one emulated, $test:ident, $body:ident, $precision:ident, ($($arg:expr),*)) => {
+    (@one $test:ident, $body:ident, $precision:ident, ($($arg:expr),*)) => {
         #[test]
         #[cfg_attr(not(feature = "cuda-emu"), ignore = "needs a CUDA device")]
-        fn $test() {
-            $body(Precision::$precision $(, $arg)*);
-        }
-    };
-    (@one cudnn, $test:ident, $body:ident, $precision:ident, ($($arg:expr),*)) => {
-        #[test]
-        #[ignore = "needs a CUDA device and cuDNN (not emulated)"]
         fn $test() {
             $body(Precision::$precision $(, $arg)*);
         }
@@ -89,7 +83,6 @@ macro_rules! per_precision {
 // The op tests: each family's body on each precision it runs in (cuDNN's convolutions run f32
 // only; 16-bit activations are refused, as tested below).
 per_precision! {
-    emulated:
     conv_matches(ConvImpl::Native):
         conv_fp32_matches_cpu = Fp32,
         conv_tf32_matches_cpu = Tf32,
@@ -125,9 +118,6 @@ per_precision! {
         loss_fp32_matches_cpu = Fp32,
         loss_bf16_matches_cpu = Bf16,
         loss_f16_matches_cpu = Fp16;
-}
-per_precision! {
-    cudnn:
     conv_matches(ConvImpl::Cudnn):
         conv_cudnn_fp32_matches_cpu = Fp32,
         conv_cudnn_tf32_matches_cpu = Tf32;
@@ -1124,7 +1114,7 @@ fn resnet110v2_step_matches_cpu() {
 }
 
 #[test]
-#[ignore = "needs a CUDA device and cuDNN (not emulated)"]
+#[ignore = "needs a CUDA device and cuDNN (or minutes on the emulator)"]
 fn resnet110v2_cudnn_step_matches_cpu() {
     step_matches_cpu(ConvImpl::Cudnn);
 }
@@ -1303,7 +1293,7 @@ fn offload_and_recompute_on_gpu_are_bit_identical_in_every_copy_mode() {
 /// so offloaded and recomputed runs match the reference bit for bit on this path too; where
 /// cuDNN kept a non-deterministic algorithm (more than 5% faster), to f32 rounding.
 #[test]
-#[ignore = "needs a CUDA device and cuDNN (not emulated)"]
+#[ignore = "needs a CUDA device and cuDNN (or minutes on the emulator)"]
 fn offload_and_recompute_with_cudnn_are_bit_identical_in_every_copy_mode() {
     offload_and_recompute_are_bit_identical(ConvImpl::Cudnn);
 }

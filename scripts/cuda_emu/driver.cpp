@@ -567,6 +567,18 @@ CUresult cuLaunchKernel(void* f, unsigned gx, unsigned gy, unsigned gz, unsigned
     return OK;
 }
 
+// Not a driver call: how many bytes from `p` to the end of its live device allocation (0 when
+// `p` is not in one), so that cudnn.cpp can check the buffers it is handed as the driver checks
+// copies.
+std::size_t gems_emu_device_bytes(const void* p) {
+    CUdeviceptr a = reinterpret_cast<CUdeviceptr>(p);
+    std::lock_guard<std::mutex> g(mem_mutex);
+    auto it = allocations.upper_bound(a);
+    if (it == allocations.begin()) return 0;
+    --it;
+    return a >= it->first && a < it->first + it->second ? it->first + it->second - a : 0;
+}
+
 CUresult cuGetErrorString(CUresult e, const char** s) {
     *s = e == LAUNCH_FAILED ? g_sticky_text.c_str() : error_of(e).text;
     return OK;
