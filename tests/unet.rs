@@ -8,7 +8,7 @@
 
 mod common;
 
-use common::{check_model_gradients, Spot};
+use common::{check_model_gradients, state_dict, Spot};
 use gems::graph::{self, Graph, Params};
 use gems::ops::{batched, Op};
 use gems::tensor::Device;
@@ -35,24 +35,6 @@ fn parameter_counts_match_the_references() {
             .parameter_count(),
         31_037_698
     );
-}
-
-/// `(name, shape)` per line of a `.names` file; an empty shape is a scalar.
-fn state_dict(model: &str) -> Vec<(String, Vec<usize>)> {
-    let path = format!("{}/tests/data/{model}.names", env!("CARGO_MANIFEST_DIR"));
-    std::fs::read_to_string(&path)
-        .unwrap_or_else(|e| panic!("{path}: {e}"))
-        .lines()
-        .map(|line| {
-            let (name, shape) = line.split_once(' ').unwrap_or((line, ""));
-            let dims = shape
-                .split(',')
-                .filter(|d| !d.is_empty())
-                .map(|d| d.parse().unwrap())
-                .collect();
-            (name.to_string(), dims)
-        })
-        .collect()
 }
 
 #[test]

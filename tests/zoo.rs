@@ -4,7 +4,7 @@
 
 mod common;
 
-use common::{check_model_gradients, Spot};
+use common::{check_model_gradients, state_dict, Spot};
 use gems::models::{self, torchvision::Arch};
 use gems::ops::Op;
 
@@ -18,24 +18,6 @@ fn parameter_counts_with_two_classes() {
         let g = models::build(name, 224, 2).unwrap();
         assert_eq!(g.parameter_count(), want, "{name}");
     }
-}
-
-/// `(name, shape)` per line of a `.names` file; an empty shape is a scalar.
-fn state_dict(model: &str) -> Vec<(String, Vec<usize>)> {
-    let path = format!("{}/tests/data/{model}.names", env!("CARGO_MANIFEST_DIR"));
-    std::fs::read_to_string(&path)
-        .unwrap_or_else(|e| panic!("{path}: {e}"))
-        .lines()
-        .map(|line| {
-            let (name, shape) = line.split_once(' ').unwrap_or((line, ""));
-            let dims = shape
-                .split(',')
-                .filter(|d| !d.is_empty())
-                .map(|d| d.parse().unwrap())
-                .collect();
-            (name.to_string(), dims)
-        })
-        .collect()
 }
 
 #[test]

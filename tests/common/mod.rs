@@ -173,3 +173,21 @@ pub fn check_model_gradients(name: &str, size: usize, probes: &[&str], spots: &[
         }
     }
 }
+
+/// `(name, shape)` per line of a `.names` file; an empty shape is a scalar.
+pub fn state_dict(model: &str) -> Vec<(String, Vec<usize>)> {
+    let path = format!("{}/tests/data/{model}.names", env!("CARGO_MANIFEST_DIR"));
+    std::fs::read_to_string(&path)
+        .unwrap_or_else(|e| panic!("{path}: {e}"))
+        .lines()
+        .map(|line| {
+            let (name, shape) = line.split_once(' ').unwrap_or((line, ""));
+            let dims = shape
+                .split(',')
+                .filter(|d| !d.is_empty())
+                .map(|d| d.parse().unwrap())
+                .collect();
+            (name.to_string(), dims)
+        })
+        .collect()
+}
