@@ -133,6 +133,7 @@ fn run_forward(
         device: &d,
         training,
         seed: 42,
+        tiles: None,
     };
     let refs: Vec<&Tensor> = xs.iter().collect();
     let (y, saved) = case.op.get().forward(&ctx, &refs, &mut ps).unwrap();
@@ -198,6 +199,7 @@ fn check_gradients(name: &str, case: Case) {
         device: &d,
         training: true,
         seed: 42,
+        tiles: None,
     };
     let b = Backward {
         saved,
@@ -478,6 +480,7 @@ fn pools_ceil_mode() {
         device: &d,
         training: true,
         seed: 0,
+        tiles: None,
     };
     let op = Op::AvgPool(AvgPool(Window::square(3, 2, 1).ceil()));
     let y = op
@@ -506,6 +509,7 @@ fn adaptive_avg_pool() {
         device: &d,
         training: true,
         seed: 0,
+        tiles: None,
     };
     let op = Op::AdaptiveAvgPool(AdaptiveAvgPool { out: (3, 3) });
     let y = op
@@ -838,7 +842,7 @@ fn batchnorm_running_statistics_follow_pytorch() {
     );
     // ... and committing its batch statistics applies PyTorch's rule: mean 4.5, unbiased
     // variance 6 → running = 0.9·old + 0.1·batch.
-    let stats = norm::BatchNorm::batch_stats(&saved).unwrap();
+    let stats = norm::BatchNorm::batch_stats(&saved, &Shape::new([1, 2, 2])).unwrap();
     assert_eq!(stats.count, 8);
     norm::BatchNorm::default()
         .commit(&device(), &mut ps, &stats)
@@ -913,6 +917,7 @@ fn conv_matches_direct_convolution_across_tiles_and_lanes() {
             device: &d,
             training: true,
             seed: 0,
+            tiles: None,
         };
         let (y, _) = op.get().forward(&ctx, &[&xt], &mut params).unwrap();
         let want = direct_conv(&x, &w, &g);
@@ -941,6 +946,7 @@ fn avg_pool_excluding_padding() {
         device: &d,
         training: true,
         seed: 0,
+        tiles: None,
     };
     let op = Op::AvgPoolExcludePad(AvgPoolExcludePad(Window::square(3, 1, 1)));
     let y = op
@@ -990,6 +996,7 @@ fn pad2d_pads_and_crops() {
         device: &d,
         training: true,
         seed: 0,
+        tiles: None,
     };
     let y = Op::Pad2d(shift.clone())
         .get()

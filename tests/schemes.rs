@@ -202,6 +202,7 @@ fn hand_rolled(g: &Graph, c: &TrainConfig, steps: usize) -> (Vec<f64>, Vec<Vec<f
             Some(&c.saves),
             false,
             seed,
+            None,
         )
         .unwrap();
         let running = std::mem::take(&mut tape.running);
@@ -214,7 +215,7 @@ fn hand_rolled(g: &Graph, c: &TrainConfig, steps: usize) -> (Vec<f64>, Vec<Vec<f
             let grad = ce.backward(&device, out.weight, c.activations()).unwrap();
             seeds.push((out.value, grad));
         }
-        graph::backward(g, &mut params, &device, tape, seeds, &[]).unwrap();
+        graph::backward(g, &mut params, &device, tape, seeds, &[], None).unwrap();
         sgd.step(&mut params, &device, c.schedule.lr(step), 1.0)
             .unwrap();
         losses.push(total);

@@ -227,6 +227,7 @@ fn eval_logits(g: &Graph, values: Vec<Vec<f64>>, x: &[f64], n: usize) -> Vec<f64
         None,
         false,
         0,
+        None,
     )
     .unwrap();
     ys[0].to_f64_vec().unwrap()

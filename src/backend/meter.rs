@@ -192,6 +192,41 @@ impl Backend for Meter {
         Ok(())
     }
 
+    fn batchnorm_statistics(&self, _x: &Storage, g: &ChannelGeom) -> Result<Vec<(f64, f64)>> {
+        Ok(vec![(0.0, 1.0); g.c])
+    }
+
+    fn batchnorm_backward_sums(
+        &self,
+        _x: &Storage,
+        _dy: &Storage,
+        _relu_beta: Option<&Storage>,
+        _gamma: &Storage,
+        _mean: &Storage,
+        _var: &Storage,
+        _eps: f64,
+        g: &ChannelGeom,
+    ) -> Result<Vec<(f64, f64)>> {
+        Ok(vec![(0.0, 0.0); g.c])
+    }
+
+    fn batchnorm_backward_dx(
+        &self,
+        _x: &Storage,
+        _dy: &Storage,
+        _relu_beta: Option<&Storage>,
+        _gamma: &Storage,
+        _mean: &Storage,
+        _var: &Storage,
+        _sums: &[(f64, f64)],
+        _count: usize,
+        _dx: &mut Storage,
+        _eps: f64,
+        _g: &ChannelGeom,
+    ) -> Result<()> {
+        Ok(())
+    }
+
     fn batchnorm_relu_forward_train(
         &self,
         _x: &Storage,

@@ -326,6 +326,42 @@ pub trait Backend: Send + Sync {
         eps: f64,
         g: &ChannelGeom,
     ) -> Result<()>;
+    /// Per channel (mean, biased variance) of x, on the host: one part's statistics of a batch
+    /// split across ranks (the tiles of a spatially split sample), which the caller combines.
+    fn batchnorm_statistics(&self, x: &Storage, g: &ChannelGeom) -> Result<Vec<(f64, f64)>>;
+    /// Per channel (Σdy, Σ dy·x̂) over x's planes, on the host, x̂ from `mean` and `var`: one
+    /// part's share of batch normalization's backward sums. With a fused ReLU's `relu_beta`,
+    /// dy counts only where that op's output was positive.
+    #[allow(clippy::too_many_arguments)]
+    fn batchnorm_backward_sums(
+        &self,
+        x: &Storage,
+        dy: &Storage,
+        relu_beta: Option<&Storage>,
+        gamma: &Storage,
+        mean: &Storage,
+        var: &Storage,
+        eps: f64,
+        g: &ChannelGeom,
+    ) -> Result<Vec<(f64, f64)>>;
+    /// dx (overwritten) of batch normalization from the sums of
+    /// [`Backend::batchnorm_backward_sums`] over the whole batch of `count` values per channel,
+    /// of which x's planes are a part.
+    #[allow(clippy::too_many_arguments)]
+    fn batchnorm_backward_dx(
+        &self,
+        x: &Storage,
+        dy: &Storage,
+        relu_beta: Option<&Storage>,
+        gamma: &Storage,
+        mean: &Storage,
+        var: &Storage,
+        sums: &[(f64, f64)],
+        count: usize,
+        dx: &mut Storage,
+        eps: f64,
+        g: &ChannelGeom,
+    ) -> Result<()>;
     /// running = (1 - momentum)·running + momentum·batch, with the unbiased batch variance.
     fn batchnorm_update_running(
         &self,

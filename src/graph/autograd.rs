@@ -16,6 +16,7 @@ use crate::backend::Event;
 use crate::core::rng::splitmix64;
 use crate::memory::Category;
 use crate::ops::norm::{BatchNorm, BatchStats};
+use crate::ops::tiles::{self, Grid, OnTiles, TileRule, Tiles};
 use crate::ops::{Backward, Ctx, Init, Op, Saved};
 use crate::tensor::Device;
 use crate::tensor::{DType, Shape, Tensor, WeakTensor};
@@ -128,6 +129,82 @@ pub struct Tape {
     input_shapes: Vec<Vec<Shape>>,
     requires_grad: Vec<bool>,
     seed: u64,
+    /// How each node ran on tiles (all `Plain` without tiles).
+    runs: Vec<Run>,
+}
+
+/// How a node ran where samples are split into tiles.
+#[derive(Clone, Debug, Default, PartialEq)]
+enum Run {
+    /// As on one device: no tiles, or no split value near it.
+    #[default]
+    Plain,
+    /// On this rank's tiles (the op's [`TileRule`] says how).
+    Tiled(TileRule),
+    /// On whole inputs, gathered from the tiles where `gathered` says so; with `cropped`, its
+    /// output kept as this rank's tile.
+    Whole { gathered: Vec<bool>, cropped: bool },
+}
+
+/// Whether value `v` is held as tiles: where samples are split, every map large enough is.
+fn split(graph: &Graph, tiles: Option<&Tiles>, v: ValueId) -> bool {
+    tiles.is_some_and(|t| t.grid.splits(&graph.values[v].shape))
+}
+
+/// Whether node `id` runs on tiles of samples split by `grid`, so that its parameters'
+/// gradients are this tile's share (summed over the tiles), not the whole batch's (the same on
+/// every tile of a node that runs on whole inputs).
+pub fn runs_on_tiles(graph: &Graph, grid: Grid, id: usize) -> bool {
+    matches!(run_of(graph, grid, id), Run::Tiled(_))
+}
+
+/// How node `id` runs on samples split by `grid`: on tiles where its inputs are split and its
+/// op can (keeping the layout [`split`] gives its output), else on whole inputs.
+fn run_of(graph: &Graph, grid: Grid, id: usize) -> Run {
+    let n = &graph.nodes[id];
+    let split = |v: ValueId| grid.splits(&graph.values[v].shape);
+    let inputs: Vec<bool> = n.inputs.iter().map(|&v| split(v)).collect();
+    let output = split(n.output);
+    if !inputs.contains(&true) && !output {
+        return Run::Plain;
+    }
+    let rule = n.op.get().on_tiles();
+    let tiled = match rule {
+        TileRule::Reduces => !output,
+        TileRule::Pointwise | TileRule::Tiled => output,
+        TileRule::Whole => false,
+    };
+    if tiled && !inputs.contains(&false) {
+        Run::Tiled(rule)
+    } else {
+        Run::Whole {
+            gathered: inputs,
+            cropped: output,
+        }
+    }
+}
+
+/// What an op running on tiles is told of node `id`'s whole maps.
+fn on_tiles<'a>(graph: &'a Graph, tiles: &'a Tiles, id: usize) -> OnTiles<'a> {
+    let n = &graph.nodes[id];
+    OnTiles {
+        tiles,
+        inputs: n.inputs.iter().map(|&v| &graph.values[v].shape).collect(),
+        output: &graph.values[n.output].shape,
+    }
+}
+
+/// The tiles context of a node that runs [`Run::Tiled`] by an op that needs it.
+fn ctx_tiles<'a>(
+    graph: &'a Graph,
+    tiles: Option<&'a Tiles>,
+    id: usize,
+    run: &Run,
+) -> Option<OnTiles<'a>> {
+    match (run, tiles) {
+        (Run::Tiled(TileRule::Tiled | TileRule::Reduces), Some(t)) => Some(on_tiles(graph, t, id)),
+        _ => None,
+    }
 }
 
 /// Copies between the device and its host tier, each buffer once however many bundles (or
@@ -187,6 +264,7 @@ pub fn forward(
     training: Option<&SavePolicy>,
     input_grads: bool,
     seed: u64,
+    tiles: Option<&Tiles>,
 ) -> Result<(Vec<Tensor>, Tape)> {
     let policy = training;
     let training = policy.is_some();
@@ -224,6 +302,7 @@ pub fn forward(
         input_shapes: Vec::with_capacity(nodes.len()),
         requires_grad: Vec::new(),
         seed,
+        runs: Vec::with_capacity(nodes.len()),
     };
     let mut offloaded = Copies::default();
     for (i, id) in nodes.clone().enumerate() {
@@ -258,34 +337,65 @@ pub fn forward(
             if training {
                 tape.input_shapes.push(Vec::new());
                 tape.saved.push(None);
+                tape.runs.push(Run::Plain);
             }
             continue;
         }
-        let ins: Vec<&Tensor> = node
+        let run = tiles.map_or(Run::Plain, |t| run_of(graph, t.grid, id));
+        let plain = Ctx {
+            device,
+            training,
+            seed: node_seed(seed, id),
+            tiles: None,
+        };
+        let mut ins: Vec<Tensor> = node
             .inputs
             .iter()
             .map(|&v| {
-                values[v].as_ref().ok_or_else(|| {
+                values[v].clone().ok_or_else(|| {
                     Error::Internal(format!("{}: input %{v} is not available", node.name))
                 })
             })
             .collect::<Result<_>>()?;
+        if let (Run::Whole { gathered, .. }, Some(t)) = (&run, tiles) {
+            for (x, &v) in ins
+                .iter_mut()
+                .zip(&node.inputs)
+                .filter(|(_, v)| split(graph, tiles, **v))
+            {
+                let s = &graph.values[v].shape;
+                *x = tiles::all_gather(&plain, t, x, (s.dim(1), s.dim(2)))?;
+            }
+            debug_assert_eq!(
+                gathered.iter().filter(|&&g| g).count(),
+                node.inputs
+                    .iter()
+                    .filter(|&&v| split(graph, tiles, v))
+                    .count()
+            );
+        }
         let ctx = Ctx {
-            device,
-            training,
-            seed: node_seed(seed, id),
+            tiles: ctx_tiles(graph, tiles, id, &run),
+            ..plain
         };
         let local = params.local(&node.params);
-        let (y, saved) = node
+        let refs: Vec<&Tensor> = ins.iter().collect();
+        let (mut y, saved) = node
             .op
             .get()
-            .forward(&ctx, &ins, &mut params.values[local])?;
+            .forward(&ctx, &refs, &mut params.values[local])?;
+        if let (Run::Whole { cropped: true, .. }, Some(t)) = (&run, tiles) {
+            y = tiles::crop(&ctx, t, &y)?;
+        }
         if let (true, Op::BatchNorm(_)) = (training, &node.op) {
-            let stats = BatchNorm::batch_stats(&saved)
+            let sample = &graph.values[node.inputs[0]].shape;
+            let stats = BatchNorm::batch_stats(&saved, sample)
                 .ok_or_else(|| Error::Internal(format!("{}: no batch statistics", node.name)))?;
             tape.running.push(RunningUpdate { node: id, stats });
         }
+        drop(refs);
         if training {
+            tape.runs.push(run);
             tape.input_shapes
                 .push(ins.iter().map(|t| t.shape().clone()).collect());
             tape.saved.push(match tape.keep[i] {
@@ -294,6 +404,7 @@ pub fn forward(
                 Keep::Recompute => None,
             });
         }
+        drop(ins);
         let has_trainable = node.params.clone().any(|p| graph.params[p].spec.trainable);
         requires_grad[node.output] = has_trainable || node.inputs.iter().any(|&v| requires_grad[v]);
         values[node.output] = Some(y);
@@ -364,6 +475,7 @@ fn recompute(
     device: &Device,
     tape: &mut Tape,
     last: usize,
+    tiles: Option<&Tiles>,
 ) -> Result<()> {
     let first = (0..=last)
         .rev()
@@ -388,6 +500,7 @@ fn recompute(
         Some(&SavePolicy::keep_all()),
         false,
         tape.seed,
+        tiles,
     )?;
     for (k, saved) in again.saved.drain(..).enumerate() {
         tape.saved[first + k] = saved;
@@ -404,6 +517,7 @@ pub fn backward(
     mut tape: Tape,
     seeds: Vec<(ValueId, Tensor)>,
     want: &[ValueId],
+    tiles: Option<&Tiles>,
 ) -> Result<Vec<Option<Tensor>>> {
     let mut grads: Vec<Option<Tensor>> = vec![None; graph.values.len()];
     for (v, g) in seeds {
@@ -436,12 +550,13 @@ pub fn backward(
             device.backend().wait(&e)?;
         }
         if tape.keep[i] == Keep::Recompute && tape.ran[i] && tape.saved[i].is_none() {
-            recompute(graph, params, device, &mut tape, i)?;
+            recompute(graph, params, device, &mut tape, i, tiles)?;
         }
         let saved = tape.saved[i].take().unwrap_or_default();
-        let Some(dy) = grads[node.output].take() else {
+        let Some(mut dy) = grads[node.output].take() else {
             continue;
         };
+        let run = std::mem::take(&mut tape.runs[i]);
         let need: Vec<bool> = node.inputs.iter().map(|&v| tape.requires_grad[v]).collect();
         let trainable: Vec<usize> = node
             .params
@@ -459,7 +574,12 @@ pub fn backward(
             device,
             training: true,
             seed: node_seed(tape.seed, id),
+            tiles: ctx_tiles(graph, tiles, id, &run),
         };
+        if let (Run::Whole { cropped: true, .. }, Some(t)) = (&run, tiles) {
+            let s = &graph.values[node.output].shape;
+            dy = tiles::all_gather(&ctx, t, &dy, (s.dim(1), s.dim(2)))?;
+        }
         let b = Backward {
             saved,
             dy,
@@ -475,8 +595,13 @@ pub fn backward(
         for (&p, g) in trainable.iter().zip(pgrads) {
             params.grads[p - params.first] = Some(g);
         }
-        for ((&v, g), &needed) in node.inputs.iter().zip(result?).zip(&need) {
-            if let (Some(g), true) = (g, needed) {
+        for (k, ((&v, g), &needed)) in node.inputs.iter().zip(result?).zip(&need).enumerate() {
+            if let (Some(mut g), true) = (g, needed) {
+                if let (Run::Whole { gathered, .. }, Some(t)) = (&run, tiles) {
+                    if gathered[k] {
+                        g = tiles::crop(&ctx, t, &g)?;
+                    }
+                }
                 accumulate(device, &mut grads[v], g)?;
             }
         }

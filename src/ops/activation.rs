@@ -46,6 +46,10 @@ impl Operator for Relu {
         output.numel() as u64
     }
 
+    fn on_tiles(&self) -> super::tiles::TileRule {
+        super::tiles::TileRule::Pointwise
+    }
+
     fn saves(&self, _inputs: &[&Shape]) -> SavesFor {
         SavesFor {
             output: true,

@@ -2,6 +2,7 @@
 
 use std::fmt;
 
+use super::tiles::{self, TileRule};
 use super::{chw, window_out, Backward, Ctx, Init, Operator, ParamSpec, Saved, SavesFor};
 use crate::backend::{ChannelGeom, ConvGeom};
 use crate::tensor::{Shape, Tensor};
@@ -61,6 +62,50 @@ impl Conv2d {
             h_out: out.dim(1),
             w_out: out.dim(2),
         })
+    }
+}
+
+impl Conv2d {
+    /// On tiles: every rank's input rectangle (what its output tile's windows read), and this
+    /// rank's geometry on its rectangle: padding only where the rectangle starts at the map's
+    /// edge, and its own output tile's size. `x` is this rank's input tile.
+    fn tile_geom(&self, t: &tiles::OnTiles, x: &Shape) -> Result<(Vec<tiles::Rect>, ConvGeom)> {
+        let whole = Shape::new([
+            x.dim(0),
+            t.inputs[0].dim(0),
+            t.inputs[0].dim(1),
+            t.inputs[0].dim(2),
+        ]);
+        let span = |k: usize, d: usize| d * (k - 1) + 1;
+        let needs = tiles::window_needs(
+            t.tiles.grid,
+            t.input_hw(0),
+            t.output_hw(),
+            self.stride,
+            self.pad,
+            (
+                span(self.kernel.0, self.dilation.0),
+                span(self.kernel.1, self.dilation.1),
+            ),
+            true,
+        );
+        let me = needs[t.tiles.tile()];
+        let out = t.tiles.own(t.output_hw());
+        let first = |o: isize, s: usize, p: usize| o * s as isize - p as isize;
+        let (h, w) = me.size();
+        let (h_out, w_out) = out.size();
+        let g = ConvGeom {
+            h,
+            w,
+            pad: (
+                (me.rows.0 - first(out.rows.0, self.stride.0, self.pad.0)) as usize,
+                (me.cols.0 - first(out.cols.0, self.stride.1, self.pad.1)) as usize,
+            ),
+            h_out,
+            w_out,
+            ..self.geom(&whole)?
+        };
+        Ok((needs, g))
     }
 }
 
@@ -132,9 +177,15 @@ impl Operator for Conv2d {
 
     fn forward(&self, ctx: &Ctx, xs: &[&Tensor], params: &mut [Tensor]) -> Result<(Tensor, Saved)> {
         let x = xs[0];
-        let g = self.geom(x.shape())?;
+        let (x, g) = match &ctx.tiles {
+            Some(t) => {
+                let (needs, g) = self.tile_geom(t, x.shape())?;
+                (tiles::gather(ctx, t.tiles, x, t.input_hw(0), &needs)?, g)
+            }
+            None => (x.clone(), self.geom(x.shape())?),
+        };
         let be = ctx.device.backend();
-        let mut y = ctx.output(Shape::new([g.n, g.c_out, g.h_out, g.w_out]), x)?;
+        let mut y = ctx.output(Shape::new([g.n, g.c_out, g.h_out, g.w_out]), &x)?;
         let mut ws = ctx.workspace(be.conv2d_workspace(&g), x.dtype().compute())?;
         be.conv2d_forward(
             x.storage(),
@@ -151,7 +202,7 @@ impl Operator for Conv2d {
             };
             be.add_channel_bias(y.storage_mut()?, params[1].storage(), &cg)?;
         }
-        Ok((y, Saved(vec![x.clone()])))
+        Ok((y, Saved(vec![x])))
     }
 
     fn backward(
@@ -161,8 +212,15 @@ impl Operator for Conv2d {
         params: &[Tensor],
         grads: &mut [Tensor],
     ) -> Result<Vec<Option<Tensor>>> {
+        // On tiles, x is the gathered input: this tile and its halo.
         let (x, dy) = (&b.saved.0[0], &b.dy);
-        let g = self.geom(x.shape())?;
+        let (needs, g) = match &ctx.tiles {
+            Some(t) => {
+                let (needs, g) = self.tile_geom(t, &b.inputs[0])?;
+                (Some(needs), g)
+            }
+            None => (None, self.geom(x.shape())?),
+        };
         let be = ctx.device.backend();
         let mut ws = ctx.workspace(be.conv2d_workspace(&g), x.dtype().compute())?;
         be.conv2d_backward_filter(
@@ -181,7 +239,7 @@ impl Operator for Conv2d {
             be.channel_sum(dy.storage(), grads[1].storage_mut()?, &cg)?;
         }
         let dx = if b.need[0] {
-            let mut dx = ctx.output(b.inputs[0].clone(), x)?;
+            let mut dx = ctx.output(x.shape().clone(), x)?;
             be.conv2d_backward_data(
                 dy.storage(),
                 params[0].storage(),
@@ -189,7 +247,13 @@ impl Operator for Conv2d {
                 ws.storage_mut()?,
                 &g,
             )?;
-            Some(dx)
+            drop(ws);
+            match (&ctx.tiles, needs) {
+                (Some(t), Some(needs)) => {
+                    Some(tiles::scatter_add(ctx, t.tiles, dx, t.input_hw(0), &needs)?)
+                }
+                _ => Some(dx),
+            }
         } else {
             None
         };
@@ -200,6 +264,10 @@ impl Operator for Conv2d {
         let c_in = inputs[0].dim(0) / self.groups;
         let macs = output.numel() * c_in * self.kernel.0 * self.kernel.1;
         2 * macs as u64 + if self.bias { output.numel() as u64 } else { 0 }
+    }
+
+    fn on_tiles(&self) -> TileRule {
+        TileRule::Tiled
     }
 
     fn saves(&self, _inputs: &[&Shape]) -> SavesFor {

@@ -48,6 +48,10 @@ impl Operator for Add {
         output.numel() as u64
     }
 
+    fn on_tiles(&self) -> super::tiles::TileRule {
+        super::tiles::TileRule::Pointwise
+    }
+
     fn saves(&self, _inputs: &[&Shape]) -> SavesFor {
         SavesFor::default()
     }

@@ -12,6 +12,7 @@ pub mod norm;
 pub mod pool;
 pub mod resize;
 pub mod shape;
+pub mod tiles;
 
 use crate::memory::Category;
 use crate::tensor::Device;
@@ -82,6 +83,9 @@ pub struct Ctx<'a> {
     pub training: bool,
     /// Seed for this op's randomness in this pass (dropout).
     pub seed: u64,
+    /// Where the op runs on tiles of the samples (a [`tiles::TileRule::Tiled`] or
+    /// [`tiles::TileRule::Reduces`] op with every input split): the group and the whole maps.
+    pub tiles: Option<tiles::OnTiles<'a>>,
 }
 
 impl Ctx<'_> {
@@ -133,6 +137,10 @@ pub trait Operator {
     fn flops(&self, inputs: &[&Shape], output: &Shape) -> u64;
     /// What forward keeps for backward, for memory predictions.
     fn saves(&self, inputs: &[&Shape]) -> SavesFor;
+    /// How it runs on tiles of split samples (see [`tiles`]); by default on whole inputs.
+    fn on_tiles(&self) -> tiles::TileRule {
+        tiles::TileRule::Whole
+    }
 }
 
 /// The ops a graph is made of.

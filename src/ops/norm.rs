@@ -8,6 +8,7 @@
 //! recomputes the ReLU's mask from x, so the op keeps only x, as a plain BN does. The same
 //! numbers as the two ops in turn.
 
+use super::tiles::{OnTiles, TileRule};
 use super::{Backward, Ctx, Init, Operator, ParamSpec, Saved, SavesFor};
 use crate::backend::ChannelGeom;
 use crate::tensor::{Shape, Tensor};
@@ -55,17 +56,69 @@ pub struct BatchStats {
 }
 
 impl BatchNorm {
-    /// The batch statistics a training forward saved.
-    pub fn batch_stats(saved: &Saved) -> Option<BatchStats> {
+    /// The batch statistics a training forward saved, of an input whose whole samples have
+    /// shape `sample` (on tiles, the statistics are the whole map's).
+    pub fn batch_stats(saved: &Saved, sample: &Shape) -> Option<BatchStats> {
         let [x, mean, var] = &saved.0[..] else {
             return None;
         };
-        let d = x.shape().dims();
         Some(BatchStats {
             mean: mean.clone(),
             var: var.clone(),
-            count: d[0] * d[2..].iter().product::<usize>(),
+            count: x.shape().dim(0) * sample.dims()[1..].iter().product::<usize>(),
         })
+    }
+
+    /// On tiles: the whole batch's statistics from every tile's (Chan's combination of
+    /// (count, mean, variance), in tile order), as tensors beside `x`, and their count.
+    fn tile_statistics(
+        &self,
+        ctx: &Ctx,
+        t: &OnTiles,
+        x: &Tensor,
+    ) -> Result<(Tensor, Tensor, usize)> {
+        let g = geom(x);
+        let grid = t.tiles.grid;
+        let mine = ctx.device.backend().batchnorm_statistics(x.storage(), &g)?;
+        let mut slots = vec![0.0; grid.tiles() * 2 * g.c];
+        let me = t.tiles.tile() * 2 * g.c;
+        for (c, (m, v)) in mine.iter().enumerate() {
+            (slots[me + 2 * c], slots[me + 2 * c + 1]) = (*m, *v);
+        }
+        let all = t.tiles.sum(slots)?;
+        let whole = t.input_hw(0);
+        let counts: Vec<f64> = (0..grid.tiles())
+            .map(|q| {
+                let (h, w) = grid.owned(q, whole).size();
+                (g.n * h * w) as f64
+            })
+            .collect();
+        let total = (g.n * whole.0 * whole.1) as f64;
+        let at = |q: usize, c: usize| (all[(q * g.c + c) * 2], all[(q * g.c + c) * 2 + 1]);
+        let mut mean = vec![0.0; g.c];
+        let mut var = vec![0.0; g.c];
+        for c in 0..g.c {
+            mean[c] = (0..grid.tiles())
+                .map(|q| counts[q] * at(q, c).0)
+                .sum::<f64>()
+                / total;
+            var[c] = (0..grid.tiles())
+                .map(|q| {
+                    let (m, v) = at(q, c);
+                    counts[q] * (v + (m - mean[c]) * (m - mean[c]))
+                })
+                .sum::<f64>()
+                / total;
+        }
+        let upload = |v: &[f64]| {
+            ctx.device.upload(
+                Shape::new([g.c]),
+                v,
+                x.dtype().compute(),
+                crate::memory::Category::Activations,
+            )
+        };
+        Ok((upload(&mean)?, upload(&var)?, total as usize))
     }
 
     /// running = (1 - momentum)·running + momentum·batch (unbiased variance), on this node's
@@ -88,6 +141,63 @@ impl BatchNorm {
             stats.var.storage(),
             self.momentum,
             stats.count,
+        )
+    }
+}
+
+impl BatchNorm {
+    /// Backward on tiles: this tile's sums go into dγ and dβ (which the runtime sums over the
+    /// tiles), and dx uses the sums over the whole batch.
+    #[allow(clippy::too_many_arguments)]
+    fn tile_backward(
+        &self,
+        ctx: &Ctx,
+        t: &OnTiles,
+        x: &Tensor,
+        dy: &Tensor,
+        mean: &Tensor,
+        var: &Tensor,
+        params: &[Tensor],
+        grads: &mut [Tensor],
+        dx: &mut Tensor,
+    ) -> Result<()> {
+        let g = geom(x);
+        let be = ctx.device.backend();
+        let (gamma, beta) = (params[0].storage(), params[1].storage());
+        let relu_beta = self.relu.then_some(beta);
+        let (x, dy, mean, var) = (x.storage(), dy.storage(), mean.storage(), var.storage());
+        let mine = be.batchnorm_backward_sums(x, dy, relu_beta, gamma, mean, var, self.eps, &g)?;
+        for (k, grad) in grads.iter_mut().take(2).enumerate() {
+            // dγ takes Σ dy·x̂, dβ Σ dy.
+            let part: Vec<f64> = mine
+                .iter()
+                .map(|s| if k == 0 { s.1 } else { s.0 })
+                .collect();
+            let part = ctx.device.upload(
+                Shape::new([g.c]),
+                &part,
+                grad.dtype(),
+                crate::memory::Category::Workspace,
+            )?;
+            be.add_assign(grad.storage_mut()?, part.storage())?;
+        }
+        let flat = t
+            .tiles
+            .sum(mine.iter().flat_map(|&(a, b)| [a, b]).collect())?;
+        let sums: Vec<(f64, f64)> = flat.chunks(2).map(|s| (s[0], s[1])).collect();
+        let (h, w) = t.input_hw(0);
+        be.batchnorm_backward_dx(
+            x,
+            dy,
+            relu_beta,
+            gamma,
+            mean,
+            var,
+            &sums,
+            g.n * h * w,
+            dx.storage_mut()?,
+            self.eps,
+            &g,
         )
     }
 }
@@ -150,6 +260,33 @@ impl Operator for BatchNorm {
             }
             return Ok((y, Saved::default()));
         }
+        if let Some(t) = &ctx.tiles {
+            let (mean, var) = {
+                let (mean, var, _) = self.tile_statistics(ctx, t, x)?;
+                (mean, var)
+            };
+            let mut normalized = match self.relu {
+                true => Some(ctx.workspace(x.numel(), x.dtype())?),
+                false => None,
+            };
+            be.batchnorm_forward_eval(
+                x.storage(),
+                gamma.storage(),
+                beta.storage(),
+                mean.storage(),
+                var.storage(),
+                match &mut normalized {
+                    Some(t) => t.storage_mut()?,
+                    None => y.storage_mut()?,
+                },
+                self.eps,
+                &g,
+            )?;
+            if let Some(t) = normalized {
+                be.relu_forward(t.storage(), y.storage_mut()?)?;
+            }
+            return Ok((y, Saved(vec![x.clone(), mean, var])));
+        }
         let mut mean = ctx.statistics(Shape::new([g.c]), x)?;
         let mut var = ctx.statistics(Shape::new([g.c]), x)?;
         let forward = match self.relu {
@@ -184,6 +321,10 @@ impl Operator for BatchNorm {
         };
         let g = geom(x);
         let mut dx = ctx.output(x.shape().clone(), x)?;
+        if let Some(t) = &ctx.tiles {
+            self.tile_backward(ctx, t, x, &b.dy, mean, var, params, grads, &mut dx)?;
+            return Ok(vec![Some(dx)]);
+        }
         let (dgamma, rest) = grads.split_at_mut(1);
         let be = ctx.device.backend();
         let (dy, gamma, beta) = (b.dy.storage(), params[0].storage(), params[1].storage());
@@ -223,6 +364,10 @@ impl Operator for BatchNorm {
     fn flops(&self, _inputs: &[&Shape], output: &Shape) -> u64 {
         // statistics (2 passes) and the affine map, and the ReLU's max
         (4 + self.relu as u64) * output.numel() as u64
+    }
+
+    fn on_tiles(&self) -> TileRule {
+        TileRule::Tiled
     }
 
     fn saves(&self, inputs: &[&Shape]) -> SavesFor {

@@ -2,6 +2,7 @@
 
 use std::fmt;
 
+use super::tiles::{self, OnTiles, Rect, TileRule};
 use super::{chw, resized, window_out, Backward, Ctx, Operator, Saved, SavesFor};
 use crate::backend::PoolGeom;
 use crate::tensor::{Shape, Tensor};
@@ -94,6 +95,94 @@ impl Window {
     }
 }
 
+impl Window {
+    /// On tiles: every rank's input rectangle (what its output tile's windows read) and this
+    /// rank's geometry on its rectangle, for an input tile of shape `x`. With `counted_padding`
+    /// (average pools) the rectangle holds the padding as zeros and has none of its own, so a
+    /// window's divisor is what it is on the whole map; otherwise padding stays implicit, only
+    /// where the rectangle starts at the map's edge.
+    fn tile_geom(
+        &self,
+        t: &OnTiles,
+        x: &Shape,
+        counted_padding: bool,
+    ) -> Result<(Vec<Rect>, PoolGeom)> {
+        let (n, c, _, _) = x.nchw();
+        let needs = tiles::window_needs(
+            t.tiles.grid,
+            t.input_hw(0),
+            t.output_hw(),
+            self.stride,
+            self.pad,
+            self.kernel,
+            !counted_padding,
+        );
+        let me = needs[t.tiles.tile()];
+        let out = t.tiles.own(t.output_hw());
+        let first = |o: isize, s: usize, p: usize| o * s as isize - p as isize;
+        let ((h, w), (h_out, w_out)) = (me.size(), out.size());
+        let g = PoolGeom {
+            n,
+            c,
+            h,
+            w,
+            kh: self.kernel.0,
+            kw: self.kernel.1,
+            stride: self.stride,
+            pad: (
+                (me.rows.0 - first(out.rows.0, self.stride.0, self.pad.0)) as usize,
+                (me.cols.0 - first(out.cols.0, self.stride.1, self.pad.1)) as usize,
+            ),
+            h_out,
+            w_out,
+        };
+        Ok((needs, g))
+    }
+
+    /// The input (gathered on tiles) and its geometry.
+    fn input(
+        &self,
+        ctx: &Ctx,
+        x: &Tensor,
+        counted_padding: bool,
+    ) -> Result<(Tensor, PoolGeom, Option<Vec<Rect>>)> {
+        match &ctx.tiles {
+            Some(t) => {
+                let (needs, g) = self.tile_geom(t, x.shape(), counted_padding)?;
+                let x = tiles::gather(ctx, t.tiles, x, t.input_hw(0), &needs)?;
+                Ok((x, g, Some(needs)))
+            }
+            None => Ok((x.clone(), self.geom(x.shape())?, None)),
+        }
+    }
+
+    /// The geometry backward runs with, for an input of shape `x` (a tile on tiles), and on
+    /// tiles every rank's rectangle.
+    fn backward_geom(
+        &self,
+        ctx: &Ctx,
+        x: &Shape,
+        counted_padding: bool,
+    ) -> Result<(PoolGeom, Option<Vec<Rect>>)> {
+        match &ctx.tiles {
+            Some(t) => {
+                let (needs, g) = self.tile_geom(t, x, counted_padding)?;
+                Ok((g, Some(needs)))
+            }
+            None => Ok((self.geom(x)?, None)),
+        }
+    }
+}
+
+/// The input gradient from the gradient of what forward read: on tiles, the halo's gradients
+/// returned to their owners.
+fn to_input(ctx: &Ctx, dx: Tensor, needs: Option<Vec<Rect>>) -> Result<Tensor> {
+    match (&ctx.tiles, needs) {
+        (Some(t), Some(needs)) => tiles::scatter_add(ctx, t.tiles, dx, t.input_hw(0), &needs),
+        _ => Ok(dx),
+    }
+}
+
 impl fmt::Display for Window {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "{}x{}/{}", self.kernel.0, self.kernel.1, self.stride.0)?;
@@ -127,13 +216,12 @@ impl Operator for MaxPool {
         xs: &[&Tensor],
         _params: &mut [Tensor],
     ) -> Result<(Tensor, Saved)> {
-        let x = xs[0];
-        let g = self.0.geom(x.shape())?;
-        let mut y = ctx.output(Shape::new([g.n, g.c, g.h_out, g.w_out]), x)?;
+        let (x, g, _) = self.0.input(ctx, xs[0], false)?;
+        let mut y = ctx.output(Shape::new([g.n, g.c, g.h_out, g.w_out]), &x)?;
         ctx.device
             .backend()
             .max_pool_forward(x.storage(), y.storage_mut()?, &g)?;
-        Ok((y, Saved(vec![x.clone()])))
+        Ok((y, Saved(vec![x])))
     }
 
     fn backward(
@@ -143,8 +231,9 @@ impl Operator for MaxPool {
         _params: &[Tensor],
         _grads: &mut [Tensor],
     ) -> Result<Vec<Option<Tensor>>> {
+        // On tiles, x is the gathered input: this tile and its halo.
         let x = &b.saved.0[0];
-        let g = self.0.geom(x.shape())?;
+        let (g, needs) = self.0.backward_geom(ctx, &b.inputs[0], false)?;
         let mut dx = ctx.output(x.shape().clone(), x)?;
         ctx.device.backend().max_pool_backward(
             x.storage(),
@@ -152,11 +241,15 @@ impl Operator for MaxPool {
             dx.storage_mut()?,
             &g,
         )?;
-        Ok(vec![Some(dx)])
+        Ok(vec![Some(to_input(ctx, dx, needs)?)])
     }
 
     fn flops(&self, _inputs: &[&Shape], output: &Shape) -> u64 {
         (output.numel() * self.0.kernel.0 * self.0.kernel.1) as u64
+    }
+
+    fn on_tiles(&self) -> TileRule {
+        TileRule::Tiled
     }
 
     fn saves(&self, _inputs: &[&Shape]) -> SavesFor {
@@ -178,9 +271,8 @@ impl Operator for AvgPool {
         xs: &[&Tensor],
         _params: &mut [Tensor],
     ) -> Result<(Tensor, Saved)> {
-        let x = xs[0];
-        let g = self.0.geom(x.shape())?;
-        let mut y = ctx.output(Shape::new([g.n, g.c, g.h_out, g.w_out]), x)?;
+        let (x, g, _) = self.0.input(ctx, xs[0], true)?;
+        let mut y = ctx.output(Shape::new([g.n, g.c, g.h_out, g.w_out]), &x)?;
         ctx.device
             .backend()
             .avg_pool_forward(x.storage(), y.storage_mut()?, &g)?;
@@ -194,16 +286,20 @@ impl Operator for AvgPool {
         _params: &[Tensor],
         _grads: &mut [Tensor],
     ) -> Result<Vec<Option<Tensor>>> {
-        let g = self.0.geom(&b.inputs[0])?;
-        let mut dx = ctx.output(b.inputs[0].clone(), &b.dy)?;
+        let (g, needs) = self.0.backward_geom(ctx, &b.inputs[0], true)?;
+        let mut dx = ctx.output(Shape::new([g.n, g.c, g.h, g.w]), &b.dy)?;
         ctx.device
             .backend()
             .avg_pool_backward(b.dy.storage(), dx.storage_mut()?, &g)?;
-        Ok(vec![Some(dx)])
+        Ok(vec![Some(to_input(ctx, dx, needs)?)])
     }
 
     fn flops(&self, _inputs: &[&Shape], output: &Shape) -> u64 {
         (output.numel() * self.0.kernel.0 * self.0.kernel.1) as u64
+    }
+
+    fn on_tiles(&self) -> TileRule {
+        TileRule::Tiled
     }
 
     fn saves(&self, _inputs: &[&Shape]) -> SavesFor {
@@ -230,6 +326,14 @@ impl GlobalAvgPool {
     }
 }
 
+impl GlobalAvgPool {
+    /// A tile's share of the whole map's pixels.
+    fn share(t: &OnTiles, g: &PoolGeom) -> f64 {
+        let (h, w) = t.input_hw(0);
+        (g.h * g.w) as f64 / (h * w) as f64
+    }
+}
+
 impl Operator for GlobalAvgPool {
     fn infer(&self, inputs: &[&Shape]) -> std::result::Result<Shape, String> {
         let (c, _, _) = chw(inputs[0])?;
@@ -248,6 +352,18 @@ impl Operator for GlobalAvgPool {
         ctx.device
             .backend()
             .avg_pool_forward(x.storage(), y.storage_mut()?, &g)?;
+        if let Some(t) = &ctx.tiles {
+            // The whole map's mean: the tiles' means weighed by their shares of the map.
+            let share = Self::share(t, &g);
+            let mine = y.to_f64_vec()?.iter().map(|m| m * share).collect();
+            let mean = t.tiles.sum(mine)?;
+            y = ctx.device.upload(
+                y.shape().clone(),
+                &mean,
+                y.dtype(),
+                crate::memory::Category::Activations,
+            )?;
+        }
         Ok((y, Saved::default()))
     }
 
@@ -260,14 +376,33 @@ impl Operator for GlobalAvgPool {
     ) -> Result<Vec<Option<Tensor>>> {
         let g = Self::geom(&b.inputs[0]);
         let mut dx = ctx.output(b.inputs[0].clone(), &b.dy)?;
+        // On tiles, dy (whole, the same on every rank) spreads over the whole map: a tile's
+        // pixels get dy / (H·W), the tile's mean's gradient weighed by its share.
+        let dy = match &ctx.tiles {
+            Some(t) => {
+                let share = Self::share(t, &g);
+                let scaled: Vec<f64> = b.dy.to_f64_vec()?.iter().map(|d| d * share).collect();
+                ctx.device.upload(
+                    b.dy.shape().clone(),
+                    &scaled,
+                    b.dy.dtype(),
+                    crate::memory::Category::Activations,
+                )?
+            }
+            None => b.dy,
+        };
         ctx.device
             .backend()
-            .avg_pool_backward(b.dy.storage(), dx.storage_mut()?, &g)?;
+            .avg_pool_backward(dy.storage(), dx.storage_mut()?, &g)?;
         Ok(vec![Some(dx)])
     }
 
     fn flops(&self, inputs: &[&Shape], _output: &Shape) -> u64 {
         inputs[0].numel() as u64
+    }
+
+    fn on_tiles(&self) -> TileRule {
+        TileRule::Reduces
     }
 
     fn saves(&self, _inputs: &[&Shape]) -> SavesFor {
@@ -361,17 +496,27 @@ impl Operator for AdaptiveAvgPool {
 pub struct AvgPoolExcludePad(pub Window);
 
 impl AvgPoolExcludePad {
-    /// kh·kw / (input elements covered) for every output element of the batch, as workspace.
+    /// kh·kw / (input elements covered) for every output element of the batch (of geometry
+    /// `g`), as workspace: on tiles, of this rank's output tile of the whole map's windows.
     fn scale(&self, ctx: &Ctx, g: &PoolGeom, like: &Tensor) -> Result<Tensor> {
+        let (whole, first) = match &ctx.tiles {
+            Some(t) => {
+                let (h, w) = t.input_hw(0);
+                let g = self.0.geom(&Shape::new([g.n, g.c, h, w]))?;
+                let out = t.tiles.own(t.output_hw());
+                (g, (out.rows.0 as usize, out.cols.0 as usize))
+            }
+            None => (*g, (0, 0)),
+        };
         let covered = |o: usize, s: usize, p: usize, k: usize, n: usize| {
             let start = (o * s) as isize - p as isize;
             ((start + k as isize).min(n as isize) - start.max(0)) as f64
         };
         let mut plane = Vec::with_capacity(g.h_out * g.w_out);
-        for oh in 0..g.h_out {
-            let rows = covered(oh, g.stride.0, g.pad.0, g.kh, g.h);
-            for ow in 0..g.w_out {
-                let cols = covered(ow, g.stride.1, g.pad.1, g.kw, g.w);
+        for oh in first.0..first.0 + g.h_out {
+            let rows = covered(oh, whole.stride.0, whole.pad.0, whole.kh, whole.h);
+            for ow in first.1..first.1 + g.w_out {
+                let cols = covered(ow, whole.stride.1, whole.pad.1, whole.kw, whole.w);
                 plane.push((g.kh * g.kw) as f64 / (rows * cols));
             }
         }
@@ -417,13 +562,13 @@ impl Operator for AvgPoolExcludePad {
         xs: &[&Tensor],
         _params: &mut [Tensor],
     ) -> Result<(Tensor, Saved)> {
-        let x = xs[0];
-        let g = self.0.geom(x.shape())?;
+        let (x, g, _) = self.0.input(ctx, xs[0], true)?;
         let be = ctx.device.backend();
         let mut sum = ctx.workspace(g.n * g.c * g.h_out * g.w_out, x.dtype())?;
         be.avg_pool_forward(x.storage(), sum.storage_mut()?, &g)?;
-        let scale = self.scale(ctx, &g, x)?;
-        let mut y = ctx.output(Shape::new([g.n, g.c, g.h_out, g.w_out]), x)?;
+        drop(x);
+        let scale = self.scale(ctx, &g, &sum)?;
+        let mut y = ctx.output(Shape::new([g.n, g.c, g.h_out, g.w_out]), &sum)?;
         be.mul(sum.storage(), scale.storage(), y.storage_mut()?)?;
         Ok((y, Saved::default()))
     }
@@ -435,19 +580,24 @@ impl Operator for AvgPoolExcludePad {
         _params: &[Tensor],
         _grads: &mut [Tensor],
     ) -> Result<Vec<Option<Tensor>>> {
-        let g = self.0.geom(&b.inputs[0])?;
+        let (g, needs) = self.0.backward_geom(ctx, &b.inputs[0], true)?;
         let be = ctx.device.backend();
         let scale = self.scale(ctx, &g, &b.dy)?;
         let mut dsum = ctx.workspace(b.dy.numel(), b.dy.dtype())?;
         be.mul(b.dy.storage(), scale.storage(), dsum.storage_mut()?)?;
         drop(scale);
-        let mut dx = ctx.output(b.inputs[0].clone(), &b.dy)?;
+        let mut dx = ctx.output(Shape::new([g.n, g.c, g.h, g.w]), &b.dy)?;
         be.avg_pool_backward(dsum.storage(), dx.storage_mut()?, &g)?;
-        Ok(vec![Some(dx)])
+        drop(dsum);
+        Ok(vec![Some(to_input(ctx, dx, needs)?)])
     }
 
     fn flops(&self, _inputs: &[&Shape], output: &Shape) -> u64 {
         (output.numel() * (self.0.kernel.0 * self.0.kernel.1 + 1)) as u64
+    }
+
+    fn on_tiles(&self) -> TileRule {
+        TileRule::Tiled
     }
 
     fn saves(&self, _inputs: &[&Shape]) -> SavesFor {

@@ -128,6 +128,10 @@ impl Operator for Concat {
         0
     }
 
+    fn on_tiles(&self) -> super::tiles::TileRule {
+        super::tiles::TileRule::Pointwise
+    }
+
     fn saves(&self, _inputs: &[&Shape]) -> SavesFor {
         SavesFor::default()
     }

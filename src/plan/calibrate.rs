@@ -174,6 +174,7 @@ pub fn calibrate(
             device,
             training: true,
             seed: 1,
+            tiles: None,
         };
         let refs: Vec<&Tensor> = xs.iter().collect();
         let (mut f, mut b) = (Vec::new(), Vec::new());

@@ -420,6 +420,7 @@ fn op_allocations(
             device: &device,
             training: true,
             seed: 0,
+            tiles: None,
         };
         let refs: Vec<_> = xs.iter().collect();
         let (y, saved) = op.forward(&ctx, &refs, &mut params)?;

@@ -22,6 +22,7 @@ use crate::data::loader::Loader;
 use crate::data::{Pipeline, UNLABELLED};
 use crate::graph::{self, Params, RunningUpdate, Tape, ValueId};
 use crate::memory::{Category, MemoryStats};
+use crate::ops::tiles::{self, Tiles};
 use crate::ops::{batched, loss};
 use crate::optim::{LossScale, Sgd};
 use crate::plan::{Layout, RunConfig};
@@ -93,7 +94,11 @@ pub(crate) struct Rank {
     holders: Box<dyn Comm>,
     device: Device,
     group: usize,
-    local: usize,
+    /// This rank's pipeline position in its group, and its tile there (0 where it has none).
+    slot: usize,
+    tile: usize,
+    /// The ranks holding the other tiles of this rank's samples, where they are split.
+    tiles: Option<Tiles>,
     copies: Vec<Copy>,
     /// The training data, where this rank makes images (stage 0) or scores a loss.
     data: Option<Arc<Pipeline>>,
@@ -151,14 +156,15 @@ impl Rank {
         let s = c.scheme;
         if comm.size() != s.world() {
             return Err(Error::Config(format!(
-                "the world has {} ranks but the scheme needs P·D = {}·{} = {}",
+                "the world has {} ranks but the scheme needs {} ({} per group × D = {})",
                 comm.size(),
-                s.stages,
+                s.world(),
+                s.group_size(),
                 s.dp,
-                s.world()
             )));
         }
-        let (group, local) = (comm.rank() / s.stages, comm.rank() % s.stages);
+        let (group, local) = (comm.rank() / s.group_size(), comm.rank() % s.group_size());
+        let (slot, tile) = s.slot_of(local);
         // One device is named as such; ranks by their number.
         let name = match (s.world(), c.train.device) {
             (1, crate::backend::DeviceKind::Cpu) => "cpu:0".to_string(),
@@ -183,14 +189,21 @@ impl Rank {
         }
         .with_host_tier(c.train.host_memory, c.train.offload_copy)?;
         let color = if s.replicas >= 2 {
-            local.min(s.stages - 1 - local)
+            slot.min(s.stages - 1 - slot)
         } else {
-            local
+            slot
         };
         let holders = comm.split(color, comm.rank())?;
+        // Every rank splits the world (a collective); the tiles of one position of one group
+        // form a group, rank t holding tile t.
+        let tile_group = comm.split(group * s.stages + slot, tile)?;
+        let tiles = s.tiled(slot).then(|| Tiles {
+            comm: tile_group,
+            grid: s.spatial,
+        });
         let mut copies = Vec::new();
         for orientation in 0..s.replicas.min(2) {
-            let stage = s.place(orientation, local);
+            let stage = s.place(orientation, slot);
             let params = Params::init_range(
                 &layout.graph,
                 &device,
@@ -208,7 +221,7 @@ impl Rank {
             });
         }
         // Only ranks that make images or score losses read data (never a metered run).
-        let tasks = &layout.schedule.ranks[local];
+        let tasks = &layout.schedule.ranks[slot];
         let reads = tasks.iter().any(|t| {
             (t.task.pass == Pass::Forward && t.task.stage == 0)
                 || !layout.losses[t.task.stage].is_empty()
@@ -232,7 +245,9 @@ impl Rank {
             holders,
             device,
             group,
-            local,
+            slot,
+            tile,
+            tiles,
             copies,
             data,
             loader: None,
@@ -256,10 +271,6 @@ impl Rank {
         &self.device
     }
 
-    fn world_rank(&self, replica: usize, stage: usize) -> usize {
-        self.group * self.c.scheme.stages + self.c.scheme.place(replica, stage)
-    }
-
     fn micro_size(&self) -> usize {
         self.c.micro_batch()
     }
@@ -277,7 +288,7 @@ impl Rank {
         let data = self.data.as_ref()?;
         let s = self.c.scheme;
         let group = self.group;
-        let firsts: Vec<usize> = self.layout.schedule.ranks[self.local]
+        let firsts: Vec<usize> = self.layout.schedule.ranks[self.slot]
             .iter()
             .filter(|t| t.task.pass == Pass::Forward && t.task.stage == 0)
             .map(|t| s.global_micro(group, t.task.replica, t.task.micro))
@@ -317,7 +328,7 @@ impl Rank {
         for copy in &mut self.copies {
             copy.params.zero_grads(&self.device)?;
         }
-        let tasks: Vec<Task> = self.layout.schedule.ranks[self.local]
+        let tasks: Vec<Task> = self.layout.schedule.ranks[self.slot]
             .iter()
             .map(|t| t.task)
             .collect();
@@ -390,7 +401,7 @@ impl Rank {
         let mut values: Vec<Option<Message>> = (0..n).map(|_| None).collect();
         let mut momentum: Vec<Option<Message>> = (0..n).map(|_| None).collect();
         let mine = self.copies.iter().find(|c| c.orientation == 0);
-        if self.group == 0 {
+        if self.group == 0 && self.tile == 0 {
             let copy = mine.ok_or_else(|| Error::Internal("no orientation-0 copy".into()))?;
             for (i, v) in copy.params.values.iter().enumerate() {
                 let id = copy.params.first + i;
@@ -410,7 +421,7 @@ impl Rank {
             return Ok(None);
         }
         for stage in 1..s.stages {
-            let from = s.place(0, stage);
+            let from = s.first_rank(s.place(0, stage));
             for id in self.layout.param_ids(stage) {
                 values[id] = Some(self.comm.recv_message(from, STATE_TAG)?);
                 if self.layout.graph.params[id].spec.trainable {
@@ -466,8 +477,8 @@ impl Rank {
         let gm = s.global_micro(self.group, t.replica, t.micro);
         let mb = self.micro_size();
         let feeds: Vec<(ValueId, Tensor)> = if t.stage == 0 {
-            let shape = batched(mb, g.input_shape());
             let x = if c.metered {
+                let shape = self.input_shape(mb);
                 self.device
                     .zeros(shape, c.train.activations(), Category::Activations)?
             } else {
@@ -476,8 +487,7 @@ impl Rank {
                 })?;
                 let batch = loader.next_batch()?;
                 self.current.data_wait += batch.waited.as_secs_f64();
-                self.device
-                    .input(shape, batch.pixels, c.train.activations())?
+                self.input(mb, batch.pixels)?
             };
             vec![(g.input, x)]
         } else {
@@ -504,6 +514,7 @@ impl Rank {
             Some(&c.train.saves),
             t.stage > 0,
             seed,
+            self.tiles.as_ref(),
         )?;
         copy.running.extend(tape.running.drain(..).map(|u| (gm, u)));
         let mut seeds = Vec::new();
@@ -529,10 +540,15 @@ impl Rank {
             };
             let m_total = s.micro_batches_per_step() as f64;
             let weights = c.train.class_weights.as_deref();
+            // Every tile scores the whole logits the same; the first reports them.
+            let reports = self.tile == 0;
             for (o, logits) in losses.iter().zip(&outs[n_out..]) {
+                let logits = &self.whole(o.value, logits)?;
                 let ce = loss::softmax_cross_entropy(&self.device, logits, &targets, weights)?;
-                self.current.loss += o.weight * ce.loss / m_total;
-                if g.outputs.first() == Some(o) && self.data.is_some() {
+                if reports {
+                    self.current.loss += o.weight * ce.loss / m_total;
+                }
+                if reports && g.outputs.first() == Some(o) && self.data.is_some() {
                     let predicted = loss::predictions(&ce.probs)?;
                     for (&p, &t) in predicted.iter().zip(&targets) {
                         self.current.correct += usize::from(p == t);
@@ -545,7 +561,7 @@ impl Rank {
                     o.weight / m_total * scale,
                     c.train.activations(),
                 )?;
-                seeds.push((o.value, d));
+                seeds.push((o.value, self.own_part(o.value, d)?));
             }
         }
         self.device.backend().synchronize()?;
@@ -556,29 +572,27 @@ impl Rank {
         Ok(start)
     }
 
-    /// The values entering task `t`'s stage, from the rank of the stage before (messages tagged
-    /// as micro-batch `micro`).
+    /// The values entering task `t`'s stage, from the position of the stage before (messages
+    /// tagged as micro-batch `micro`).
     fn receive(&self, t: Task, micro: usize) -> Result<Vec<(ValueId, Tensor)>> {
-        let from = self.world_rank(t.replica, t.stage - 1);
+        let from = self.c.scheme.place(t.replica, t.stage - 1);
         let mut feeds = Vec::new();
         for (vi, &v) in self.layout.inputs[t.stage].iter().enumerate() {
             let tg = tag(&self.c.scheme, Pass::Forward, t.replica, t.stage, micro, vi)?;
+            let x = self.receive_value(v, from, tg)?;
             feeds.push((
                 v,
-                self.comm
-                    .recv(from, tg, &self.device, Category::Communication)?,
+                x.ok_or_else(|| Error::Internal(format!("value %{v} arrived empty")))?,
             ));
         }
         Ok(feeds)
     }
 
-    /// Sends the values leaving task `t`'s stage to the rank of the next (see [`Rank::receive`]).
+    /// Sends the values leaving task `t`'s stage to the position of the next (see
+    /// [`Rank::receive`]).
     fn send(&self, t: Task, micro: usize, outs: &[Tensor]) -> Result<()> {
-        if outs.is_empty() {
-            return Ok(());
-        }
-        let to = self.world_rank(t.replica, t.stage + 1);
-        for (vi, out) in outs.iter().enumerate() {
+        let to = self.c.scheme.place(t.replica, t.stage + 1);
+        for (vi, (out, &v)) in outs.iter().zip(&self.layout.outputs[t.stage]).enumerate() {
             let tg = tag(
                 &self.c.scheme,
                 Pass::Forward,
@@ -587,9 +601,172 @@ impl Rank {
                 micro,
                 vi,
             )?;
-            self.comm.send(out, to, tg)?;
+            self.send_value(v, Some(out), to, tg)?;
         }
         Ok(())
+    }
+
+    /// The world rank of tile `tile` (0 where it has none) at pipeline position `slot` of this
+    /// rank's group.
+    fn rank_at(&self, slot: usize, tile: usize) -> usize {
+        let s = &self.c.scheme;
+        self.group * s.group_size() + s.first_rank(slot) + tile
+    }
+
+    /// Whether value `v` is held as tiles on the ranks at position `slot`.
+    fn split_at(&self, slot: usize, v: ValueId) -> bool {
+        let s = &self.c.scheme;
+        s.tiled(slot) && s.spatial.splits(&self.layout.graph.values[v].shape)
+    }
+
+    /// Sends value `v` (or, for a gradient that does not exist, an empty message) from this
+    /// rank to the ranks at position `to` that take it: a tile to the same tile, or to a rank
+    /// that holds the whole map; a whole map cut into the tiles of the ranks that split it. A
+    /// value whole on every tile of this position is sent once, by tile 0.
+    fn send_value(&self, v: ValueId, x: Option<&Tensor>, to: usize, tg: u64) -> Result<()> {
+        let s = &self.c.scheme;
+        let send = |x: Option<Tensor>, r: usize| match x {
+            Some(x) => self.comm.send(&x, r, tg),
+            None => self.comm.send_message(empty(), r, tg),
+        };
+        match (self.split_at(self.slot, v), self.split_at(to, v)) {
+            (true, true) => send(x.cloned(), self.rank_at(to, self.tile)),
+            (true, false) => send(x.cloned(), self.rank_at(to, 0)),
+            (false, true) => {
+                for q in 0..s.spatial.tiles() {
+                    let piece = x
+                        .map(|x| tiles::cut(&self.device, x, s.spatial, q))
+                        .transpose()?;
+                    send(piece, self.rank_at(to, q))?;
+                }
+                Ok(())
+            }
+            (false, false) if self.tile != 0 && !s.tiled(to) => Ok(()),
+            (false, false) => {
+                let tiles = if s.tiled(to) && !s.tiled(self.slot) {
+                    s.spatial.tiles()
+                } else {
+                    1
+                };
+                let first = if s.tiled(to) && s.tiled(self.slot) {
+                    self.tile
+                } else {
+                    0
+                };
+                for q in first..first + tiles {
+                    send(x.cloned(), self.rank_at(to, q))?;
+                }
+                Ok(())
+            }
+        }
+    }
+
+    /// Receives value `v` from the ranks at position `from` (see [`Rank::send_value`]); `None`
+    /// for an empty message (a gradient that does not exist).
+    fn receive_value(&self, v: ValueId, from: usize, tg: u64) -> Result<Option<Tensor>> {
+        let s = &self.c.scheme;
+        let recv = |r: usize| -> Result<Option<Tensor>> {
+            let m = self.comm.recv_message(r, tg)?;
+            if m.shape.numel() == 0 {
+                return Ok(None);
+            }
+            Ok(Some(self.device.adopt(
+                m.shape,
+                m.storage,
+                Category::Communication,
+            )?))
+        };
+        let same = s.tiled(from) && s.tiled(self.slot);
+        match (self.split_at(from, v), self.split_at(self.slot, v)) {
+            (true, false) => {
+                let pieces = (0..s.spatial.tiles())
+                    .map(|q| recv(self.rank_at(from, q)))
+                    .collect::<Result<Option<Vec<Tensor>>>>()?;
+                let shape = &self.layout.graph.values[v].shape;
+                pieces
+                    .map(|p| {
+                        tiles::assemble(&self.device, &p, s.spatial, (shape.dim(1), shape.dim(2)))
+                    })
+                    .transpose()
+            }
+            _ if same => recv(self.rank_at(from, self.tile)),
+            _ => recv(self.rank_at(from, 0)),
+        }
+    }
+
+    /// The whole of value `v` from this rank's `x`: gathered from the tiles where it is split.
+    fn whole(&self, v: ValueId, x: &Tensor) -> Result<Tensor> {
+        match &self.tiles {
+            Some(t) if self.split_at(self.slot, v) => {
+                let ctx = self.ctx();
+                let shape = &self.layout.graph.values[v].shape;
+                tiles::all_gather(&ctx, t, x, (shape.dim(1), shape.dim(2)))
+            }
+            _ => Ok(x.clone()),
+        }
+    }
+
+    /// This rank's part of value `v`'s whole `x`: its tile where `v` is split.
+    fn own_part(&self, v: ValueId, x: Tensor) -> Result<Tensor> {
+        match &self.tiles {
+            Some(t) if self.split_at(self.slot, v) => {
+                tiles::cut(&self.device, &x, t.grid, t.tile())
+            }
+            _ => Ok(x),
+        }
+    }
+
+    fn ctx(&self) -> crate::ops::Ctx<'_> {
+        crate::ops::Ctx {
+            device: &self.device,
+            training: false,
+            seed: 0,
+            tiles: None,
+        }
+    }
+
+    /// The shape of this rank's part of a micro-batch of `mb` images: its tile of them where
+    /// they are split.
+    fn input_shape(&self, mb: usize) -> Shape {
+        let g = &self.layout.graph;
+        match &self.tiles {
+            Some(t) if t.grid.splits(g.input_shape()) => {
+                let d = g.input_shape().dims();
+                let (h, w) = t.own((d[1], d[2])).size();
+                Shape::new([mb, d[0], h, w])
+            }
+            _ => batched(mb, g.input_shape()),
+        }
+    }
+
+    /// A micro-batch of `mb` images (N×C×H×W pixels) on the device: this rank's tile of them
+    /// where they are split.
+    fn input(&self, mb: usize, pixels: Vec<f32>) -> Result<Tensor> {
+        let g = &self.layout.graph;
+        let dtype = self.c.train.activations();
+        match &self.tiles {
+            Some(t) if t.grid.splits(g.input_shape()) => {
+                let d = g.input_shape().dims();
+                let own = t.own((d[1], d[2]));
+                let (h, w) = own.size();
+                let (r0, c0) = (own.rows.0 as usize, own.cols.0 as usize);
+                let mut tile = Vec::new();
+                tile.try_reserve_exact(mb * d[0] * h * w).map_err(|_| {
+                    Error::Config(format!(
+                        "a tile of {mb} images is more than this machine can hold"
+                    ))
+                })?;
+                for plane in pixels.chunks(d[1] * d[2]) {
+                    for row in r0..r0 + h {
+                        tile.extend_from_slice(&plane[row * d[2] + c0..row * d[2] + c0 + w]);
+                    }
+                }
+                self.device.input(Shape::new([mb, d[0], h, w]), tile, dtype)
+            }
+            _ => self
+                .device
+                .input(batched(mb, g.input_shape()), pixels, dtype),
+        }
     }
 
     /// Loss, accuracy and confusion counts over the first `n` samples of `data`'s order, the
@@ -612,7 +789,7 @@ impl Rank {
         let first = self.group * per_group;
         let costs = layout.costs.stage_costs(&layout.partition.stages);
         let schedule = schedule::evaluation(s, &costs, per_group.min(micro.saturating_sub(first)))?;
-        let tasks: Vec<Task> = schedule.ranks[self.local].iter().map(|t| t.task).collect();
+        let tasks: Vec<Task> = schedule.ranks[self.slot].iter().map(|t| t.task).collect();
         // Positions of the held-out order (first, count) of this group's micro-batch `j`.
         let span = |j: usize| {
             let at = (first + j) * mb;
@@ -639,11 +816,7 @@ impl Rank {
             let feeds = if t.stage == 0 {
                 let batch = loader.as_mut().ok_or_else(missing)?.next_batch()?;
                 self.current.data_wait += batch.waited.as_secs_f64();
-                let shape = batched(len, g.input_shape());
-                let x = self
-                    .device
-                    .input(shape, batch.pixels, c.train.activations())?;
-                vec![(g.input, x)]
+                vec![(g.input, self.input(len, batch.pixels)?)]
             } else {
                 // Micro-batches follow one another between two ranks under one tag (training's
                 // for micro-batch 0): both transports deliver a sender's messages of a tag in
@@ -668,11 +841,16 @@ impl Rank {
                 None,
                 false,
                 0,
+                self.tiles.as_ref(),
             )?;
             if scores {
-                let targets = data.targets(at, len)?;
-                let weights = c.train.class_weights.as_deref();
-                tally.add(&self.device, &outs[n_out], &targets, weights, at)?;
+                // Every tile has the same scores; the first counts them.
+                let logits = self.whole(out, &outs[n_out])?;
+                if self.tile == 0 {
+                    let targets = data.targets(at, len)?;
+                    let weights = c.train.class_weights.as_deref();
+                    tally.add(&self.device, &logits, &targets, weights, at)?;
+                }
             }
             self.device.backend().synchronize()?;
             self.current.busy += start.elapsed().as_secs_f64();
@@ -698,18 +876,11 @@ impl Rank {
             .remove(&(t.replica, t.micro))
             .ok_or_else(|| Error::Internal(format!("backward before forward: {t:?}")))?;
         if t.stage + 1 < s.stages {
-            let from = self.world_rank(t.replica, t.stage + 1);
+            let from = s.place(t.replica, t.stage + 1);
             for (vi, &v) in layout.outputs[t.stage].iter().enumerate() {
-                let m = self.comm.recv_message(
-                    from,
-                    tag(s, Pass::Backward, t.replica, t.stage, t.micro, vi)?,
-                )?;
-                if m.shape.numel() > 0 {
-                    seeds.push((
-                        v,
-                        self.device
-                            .adopt(m.shape, m.storage, Category::Communication)?,
-                    ));
+                let tg = tag(s, Pass::Backward, t.replica, t.stage, t.micro, vi)?;
+                if let Some(d) = self.receive_value(v, from, tg)? {
+                    seeds.push((v, d));
                 }
             }
         }
@@ -727,17 +898,15 @@ impl Rank {
             tape,
             seeds,
             want,
+            self.tiles.as_ref(),
         )?;
         self.device.backend().synchronize()?;
         self.current.busy += start.elapsed().as_secs_f64();
         if t.stage > 0 {
-            let to = self.world_rank(t.replica, t.stage - 1);
-            for (vi, gr) in grads.iter().enumerate() {
+            let to = s.place(t.replica, t.stage - 1);
+            for (vi, (gr, &v)) in grads.iter().zip(want).enumerate() {
                 let tg = tag(s, Pass::Backward, t.replica, t.stage - 1, t.micro, vi)?;
-                match gr {
-                    Some(gr) => self.comm.send(gr, to, tg)?,
-                    None => self.comm.send_message(empty(), to, tg)?,
-                }
+                self.send_value(v, gr.as_ref(), to, tg)?;
             }
         }
         Ok(start)
@@ -758,6 +927,9 @@ impl Rank {
                 step: self.step + 1,
                 what: "the loss or a gradient is infinite or NaN".into(),
             });
+        }
+        if self.tile > 0 {
+            self.keep_tile_shares()?;
         }
         let mut stages: Vec<usize> = self.copies.iter().map(|c| c.stage).collect();
         stages.sort_unstable();
@@ -793,9 +965,11 @@ impl Rank {
                 }
                 self.copies[idx[0]].params.grads[p] = Some(acc);
             }
+            // Every tile holds the same statistics (the whole batch's): the first sends them.
             let mine: Vec<(usize, RunningUpdate)> = idx
                 .iter()
                 .flat_map(|&i| std::mem::take(&mut self.copies[i].running))
+                .filter(|_| self.tile == 0)
                 .collect();
             let all = self.gather_running(mine)?;
             for &i in &idx {
@@ -827,6 +1001,26 @@ impl Rank {
         }
         self.device.backend().synchronize()?;
         self.current.busy += start.elapsed().as_secs_f64();
+        Ok(())
+    }
+
+    /// On a tile other than the first: zeros the gradients of parameters of nodes that ran on
+    /// whole values (the same on every tile), so that summing over the tiles counts them once
+    /// and the gradients of nodes that ran on tiles (each tile's share) in full.
+    fn keep_tile_shares(&mut self) -> Result<()> {
+        let (g, grid) = (&self.layout.graph, self.c.scheme.spatial);
+        for copy in &mut self.copies {
+            for node in self.layout.partition.stages[copy.stage].clone() {
+                if graph::runs_on_tiles(g, grid, node) {
+                    continue;
+                }
+                for p in g.nodes[node].params.clone() {
+                    if let Some(grad) = &mut copy.params.grads[p - copy.params.first] {
+                        self.device.backend().fill(grad.storage_mut()?, 0.0)?;
+                    }
+                }
+            }
+        }
         Ok(())
     }
 

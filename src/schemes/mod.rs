@@ -7,6 +7,7 @@ pub mod schedule;
 use std::fmt;
 use std::str::FromStr;
 
+use crate::ops::tiles::Grid;
 use crate::{Error, Result};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -87,6 +88,9 @@ pub struct Scheme {
     pub dp: usize,
     /// The pipeline's order of forward and backward passes.
     pub order: Order,
+    /// Spatial parallelism: each sample of the first stage (and, flowing the other way, of
+    /// MAST's mirrored replica) split into this grid of tiles, one rank each.
+    pub spatial: Grid,
 }
 
 impl Scheme {
@@ -106,6 +110,15 @@ impl Scheme {
             replicas,
             dp,
             order,
+            spatial: Grid::ONE,
+        }
+    }
+
+    /// The same scheme with its first stage's samples split into `grid` tiles.
+    pub fn with_spatial(self, grid: Grid) -> Scheme {
+        Scheme {
+            spatial: grid,
+            ..self
         }
     }
 
@@ -155,13 +168,51 @@ impl Scheme {
         Ok(())
     }
 
-    /// World size: P·D.
+    /// World size: the ranks of a group, times D.
     pub fn world(&self) -> usize {
-        self.stages * self.dp
+        self.group_size() * self.dp
     }
 
-    /// The rank (within a data-parallel group) that runs `stage` of `replica`: even replicas
-    /// flow from rank 0, odd ones (MAST's second replica) from rank P-1.
+    /// Ranks of one data-parallel group: one per pipeline position, R·C where the stages
+    /// placed there run on tiles.
+    pub fn group_size(&self) -> usize {
+        (0..self.stages).map(|p| self.width(p)).sum()
+    }
+
+    /// Whether the stages at pipeline position `slot` run on tiles: the first position, and
+    /// where a mirrored replica starts (MAST, MASTER), the last too.
+    pub fn tiled(&self, slot: usize) -> bool {
+        self.spatial.is_split() && (slot == 0 || (self.replicas >= 2 && slot + 1 == self.stages))
+    }
+
+    /// Ranks at pipeline position `slot`: its tiles, or one.
+    pub fn width(&self, slot: usize) -> usize {
+        if self.tiled(slot) {
+            self.spatial.tiles()
+        } else {
+            1
+        }
+    }
+
+    /// The first rank (within a group) at pipeline position `slot`; its tile t is that + t.
+    pub fn first_rank(&self, slot: usize) -> usize {
+        (0..slot).map(|p| self.width(p)).sum()
+    }
+
+    /// (pipeline position, tile) of rank `local` of a group.
+    pub fn slot_of(&self, local: usize) -> (usize, usize) {
+        let mut first = 0;
+        for slot in 0..self.stages {
+            if local < first + self.width(slot) {
+                return (slot, local - first);
+            }
+            first += self.width(slot);
+        }
+        (self.stages, 0)
+    }
+
+    /// The pipeline position (within a data-parallel group) that runs `stage` of `replica`:
+    /// even replicas flow from position 0, odd ones (MAST's second replica) from P-1.
     pub fn place(&self, replica: usize, stage: usize) -> usize {
         if replica % 2 == 1 {
             self.stages - 1 - stage

@@ -47,6 +47,7 @@ fn run(
         Some(&gems::graph::policy::SavePolicy::keep_all()),
         false,
         9,
+        None,
     )
     .unwrap();
     let (mut total, mut seeds) = (0.0, Vec::new());
@@ -59,7 +60,7 @@ fn run(
         }
     }
     if backward {
-        graph::backward(g, params, d, tape, seeds, &[]).unwrap();
+        graph::backward(g, params, d, tape, seeds, &[], None).unwrap();
     }
     total
 }

@@ -529,6 +529,56 @@ impl Backend for Cpu {
         Ok(())
     }
 
+    fn batchnorm_statistics(&self, x: &Storage, g: &ChannelGeom) -> Result<Vec<(f64, f64)>> {
+        Ok(compute!(x.dtype(), T, [x], [] => norm::statistics::<T>(x, g)))
+    }
+
+    fn batchnorm_backward_sums(
+        &self,
+        x: &Storage,
+        dy: &Storage,
+        relu_beta: Option<&Storage>,
+        gamma: &Storage,
+        mean: &Storage,
+        var: &Storage,
+        eps: f64,
+        g: &ChannelGeom,
+    ) -> Result<Vec<(f64, f64)>> {
+        Ok(match relu_beta {
+            Some(beta) => {
+                compute!(x.dtype(), T, [x, dy, beta, gamma, mean, var], [] => norm::backward_sums::<T>(x, dy, Some(beta), gamma, mean, var, eps, g))
+            }
+            None => {
+                compute!(x.dtype(), T, [x, dy, gamma, mean, var], [] => norm::backward_sums::<T>(x, dy, None, gamma, mean, var, eps, g))
+            }
+        })
+    }
+
+    fn batchnorm_backward_dx(
+        &self,
+        x: &Storage,
+        dy: &Storage,
+        relu_beta: Option<&Storage>,
+        gamma: &Storage,
+        mean: &Storage,
+        var: &Storage,
+        sums: &[(f64, f64)],
+        count: usize,
+        dx: &mut Storage,
+        eps: f64,
+        g: &ChannelGeom,
+    ) -> Result<()> {
+        match relu_beta {
+            Some(beta) => {
+                compute!(x.dtype(), T, [x, dy, beta, gamma, mean, var], [dx] => norm::backward_dx::<T>(x, dy, Some(beta), gamma, mean, var, sums, count, dx, eps, g))
+            }
+            None => {
+                compute!(x.dtype(), T, [x, dy, gamma, mean, var], [dx] => norm::backward_dx::<T>(x, dy, None, gamma, mean, var, sums, count, dx, eps, g))
+            }
+        }
+        Ok(())
+    }
+
     fn batchnorm_relu_forward_train(
         &self,
         x: &Storage,

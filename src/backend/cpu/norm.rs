@@ -139,46 +139,71 @@ pub fn forward_eval<T: Float>(
     affine(x, y, g, &coefficients(gamma, beta, mean, var, eps), relu);
 }
 
-/// dx = γ·invstd/M · (M·dy - Σdy - x̂·Σ(dy·x̂)); dγ += Σ(dy·x̂); dβ += Σdy. With the β of a
-/// fused BN+ReLU (`relu_beta`), dy counts only where its output was positive, recomputed
-/// from x as the forward computed it.
+/// Per channel (mean, biased variance) of x, for a caller that combines the statistics of
+/// several parts of one batch (the tiles of a spatially split batch norm).
+pub fn statistics<T: Float>(x: &[T], g: &ChannelGeom) -> Vec<(f64, f64)> {
+    stats(x, g)
+        .into_iter()
+        .map(|(m, v)| (m.f64(), v.f64()))
+        .collect()
+}
+
+/// Per channel (Σdy, Σ(dy·x̂)) in f64 over x's planes; with the β of a fused BN+ReLU
+/// (`relu_beta`), dy counts only where its output was positive, recomputed from x as the
+/// forward computed it.
 #[allow(clippy::too_many_arguments)]
-pub fn backward<T: Float>(
+pub fn backward_sums<T: Float>(
     x: &[T],
     dy: &[T],
     relu_beta: Option<&[T]>,
     gamma: &[T],
     mean: &[T],
     var: &[T],
-    dx: &mut [T],
-    dgamma: &mut [T],
-    dbeta: &mut [T],
     eps: f64,
     g: &ChannelGeom,
-) {
-    let plane = |p: usize| p * g.hw..(p + 1) * g.hw;
+) -> Vec<(f64, f64)> {
     let coef = relu_beta.map(|beta| coefficients(gamma, beta, mean, var, eps));
-    let m = T::of((g.n * g.hw) as f64);
-    let invstd = |c: usize| T::one() / (var[c] + T::of(eps)).sqrt();
-    let sums: Vec<(T, T)> = (0..g.c)
+    (0..g.c)
         .into_par_iter()
         .map(|c| {
-            let (invstd, mean) = (invstd(c), mean[c]);
+            let (invstd, mean) = (invstd(var, c, eps), mean[c]);
             let term = move |d: T, x: T| [d.f64(), d.f64() * ((x - mean) * invstd).f64()];
             let [sdy, sdyx] = match &coef {
                 Some(k) => channel_sums(c, g, dy, x, |d, x| term(relu_pass(d, x, k[c]), x)),
                 None => channel_sums(c, g, dy, x, term),
             };
-            (T::of(sdy), T::of(sdyx))
+            (sdy, sdyx)
         })
-        .collect();
-    for (c, &(sdy, sdyx)) in sums.iter().enumerate() {
-        dbeta[c] += sdy;
-        dgamma[c] += sdyx;
-    }
+        .collect()
+}
+
+fn invstd<T: Float>(var: &[T], c: usize, eps: f64) -> T {
+    T::one() / (var[c] + T::of(eps)).sqrt()
+}
+
+/// dx = γ·invstd/M · (M·dy - Σdy - x̂·Σ(dy·x̂)) from the sums of [`backward_sums`] over a batch
+/// of `count` values per channel (x's planes may be a part of that batch).
+#[allow(clippy::too_many_arguments)]
+pub fn backward_dx<T: Float>(
+    x: &[T],
+    dy: &[T],
+    relu_beta: Option<&[T]>,
+    gamma: &[T],
+    mean: &[T],
+    var: &[T],
+    sums: &[(f64, f64)],
+    count: usize,
+    dx: &mut [T],
+    eps: f64,
+    g: &ChannelGeom,
+) {
+    let plane = |p: usize| p * g.hw..(p + 1) * g.hw;
+    let coef = relu_beta.map(|beta| coefficients(gamma, beta, mean, var, eps));
+    let m = T::of(count as f64);
     dx.par_chunks_mut(g.hw).enumerate().for_each(|(p, dxp)| {
         let c = p % g.c;
-        let (invstd, mean, (sdy, sdyx)) = (invstd(c), mean[c], sums[c]);
+        let (invstd, mean) = (invstd(var, c, eps), mean[c]);
+        let (sdy, sdyx) = (T::of(sums[c].0), T::of(sums[c].1));
         let k = gamma[c] * invstd / m;
         // Copies in `move` closures: through references LLVM reloads them every element.
         let dx = move |d: T, x: T| {
@@ -195,6 +220,41 @@ pub fn backward<T: Float>(
             },
         )
     });
+}
+
+/// dx = γ·invstd/M · (M·dy - Σdy - x̂·Σ(dy·x̂)); dγ += Σ(dy·x̂); dβ += Σdy, over x's batch.
+#[allow(clippy::too_many_arguments)]
+pub fn backward<T: Float>(
+    x: &[T],
+    dy: &[T],
+    relu_beta: Option<&[T]>,
+    gamma: &[T],
+    mean: &[T],
+    var: &[T],
+    dx: &mut [T],
+    dgamma: &mut [T],
+    dbeta: &mut [T],
+    eps: f64,
+    g: &ChannelGeom,
+) {
+    let sums = backward_sums(x, dy, relu_beta, gamma, mean, var, eps, g);
+    for (c, &(sdy, sdyx)) in sums.iter().enumerate() {
+        dbeta[c] += T::of(sdy);
+        dgamma[c] += T::of(sdyx);
+    }
+    backward_dx(
+        x,
+        dy,
+        relu_beta,
+        gamma,
+        mean,
+        var,
+        &sums,
+        g.n * g.hw,
+        dx,
+        eps,
+        g,
+    );
 }
 
 /// The gradient `d` through a fused ReLU whose input x had the affine map (scale, shift):

@@ -1004,6 +1004,83 @@ impl Backend for Cuda {
         self.bn_backward(None, x, dy, gamma, mean, var, dx, dgamma, dbeta, eps, g)
     }
 
+    fn batchnorm_statistics(&self, x: &Storage, g: &ChannelGeom) -> Result<Vec<(f64, f64)>> {
+        let (t, bn) = (Ty::of(x)?, bn_params(0.0, g)?);
+        let (mut mean, _m) = self.scratch::<f32>(g.c)?;
+        let (mut var, _v) = self.scratch::<f32>(g.c)?;
+        launch!(self, t.kernel("batchnorm_stats"), Self::per_item(g.c, 512)?;
+            t.arg(x)?, &mut mean, &mut var, &bn)?;
+        let (mean, var) = (download(&mean)?, download(&var)?);
+        Ok(mean
+            .iter()
+            .zip(&var)
+            .map(|(&m, &v)| (m as f64, v as f64))
+            .collect())
+    }
+
+    fn batchnorm_backward_sums(
+        &self,
+        x: &Storage,
+        dy: &Storage,
+        relu_beta: Option<&Storage>,
+        gamma: &Storage,
+        mean: &Storage,
+        var: &Storage,
+        eps: f64,
+        g: &ChannelGeom,
+    ) -> Result<Vec<(f64, f64)>> {
+        let (t, bn) = (Ty::of(x)?, bn_params(eps, g)?);
+        let reduce = Self::per_item(g.c, 512)?;
+        // The reduce kernels also add the sums into dγ and dβ: zeroed scratch takes them.
+        let (mut dgamma, _g) = self.scratch::<f32>(g.c)?;
+        let (mut dbeta, _b) = self.scratch::<f32>(g.c)?;
+        let (mut sums, _s) = self.scratch::<f32>(2 * g.c)?;
+        match relu_beta {
+            None => launch!(self, t.kernel("batchnorm_backward_reduce"), reduce;
+                t.arg(x)?, t.arg(dy)?, dev(mean)?, dev(var)?, &mut dgamma, &mut dbeta,
+                &mut sums, &bn)?,
+            Some(beta) => launch!(self, t.kernel("batchnorm_backward_reduce_relu"), reduce;
+                t.arg(x)?, dev(gamma)?, dev(beta)?, t.arg(dy)?, dev(mean)?, dev(var)?,
+                &mut dgamma, &mut dbeta, &mut sums, &bn)?,
+        }
+        let sums = download(&sums)?;
+        Ok(sums.chunks(2).map(|s| (s[0] as f64, s[1] as f64)).collect())
+    }
+
+    fn batchnorm_backward_dx(
+        &self,
+        x: &Storage,
+        dy: &Storage,
+        relu_beta: Option<&Storage>,
+        gamma: &Storage,
+        mean: &Storage,
+        var: &Storage,
+        sums: &[(f64, f64)],
+        count: usize,
+        dx: &mut Storage,
+        eps: f64,
+        g: &ChannelGeom,
+    ) -> Result<()> {
+        let (t, bn) = (Ty::of(x)?, bn_params(eps, g)?);
+        // The dx kernels divide the sums by x's own count (n·hw): sums scaled by n·hw / count
+        // give the whole batch's means.
+        let scale = (g.n * g.hw) as f64 / count as f64;
+        let scaled: Vec<f32> = sums
+            .iter()
+            .flat_map(|&(a, b)| [(a * scale) as f32, (b * scale) as f32])
+            .collect();
+        let sums = self.to_device(&scaled)?;
+        let elementwise = self.grid_1d(g.n * g.c * g.hw);
+        match relu_beta {
+            None => launch!(self, t.kernel("batchnorm_backward_dx"), elementwise;
+                t.arg(x)?, t.arg(dy)?, dev(gamma)?, dev(mean)?, dev(var)?, &sums,
+                t.arg_mut(dx)?, &bn),
+            Some(beta) => launch!(self, t.kernel("batchnorm_backward_dx_relu"), elementwise;
+                t.arg(x)?, dev(gamma)?, dev(beta)?, t.arg(dy)?, dev(mean)?, dev(var)?,
+                &sums, t.arg_mut(dx)?, &bn),
+        }
+    }
+
     fn batchnorm_relu_forward_train(
         &self,
         x: &Storage,

@@ -696,7 +696,13 @@ pub struct SchemeArgs {
     /// D: data-parallel groups.
     #[arg(long, default_value_t = 1)]
     pub dp: usize,
-    /// World size; must be P·D (checked; the default is P·D).
+    /// Spatial parallelism: each sample of the first stage split into an RxC grid of tiles
+    /// (e.g. 2x2), one rank each, exactly as one device computes it (halo exchange, batch norm
+    /// over the whole map); with mast or master the mirrored replica's first stage too.
+    #[arg(long, default_value = "1x1", value_name = "RxC")]
+    pub spatial: gems::ops::tiles::Grid,
+    /// World size; must be the scheme's (checked; the default is the scheme's: P·D ranks, with
+    /// R·C for each stage position that runs on tiles).
     #[arg(long)]
     pub ranks: Option<usize>,
     /// Pipeline order: gpipe or 1f1b.
@@ -733,14 +739,15 @@ impl SchemeArgs {
             replicas,
             self.dp,
             self.order,
-        );
+        )
+        .with_spatial(self.spatial);
         if let Some(n) = self.ranks {
             if n != s.world() {
                 anyhow::bail!(
-                    "--ranks {n} is not P·D = {}·{} = {}",
-                    s.stages,
+                    "--ranks {n} is not the scheme's {} ({} per group × D = {})",
+                    s.world(),
+                    s.group_size(),
                     s.dp,
-                    s.world()
                 );
             }
         }

@@ -473,8 +473,12 @@ fn header(session: &Session, device: &str, a: &TrainArgs, total: usize) {
         device,
     );
     if s.world() > 1 || s.parts > 1 {
+        let tiles = match s.spatial.is_split() {
+            true => format!(", samples of the first stage in {} tiles", s.spatial),
+            false => String::new(),
+        };
         println!(
-            "  {}: P={} stages, m={} micro-batches, η={} replicas, D={} groups on {} ranks ({}); {} images per step",
+            "  {}: P={} stages, m={} micro-batches, η={} replicas, D={} groups{tiles} on {} ranks ({}); {} images per step",
             s.kind, s.stages, s.parts, s.replicas, s.dp, s.world(), a.spread.transport, c.images_per_step()
         );
         for (i, r) in session.layout().partition.stages.iter().enumerate() {
@@ -494,9 +498,8 @@ fn timeline(session: &Session, last: &StepReport, path: &Path) -> anyhow::Result
     let bytes = session
         .layout()
         .saved_per_micro_batch(c.train.activations(), c.micro_batch());
-    let tasks: Vec<_> = last.ranks[..s.stages]
-        .iter()
-        .map(|r| r.timeline.clone())
+    let tasks: Vec<_> = (0..s.stages)
+        .map(|p| last.ranks[s.first_rank(p)].timeline.clone())
         .collect();
     let title = format!(
         "{} {} P={} m={} η={}: measured, last step",

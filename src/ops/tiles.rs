@@ -1,0 +1,467 @@
+//! Spatial parallelism's tiles. Each sample's H×W plane is split into an R×C grid, tile t
+//! (row-major) on rank t of a tile group; every map an op reads or writes is split the same
+//! way, each axis into balanced parts ([`part`]), so which rank owns which pixel of any value
+//! follows from the value's global shape alone, the same on every rank.
+//!
+//! An op on tiles computes exactly the part of its output its rank owns. A window op (a
+//! convolution, a pool) first gathers the input rows and columns its windows read
+//! ([`gather`]: the rank's own part, and a halo from the ranks that own the rest), and its
+//! backward returns the halo's gradients to their owners, who add them ([`scatter_add`]).
+//! Batch normalization sums its statistics over the group. Nothing is approximate: the same
+//! numbers as one device, up to the order of additions.
+
+use std::fmt;
+use std::ops::Range;
+use std::str::FromStr;
+
+use crate::comm::Comm;
+use crate::memory::Category;
+use crate::tensor::{Device, Shape, Tensor};
+use crate::Result;
+
+use super::Ctx;
+
+/// An R×C grid of tiles (1×1: no split).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+pub struct Grid {
+    /// R: parts of the height.
+    pub rows: usize,
+    /// C: parts of the width.
+    pub cols: usize,
+}
+
+impl Grid {
+    /// No split.
+    pub const ONE: Grid = Grid { rows: 1, cols: 1 };
+
+    /// R·C: the ranks a sample is spread over.
+    pub fn tiles(&self) -> usize {
+        self.rows * self.cols
+    }
+
+    /// Whether samples are split at all.
+    pub fn is_split(&self) -> bool {
+        self.tiles() > 1
+    }
+
+    /// Whether a value of per-sample shape `s` is split into tiles: a C×H×W map with at
+    /// least a row and a column for every tile. Anything else (a vector of logits, a map
+    /// smaller than the grid) is whole on every rank of the group.
+    pub fn splits(&self, s: &Shape) -> bool {
+        self.is_split() && matches!(s.dims(), [_, h, w] if *h >= self.rows && *w >= self.cols)
+    }
+
+    /// The rows and columns of an `h`×`w` map that tile `t` owns.
+    pub fn owned(&self, t: usize, (h, w): (usize, usize)) -> Rect {
+        let (r, c) = (t / self.cols, t % self.cols);
+        Rect::new(part(r, self.rows, h), part(c, self.cols, w))
+    }
+}
+
+impl Default for Grid {
+    fn default() -> Self {
+        Grid::ONE
+    }
+}
+
+impl fmt::Display for Grid {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}x{}", self.rows, self.cols)
+    }
+}
+
+impl FromStr for Grid {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        let bad = || format!("'{s}' is not a grid of tiles: expected RxC, e.g. 2x2 or 1x4");
+        let (r, c) = s.split_once(['x', 'X']).ok_or_else(bad)?;
+        let (rows, cols) = (
+            r.trim().parse().map_err(|_| bad())?,
+            c.trim().parse().map_err(|_| bad())?,
+        );
+        if rows == 0 || cols == 0 || rows * cols > 4096 {
+            return Err(format!(
+                "a grid of {rows}x{cols} tiles: each side from 1, at most 4096 tiles"
+            ));
+        }
+        Ok(Grid { rows, cols })
+    }
+}
+
+/// Part `i` of `n` of `0..len`: [⌊i·len/n⌋, ⌊(i+1)·len/n⌋), so parts differ by at most one.
+pub fn part(i: usize, n: usize, len: usize) -> Range<usize> {
+    i * len / n..(i + 1) * len / n
+}
+
+/// Rows × columns of a map, in the map's coordinates; may reach outside the map (padding).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Rect {
+    /// First and one-past-last row.
+    pub rows: (isize, isize),
+    /// First and one-past-last column.
+    pub cols: (isize, isize),
+}
+
+impl Rect {
+    /// The rectangle of these rows and columns.
+    pub fn new(rows: Range<usize>, cols: Range<usize>) -> Rect {
+        Rect {
+            rows: (rows.start as isize, rows.end as isize),
+            cols: (cols.start as isize, cols.end as isize),
+        }
+    }
+
+    /// (height, width).
+    pub fn size(&self) -> (usize, usize) {
+        (
+            (self.rows.1 - self.rows.0).max(0) as usize,
+            (self.cols.1 - self.cols.0).max(0) as usize,
+        )
+    }
+
+    fn is_empty(&self) -> bool {
+        self.rows.1 <= self.rows.0 || self.cols.1 <= self.cols.0
+    }
+
+    /// The rows and columns in both.
+    pub fn meet(&self, o: &Rect) -> Rect {
+        Rect {
+            rows: (self.rows.0.max(o.rows.0), self.rows.1.min(o.rows.1)),
+            cols: (self.cols.0.max(o.cols.0), self.cols.1.min(o.cols.1)),
+        }
+    }
+
+    /// Whether it lies inside an `h`×`w` map.
+    fn inside(&self, (h, w): (usize, usize)) -> bool {
+        self.rows.0 >= 0
+            && self.cols.0 >= 0
+            && self.rows.1 <= h as isize
+            && self.cols.1 <= w as isize
+    }
+}
+
+/// A rank's place in its tile group: the group (rank t holds tile t) and the grid.
+pub struct Tiles {
+    /// The ranks holding the tiles of the same samples, rank t holding tile t.
+    pub comm: Box<dyn Comm>,
+    /// How the samples are split.
+    pub grid: Grid,
+}
+
+impl Tiles {
+    /// This rank's tile.
+    pub fn tile(&self) -> usize {
+        self.comm.rank()
+    }
+
+    /// The part of an `h`×`w` map this rank owns.
+    pub fn own(&self, hw: (usize, usize)) -> Rect {
+        self.grid.owned(self.tile(), hw)
+    }
+
+    /// Sums per-rank host numbers over the group, added in tile order (the same bits on every
+    /// rank).
+    pub fn sum(&self, v: Vec<f64>) -> Result<Vec<f64>> {
+        self.comm.sum_f64(v)
+    }
+}
+
+/// What an op running on tiles is told about the whole maps.
+pub struct OnTiles<'a> {
+    /// The tile group.
+    pub tiles: &'a Tiles,
+    /// Per-sample shapes of the whole inputs.
+    pub inputs: Vec<&'a Shape>,
+    /// Per-sample shape of the whole output.
+    pub output: &'a Shape,
+}
+
+impl OnTiles<'_> {
+    /// (H, W) of whole input `i`.
+    pub fn input_hw(&self, i: usize) -> (usize, usize) {
+        let d = self.inputs[i].dims();
+        (d[1], d[2])
+    }
+    /// (H, W) of the whole output.
+    pub fn output_hw(&self) -> (usize, usize) {
+        let d = self.output.dims();
+        (d[1], d[2])
+    }
+}
+
+/// How an op runs on tiles.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TileRule {
+    /// Each output pixel from the same pixel of the inputs (ReLU, add, concatenation): as it
+    /// is, on each tile.
+    Pointwise,
+    /// The op runs on tiles itself (`Ctx::tiles`): a tile of output from tiles of input.
+    Tiled,
+    /// The op reduces tiles to a whole value on every rank (global pooling), itself.
+    Reduces,
+    /// The op needs its inputs whole: they are gathered onto every rank of the group first,
+    /// and it runs the same on each.
+    Whole,
+}
+
+/// Tags of the group's messages: every rank of a group runs the same ops in the same order,
+/// and messages of one tag between two ranks arrive in order.
+const GATHER_TAG: u64 = 1;
+const SCATTER_TAG: u64 = 2;
+
+/// Copies the `r` rectangle (map coordinates) of `src` (whose planes hold `from` of a map)
+/// into `dst` (whose planes hold `to`), over all n·c planes.
+fn copy_rect(
+    d: &Device,
+    src: &Tensor,
+    from: &Rect,
+    dst: &mut Tensor,
+    to: &Rect,
+    r: &Rect,
+) -> Result<()> {
+    let (n, c, sh, sw) = src.shape().nchw();
+    let (_, _, dh, dw) = dst.shape().nchw();
+    debug_assert_eq!((sh, sw), from.size());
+    debug_assert_eq!((dh, dw), to.size());
+    let (rows, cols) = r.size();
+    if rows == 0 || cols == 0 {
+        return Ok(());
+    }
+    let at = |outer: &Rect, w: usize, row: isize| {
+        ((row - outer.rows.0) as usize) * w + (r.cols.0 - outer.cols.0) as usize
+    };
+    let be = d.backend();
+    if cols == sw && cols == dw {
+        // Whole rows in both: one strided copy.
+        return be.copy_channels(
+            src.storage(),
+            dst.storage_mut()?,
+            (sh * sw, at(from, sw, r.rows.0)),
+            (dh * dw, at(to, dw, r.rows.0)),
+            rows * cols,
+            n * c,
+            1,
+        );
+    }
+    for row in r.rows.0..r.rows.1 {
+        be.copy_channels(
+            src.storage(),
+            dst.storage_mut()?,
+            (sh * sw, at(from, sw, row)),
+            (dh * dw, at(to, dw, row)),
+            cols,
+            n * c,
+            1,
+        )?;
+    }
+    Ok(())
+}
+
+/// The `r` part of `src` (holding `from`) as a tensor of its own.
+fn extract(d: &Device, src: &Tensor, from: &Rect, r: &Rect) -> Result<Tensor> {
+    let (n, c, _, _) = src.shape().nchw();
+    let (h, w) = r.size();
+    let mut out = d.empty(
+        Shape::new([n, c, h, w]),
+        src.dtype(),
+        Category::Communication,
+    )?;
+    copy_rect(d, src, from, &mut out, r, r)?;
+    Ok(out)
+}
+
+/// Tile `t` of a whole map `x` split by `grid`.
+pub fn cut(d: &Device, x: &Tensor, grid: Grid, t: usize) -> Result<Tensor> {
+    let (_, _, h, w) = x.shape().nchw();
+    let (whole, own) = (Rect::new(0..h, 0..w), grid.owned(t, (h, w)));
+    if own == whole {
+        return Ok(x.clone());
+    }
+    extract(d, x, &whole, &own)
+}
+
+/// The whole `hw` map from its tiles, in tile order.
+pub fn assemble(d: &Device, tiles: &[Tensor], grid: Grid, hw: (usize, usize)) -> Result<Tensor> {
+    let (n, c, _, _) = tiles[0].shape().nchw();
+    let whole = Rect::new(0..hw.0, 0..hw.1);
+    let mut out = d.empty(
+        Shape::new([n, c, hw.0, hw.1]),
+        tiles[0].dtype(),
+        Category::Activations,
+    )?;
+    for (t, x) in tiles.iter().enumerate() {
+        let own = grid.owned(t, hw);
+        copy_rect(d, x, &own, &mut out, &whole, &own)?;
+    }
+    Ok(out)
+}
+
+/// This rank's `needs[me]` of a map of size `hw` split over the group, from its own tile `x`
+/// and the parts the other ranks own (zeros where the rectangle lies outside the map).
+/// `needs` holds every rank's rectangle (each rank computes them all, the same), so each rank
+/// knows what to send without asking.
+pub fn gather(
+    ctx: &Ctx,
+    t: &Tiles,
+    x: &Tensor,
+    hw: (usize, usize),
+    needs: &[Rect],
+) -> Result<Tensor> {
+    let me = t.tile();
+    let own = t.own(hw);
+    let need = needs[me];
+    for (q, theirs) in needs.iter().enumerate().filter(|&(q, _)| q != me) {
+        let r = own.meet(theirs);
+        if !r.is_empty() {
+            t.comm
+                .send(&extract(ctx.device, x, &own, &r)?, q, GATHER_TAG)?;
+        }
+    }
+    if need == own {
+        return Ok(x.clone());
+    }
+    let (n, c, _, _) = x.shape().nchw();
+    let (h, w) = need.size();
+    let shape = Shape::new([n, c, h, w]);
+    let mut buf = match need.inside(hw) {
+        true => ctx.output(shape, x)?,
+        false => ctx.activation(shape, x)?,
+    };
+    copy_rect(ctx.device, x, &own, &mut buf, &need, &own.meet(&need))?;
+    for q in (0..needs.len()).filter(|&q| q != me) {
+        let theirs = t.grid.owned(q, hw);
+        let r = theirs.meet(&need);
+        if !r.is_empty() {
+            let piece = t
+                .comm
+                .recv(q, GATHER_TAG, ctx.device, Category::Communication)?;
+            copy_rect(ctx.device, &piece, &r, &mut buf, &need, &r)?;
+        }
+    }
+    Ok(buf)
+}
+
+/// The adjoint of [`gather`]: from the gradient of this rank's gathered rectangle, the
+/// gradient of its own tile. The parts other ranks own go back to them; each rank adds what it
+/// receives to its own part, in rank order.
+pub fn scatter_add(
+    ctx: &Ctx,
+    t: &Tiles,
+    dbuf: Tensor,
+    hw: (usize, usize),
+    needs: &[Rect],
+) -> Result<Tensor> {
+    let me = t.tile();
+    let own = t.own(hw);
+    let need = needs[me];
+    for q in (0..needs.len()).filter(|&q| q != me) {
+        let r = t.grid.owned(q, hw).meet(&need);
+        if !r.is_empty() {
+            t.comm
+                .send(&extract(ctx.device, &dbuf, &need, &r)?, q, SCATTER_TAG)?;
+        }
+    }
+    let mut dx = if need == own {
+        dbuf
+    } else {
+        let (n, c, _, _) = dbuf.shape().nchw();
+        let (h, w) = own.size();
+        let mut dx = ctx.activation(Shape::new([n, c, h, w]), &dbuf)?;
+        copy_rect(ctx.device, &dbuf, &need, &mut dx, &own, &own.meet(&need))?;
+        dx
+    };
+    for (q, theirs) in needs.iter().enumerate().filter(|&(q, _)| q != me) {
+        let r = own.meet(theirs);
+        if !r.is_empty() {
+            let piece = t
+                .comm
+                .recv(q, SCATTER_TAG, ctx.device, Category::Communication)?;
+            let mut sum = extract(ctx.device, &dx, &own, &r)?;
+            ctx.device
+                .backend()
+                .add_assign(sum.storage_mut()?, piece.storage())?;
+            copy_rect(ctx.device, &sum, &r, &mut dx, &own, &r)?;
+        }
+    }
+    Ok(dx)
+}
+
+/// The whole map (of size `hw`) on every rank, from each rank's tile `x`.
+pub fn all_gather(ctx: &Ctx, t: &Tiles, x: &Tensor, hw: (usize, usize)) -> Result<Tensor> {
+    let whole = Rect::new(0..hw.0, 0..hw.1);
+    gather(ctx, t, x, hw, &vec![whole; t.grid.tiles()])
+}
+
+/// This rank's tile of a whole map `x` (the same on every rank): no messages.
+pub fn crop(ctx: &Ctx, t: &Tiles, x: &Tensor) -> Result<Tensor> {
+    cut(ctx.device, x, t.grid, t.tile())
+}
+
+/// The rows (or columns) a window op's outputs `out` read of an input of length `len`, in input
+/// coordinates before clipping: output o reads o·stride − pad + [0, span).
+pub fn window_rows(out: (isize, isize), stride: usize, pad: usize, span: usize) -> (isize, isize) {
+    let (s, p) = (stride as isize, pad as isize);
+    (out.0 * s - p, (out.1 - 1) * s - p + span as isize)
+}
+
+/// Every rank's input rectangle for a window op whose whole input is `input` and output
+/// `output`: the rows and columns the windows of its output tile read, clipped to the map
+/// (`clip`: `true`) or to the map and its padding (`false`, for a pool that counts padding).
+pub fn window_needs(
+    grid: Grid,
+    input: (usize, usize),
+    output: (usize, usize),
+    stride: (usize, usize),
+    pad: (usize, usize),
+    span: (usize, usize),
+    clip: bool,
+) -> Vec<Rect> {
+    (0..grid.tiles())
+        .map(|t| {
+            let out = grid.owned(t, output);
+            let rows = window_rows(out.rows, stride.0, pad.0, span.0);
+            let cols = window_rows(out.cols, stride.1, pad.1, span.1);
+            let (lo, hi) = match clip {
+                true => ((0, 0), (input.0 as isize, input.1 as isize)),
+                false => (
+                    (-(pad.0 as isize), -(pad.1 as isize)),
+                    ((input.0 + pad.0) as isize, (input.1 + pad.1) as isize),
+                ),
+            };
+            Rect {
+                rows: (rows.0.max(lo.0), rows.1.min(hi.0)),
+                cols: (cols.0.max(lo.1), cols.1.min(hi.1)),
+            }
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parts_cover_the_axis_and_differ_by_at_most_one() {
+        for len in 1..40 {
+            for n in 1..=len.min(7) {
+                let parts: Vec<_> = (0..n).map(|i| part(i, n, len)).collect();
+                assert_eq!(parts[0].start, 0);
+                assert_eq!(parts[n - 1].end, len);
+                for w in parts.windows(2) {
+                    assert_eq!(w[0].end, w[1].start);
+                }
+                let sizes: Vec<usize> = parts.iter().map(|p| p.len()).collect();
+                let (lo, hi) = (sizes.iter().min().unwrap(), sizes.iter().max().unwrap());
+                assert!(hi - lo <= 1, "{sizes:?}");
+            }
+        }
+    }
+
+    #[test]
+    fn grids_parse_and_refuse() {
+        assert_eq!("2x3".parse::<Grid>().unwrap(), Grid { rows: 2, cols: 3 });
+        assert!("0x2".parse::<Grid>().is_err());
+        assert!("2".parse::<Grid>().is_err());
+        assert!("axb".parse::<Grid>().is_err());
+    }
+}
