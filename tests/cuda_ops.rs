@@ -1374,6 +1374,51 @@ fn offload_and_recompute_are_bit_identical(conv: ConvImpl) {
     }
 }
 
+/// Spatial parallelism on the GPU: each sample in tiles on ranks of their own (streams of GPU
+/// 0), so the halo exchange's copies, the tiles' gathers and batch norm's per-tile statistics and
+/// backward sums run through the CUDA backend. One step of f32 on the GPU against the same on
+/// the CPU, both against f64 single-device training.
+#[test]
+#[cfg_attr(not(feature = "cuda-emu"), ignore = "needs a CUDA device")]
+fn spatial_step_on_one_gpu_matches_the_cpu() {
+    use gems::ops::tiles::Grid;
+    let config = |device, dtype| TrainConfig {
+        device,
+        dtype,
+        ..TrainConfig::new(2, 1)
+    };
+    let run = |device: DeviceKind, dtype, scheme: Scheme| {
+        let mut s = session("resnet20v2", 33, config(device, dtype), scheme)
+            .unwrap_or_else(|e| panic!("{scheme:?} on {device}: {e}"));
+        s.step()
+            .unwrap_or_else(|e| panic!("{scheme:?} on {device}: {e}"));
+        values(&mut s)
+    };
+    let single = Scheme::single(1);
+    let before = values(
+        &mut session(
+            "resnet20v2",
+            33,
+            config(DeviceKind::Cpu, DType::F64),
+            single,
+        )
+        .unwrap(),
+    );
+    let exact = run(DeviceKind::Cpu, DType::F64, single);
+    for grid in [Grid { rows: 1, cols: 2 }, Grid { rows: 2, cols: 2 }] {
+        let tiled = single.with_spatial(grid);
+        let cpu = run(DeviceKind::Cpu, DType::F32, tiled);
+        let gpu = run(DeviceKind::Cuda { ordinal: 0 }, DType::F32, tiled);
+        no_further_than_cpu(
+            &format!("{grid} tiles"),
+            &before,
+            &exact,
+            (&cpu, &gpu),
+            tol(Precision::Fp32),
+        );
+    }
+}
+
 /// The schemes on one GPU: every rank is a device of its own (a stream each) on GPU 0, so the
 /// activations, gradients and all-reduces between ranks cross streams. f32 on the GPU against
 /// the same schemes on the CPU, after 3 steps.
@@ -1415,10 +1460,12 @@ fn schemes_on_one_gpu_match_the_cpu() {
         )
         .unwrap(),
     );
+    let tiles = gems::ops::tiles::Grid { rows: 2, cols: 1 };
     for scheme in [
         Scheme::new(Kind::Mp, 2, 2, 1, 1, Order::GPipe),
         Scheme::new(Kind::Mast, 2, 2, 2, 1, Order::GPipe),
         Scheme::new(Kind::Dp, 1, 1, 1, 2, Order::GPipe),
+        Scheme::new(Kind::Mp, 2, 2, 1, 1, Order::GPipe).with_spatial(tiles),
     ] {
         let exact = run(DeviceKind::Cpu, DType::F64, scheme);
         let cpu = run(DeviceKind::Cpu, DType::F32, scheme);

@@ -144,6 +144,35 @@ fn mp_and_mast_over_mpi() {
 }
 
 #[test]
+fn spatial_over_mpi() {
+    // Halo exchange and BN's sums over the tiles between processes: each sample in 2x2 tiles,
+    // then a 3x1 first stage feeding a second stage (assembled from the tiles).
+    check(
+        "sp",
+        4,
+        &["--spatial", "2x2", "--batch-size", "4"],
+        &["--batch-size", "4"],
+    );
+    check(
+        "sp-mp",
+        4,
+        &[
+            "--scheme",
+            "mp",
+            "--split",
+            "2",
+            "--spatial",
+            "3x1",
+            "--parts",
+            "2",
+            "--batch-size",
+            "4",
+        ],
+        &["--scheme", "single", "--parts", "2", "--batch-size", "4"],
+    );
+}
+
+#[test]
 fn hybrid_over_mpi_on_8_ranks() {
     check(
         "hybrid",

@@ -11,6 +11,7 @@ use crate::backend::cuda::ConvImpl;
 use crate::backend::DeviceKind;
 use crate::graph::Graph;
 use crate::memory::{ByCategory, Category, MemoryStats};
+use crate::ops::tiles::Grid;
 use crate::plan::offload::{self, Chosen, HostLink};
 use crate::plan::{Layout, RunConfig};
 use crate::runtime::meter;
@@ -97,6 +98,45 @@ pub fn choose_split(g: &Graph, c: &RunConfig, cap: u64) -> Result<RunConfig> {
     let mut t = with_stages(c, most);
     t.train.device_memory = Some(cap);
     check_fits(g, &t).map(|_| t)
+}
+
+/// Grids tried by [`choose_spatial`], fewest tiles first: for each tile count the squarest grid
+/// (the least halo per tile), up to 8x8.
+fn grids() -> Vec<Grid> {
+    let mut out = Vec::new();
+    for n in 1..=64usize {
+        let rows = (1..=n)
+            .filter(|r| n.is_multiple_of(*r) && r * r <= n)
+            .max()
+            .unwrap_or(1);
+        let (rows, cols) = (rows, n / rows);
+        // Only grids as square as a tile count allows (no 1x7): at most twice as wide as tall.
+        if cols <= 2 * rows || n <= 2 {
+            out.push(Grid { rows, cols });
+        }
+    }
+    out
+}
+
+/// The fewest tiles (the squarest grid of that many) whose plan fits `cap`, the first stage
+/// of `c` split into them; an error naming the closest miss when even 8x8 tiles do not fit.
+/// The cost model counts no halo exchange yet, so fewer tiles is the cheaper choice.
+pub fn choose_spatial(g: &Graph, c: &RunConfig, cap: u64) -> Result<RunConfig> {
+    let side = g.image_size();
+    let mut last = c.clone();
+    for grid in grids()
+        .into_iter()
+        .filter(|t| t.rows <= side && t.cols <= side)
+    {
+        let mut t = c.clone();
+        t.scheme.spatial = grid;
+        if fits(g, &t, cap)? {
+            return Ok(t);
+        }
+        last = t;
+    }
+    last.train.device_memory = Some(cap);
+    check_fits(g, &last).map(|_| last)
 }
 
 /// The most stages `g` can be cut into.
@@ -382,6 +422,8 @@ pub struct Auto {
     pub batch: bool,
     /// Where saved tensors wait, with offloaded ones fetched this many nodes ahead.
     pub offload: Option<usize>,
+    /// The fewest tiles of the first stage's samples that fit.
+    pub spatial: bool,
 }
 
 /// A run with its `auto` sizes chosen, and the offload policy's predicted cost if chosen.
@@ -403,6 +445,9 @@ pub fn resolve(g: &Graph, mut c: RunConfig, auto: Auto) -> Result<Resolved> {
             ))
         })
     };
+    if auto.spatial {
+        c = choose_spatial(g, &c, cap("the grid of tiles")?)?;
+    }
     if auto.split {
         c = choose_split(g, &c, cap("the split")?)?;
     }

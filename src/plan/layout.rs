@@ -56,6 +56,15 @@ impl Layout {
             )));
         }
         c.scheme.validate(t.batch_size)?;
+        let grid = c.scheme.spatial;
+        if grid.is_split() && !grid.splits(graph.input_shape()) {
+            return Err(Error::Config(format!(
+                "a {grid} grid of tiles is finer than {}'s {} input: a tile needs a row and a \
+                 column at least",
+                graph.name,
+                graph.input_shape()
+            )));
+        }
         t.precision.check(t.dtype).map_err(Error::Config)?;
         let micro = c.micro_batch();
         let costs = match &c.calibration {
@@ -113,7 +122,8 @@ impl Layout {
                     .collect()
             })
             .collect();
-        let schedule = schedule::build(&c.scheme, &costs.stage_costs(stages), c.max_in_flight)?;
+        let stage_costs = costs.stage_costs(stages).tiled(&c.scheme);
+        let schedule = schedule::build(&c.scheme, &stage_costs, c.max_in_flight)?;
         Ok(Layout {
             graph,
             partition,

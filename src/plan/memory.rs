@@ -35,7 +35,8 @@ pub fn split(c: &RunConfig, g: &Graph, costs: &NodeCosts) -> Result<Partition> {
         return Ok(fastest);
     };
     let moments_of = |part: &Partition| -> Result<_> {
-        let s = schedule::build(&c.scheme, &costs.stage_costs(&part.stages), c.max_in_flight)?;
+        let stage_costs = costs.stage_costs(&part.stages).tiled(&c.scheme);
+        let s = schedule::build(&c.scheme, &stage_costs, c.max_in_flight)?;
         Ok(footprint::moments(&s))
     };
     let fits = |part: &Partition, moments: &[Vec<footprint::Moment>]| {

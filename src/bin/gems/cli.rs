@@ -676,6 +676,23 @@ impl std::str::FromStr for Choice {
     }
 }
 
+/// A grid of tiles, or a choice left to the planner.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Tiling {
+    Auto,
+    Grid(gems::ops::tiles::Grid),
+}
+
+impl std::str::FromStr for Tiling {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "auto" => Ok(Tiling::Auto),
+            grid => grid.parse().map(Tiling::Grid),
+        }
+    }
+}
+
 /// How a run is spread over ranks (see DESIGN.md for the schemes).
 #[derive(Args)]
 pub struct SchemeArgs {
@@ -698,9 +715,10 @@ pub struct SchemeArgs {
     pub dp: usize,
     /// Spatial parallelism: each sample of the first stage split into an RxC grid of tiles
     /// (e.g. 2x2), one rank each, exactly as one device computes it (halo exchange, batch norm
-    /// over the whole map); with mast or master the mirrored replica's first stage too.
+    /// over the whole map); with mast or master the mirrored replica's first stage too. `auto`:
+    /// the fewest tiles (the squarest grid of that many) whose plan fits --device-memory.
     #[arg(long, default_value = "1x1", value_name = "RxC")]
-    pub spatial: gems::ops::tiles::Grid,
+    pub spatial: Tiling,
     /// World size; must be the scheme's (checked; the default is the scheme's: P·D ranks, with
     /// R·C for each stage position that runs on tiles).
     #[arg(long)]
@@ -740,13 +758,27 @@ impl SchemeArgs {
             self.dp,
             self.order,
         )
-        .with_spatial(self.spatial);
+        .with_spatial(match self.spatial {
+            Tiling::Grid(grid) => grid,
+            // Resolved against memory later, from no split up.
+            Tiling::Auto => gems::ops::tiles::Grid::ONE,
+        });
         if let Some(n) = self.ranks {
+            if n != s.world() && !s.spatial.is_split() {
+                anyhow::bail!(
+                    "--ranks {n} is not P·D = {}·{} = {}",
+                    s.stages,
+                    s.dp,
+                    s.world()
+                );
+            }
             if n != s.world() {
                 anyhow::bail!(
-                    "--ranks {n} is not the scheme's {} ({} per group × D = {})",
+                    "--ranks {n} is not the scheme's {}: {} per group (R·C = {} at each position \
+                     that runs on tiles) × D = {}",
                     s.world(),
                     s.group_size(),
+                    s.spatial.tiles(),
                     s.dp,
                 );
             }

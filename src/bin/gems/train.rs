@@ -16,7 +16,7 @@ use gems::runtime::folder::checkpoint_path;
 use gems::runtime::{Checkpoint, CheckpointFolder, FolderRules};
 use gems::{models, Evaluation, Graph, RunConfig, Session, StepReport, TrainConfig};
 
-use crate::cli::{Choice, Offload, TrainArgs, Transport};
+use crate::cli::{Choice, Offload, Tiling, TrainArgs, Transport};
 
 /// The model and the run the training flags describe (or a checkpoint, with `--resume`),
 /// with `auto` and `max` resolved against the capacity by metered runs; what was chosen is
@@ -116,9 +116,13 @@ pub fn setup(a: &TrainArgs) -> anyhow::Result<(Graph, RunConfig)> {
         replicas: a.spread.replicas == Some(Choice::Auto),
         batch: a.batch_size == Some(Choice::Auto),
         offload: (a.offload == Offload::Auto).then_some(a.offload_ahead),
+        spatial: a.spread.spatial == Tiling::Auto,
     };
     let resolved = fit::resolve(&graph, c, auto)?;
     let c = resolved.config;
+    if auto.spatial {
+        println!("--spatial auto: {} tiles", c.scheme.spatial);
+    }
     if auto.split {
         println!("--split auto: {} stages", c.scheme.stages);
     }
