@@ -18,8 +18,12 @@ pub fn plan(a: TrainArgs) -> anyhow::Result<()> {
     let layout = Layout::new(&graph, &c)?;
     let (g, s) = (&layout.graph, &c.scheme);
     let micro = c.train.batch_size / s.parts;
+    let tiles = match s.spatial.is_split() {
+        true => format!(", samples in {} tiles where marked", s.spatial),
+        false => String::new(),
+    };
     println!(
-        "plan: {} at {}², {} with P={} m={} η={} D={}, B={} ({micro} per micro-batch), {}",
+        "plan: {} at {}², {} with P={} m={} η={} D={}{tiles}, B={} ({micro} per micro-batch), {}",
         g.name,
         g.image_size(),
         s.kind,
@@ -40,8 +44,13 @@ pub fn plan(a: TrainArgs) -> anyhow::Result<()> {
         let params = g.trainable_in(r.clone());
         let saved = saved[i];
         let secs: f64 = costs[r.clone()].iter().sum();
+        // A stage on tiles: what the whole stage saves and costs, spread over its tiles.
+        let on_tiles = match s.tiled(i) {
+            true => format!("  on {} tiles", s.spatial),
+            false => String::new(),
+        };
         println!(
-            "{i:<6} {:>12} {params:>12} {:>20} {:>20.2} ms",
+            "{i:<6} {:>12} {params:>12} {:>20} {:>20.2} ms{on_tiles}",
             format!("{}..{}", r.start, r.end),
             human_bytes(saved),
             1e3 * secs
