@@ -14,11 +14,13 @@ rounds=${1:-5} model=${2:-resnet110v2} side=${3:-256} batch=${4:-2} steps=${5:-6
 cargo build --release --quiet
 gems=./target/release/gems
 args=(train --model "$model" --image-size "$side" --batch-size "$batch" --steps "$steps" --warmup 1)
+# images/s from the run's closing line: "done: N steps, M images in S s".
+rate() { awk '/^done:/ {print $4 / $7}'; }
 median() { sort -g | awk '{v[NR]=$1} END {print (NR%2 ? v[(NR+1)/2] : (v[NR/2]+v[NR/2+1])/2)}'; }
 one=() tiles=()
 for ((i = 0; i < rounds; i++)); do
-    one+=("$("$gems" "${args[@]}" | awk '/throughput/ {print $2}')")
-    tiles+=("$("$gems" "${args[@]}" --spatial 1x2 | awk '/throughput/ {print $2}')")
+    one+=("$("$gems" "${args[@]}" | rate)")
+    tiles+=("$("$gems" "${args[@]}" --spatial 1x2 | rate)")
 done
 m1=$(printf '%s\n' "${one[@]}" | median) m2=$(printf '%s\n' "${tiles[@]}" | median)
 printf '%s %s², B = %s, %s steps (%s)\n' "$model" "$side" "$batch" "$steps" "$(nproc) cores"
