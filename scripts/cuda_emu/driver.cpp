@@ -42,6 +42,8 @@
 #include <thread>
 #include <vector>
 
+#include "racecheck.h"
+
 typedef int CUresult;
 typedef int CUdevice;
 typedef unsigned long long CUdeviceptr;
@@ -60,13 +62,13 @@ namespace {
 
 // The kernels (kernels.cpp), loaded from this library's folder: plain or race-checked.
 struct Kernels {
-    void (*init)(bool (*)(const void*));
+    void (*init)(bool (*)(const void*, RaceDevice*));
     const void* (*find)(const char*);
     const char* (*name)(const void*);
     void* (*bind)(const void*, void**);
     const char* (*run)(const void*, void*, unsigned, unsigned, unsigned, unsigned);
 };
-bool is_device(const void* p);
+bool device_for_race_check(const void* p, RaceDevice* d);
 const Kernels& kernels() {
     static const Kernels k = [] {
         Dl_info self;
@@ -86,7 +88,7 @@ const Kernels& kernels() {
                   reinterpret_cast<decltype(Kernels::name)>(dlsym(h, "gems_emu_kernel_name")),
                   reinterpret_cast<decltype(Kernels::bind)>(dlsym(h, "gems_emu_bind")),
                   reinterpret_cast<decltype(Kernels::run)>(dlsym(h, "gems_emu_run"))};
-        k.init(is_device);
+        k.init(device_for_race_check);
         if (check) std::fprintf(stderr, "emulated driver: race check on\n");
         return k;
     }();
@@ -218,9 +220,15 @@ std::map<CUdeviceptr, std::size_t> allocations;  // live device allocations
 std::deque<std::pair<CUdeviceptr, std::size_t>> pool;  // freed blocks, oldest first
 std::size_t used = 0, pooled = 0;
 std::map<const char*, std::size_t, std::greater<const char*>> pinned;  // pinned host blocks
+// The race check's shadows of device blocks it saw written, freed with the block's memory.
+std::map<CUdeviceptr, std::uint64_t*> shadows;
 
 void drop_pooled_front() {
     std::free(reinterpret_cast<void*>(pool.front().first));
+    if (auto it = shadows.find(pool.front().first); it != shadows.end()) {
+        std::free(it->second);
+        shadows.erase(it);
+    }
     pooled -= pool.front().second;
     used -= pool.front().second;
     pool.pop_front();
@@ -273,7 +281,24 @@ bool inside(CUdeviceptr p, std::size_t n) {
     --it;
     return p >= it->first && p + n <= it->first + it->second;
 }
-bool is_device(const void* p) { return inside(reinterpret_cast<CUdeviceptr>(p), 1); }
+// The live allocation holding `p` and its shadow (made on first use; a pooled block keeps it, as
+// its launch stamps stay older than any later launch).
+bool device_for_race_check(const void* p, RaceDevice* d) {
+    CUdeviceptr a = reinterpret_cast<CUdeviceptr>(p);
+    std::lock_guard<std::mutex> g(mem_mutex);
+    auto it = allocations.upper_bound(a);
+    if (it == allocations.begin()) return false;
+    --it;
+    if (a < it->first || a >= it->first + it->second) return false;
+    std::uint64_t*& s = shadows[it->first];
+    if (!s) s = static_cast<std::uint64_t*>(std::calloc((it->second + 1) / 2, sizeof(std::uint64_t)));
+    if (!s) {
+        std::fprintf(stderr, "emulated driver: no memory for the race check's shadow\n");
+        std::abort();
+    }
+    *d = RaceDevice{it->first, it->first + it->second, s};
+    return true;
+}
 bool is_pinned(const void* h, std::size_t n) {
     std::lock_guard<std::mutex> g(mem_mutex);
     auto it = pinned.lower_bound(static_cast<const char*>(h));  // the last block at or before h
