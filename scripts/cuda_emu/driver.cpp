@@ -217,6 +217,9 @@ const std::size_t TOTAL = std::size_t(8) << 30;
 const std::size_t POOL_KEEP = std::size_t(1) << 30;
 std::mutex mem_mutex;
 std::map<CUdeviceptr, std::size_t> allocations;  // live device allocations
+// Allocations freed whose free has not yet run in its stream: work queued before the free may
+// still write them (what a temporary dropped right after its launches is).
+std::map<CUdeviceptr, std::size_t> freeing;
 std::deque<std::pair<CUdeviceptr, std::size_t>> pool;  // freed blocks, oldest first
 std::size_t used = 0, pooled = 0;
 std::map<const char*, std::size_t, std::greater<const char*>> pinned;  // pinned host blocks
@@ -263,12 +266,14 @@ std::size_t unlink(CUdeviceptr p) {
     if (it == allocations.end()) return 0;
     std::size_t n = it->second;
     allocations.erase(it);
+    freeing[p] = n;
     return n;
 }
 // The free itself, in stream order: poison, then pool.
 void release(CUdeviceptr p, std::size_t n) {
     std::memset(reinterpret_cast<void*>(p), 0xff, n);
     std::lock_guard<std::mutex> g(mem_mutex);
+    freeing.erase(p);
     pool.emplace_back(p, n);
     pooled += n;
     while (pooled > POOL_KEEP) drop_pooled_front();
@@ -281,15 +286,23 @@ bool inside(CUdeviceptr p, std::size_t n) {
     --it;
     return p >= it->first && p + n <= it->first + it->second;
 }
-// The live allocation holding `p` and its shadow (made on first use; a pooled block keeps it, as
-// its launch stamps stay older than any later launch).
+// The allocation holding `p` (live, or freed with its free still queued: a kernel queued before
+// the free writes it legally) and its shadow (made on first use; a pooled block keeps it, as its
+// launch stamps stay older than any later launch).
 bool device_for_race_check(const void* p, RaceDevice* d) {
     CUdeviceptr a = reinterpret_cast<CUdeviceptr>(p);
     std::lock_guard<std::mutex> g(mem_mutex);
-    auto it = allocations.upper_bound(a);
-    if (it == allocations.begin()) return false;
-    --it;
-    if (a < it->first || a >= it->first + it->second) return false;
+    auto holding = [a](const std::map<CUdeviceptr, std::size_t>& m) {
+        auto it = m.upper_bound(a);
+        if (it == m.begin()) return m.end();
+        --it;
+        return a < it->first + it->second ? it : m.end();
+    };
+    auto it = holding(allocations);
+    if (it == allocations.end()) {
+        it = holding(freeing);
+        if (it == freeing.end()) return false;
+    }
     std::uint64_t*& s = shadows[it->first];
     if (!s) s = static_cast<std::uint64_t*>(std::calloc((it->second + 1) / 2, sizeof(std::uint64_t)));
     if (!s) {
