@@ -14,8 +14,8 @@
 // syncs (shuffles, mma) do not.
 //
 // It runs on every load and store of the kernels, so its bookkeeping is flat arrays and no lock:
-// a launch runs on one OS thread at a time (the driver's launch lock), and the shadows carry
-// epochs (barriers, launches) instead of being cleared.
+// a launch runs on one OS thread at a time (the driver's launch lock), accesses from any other
+// thread are ignored, and the shadows carry epochs (barriers, launches) instead of being cleared.
 #include <link.h>
 
 #include <cstdint>
@@ -135,8 +135,13 @@ __attribute__((noinline)) void device_write(std::uintptr_t a, unsigned long n) {
 
 __attribute__((always_inline)) inline void access(void* p, unsigned long n, bool write) {
     if (!g_in_fiber) return;
+    // Only the thread running the block (it runs on the fiber's stack): meanwhile the host
+    // thread may run the library's other instrumented code (binding the next launch's
+    // arguments), which is no thread of the block, and must not touch this launch's state.
+    auto stack = reinterpret_cast<std::uintptr_t>(g_stack);
+    if (reinterpret_cast<std::uintptr_t>(__builtin_frame_address(0)) - stack >= EMU_STACK) return;
     auto a = reinterpret_cast<std::uintptr_t>(p);
-    if (a - reinterpret_cast<std::uintptr_t>(g_stack) < EMU_STACK) return;
+    if (a - stack < EMU_STACK) return;
     if (std::uintptr_t off = a - g_data_lo; off < g_data_size) {
         if ((off & 3) + n <= 4)  // the usual access: within one word
             shared_word(off / 4, write);
