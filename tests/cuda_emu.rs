@@ -9,7 +9,9 @@
 //!   poisons it, the copy delivers NaN;
 //! - (c) conv.cu's tile loop without the `__syncthreads` that ends a tile: the race check
 //!   reports the kernel, the block and the two threads (the tensor-core stamps still compute
-//!   the right values in the emulator, so only the race check sees it).
+//!   the right values in the emulator, so only the race check sees it); and two blocks of a
+//!   launch storing one device element: reported (beside two blocks storing the two 16-bit
+//!   halves of one word: not a race, not reported).
 //! - (d) cuDNN handed a smaller workspace than the algorithm it runs needs: the emulated cuDNN
 //!   (cudnn.cpp) refuses it, as cuDNN does, naming the reason.
 //!
@@ -147,21 +149,37 @@ fn race_test(program: &str) -> Vec<String> {
 #[test]
 fn planted_c_a_missing_syncthreads_in_the_conv_tile_loop_is_reported_as_a_race() {
     let clean = race_test("race_test");
-    assert_eq!(clean.len(), 3, "{clean:?}");
-    for line in &clean {
+    assert_eq!(clean.len(), 5, "{clean:?}");
+    for line in &clean[..3] {
         assert!(
             line.contains("values right") && line.ends_with("no race"),
             "{line}"
         );
     }
     let planted = race_test("race_test_planted");
-    assert_eq!(planted.len(), 3, "{planted:?}");
+    assert_eq!(planted.len(), 5, "{planted:?}");
     for (line, stamp) in planted.iter().zip(["f32", "tf32", "bf16"]) {
         let kernel = format!("conv2d_forward_{stamp}");
         assert!(
             line.contains(&format!("race check: {kernel}: block (")) && line.contains("thread "),
             "the race check missed the planted race: {line}"
         );
+    }
+}
+
+/// The check of device memory (race_test's last two lines, in both builds): two blocks of a
+/// launch storing one 16-bit element is reported; two blocks storing the two halves of one
+/// 4-byte word is not (they write different bytes).
+#[test]
+fn two_blocks_writing_one_device_element_are_reported_and_adjacent_ones_are_not() {
+    for program in ["race_test", "race_test_planted"] {
+        let lines = race_test(program);
+        assert!(
+            lines[3].starts_with("two_blocks_one_element: race check: two_blocks_one_element: blocks 0 (thread 0) and 1 (thread 0) both write device address"),
+            "{program}: the race check missed two blocks writing one element: {}",
+            lines[3]
+        );
+        assert_eq!(lines[4], "two_blocks_adjacent_halves: no race", "{program}");
     }
 }
 

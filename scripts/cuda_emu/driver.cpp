@@ -42,6 +42,8 @@
 #include <thread>
 #include <vector>
 
+#include "racecheck.h"
+
 typedef int CUresult;
 typedef int CUdevice;
 typedef unsigned long long CUdeviceptr;
@@ -60,13 +62,13 @@ namespace {
 
 // The kernels (kernels.cpp), loaded from this library's folder: plain or race-checked.
 struct Kernels {
-    void (*init)(bool (*)(const void*));
+    void (*init)(bool (*)(const void*, RaceDevice*));
     const void* (*find)(const char*);
     const char* (*name)(const void*);
     void* (*bind)(const void*, void**);
     const char* (*run)(const void*, void*, unsigned, unsigned, unsigned, unsigned);
 };
-bool is_device(const void* p);
+bool device_for_race_check(const void* p, RaceDevice* d);
 const Kernels& kernels() {
     static const Kernels k = [] {
         Dl_info self;
@@ -86,7 +88,7 @@ const Kernels& kernels() {
                   reinterpret_cast<decltype(Kernels::name)>(dlsym(h, "gems_emu_kernel_name")),
                   reinterpret_cast<decltype(Kernels::bind)>(dlsym(h, "gems_emu_bind")),
                   reinterpret_cast<decltype(Kernels::run)>(dlsym(h, "gems_emu_run"))};
-        k.init(is_device);
+        k.init(device_for_race_check);
         if (check) std::fprintf(stderr, "emulated driver: race check on\n");
         return k;
     }();
@@ -215,12 +217,21 @@ const std::size_t TOTAL = std::size_t(8) << 30;
 const std::size_t POOL_KEEP = std::size_t(1) << 30;
 std::mutex mem_mutex;
 std::map<CUdeviceptr, std::size_t> allocations;  // live device allocations
+// Allocations freed whose free has not yet run in its stream: work queued before the free may
+// still write them (what a temporary dropped right after its launches is).
+std::map<CUdeviceptr, std::size_t> freeing;
 std::deque<std::pair<CUdeviceptr, std::size_t>> pool;  // freed blocks, oldest first
 std::size_t used = 0, pooled = 0;
 std::map<const char*, std::size_t, std::greater<const char*>> pinned;  // pinned host blocks
+// The race check's shadows of device blocks it saw written, freed with the block's memory.
+std::map<CUdeviceptr, std::uint64_t*> shadows;
 
 void drop_pooled_front() {
     std::free(reinterpret_cast<void*>(pool.front().first));
+    if (auto it = shadows.find(pool.front().first); it != shadows.end()) {
+        std::free(it->second);
+        shadows.erase(it);
+    }
     pooled -= pool.front().second;
     used -= pool.front().second;
     pool.pop_front();
@@ -255,12 +266,14 @@ std::size_t unlink(CUdeviceptr p) {
     if (it == allocations.end()) return 0;
     std::size_t n = it->second;
     allocations.erase(it);
+    freeing[p] = n;
     return n;
 }
 // The free itself, in stream order: poison, then pool.
 void release(CUdeviceptr p, std::size_t n) {
     std::memset(reinterpret_cast<void*>(p), 0xff, n);
     std::lock_guard<std::mutex> g(mem_mutex);
+    freeing.erase(p);
     pool.emplace_back(p, n);
     pooled += n;
     while (pooled > POOL_KEEP) drop_pooled_front();
@@ -273,7 +286,32 @@ bool inside(CUdeviceptr p, std::size_t n) {
     --it;
     return p >= it->first && p + n <= it->first + it->second;
 }
-bool is_device(const void* p) { return inside(reinterpret_cast<CUdeviceptr>(p), 1); }
+// The allocation holding `p` (live, or freed with its free still queued: a kernel queued before
+// the free writes it legally) and its shadow (made on first use; a pooled block keeps it, as its
+// launch stamps stay older than any later launch).
+bool device_for_race_check(const void* p, RaceDevice* d) {
+    CUdeviceptr a = reinterpret_cast<CUdeviceptr>(p);
+    std::lock_guard<std::mutex> g(mem_mutex);
+    auto holding = [a](const std::map<CUdeviceptr, std::size_t>& m) {
+        auto it = m.upper_bound(a);
+        if (it == m.begin()) return m.end();
+        --it;
+        return a < it->first + it->second ? it : m.end();
+    };
+    auto it = holding(allocations);
+    if (it == allocations.end()) {
+        it = holding(freeing);
+        if (it == freeing.end()) return false;
+    }
+    std::uint64_t*& s = shadows[it->first];
+    if (!s) s = static_cast<std::uint64_t*>(std::calloc((it->second + 1) / 2, sizeof(std::uint64_t)));
+    if (!s) {
+        std::fprintf(stderr, "emulated driver: no memory for the race check's shadow\n");
+        std::abort();
+    }
+    *d = RaceDevice{it->first, it->first + it->second, s};
+    return true;
+}
 bool is_pinned(const void* h, std::size_t n) {
     std::lock_guard<std::mutex> g(mem_mutex);
     auto it = pinned.lower_bound(static_cast<const char*>(h));  // the last block at or before h

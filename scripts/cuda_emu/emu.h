@@ -39,6 +39,7 @@ struct Fiber { jmp_buf jb; ucontext_t start; std::unique_ptr<char[]> stack; bool
 inline jmp_buf g_sched;
 inline std::vector<Fiber> g_fibers;
 inline unsigned g_current;
+inline char* g_stack;    // the running fiber's stack (for the race check, which skips it)
 inline bool g_in_fiber;  // a thread of the block is running (not the scheduler)
 inline bool g_progress;  // something happened this round (else the block is stuck)
 inline std::function<void()> g_body;
@@ -98,11 +99,12 @@ EMU_INTERNAL inline void mma_generic(float* c, uint32_t a0, uint32_t a1, uint32_
     warp_sync();
     int gid = l >> 2, tig = l & 3;
     int K = is_bf16 ? 16 : 8;
-    auto A = [&](int row, int k) -> float {
+    // The lambdas too: a function's attribute does not reach the lambdas in it.
+    auto A = [&](int row, int k) EMU_INTERNAL -> float {
         if (!is_bf16) { int lane = (row % 8) * 4 + (k % 4); int reg = (row >= 8) + 2 * (k >= 4); return __uint_as_float(g_wfrag[w][lane][reg]); }
         int lane = (row % 8) * 4 + (k % 8) / 2; int reg = (row >= 8) + 2 * (k >= 8); return half(g_wfrag[w][lane][reg], k % 2);
     };
-    auto B = [&](int k, int n) -> float {
+    auto B = [&](int k, int n) EMU_INTERNAL -> float {
         if (!is_bf16) { int lane = n * 4 + (k % 4); int reg = 4 + (k >= 4); return __uint_as_float(g_wfrag[w][lane][reg]); }
         int lane = n * 4 + (k % 8) / 2; int reg = 4 + (k >= 8); return half(g_wfrag[w][lane][reg], k % 2);
     };
@@ -161,6 +163,7 @@ template <typename F> EMU_INTERNAL void launch(uint3 grid, unsigned block, F f) 
             if (fb.done) continue;
             threadIdx = uint3{t, 0, 0};
             g_current = t;
+            g_stack = fb.stack.get();
             g_in_fiber = true;
             if (!_setjmp(g_sched)) {
                 if (!fb.started) { fb.started = true; setcontext(&fb.start); }

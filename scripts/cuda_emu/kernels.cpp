@@ -28,9 +28,7 @@
 #include "resize.cu"
 #undef STAMP
 EMU_F16_IMPL
-#ifdef GEMS_EMU_RACECHECK
 #include "racecheck.h"
-#endif
 
 namespace {
 
@@ -58,11 +56,11 @@ const std::vector<Kernel> KERNELS = {
 
 extern "C" {
 
-__attribute__((visibility("default"))) void gems_emu_init(bool (*is_device)(const void*)) {
+__attribute__((visibility("default"))) void gems_emu_init(bool (*device)(const void*, RaceDevice*)) {
 #ifdef GEMS_EMU_RACECHECK
-    racecheck_init(is_device);
+    racecheck_init(device);
 #else
-    (void)is_device;
+    (void)device;
 #endif
 }
 
