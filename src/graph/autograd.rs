@@ -146,11 +146,6 @@ enum Run {
     Whole { gathered: Vec<bool>, cropped: bool },
 }
 
-/// Whether value `v` is held as tiles: where samples are split, every map large enough is.
-fn split(graph: &Graph, tiles: Option<&Tiles>, v: ValueId) -> bool {
-    tiles.is_some_and(|t| t.grid.splits(&graph.values[v].shape))
-}
-
 /// Whether node `id` runs on tiles of samples split by `grid`, so that its parameters'
 /// gradients are this tile's share (summed over the tiles), not the whole batch's (the same on
 /// every tile of a node that runs on whole inputs).
@@ -159,7 +154,7 @@ pub fn runs_on_tiles(graph: &Graph, grid: Grid, id: usize) -> bool {
 }
 
 /// How node `id` runs on samples split by `grid`: on tiles where its inputs are split and its
-/// op can (keeping the layout [`split`] gives its output), else on whole inputs.
+/// op can (an output map large enough for the grid stays in tiles), else on whole inputs.
 fn run_of(graph: &Graph, grid: Grid, id: usize) -> Run {
     let n = &graph.nodes[id];
     let split = |v: ValueId| grid.splits(&graph.values[v].shape);
@@ -358,21 +353,15 @@ pub fn forward(
             })
             .collect::<Result<_>>()?;
         if let (Run::Whole { gathered, .. }, Some(t)) = (&run, tiles) {
-            for (x, &v) in ins
+            for ((x, &v), _) in ins
                 .iter_mut()
                 .zip(&node.inputs)
-                .filter(|(_, v)| split(graph, tiles, **v))
+                .zip(gathered)
+                .filter(|(_, &g)| g)
             {
                 let s = &graph.values[v].shape;
                 *x = tiles::all_gather(&plain, t, x, (s.dim(1), s.dim(2)))?;
             }
-            debug_assert_eq!(
-                gathered.iter().filter(|&&g| g).count(),
-                node.inputs
-                    .iter()
-                    .filter(|&&v| split(graph, tiles, v))
-                    .count()
-            );
         }
         let ctx = Ctx {
             tiles: ctx_tiles(graph, tiles, id, &run),

@@ -70,13 +70,8 @@ impl BatchNorm {
     }
 
     /// On tiles: the whole batch's statistics from every tile's (Chan's combination of
-    /// (count, mean, variance), in tile order), as tensors beside `x`, and their count.
-    fn tile_statistics(
-        &self,
-        ctx: &Ctx,
-        t: &OnTiles,
-        x: &Tensor,
-    ) -> Result<(Tensor, Tensor, usize)> {
+    /// (count, mean, variance), in tile order), as tensors beside `x`.
+    fn tile_statistics(&self, ctx: &Ctx, t: &OnTiles, x: &Tensor) -> Result<(Tensor, Tensor)> {
         let g = geom(x);
         let grid = t.tiles.grid;
         let mine = ctx.device.backend().batchnorm_statistics(x.storage(), &g)?;
@@ -118,7 +113,7 @@ impl BatchNorm {
                 crate::memory::Category::Activations,
             )
         };
-        Ok((upload(&mean)?, upload(&var)?, total as usize))
+        Ok((upload(&mean)?, upload(&var)?))
     }
 
     /// running = (1 - momentum)·running + momentum·batch (unbiased variance), on this node's
@@ -202,6 +197,45 @@ impl BatchNorm {
     }
 }
 
+impl BatchNorm {
+    /// x normalized with the given statistics (then the fused ReLU): evaluation with the
+    /// running ones, tiles with the whole batch's. Memory does not bind where this runs: the
+    /// normalized tensor before the ReLU goes through scratch.
+    fn normalize(
+        &self,
+        ctx: &Ctx,
+        x: &Tensor,
+        gamma: &Tensor,
+        beta: &Tensor,
+        mean: &Tensor,
+        var: &Tensor,
+    ) -> Result<Tensor> {
+        let be = ctx.device.backend();
+        let mut y = ctx.output(x.shape().clone(), x)?;
+        let mut normalized = match self.relu {
+            true => Some(ctx.workspace(x.numel(), x.dtype())?),
+            false => None,
+        };
+        be.batchnorm_forward_eval(
+            x.storage(),
+            gamma.storage(),
+            beta.storage(),
+            mean.storage(),
+            var.storage(),
+            match &mut normalized {
+                Some(t) => t.storage_mut()?,
+                None => y.storage_mut()?,
+            },
+            self.eps,
+            &geom(x),
+        )?;
+        if let Some(t) = normalized {
+            be.relu_forward(t.storage(), y.storage_mut()?)?;
+        }
+        Ok(y)
+    }
+}
+
 impl Operator for BatchNorm {
     fn infer(&self, inputs: &[&Shape]) -> std::result::Result<Shape, String> {
         if inputs[0].rank() == 0 {
@@ -230,63 +264,21 @@ impl Operator for BatchNorm {
         let x = xs[0];
         let g = geom(x);
         let be = ctx.device.backend();
-        let mut y = ctx.output(x.shape().clone(), x)?;
         let [gamma, beta, rmean, rvar] = &params[..] else {
             return Err(crate::Error::Internal(
                 "batchnorm expects 4 parameters".into(),
             ));
         };
         if !ctx.training {
-            // Evaluation is not where memory binds: the normalized tensor goes through scratch.
-            let mut normalized = match self.relu {
-                true => Some(ctx.workspace(x.numel(), x.dtype())?),
-                false => None,
-            };
-            be.batchnorm_forward_eval(
-                x.storage(),
-                gamma.storage(),
-                beta.storage(),
-                rmean.storage(),
-                rvar.storage(),
-                match &mut normalized {
-                    Some(t) => t.storage_mut()?,
-                    None => y.storage_mut()?,
-                },
-                self.eps,
-                &g,
-            )?;
-            if let Some(t) = normalized {
-                be.relu_forward(t.storage(), y.storage_mut()?)?;
-            }
+            let y = self.normalize(ctx, x, gamma, beta, rmean, rvar)?;
             return Ok((y, Saved::default()));
         }
         if let Some(t) = &ctx.tiles {
-            let (mean, var) = {
-                let (mean, var, _) = self.tile_statistics(ctx, t, x)?;
-                (mean, var)
-            };
-            let mut normalized = match self.relu {
-                true => Some(ctx.workspace(x.numel(), x.dtype())?),
-                false => None,
-            };
-            be.batchnorm_forward_eval(
-                x.storage(),
-                gamma.storage(),
-                beta.storage(),
-                mean.storage(),
-                var.storage(),
-                match &mut normalized {
-                    Some(t) => t.storage_mut()?,
-                    None => y.storage_mut()?,
-                },
-                self.eps,
-                &g,
-            )?;
-            if let Some(t) = normalized {
-                be.relu_forward(t.storage(), y.storage_mut()?)?;
-            }
+            let (mean, var) = self.tile_statistics(ctx, t, x)?;
+            let y = self.normalize(ctx, x, gamma, beta, &mean, &var)?;
             return Ok((y, Saved(vec![x.clone(), mean, var])));
         }
+        let mut y = ctx.output(x.shape().clone(), x)?;
         let mut mean = ctx.statistics(Shape::new([g.c]), x)?;
         let mut var = ctx.statistics(Shape::new([g.c]), x)?;
         let forward = match self.relu {
