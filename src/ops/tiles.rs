@@ -10,9 +10,11 @@
 //! Batch normalization sums its statistics over the group. Nothing is approximate: the same
 //! numbers as one device, up to the order of additions.
 
+use std::cell::Cell;
 use std::fmt;
 use std::ops::Range;
 use std::str::FromStr;
+use std::time::Instant;
 
 use crate::comm::Comm;
 use crate::memory::Category;
@@ -146,9 +148,35 @@ pub struct Tiles {
     pub comm: Box<dyn Comm>,
     /// How the samples are split.
     pub grid: Grid,
+    /// Seconds spent waiting for halos (and their gradients) since [`Tiles::take_waited`].
+    waited: Cell<f64>,
 }
 
 impl Tiles {
+    /// Tile `comm.rank()` of `grid` in the group `comm`.
+    pub fn new(comm: Box<dyn Comm>, grid: Grid) -> Tiles {
+        Tiles {
+            comm,
+            grid,
+            waited: Cell::new(0.0),
+        }
+    }
+
+    /// Seconds this rank waited for halo pieces since the last call: the exchange's cost that
+    /// computing did not hide.
+    pub fn take_waited(&self) -> f64 {
+        self.waited.take()
+    }
+
+    /// A piece from rank `q`, its wait counted.
+    fn receive(&self, d: &Device, q: usize, tag: u64) -> Result<Tensor> {
+        let start = Instant::now();
+        let piece = self.comm.recv(q, tag, d, Category::Communication);
+        self.waited
+            .set(self.waited.get() + start.elapsed().as_secs_f64());
+        piece
+    }
+
     /// This rank's tile.
     pub fn tile(&self) -> usize {
         self.comm.rank()
@@ -332,9 +360,7 @@ pub fn gather(
         let theirs = t.grid.owned(q, hw);
         let r = theirs.meet(&need);
         if !r.is_empty() {
-            let piece = t
-                .comm
-                .recv(q, GATHER_TAG, ctx.device, Category::Communication)?;
+            let piece = t.receive(ctx.device, q, GATHER_TAG)?;
             copy_rect(ctx.device, &piece, &r, &mut buf, &need, &r)?;
         }
     }
@@ -373,9 +399,7 @@ pub fn scatter_add(
     for (q, theirs) in needs.iter().enumerate().filter(|&(q, _)| q != me) {
         let r = own.meet(theirs);
         if !r.is_empty() {
-            let piece = t
-                .comm
-                .recv(q, SCATTER_TAG, ctx.device, Category::Communication)?;
+            let piece = t.receive(ctx.device, q, SCATTER_TAG)?;
             let mut sum = extract(ctx.device, &dx, &own, &r)?;
             ctx.device
                 .backend()

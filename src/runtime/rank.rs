@@ -69,6 +69,9 @@ pub struct RankStep {
     pub busy: f64,
     /// Seconds stage-0 tasks waited for their images.
     pub data_wait: f64,
+    /// Seconds it waited for halos from the other tiles (spatial parallelism): the exchange's
+    /// cost that computing did not hide.
+    pub halo_wait: f64,
     /// fp16's loss scale the step's gradients carried, and whether they overflowed it (on any
     /// rank), so the step was skipped.
     pub loss_scale: Option<f64>,
@@ -197,10 +200,7 @@ impl Rank {
         // Every rank splits the world (a collective); the tiles of one position of one group
         // form a group, rank t holding tile t.
         let tile_group = comm.split(group * s.stages + slot, tile)?;
-        let tiles = s.tiled(slot).then(|| Tiles {
-            comm: tile_group,
-            grid: s.spatial,
-        });
+        let tiles = s.tiled(slot).then(|| Tiles::new(tile_group, s.spatial));
         let mut copies = Vec::new();
         for orientation in 0..s.replicas.min(2) {
             let stage = s.place(orientation, slot);
@@ -349,6 +349,7 @@ impl Rank {
         self.step += 1;
         self.position += (self.c.images_per_step()) as u64;
         let mut done = std::mem::take(&mut self.current);
+        done.halo_wait = self.tiles.as_ref().map_or(0.0, Tiles::take_waited);
         done.seconds = step_start.elapsed().as_secs_f64();
         done.memory = self.device.memory();
         done.host_peak = self.device.host_memory().peak;

@@ -52,6 +52,8 @@ pub struct StepReport {
     pub seconds: f64,
     /// Seconds the ranks waited for their images, summed.
     pub data_wait: f64,
+    /// Seconds the ranks waited for halos from other tiles, summed.
+    pub halo_wait: f64,
     /// The loss scale the gradients carried (fp16), and whether they overflowed it, so the
     /// step was skipped on every rank.
     pub loss_scale: Option<f64>,
@@ -231,6 +233,7 @@ impl Session {
             lr: c.train.schedule.lr(step),
             seconds: ranks.iter().map(|r| r.seconds).fold(0.0, f64::max),
             data_wait: sum(|r| r.data_wait),
+            halo_wait: sum(|r| r.halo_wait),
             loss_scale: ranks[0].loss_scale,
             skipped: ranks[0].skipped,
             ranks,

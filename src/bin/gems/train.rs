@@ -327,7 +327,7 @@ fn run(a: &TrainArgs, mut session: Session, data: &Pipeline, speaks: bool) -> an
             let mut line = serde_json::json!({
                 "step": r.step, "loss": r.loss, "correct": r.correct, "batch": r.scored,
                 "images": r.images, "lr": r.lr, "seconds": r.seconds, "data_wait": r.data_wait,
-                "loss_scale": r.loss_scale, "skipped": r.skipped,
+                "halo_wait": r.halo_wait, "loss_scale": r.loss_scale, "skipped": r.skipped,
             });
             line["images_per_s"] = r.images_per_second().into();
             writeln!(m, "{line}")?;
@@ -421,12 +421,20 @@ fn run(a: &TrainArgs, mut session: Session, data: &Pipeline, speaks: bool) -> an
             );
         }
     } else {
-        println!("  rank   busy s   idle s   data wait s   peak memory");
+        // Spatial runs also say how long each rank waited for the other tiles' halos.
+        let tiled = c.scheme.spatial.is_split();
+        let halo_header = if tiled { "   halo wait s" } else { "" };
+        println!("  rank   busy s   idle s   data wait s{halo_header}   peak memory");
         for rank in 0..last.ranks.len() {
-            let [busy, wall, waited] = totals.per_rank[rank];
+            let [busy, wall, waited, halo] = totals.per_rank[rank];
             let mem = &last.ranks[rank].memory;
+            let halo = if tiled {
+                format!(" {halo:>13.2}")
+            } else {
+                String::new()
+            };
             println!(
-                "  {rank:>4} {busy:>8.2} {:>8.2} {:>13.2}   {}: {}",
+                "  {rank:>4} {busy:>8.2} {:>8.2} {:>13.2}{halo}   {}: {}",
                 (wall - busy).max(0.0),
                 waited,
                 human_bytes(mem.peak),
@@ -551,8 +559,8 @@ struct Totals {
     steps: usize,
     images: usize,
     data_wait: f64,
-    /// Per rank: busy seconds, wall seconds, seconds waiting for data.
-    per_rank: Vec<[f64; 3]>,
+    /// Per rank: busy seconds, wall seconds, seconds waiting for data, for halos.
+    per_rank: Vec<[f64; 4]>,
     /// The last [`WINDOW`] steps, oldest first.
     recent: std::collections::VecDeque<StepReport>,
 }
@@ -565,11 +573,12 @@ impl Totals {
         self.steps += 1;
         self.images += r.images;
         self.data_wait += r.data_wait;
-        self.per_rank.resize(r.ranks.len(), [0.0; 3]);
+        self.per_rank.resize(r.ranks.len(), [0.0; 4]);
         for (sum, rank) in self.per_rank.iter_mut().zip(&r.ranks) {
             sum[0] += rank.busy;
             sum[1] += rank.seconds;
             sum[2] += rank.data_wait;
+            sum[3] += rank.halo_wait;
         }
         if self.recent.len() == WINDOW {
             self.recent.pop_front();
