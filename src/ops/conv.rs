@@ -66,46 +66,125 @@ impl Conv2d {
 }
 
 impl Conv2d {
-    /// On tiles: every rank's input rectangle (what its output tile's windows read), and this
-    /// rank's geometry on its rectangle: padding only where the rectangle starts at the map's
-    /// edge, and its own output tile's size. `x` is this rank's input tile.
-    fn tile_geom(&self, t: &tiles::OnTiles, x: &Shape) -> Result<(Vec<tiles::Rect>, ConvGeom)> {
+    /// Rows and columns one window covers.
+    fn span(&self) -> (usize, usize) {
+        let span = |k: usize, d: usize| d * (k - 1) + 1;
+        (
+            span(self.kernel.0, self.dilation.0),
+            span(self.kernel.1, self.dilation.1),
+        )
+    }
+
+    /// On tiles: every rank's input rectangle, what its output tile's windows read.
+    fn needs(&self, t: &tiles::OnTiles) -> Vec<tiles::Rect> {
+        let (stride, pad, span) = (self.stride, self.pad, self.span());
+        tiles::window_needs(
+            t.tiles.grid,
+            t.input_hw(0),
+            t.output_hw(),
+            stride,
+            pad,
+            span,
+            true,
+        )
+    }
+
+    /// The geometry computing the output rectangle `out` of the whole map from a tensor
+    /// holding the input rectangle `src` (which holds what `out`'s windows read, from their
+    /// first row and column on, or from the map's edge): padding only where the windows
+    /// start before the map, and `out`'s size. `x` is the shape of an input tile (its batch).
+    fn rect_geom(
+        &self,
+        t: &tiles::OnTiles,
+        x: &Shape,
+        src: &tiles::Rect,
+        out: &tiles::Rect,
+    ) -> Result<ConvGeom> {
         let whole = Shape::new([
             x.dim(0),
             t.inputs[0].dim(0),
             t.inputs[0].dim(1),
             t.inputs[0].dim(2),
         ]);
-        let span = |k: usize, d: usize| d * (k - 1) + 1;
-        let needs = tiles::window_needs(
-            t.tiles.grid,
-            t.input_hw(0),
-            t.output_hw(),
-            self.stride,
-            self.pad,
-            (
-                span(self.kernel.0, self.dilation.0),
-                span(self.kernel.1, self.dilation.1),
-            ),
-            true,
-        );
-        let me = needs[t.tiles.tile()];
-        let out = t.tiles.own(t.output_hw());
         let first = |o: isize, s: usize, p: usize| o * s as isize - p as isize;
-        let (h, w) = me.size();
+        let (h, w) = src.size();
         let (h_out, w_out) = out.size();
-        let g = ConvGeom {
+        Ok(ConvGeom {
             h,
             w,
             pad: (
-                (me.rows.0 - first(out.rows.0, self.stride.0, self.pad.0)) as usize,
-                (me.cols.0 - first(out.cols.0, self.stride.1, self.pad.1)) as usize,
+                (src.rows.0 - first(out.rows.0, self.stride.0, self.pad.0)) as usize,
+                (src.cols.0 - first(out.cols.0, self.stride.1, self.pad.1)) as usize,
             ),
             h_out,
             w_out,
             ..self.geom(&whole)?
+        })
+    }
+
+    /// Output rectangle `out` of this rank's tile, from its input tile `x` and what `halo`
+    /// received (nothing yet where `out`'s windows read only the tile).
+    fn forward_rect(
+        &self,
+        ctx: &Ctx,
+        t: &tiles::OnTiles,
+        halo: &tiles::Halo,
+        x: &Tensor,
+        w: &Tensor,
+        out: &tiles::Rect,
+    ) -> Result<Tensor> {
+        let reads =
+            tiles::window_rect(out, t.input_hw(0), self.stride, self.pad, self.span(), true);
+        let (src, at) = halo.source(ctx, x, &reads)?;
+        let g = self.rect_geom(t, x.shape(), &at, out)?;
+        self.forward_geom(ctx, &src, w, &g)
+    }
+
+    /// The convolution of `x` by weights `w` on geometry `g`, without bias.
+    fn forward_geom(&self, ctx: &Ctx, x: &Tensor, w: &Tensor, g: &ConvGeom) -> Result<Tensor> {
+        let be = ctx.device.backend();
+        let mut y = ctx.output(Shape::new([g.n, g.c_out, g.h_out, g.w_out]), x)?;
+        let mut ws = ctx.workspace(be.conv2d_workspace(g), x.dtype().compute())?;
+        be.conv2d_forward(
+            x.storage(),
+            w.storage(),
+            y.storage_mut()?,
+            ws.storage_mut()?,
+            g,
+        )?;
+        Ok(y)
+    }
+
+    /// Forward on tiles, the halo exchange overlapped with the interior: this tile's border
+    /// goes to the ranks that read it, the outputs whose windows lie in the tile are computed
+    /// while the halo travels, then the rest, in up to four strips. Returns the output tile
+    /// and the halo's pieces (backward rebuilds the gathered input from them and `x`).
+    fn forward_tiles(
+        &self,
+        ctx: &Ctx,
+        t: &tiles::OnTiles,
+        x: &Tensor,
+        w: &Tensor,
+    ) -> Result<(Tensor, Vec<Tensor>)> {
+        let hw = t.input_hw(0);
+        let mut halo = tiles::Halo::send(ctx, t.tiles, x, hw, &self.needs(t))?;
+        let out = t.tiles.own(t.output_hw());
+        let own = t.tiles.own(hw);
+        let inner = tiles::interior(&out, &own, hw, self.stride, self.pad, self.span());
+        let mut parts = Vec::with_capacity(5);
+        if !inner.is_empty() {
+            parts.push((inner, self.forward_rect(ctx, t, &halo, x, w, &inner)?));
+        }
+        halo.receive(ctx, t.tiles)?;
+        for r in tiles::around(&out, &inner) {
+            let y = self.forward_rect(ctx, t, &halo, x, w, &r)?;
+            parts.push((r, y));
+        }
+        let y = match parts.len() {
+            1 => parts.pop().expect("one part").1,
+            _ => tiles::join(ctx.device, &parts, &out)?,
         };
-        Ok((needs, g))
+        Ok((y, halo.into_pieces()))
     }
 }
 
@@ -177,32 +256,23 @@ impl Operator for Conv2d {
 
     fn forward(&self, ctx: &Ctx, xs: &[&Tensor], params: &mut [Tensor]) -> Result<(Tensor, Saved)> {
         let x = xs[0];
-        let (x, g) = match &ctx.tiles {
+        let (mut y, saved) = match &ctx.tiles {
             Some(t) => {
-                let (needs, g) = self.tile_geom(t, x.shape())?;
-                (tiles::gather(ctx, t.tiles, x, t.input_hw(0), &needs)?, g)
+                let (y, pieces) = self.forward_tiles(ctx, t, x, &params[0])?;
+                (y, [vec![x.clone()], pieces].concat())
             }
-            None => (x.clone(), self.geom(x.shape())?),
+            None => (
+                self.forward_geom(ctx, x, &params[0], &self.geom(x.shape())?)?,
+                vec![x.clone()],
+            ),
         };
-        let be = ctx.device.backend();
-        let mut y = ctx.output(Shape::new([g.n, g.c_out, g.h_out, g.w_out]), &x)?;
-        let mut ws = ctx.workspace(be.conv2d_workspace(&g), x.dtype().compute())?;
-        be.conv2d_forward(
-            x.storage(),
-            params[0].storage(),
-            y.storage_mut()?,
-            ws.storage_mut()?,
-            &g,
-        )?;
         if self.bias {
-            let cg = ChannelGeom {
-                n: g.n,
-                c: g.c_out,
-                hw: g.h_out * g.w_out,
-            };
+            let (n, c, h, w) = y.shape().nchw();
+            let cg = ChannelGeom { n, c, hw: h * w };
+            let be = ctx.device.backend();
             be.add_channel_bias(y.storage_mut()?, params[1].storage(), &cg)?;
         }
-        Ok((y, Saved(vec![x])))
+        Ok((y, Saved(saved)))
     }
 
     fn backward(
@@ -212,17 +282,44 @@ impl Operator for Conv2d {
         params: &[Tensor],
         grads: &mut [Tensor],
     ) -> Result<Vec<Option<Tensor>>> {
-        // On tiles, x is the gathered input: this tile and its halo.
-        let (x, dy) = (&b.saved.0[0], &b.dy);
-        let (needs, g) = match &ctx.tiles {
+        // On tiles, the input tile and the halo's pieces: the gathered input, rebuilt.
+        let mut saved = b.saved.0;
+        let x = saved.remove(0);
+        let dy = &b.dy;
+        let (x, g, tiled) = match &ctx.tiles {
             Some(t) => {
-                let (needs, g) = self.tile_geom(t, &b.inputs[0])?;
-                (Some(needs), g)
+                let (hw, needs) = (t.input_hw(0), self.needs(t));
+                let need = needs[t.tiles.tile()];
+                let halo = tiles::Halo::received(t.tiles, hw, &needs, saved);
+                let g = self.rect_geom(t, x.shape(), &need, &t.tiles.own(t.output_hw()))?;
+                (halo.region(ctx, &x, &need)?, g, Some((t, hw, needs)))
             }
-            None => (None, self.geom(x.shape())?),
+            None => {
+                let g = self.geom(x.shape())?;
+                (x, g, None)
+            }
         };
         let be = ctx.device.backend();
         let mut ws = ctx.workspace(be.conv2d_workspace(&g), x.dtype().compute())?;
+        // The input gradient first, so that its halo travels back while the filter's is
+        // computed.
+        let (mut dx, mut returning) = (None, None);
+        if b.need[0] {
+            let mut d = ctx.output(x.shape().clone(), &x)?;
+            be.conv2d_backward_data(
+                dy.storage(),
+                params[0].storage(),
+                d.storage_mut()?,
+                ws.storage_mut()?,
+                &g,
+            )?;
+            match &tiled {
+                Some((t, hw, needs)) => {
+                    returning = Some(tiles::Returning::send(ctx, t.tiles, d, *hw, needs)?)
+                }
+                None => dx = Some(d),
+            }
+        }
         be.conv2d_backward_filter(
             x.storage(),
             dy.storage(),
@@ -238,25 +335,10 @@ impl Operator for Conv2d {
             };
             be.channel_sum(dy.storage(), grads[1].storage_mut()?, &cg)?;
         }
-        let dx = if b.need[0] {
-            let mut dx = ctx.output(x.shape().clone(), x)?;
-            be.conv2d_backward_data(
-                dy.storage(),
-                params[0].storage(),
-                dx.storage_mut()?,
-                ws.storage_mut()?,
-                &g,
-            )?;
-            drop(ws);
-            match (&ctx.tiles, needs) {
-                (Some(t), Some(needs)) => {
-                    Some(tiles::scatter_add(ctx, t.tiles, dx, t.input_hw(0), &needs)?)
-                }
-                _ => Some(dx),
-            }
-        } else {
-            None
-        };
+        drop((ws, x));
+        if let (Some(r), Some((t, _, needs))) = (returning, &tiled) {
+            dx = Some(r.add_received(ctx, t.tiles, needs)?);
+        }
         Ok(vec![dx])
     }
 

@@ -121,7 +121,8 @@ impl Rect {
         )
     }
 
-    fn is_empty(&self) -> bool {
+    /// Whether it holds no pixel.
+    pub fn is_empty(&self) -> bool {
         self.rows.1 <= self.rows.0 || self.cols.1 <= self.cols.0
     }
 
@@ -310,24 +311,141 @@ pub fn cut(d: &Device, x: &Tensor, grid: Grid, t: usize) -> Result<Tensor> {
 
 /// The whole `hw` map from its tiles, in tile order.
 pub fn assemble(d: &Device, tiles: &[Tensor], grid: Grid, hw: (usize, usize)) -> Result<Tensor> {
-    let (n, c, _, _) = tiles[0].shape().nchw();
-    let whole = Rect::new(0..hw.0, 0..hw.1);
+    let parts: Vec<_> = (0..tiles.len())
+        .map(|t| (grid.owned(t, hw), tiles[t].clone()))
+        .collect();
+    join(d, &parts, &Rect::new(0..hw.0, 0..hw.1))
+}
+
+/// The `into` rectangle of a map from parts that cover it, each with the rectangle it holds.
+pub fn join(d: &Device, parts: &[(Rect, Tensor)], into: &Rect) -> Result<Tensor> {
+    let first = &parts[0].1;
+    let (n, c, _, _) = first.shape().nchw();
+    let (h, w) = into.size();
     let mut out = d.empty(
-        Shape::new([n, c, hw.0, hw.1]),
-        tiles[0].dtype(),
+        Shape::new([n, c, h, w]),
+        first.dtype(),
         Category::Activations,
     )?;
-    for (t, x) in tiles.iter().enumerate() {
-        let own = grid.owned(t, hw);
-        copy_rect(d, x, &own, &mut out, &whole, &own)?;
+    for (at, x) in parts {
+        copy_rect(d, x, at, &mut out, into, at)?;
     }
     Ok(out)
 }
 
+/// The parts of a map a rank needs beyond its own tile, from the ranks that own them. The
+/// exchange comes in two halves, [`Halo::send`] and [`Halo::receive`], so that work needing
+/// only the own tile can run while the pieces travel. `needs` holds every rank's rectangle
+/// (each rank computes them all, the same), so each rank knows what to send without asking.
+pub struct Halo {
+    /// The map's size, this rank's tile of it, and the rectangle it needs.
+    hw: (usize, usize),
+    own: Rect,
+    need: Rect,
+    /// What the other ranks sent, in rank order, with the rectangle each covers.
+    pieces: Vec<(Rect, Tensor)>,
+}
+
+impl Halo {
+    /// Sends the parts of this rank's tile `x` (of a map of size `hw`) that the other ranks'
+    /// rectangles cover.
+    pub fn send(
+        ctx: &Ctx,
+        t: &Tiles,
+        x: &Tensor,
+        hw: (usize, usize),
+        needs: &[Rect],
+    ) -> Result<Halo> {
+        let me = t.tile();
+        let own = t.own(hw);
+        for (q, theirs) in needs.iter().enumerate().filter(|&(q, _)| q != me) {
+            let r = own.meet(theirs);
+            if !r.is_empty() {
+                t.comm
+                    .send(&extract(ctx.device, x, &own, &r)?, q, GATHER_TAG)?;
+            }
+        }
+        Ok(Halo {
+            hw,
+            own,
+            need: needs[me],
+            pieces: Vec::new(),
+        })
+    }
+
+    /// The rectangles of `need` the other ranks own, in rank order (what they send).
+    fn incoming(&self, t: &Tiles) -> impl Iterator<Item = (usize, Rect)> + '_ {
+        let grid = t.grid;
+        let (me, hw, need) = (t.tile(), self.hw, self.need);
+        (0..grid.tiles())
+            .filter(move |&q| q != me)
+            .map(move |q| (q, grid.owned(q, hw).meet(&need)))
+            .filter(|(_, r)| !r.is_empty())
+    }
+
+    /// Waits for the pieces of the needed rectangle that other ranks own.
+    pub fn receive(&mut self, ctx: &Ctx, t: &Tiles) -> Result<()> {
+        let incoming: Vec<_> = self.incoming(t).collect();
+        for (q, r) in incoming {
+            let piece = t.receive(ctx.device, q, GATHER_TAG)?;
+            self.pieces.push((r, piece));
+        }
+        Ok(())
+    }
+
+    /// The received pieces, to keep for backward ([`Halo::received`] takes them back).
+    pub fn into_pieces(self) -> Vec<Tensor> {
+        self.pieces.into_iter().map(|(_, p)| p).collect()
+    }
+
+    /// The halo of a finished exchange from its pieces ([`Halo::into_pieces`]).
+    pub fn received(t: &Tiles, hw: (usize, usize), needs: &[Rect], pieces: Vec<Tensor>) -> Halo {
+        let mut h = Halo {
+            hw,
+            own: t.own(hw),
+            need: needs[t.tile()],
+            pieces: Vec::new(),
+        };
+        let rects: Vec<_> = h.incoming(t).map(|(_, r)| r).collect();
+        h.pieces = rects.into_iter().zip(pieces).collect();
+        h
+    }
+
+    /// The part `r` of the map (within the needed rectangle), from this rank's tile `x` and
+    /// the pieces received; zeros where `r` lies outside the map. `x` itself where `r` is the
+    /// own tile.
+    pub fn region(&self, ctx: &Ctx, x: &Tensor, r: &Rect) -> Result<Tensor> {
+        if *r == self.own {
+            return Ok(x.clone());
+        }
+        let (n, c, _, _) = x.shape().nchw();
+        let (h, w) = r.size();
+        let shape = Shape::new([n, c, h, w]);
+        let mut buf = match r.inside(self.hw) {
+            true => ctx.output(shape, x)?,
+            false => ctx.activation(shape, x)?,
+        };
+        copy_rect(ctx.device, x, &self.own, &mut buf, r, &self.own.meet(r))?;
+        for (from, piece) in &self.pieces {
+            copy_rect(ctx.device, piece, from, &mut buf, r, &from.meet(r))?;
+        }
+        Ok(buf)
+    }
+
+    /// A tensor holding the part `r` of the map and the rectangle it holds: `x` itself (its
+    /// tile) where `r` lies inside the tile and starts at its corner, so that a window op
+    /// given explicit output sizes reads `r` from it without a copy; else [`Halo::region`].
+    pub fn source(&self, ctx: &Ctx, x: &Tensor, r: &Rect) -> Result<(Tensor, Rect)> {
+        let own = self.own;
+        if own.meet(r) == *r && (r.rows.0, r.cols.0) == (own.rows.0, own.cols.0) {
+            return Ok((x.clone(), own));
+        }
+        Ok((self.region(ctx, x, r)?, *r))
+    }
+}
+
 /// This rank's `needs[me]` of a map of size `hw` split over the group, from its own tile `x`
 /// and the parts the other ranks own (zeros where the rectangle lies outside the map).
-/// `needs` holds every rank's rectangle (each rank computes them all, the same), so each rank
-/// knows what to send without asking.
 pub fn gather(
     ctx: &Ctx,
     t: &Tiles,
@@ -335,36 +453,67 @@ pub fn gather(
     hw: (usize, usize),
     needs: &[Rect],
 ) -> Result<Tensor> {
-    let me = t.tile();
-    let own = t.own(hw);
-    let need = needs[me];
-    for (q, theirs) in needs.iter().enumerate().filter(|&(q, _)| q != me) {
-        let r = own.meet(theirs);
-        if !r.is_empty() {
-            t.comm
-                .send(&extract(ctx.device, x, &own, &r)?, q, GATHER_TAG)?;
+    let mut halo = Halo::send(ctx, t, x, hw, needs)?;
+    halo.receive(ctx, t)?;
+    halo.region(ctx, x, &needs[t.tile()])
+}
+
+/// Halo gradients on their way back to the ranks that own those pixels (the first half of
+/// [`scatter_add`]): what this rank keeps is its own tile's part.
+pub struct Returning {
+    own: Rect,
+    /// The gradient of the own tile, before the others' parts are added.
+    dx: Tensor,
+}
+
+impl Returning {
+    /// Sends the parts of `dbuf` (the gradient of this rank's needed rectangle) that other
+    /// ranks own to them.
+    pub fn send(
+        ctx: &Ctx,
+        t: &Tiles,
+        dbuf: Tensor,
+        hw: (usize, usize),
+        needs: &[Rect],
+    ) -> Result<Returning> {
+        let me = t.tile();
+        let own = t.own(hw);
+        let need = needs[me];
+        for q in (0..needs.len()).filter(|&q| q != me) {
+            let r = t.grid.owned(q, hw).meet(&need);
+            if !r.is_empty() {
+                t.comm
+                    .send(&extract(ctx.device, &dbuf, &need, &r)?, q, SCATTER_TAG)?;
+            }
         }
+        let dx = if need == own {
+            dbuf
+        } else {
+            let (n, c, _, _) = dbuf.shape().nchw();
+            let (h, w) = own.size();
+            let mut dx = ctx.activation(Shape::new([n, c, h, w]), &dbuf)?;
+            copy_rect(ctx.device, &dbuf, &need, &mut dx, &own, &own.meet(&need))?;
+            dx
+        };
+        Ok(Returning { own, dx })
     }
-    if need == own {
-        return Ok(x.clone());
-    }
-    let (n, c, _, _) = x.shape().nchw();
-    let (h, w) = need.size();
-    let shape = Shape::new([n, c, h, w]);
-    let mut buf = match need.inside(hw) {
-        true => ctx.output(shape, x)?,
-        false => ctx.activation(shape, x)?,
-    };
-    copy_rect(ctx.device, x, &own, &mut buf, &need, &own.meet(&need))?;
-    for q in (0..needs.len()).filter(|&q| q != me) {
-        let theirs = t.grid.owned(q, hw);
-        let r = theirs.meet(&need);
-        if !r.is_empty() {
-            let piece = t.receive(ctx.device, q, GATHER_TAG)?;
-            copy_rect(ctx.device, &piece, &r, &mut buf, &need, &r)?;
+
+    /// Adds what the other ranks return of this rank's tile, in rank order: its gradient.
+    pub fn add_received(self, ctx: &Ctx, t: &Tiles, needs: &[Rect]) -> Result<Tensor> {
+        let Returning { own, mut dx } = self;
+        for (q, theirs) in needs.iter().enumerate().filter(|&(q, _)| q != t.tile()) {
+            let r = own.meet(theirs);
+            if !r.is_empty() {
+                let piece = t.receive(ctx.device, q, SCATTER_TAG)?;
+                let mut sum = extract(ctx.device, &dx, &own, &r)?;
+                ctx.device
+                    .backend()
+                    .add_assign(sum.storage_mut()?, piece.storage())?;
+                copy_rect(ctx.device, &sum, &r, &mut dx, &own, &r)?;
+            }
         }
+        Ok(dx)
     }
-    Ok(buf)
 }
 
 /// The adjoint of [`gather`]: from the gradient of this rank's gathered rectangle, the
@@ -377,37 +526,7 @@ pub fn scatter_add(
     hw: (usize, usize),
     needs: &[Rect],
 ) -> Result<Tensor> {
-    let me = t.tile();
-    let own = t.own(hw);
-    let need = needs[me];
-    for q in (0..needs.len()).filter(|&q| q != me) {
-        let r = t.grid.owned(q, hw).meet(&need);
-        if !r.is_empty() {
-            t.comm
-                .send(&extract(ctx.device, &dbuf, &need, &r)?, q, SCATTER_TAG)?;
-        }
-    }
-    let mut dx = if need == own {
-        dbuf
-    } else {
-        let (n, c, _, _) = dbuf.shape().nchw();
-        let (h, w) = own.size();
-        let mut dx = ctx.activation(Shape::new([n, c, h, w]), &dbuf)?;
-        copy_rect(ctx.device, &dbuf, &need, &mut dx, &own, &own.meet(&need))?;
-        dx
-    };
-    for (q, theirs) in needs.iter().enumerate().filter(|&(q, _)| q != me) {
-        let r = own.meet(theirs);
-        if !r.is_empty() {
-            let piece = t.receive(ctx.device, q, SCATTER_TAG)?;
-            let mut sum = extract(ctx.device, &dx, &own, &r)?;
-            ctx.device
-                .backend()
-                .add_assign(sum.storage_mut()?, piece.storage())?;
-            copy_rect(ctx.device, &sum, &r, &mut dx, &own, &r)?;
-        }
-    }
-    Ok(dx)
+    Returning::send(ctx, t, dbuf, hw, needs)?.add_received(ctx, t, needs)
 }
 
 /// The whole map (of size `hw`) on every rank, from each rank's tile `x`.
@@ -428,9 +547,34 @@ pub fn window_rows(out: (isize, isize), stride: usize, pad: usize, span: usize) 
     (out.0 * s - p, (out.1 - 1) * s - p + span as isize)
 }
 
+/// The input rectangle the windows of output rectangle `out` read, for a window op whose
+/// whole input is `input`: clipped to the map (`clip`: `true`) or to the map and its padding
+/// (`false`, for a pool that counts padding).
+pub fn window_rect(
+    out: &Rect,
+    input: (usize, usize),
+    stride: (usize, usize),
+    pad: (usize, usize),
+    span: (usize, usize),
+    clip: bool,
+) -> Rect {
+    let rows = window_rows(out.rows, stride.0, pad.0, span.0);
+    let cols = window_rows(out.cols, stride.1, pad.1, span.1);
+    let (lo, hi) = match clip {
+        true => ((0, 0), (input.0 as isize, input.1 as isize)),
+        false => (
+            (-(pad.0 as isize), -(pad.1 as isize)),
+            ((input.0 + pad.0) as isize, (input.1 + pad.1) as isize),
+        ),
+    };
+    Rect {
+        rows: (rows.0.max(lo.0), rows.1.min(hi.0)),
+        cols: (cols.0.max(lo.1), cols.1.min(hi.1)),
+    }
+}
+
 /// Every rank's input rectangle for a window op whose whole input is `input` and output
-/// `output`: the rows and columns the windows of its output tile read, clipped to the map
-/// (`clip`: `true`) or to the map and its padding (`false`, for a pool that counts padding).
+/// `output`: what the windows of its output tile read ([`window_rect`]).
 pub fn window_needs(
     grid: Grid,
     input: (usize, usize),
@@ -441,23 +585,70 @@ pub fn window_needs(
     clip: bool,
 ) -> Vec<Rect> {
     (0..grid.tiles())
-        .map(|t| {
-            let out = grid.owned(t, output);
-            let rows = window_rows(out.rows, stride.0, pad.0, span.0);
-            let cols = window_rows(out.cols, stride.1, pad.1, span.1);
-            let (lo, hi) = match clip {
-                true => ((0, 0), (input.0 as isize, input.1 as isize)),
-                false => (
-                    (-(pad.0 as isize), -(pad.1 as isize)),
-                    ((input.0 + pad.0) as isize, (input.1 + pad.1) as isize),
-                ),
-            };
-            Rect {
-                rows: (rows.0.max(lo.0), rows.1.min(hi.0)),
-                cols: (cols.0.max(lo.1), cols.1.min(hi.1)),
-            }
-        })
+        .map(|t| window_rect(&grid.owned(t, output), input, stride, pad, span, clip))
         .collect()
+}
+
+/// The part of output rectangle `out` whose windows (clipped to the `input` map) read only
+/// the input rectangle `own`: what a tile can compute before its halo arrives. Empty where
+/// every window reaches beyond `own`.
+pub fn interior(
+    out: &Rect,
+    own: &Rect,
+    input: (usize, usize),
+    stride: (usize, usize),
+    pad: (usize, usize),
+    span: (usize, usize),
+) -> Rect {
+    // Per axis: windows start and end no earlier as the output index grows, so the outputs
+    // reading inside `own` are one range.
+    let axis = |out: (isize, isize), own: (isize, isize), len: usize, s, p, k| {
+        let reads = |o: isize| {
+            let (lo, hi) = window_rows((o, o + 1), s, p, k);
+            (lo.max(0), hi.min(len as isize))
+        };
+        let first = (out.0..out.1)
+            .find(|&o| reads(o).0 >= own.0)
+            .unwrap_or(out.1);
+        let end = (first..out.1)
+            .rev()
+            .find(|&o| reads(o).1 <= own.1)
+            .map_or(first, |o| o + 1);
+        (first, end)
+    };
+    Rect {
+        rows: axis(out.rows, own.rows, input.0, stride.0, pad.0, span.0),
+        cols: axis(out.cols, own.cols, input.1, stride.1, pad.1, span.1),
+    }
+}
+
+/// Rectangle `out` less `inner` (which lies inside it): the rows above and below `inner`,
+/// then the columns left and right of it; `out` itself where `inner` is empty.
+pub fn around(out: &Rect, inner: &Rect) -> Vec<Rect> {
+    if inner.is_empty() {
+        return vec![*out];
+    }
+    [
+        Rect {
+            rows: (out.rows.0, inner.rows.0),
+            cols: out.cols,
+        },
+        Rect {
+            rows: (inner.rows.1, out.rows.1),
+            cols: out.cols,
+        },
+        Rect {
+            rows: inner.rows,
+            cols: (out.cols.0, inner.cols.0),
+        },
+        Rect {
+            rows: inner.rows,
+            cols: (inner.cols.1, out.cols.1),
+        },
+    ]
+    .into_iter()
+    .filter(|r| !r.is_empty())
+    .collect()
 }
 
 #[cfg(test)]
@@ -477,6 +668,65 @@ mod tests {
                 let sizes: Vec<usize> = parts.iter().map(|p| p.len()).collect();
                 let (lo, hi) = (sizes.iter().min().unwrap(), sizes.iter().max().unwrap());
                 assert!(hi - lo <= 1, "{sizes:?}");
+            }
+        }
+    }
+
+    /// The interior reads only the own tile and is the largest part of the output tile that
+    /// does; with the strips around it, it covers the output tile once.
+    #[test]
+    fn interior_and_strips_cover_the_output_tile() {
+        for side in [5, 9, 16, 17] {
+            for (k, s, p, d) in [
+                (3, 1, 1, 1),
+                (1, 1, 0, 1),
+                (3, 2, 1, 1),
+                (7, 2, 3, 1),
+                (3, 1, 2, 2),
+                (2, 2, 0, 1),
+            ] {
+                let span = d * (k - 1) + 1;
+                let out_len = (side + 2 * p - span) / s + 1;
+                for grid in [
+                    Grid { rows: 1, cols: 2 },
+                    Grid { rows: 2, cols: 2 },
+                    Grid { rows: 3, cols: 1 },
+                ] {
+                    for t in 0..grid.tiles() {
+                        let (input, output) = ((side, side), (out_len, out_len));
+                        let (out, own) = (grid.owned(t, output), grid.owned(t, input));
+                        let inner = interior(&out, &own, input, (s, s), (p, p), (span, span));
+                        let read =
+                            |r: &Rect| window_rect(r, input, (s, s), (p, p), (span, span), true);
+                        if !inner.is_empty() {
+                            assert_eq!(out.meet(&inner), inner);
+                            assert_eq!(
+                                own.meet(&read(&inner)),
+                                read(&inner),
+                                "{side} {k} {s} {p} {t}"
+                            );
+                        }
+                        let mut seen = vec![0; out.size().0 * out.size().1];
+                        let parts = [vec![inner], around(&out, &inner)].concat();
+                        for r in parts.iter().filter(|r| !r.is_empty()) {
+                            for row in r.rows.0..r.rows.1 {
+                                for col in r.cols.0..r.cols.1 {
+                                    let i = (row - out.rows.0) as usize * out.size().1
+                                        + (col - out.cols.0) as usize;
+                                    seen[i] += 1;
+                                    let one = Rect {
+                                        rows: (row, row + 1),
+                                        cols: (col, col + 1),
+                                    };
+                                    // Every output outside the interior reads beyond the tile.
+                                    let inside = inner.meet(&one) == one;
+                                    assert_eq!(inside, own.meet(&read(&one)) == read(&one));
+                                }
+                            }
+                        }
+                        assert!(seen.iter().all(|&n| n == 1), "{seen:?}");
+                    }
+                }
             }
         }
     }
