@@ -619,6 +619,30 @@ fn halo_cost_follows_the_ops_geometry_and_grows_with_the_grid() {
         sums[0] > 0.0 && sums[0] < sums[1] && sums[1] < sums[2],
         "{sums:?}"
     );
+    // A tile rank of a planned run spends its share of the compute and the exchanges.
+    let r = config(
+        "resnet20v2",
+        64,
+        micro,
+        Scheme::single(1).with_spatial(grid(2, 2)),
+        None,
+    );
+    let layout = layout_of(&r);
+    let share: f64 = (layout.costs.total().iter().enumerate())
+        .map(
+            |(i, t)| match gems::graph::runs_on_tiles(&g, grid(2, 2), i) {
+                true => t / 4.0,
+                false => *t,
+            },
+        )
+        .sum();
+    let (halo, sums) = layout.tiles.exchanges(&layout.partition.stages);
+    let busy = layout.schedule.busy()[0];
+    assert!(halo > 0.0 && sums > 0.0);
+    assert!(
+        (busy - (share + halo + sums)).abs() < 1e-9 * busy,
+        "busy {busy} vs share {share} + halo {halo} + sums {sums}"
+    );
 }
 
 /// `--spatial auto` weighs predicted steps: where local ranks share the CPU more tiles only add
