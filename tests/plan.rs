@@ -512,3 +512,175 @@ fn capped_split_fits_and_is_the_fastest_that_does() {
     more.scheme.stages = p - 1;
     assert!(!memory::fits(&more, cap).unwrap(), "{} stages fit", p - 1);
 }
+
+fn grid(rows: usize, cols: usize) -> gems::ops::tiles::Grid {
+    gems::ops::tiles::Grid { rows, cols }
+}
+
+/// The most any rank of `r` needs, by its metered run.
+fn fullest(r: &Run) -> u64 {
+    memory::per_rank(r)
+        .unwrap()
+        .iter()
+        .map(|m| m.peak)
+        .max()
+        .unwrap()
+}
+
+/// With 2x2 tiles on the first of two stages, the partitioner gives that stage the work and
+/// memory its four ranks share: more nodes than without tiles, a faster predicted step, and
+/// under a cap a larger batch than the split that ignores the tiles.
+#[test]
+fn partitioner_gives_the_tiled_stage_its_share() {
+    let mp = Scheme::new(Kind::Mp, 2, 1, 1, 1, Order::GPipe);
+    let plain = config("resnet56v2", 64, 2, mp, None);
+    let tiled = config("resnet56v2", 64, 2, mp.with_spatial(grid(2, 2)), None);
+    let (one, four) = (layout_of(&plain), layout_of(&tiled));
+    let first = |l: &Layout| l.partition.stages[0].len();
+    assert!(
+        first(&four) > first(&one) * 3 / 2,
+        "stage 0: {} nodes on 2x2 tiles vs {} on one rank",
+        first(&four),
+        first(&one)
+    );
+    // The split that ignores the tiles, given explicitly.
+    let mut blind = tiled.clone();
+    blind.balance = Some(one.partition.balance(&one.graph));
+    let step = |r: &Run| layout_of(r).predicted_step(false);
+    assert!(
+        step(&tiled) < 0.8 * step(&blind),
+        "{} vs {}",
+        step(&tiled),
+        step(&blind)
+    );
+    // A cap the blind split just holds at B = 2: the tile-aware one holds more images.
+    let cap = fullest(&blind);
+    let mut capped = tiled.clone();
+    capped.train.device_memory = Some(cap);
+    let (aware, ignoring) = (
+        memory::largest_batch(&capped, cap, 64).unwrap(),
+        memory::largest_batch(&blind, cap, 64).unwrap(),
+    );
+    assert!(
+        aware > ignoring,
+        "B {aware} vs {ignoring} ignoring the tiles"
+    );
+    eprintln!(
+        "2x2 + mp on 2 stages: stage 0 {} vs {} nodes, step {:.4} vs {:.4} s, largest B {aware} vs {ignoring}",
+        first(&four),
+        first(&one),
+        step(&tiled),
+        step(&blind)
+    );
+}
+
+/// Halo exchanges follow each op's geometry: none without tiles, exactly one column from one
+/// neighbour for a 3x3 convolution on 1x2 tiles, none for a strided 1x1 convolution (its
+/// windows read only rows a tile owns); over a whole model, more for finer grids, and the
+/// statistics' sums cost more hops too.
+#[test]
+fn halo_cost_follows_the_ops_geometry_and_grows_with_the_grid() {
+    use gems::ops::Op;
+    use gems::plan::cost::{Exchange, Link};
+    use gems::tensor::DType;
+    let g = models::build("resnet20v2", 64, 4).unwrap();
+    let link = Link::CPU;
+    let (micro, f32) = (2, DType::F32);
+    let of = |rows, cols| Exchange::new(&g, grid(rows, cols), micro, f32, &link);
+    let none = of(1, 1);
+    let n = g.nodes.len();
+    assert_eq!(none.halo_in(0..n) + none.sums_in(0..n), 0.0);
+    let halves = of(1, 2);
+    let conv = |k, s| {
+        g.nodes
+            .iter()
+            .position(|node| {
+                matches!(&node.op, Op::Conv2d(c) if c.kernel == (k, k) && c.stride == (s, s))
+            })
+            .unwrap()
+    };
+    let (c3, c1) = (conv(3, 1), conv(1, 2));
+    let d = g.values[g.nodes[c3].inputs[0]].shape.dims().to_vec();
+    let column = (d[0] * d[1] * micro * f32.size()) as f64;
+    assert_eq!(halves.halo[c3], link.send(1, column), "{:?}", d);
+    assert_eq!(halves.halo[c1], 0.0);
+    let (halo, sums): (Vec<f64>, Vec<f64>) = [(1, 2), (2, 2), (4, 4)]
+        .into_iter()
+        .map(|(r, c)| {
+            let e = of(r, c);
+            (e.halo_in(0..n), e.sums_in(0..n))
+        })
+        .unzip();
+    assert!(
+        halo[0] > 0.0 && halo[0] < halo[1] && halo[1] < halo[2],
+        "{halo:?}"
+    );
+    assert!(
+        sums[0] > 0.0 && sums[0] < sums[1] && sums[1] < sums[2],
+        "{sums:?}"
+    );
+    // A tile rank of a planned run spends its share of the compute and the exchanges.
+    let r = config(
+        "resnet20v2",
+        64,
+        micro,
+        Scheme::single(1).with_spatial(grid(2, 2)),
+        None,
+    );
+    let layout = layout_of(&r);
+    let share: f64 = (layout.costs.total().iter().enumerate())
+        .map(
+            |(i, t)| match gems::graph::runs_on_tiles(&g, grid(2, 2), i) {
+                true => t / 4.0,
+                false => *t,
+            },
+        )
+        .sum();
+    let (halo, sums) = layout.tiles.exchanges(&layout.partition.stages);
+    let busy = layout.schedule.busy()[0];
+    assert!(halo > 0.0 && sums > 0.0);
+    assert!(
+        (busy - (share + halo + sums)).abs() < 1e-9 * busy,
+        "busy {busy} vs share {share} + halo {halo} + sums {sums}"
+    );
+}
+
+/// `--spatial auto` weighs predicted steps: where local ranks share the CPU more tiles only add
+/// halo exchanges and sums, so the fewest that fit win; on separate devices the compute a
+/// tile rank sheds outweighs them here, and a finer grid that fits wins.
+#[test]
+fn spatial_auto_takes_the_fastest_grid_that_fits() {
+    use gems::fit;
+    let single = config("resnet20v2", 64, 8, Scheme::single(1), None);
+    let cap = fullest(&single) * 3 / 4;
+    let choose = |r: &Run| fit::choose_spatial(&r.g, &r.c, cap).unwrap().scheme.spatial;
+    let with = |r: &Run, g| {
+        let mut t = r.clone();
+        t.scheme.spatial = g;
+        t.train.device_memory = Some(cap);
+        t
+    };
+    assert!(!memory::fits(&single, cap).unwrap());
+    assert!(memory::fits(&with(&single, grid(1, 2)), cap).unwrap());
+    assert_eq!(choose(&single), grid(1, 2));
+    let shared = |r: &Run| layout_of(r).predicted_step(true);
+    assert!(
+        shared(&with(&single, grid(1, 2))) < shared(&with(&single, grid(2, 2))),
+        "more tiles on one CPU must cost more"
+    );
+    let mut gpus = single.clone();
+    gpus.train.device = DeviceKind::Cuda { ordinal: 0 };
+    let cap = fullest(&gpus) * 3 / 4;
+    let chosen = fit::choose_spatial(&gpus.g, &gpus.c, cap).unwrap();
+    let tiles = chosen.scheme.spatial.tiles();
+    assert!(tiles > 2, "{}", chosen.scheme.spatial);
+    let step = |r: &Run| layout_of(r).predicted_step(false);
+    let chosen_run = with(&gpus, chosen.scheme.spatial);
+    assert!(step(&chosen_run) < step(&with(&gpus, grid(1, 2))));
+    assert!(memory::fits(&chosen_run, cap).unwrap());
+    // Even 8x8 tiles cannot hold a cap below the weights: the refusal names the rank.
+    let e = fit::choose_spatial(&single.g, &single.c, 1 << 16)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("does not fit"), "{e}");
+}

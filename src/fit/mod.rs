@@ -118,25 +118,59 @@ fn grids() -> Vec<Grid> {
     out
 }
 
-/// The fewest tiles (the squarest grid of that many) whose plan fits `cap`, the first stage
-/// of `c` split into them; an error naming the closest miss when even 8x8 tiles do not fit.
-/// The cost model counts no halo exchange yet, so fewer tiles is the cheaper choice.
+/// Of the grids of tiles (the squarest of each tile count, up to 8x8) whose plan fits `cap`,
+/// the one with the least predicted step, the first stage of `c` split into it (ties: fewer
+/// tiles); an error naming the closest miss when even 8x8 tiles do not fit. More tiles shrink
+/// each tile rank's share of the compute but add halo exchanges and statistics' sums, and where
+/// the ranks share one device (local CPU ranks) they only add.
 pub fn choose_spatial(g: &Graph, c: &RunConfig, cap: u64) -> Result<RunConfig> {
     let side = g.image_size();
-    let mut last = c.clone();
-    for grid in grids()
+    let mut candidates: Vec<RunConfig> = grids()
         .into_iter()
         .filter(|t| t.rows <= side && t.cols <= side)
-    {
-        let mut t = c.clone();
-        t.scheme.spatial = grid;
+        .map(|grid| {
+            let mut t = c.clone();
+            t.scheme.spatial = grid;
+            t
+        })
+        .collect();
+    // More tiles never hold more per rank: grids with fewer than the first that fits do not.
+    let mut first = None;
+    for (i, t) in candidates.iter().enumerate() {
+        if fits(g, t, cap)? {
+            first = Some(i);
+            break;
+        }
+    }
+    let Some(first) = first else {
+        let mut last = candidates.last().expect("1x1 is a grid").clone();
+        last.train.device_memory = Some(cap);
+        return check_fits(g, &last).map(|_| last);
+    };
+    // Timed with the split the capacity chooses.
+    let shared = c.train.device == DeviceKind::Cpu;
+    let step = |t: &RunConfig| -> Result<f64> {
+        let mut capped = t.clone();
+        capped.train.device_memory = Some(cap);
+        Ok(Layout::new(g, &capped)?.predicted_step(shared))
+    };
+    candidates.drain(..first);
+    let fewest = step(&candidates[0])?;
+    let mut faster = Vec::new();
+    for t in candidates.drain(1..) {
+        let time = step(&t)?;
+        if time < fewest {
+            faster.push((time, t));
+        }
+    }
+    // Stable: of equal times, fewer tiles first.
+    faster.sort_by(|a, b| a.0.total_cmp(&b.0));
+    for (_, t) in faster {
         if fits(g, &t, cap)? {
             return Ok(t);
         }
-        last = t;
     }
-    last.train.device_memory = Some(cap);
-    check_fits(g, &last).map(|_| last)
+    Ok(candidates.swap_remove(0))
 }
 
 /// The most stages `g` can be cut into.
@@ -422,7 +456,7 @@ pub struct Auto {
     pub batch: bool,
     /// Where saved tensors wait, with offloaded ones fetched this many nodes ahead.
     pub offload: Option<usize>,
-    /// The fewest tiles of the first stage's samples that fit.
+    /// The grid of tiles of the first stage's samples with the least predicted step that fits.
     pub spatial: bool,
 }
 

@@ -236,6 +236,56 @@ impl Op {
     }
 }
 
+/// What a window op's outputs read of its input, per axis (rows, columns): output o reads
+/// o·stride − pad + [0, span).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Reach {
+    /// Stride.
+    pub stride: (usize, usize),
+    /// Padding on each side.
+    pub pad: (usize, usize),
+    /// Rows and columns one window covers (a dilated kernel's extent).
+    pub span: (usize, usize),
+}
+
+impl Reach {
+    /// Every tile's input rectangle in the map (the rows and columns its output tile's windows
+    /// read, padding left out) for an `input` map read into an `output` map split by `grid`.
+    pub fn needs(
+        &self,
+        grid: tiles::Grid,
+        input: (usize, usize),
+        output: (usize, usize),
+    ) -> Vec<tiles::Rect> {
+        tiles::window_needs(grid, input, output, self.stride, self.pad, self.span, true)
+    }
+}
+
+impl Op {
+    /// What a window op (a convolution, a pool) reads of its input; `None` for other ops.
+    pub fn reach(&self) -> Option<Reach> {
+        let window = |w: &pool::Window| Reach {
+            stride: w.stride,
+            pad: w.pad,
+            span: w.kernel,
+        };
+        match self {
+            Op::Conv2d(c) => Some(Reach {
+                stride: c.stride,
+                pad: c.pad,
+                span: (
+                    c.dilation.0 * (c.kernel.0 - 1) + 1,
+                    c.dilation.1 * (c.kernel.1 - 1) + 1,
+                ),
+            }),
+            Op::MaxPool(p) => Some(window(&p.0)),
+            Op::AvgPool(p) => Some(window(&p.0)),
+            Op::AvgPoolExcludePad(p) => Some(window(&p.0)),
+            _ => None,
+        }
+    }
+}
+
 /// Prepends the batch dimension to a per-sample shape.
 pub fn batched(n: usize, per_sample: &Shape) -> Shape {
     let mut d = vec![n];

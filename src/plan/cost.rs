@@ -1,8 +1,13 @@
 //! The analytical cost model: an op takes as long as the slower of its arithmetic and its
 //! memory traffic on a device (Paleo's max), forward plus backward.
 
-use crate::graph::{Graph, Node};
+use std::ops::Range;
+
+use crate::graph::{runs_on_tiles, Graph, Node};
+use crate::ops::tiles::Grid;
+use crate::ops::Op;
 use crate::schemes::schedule::StageCosts;
+use crate::schemes::Scheme;
 use crate::tensor::DType;
 
 /// What a device can do per second.
@@ -80,7 +85,7 @@ impl NodeCosts {
 
 impl NodeCosts {
     /// What the schedule builder weighs the stages `stages` by, per micro-batch.
-    pub fn stage_costs(&self, stages: &[std::ops::Range<usize>]) -> StageCosts {
+    pub fn stage_costs(&self, stages: &[Range<usize>]) -> StageCosts {
         let (mut forward, backward) = self.stages(stages);
         forward[0] += self.data;
         StageCosts {
@@ -88,6 +93,202 @@ impl NodeCosts {
             backward,
             transfer: vec![0.0; stages.len()],
         }
+    }
+}
+
+/// A link between two ranks.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Link {
+    /// Bytes/s.
+    pub bytes_per_s: f64,
+    /// Seconds per message.
+    pub latency: f64,
+}
+
+impl Link {
+    /// This project's CPU ranks: threads sharing memory.
+    pub const CPU: Link = Link {
+        bytes_per_s: 10e9,
+        latency: 1e-6,
+    };
+
+    /// Seconds to move `bytes` in `messages` messages, one after another.
+    pub fn send(&self, messages: usize, bytes: f64) -> f64 {
+        messages as f64 * self.latency + bytes / self.bytes_per_s
+    }
+
+    /// Seconds of an all-reduce of `bytes` over `n` ranks: the bandwidth term of a ring
+    /// (2(n-1)/n of the bytes cross each link) with the latency of a tree (2·⌈log₂ n⌉ hops), as
+    /// NCCL's and MPI's large-scale algorithms achieve.
+    pub fn all_reduce(&self, bytes: f64, n: usize) -> f64 {
+        if n <= 1 {
+            return 0.0;
+        }
+        let hops = 2.0 * (n as f64).log2().ceil();
+        hops * self.latency + 2.0 * (n - 1) as f64 / n as f64 * bytes / self.bytes_per_s
+    }
+}
+
+/// What a rank of a tile group exchanges with the others per micro-batch, node by node: the
+/// halo rows and columns a window op reads from its neighbours (their gradients go back in
+/// backward, the same bytes), and the sums of statistics over the group (batch norm's, forward
+/// and backward; a global pool's mean, forward). The busiest tile's; all 0 without tiles.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Exchange {
+    /// Seconds of each node's halo exchange, forward and again backward.
+    pub halo: Vec<f64>,
+    /// Seconds of each node's statistics' sums in forward.
+    pub forward_sums: Vec<f64>,
+    /// Seconds of each node's statistics' sums in backward.
+    pub backward_sums: Vec<f64>,
+}
+
+impl Exchange {
+    /// The exchanges of the nodes of `g` that run on tiles of `grid`, for micro-batches of
+    /// `micro` samples with activations of `dtype` over `link`.
+    pub fn new(g: &Graph, grid: Grid, micro: usize, dtype: DType, link: &Link) -> Exchange {
+        let n = g.nodes.len();
+        let mut e = Exchange {
+            halo: vec![0.0; n],
+            forward_sums: vec![0.0; n],
+            backward_sums: vec![0.0; n],
+        };
+        let hw = |v: usize| {
+            let d = g.values[v].shape.dims();
+            (d[0], (d[1], d[2]))
+        };
+        for (i, node) in g.nodes.iter().enumerate() {
+            if !grid.is_split() || !runs_on_tiles(g, grid, i) {
+                continue;
+            }
+            if let Some(reach) = node.op.reach() {
+                let ((c, input), (_, output)) = (hw(node.inputs[0]), hw(node.output));
+                let needs = reach.needs(grid, input, output);
+                // Each piece of a neighbour's tile inside a rank's rectangle is one message.
+                e.halo[i] = (0..grid.tiles())
+                    .map(|t| {
+                        let pieces: Vec<usize> = (0..grid.tiles())
+                            .filter(|&q| q != t)
+                            .map(|q| {
+                                let (h, w) = grid.owned(q, input).meet(&needs[t]).size();
+                                h * w
+                            })
+                            .filter(|&px| px > 0)
+                            .collect();
+                        let bytes = pieces.iter().sum::<usize>() * c * micro * dtype.size();
+                        link.send(pieces.len(), bytes as f64)
+                    })
+                    .fold(0.0, f64::max);
+            }
+            // Per channel, every tile's (mean, variance) forward; two sums backward.
+            let channels = g.values[node.inputs[0]].shape.dims()[0];
+            let sum = |values: usize| link.all_reduce((values * 8) as f64, grid.tiles());
+            match &node.op {
+                Op::BatchNorm(_) => {
+                    e.forward_sums[i] = sum(2 * channels * grid.tiles());
+                    e.backward_sums[i] = sum(2 * channels);
+                }
+                Op::GlobalAvgPool(_) => e.forward_sums[i] = sum(channels * micro),
+                _ => {}
+            }
+        }
+        e
+    }
+
+    /// Seconds of the halo exchanges of `nodes`, forward and backward.
+    pub fn halo_in(&self, nodes: Range<usize>) -> f64 {
+        2.0 * self.halo.get(nodes).map_or(0.0, |h| h.iter().sum())
+    }
+
+    /// Seconds of the statistics' sums of `nodes`, forward and backward.
+    pub fn sums_in(&self, nodes: Range<usize>) -> f64 {
+        let sum = |v: &[f64]| v.get(nodes.clone()).map_or(0.0, |s| s.iter().sum::<f64>());
+        sum(&self.forward_sums) + sum(&self.backward_sums)
+    }
+}
+
+/// What each node costs per rank of a tile group where its stage runs on tiles: its share of
+/// the compute where the node runs on tiles (all of it where it runs on whole inputs), plus
+/// its exchanges. Stages not on tiles cost what they cost on one rank.
+#[derive(Clone, Debug, PartialEq)]
+pub struct TileCosts {
+    /// Each node on a rank of a tile group.
+    pub costs: NodeCosts,
+    /// The exchanges counted in `costs`.
+    pub exchange: Exchange,
+    /// Which stages run on tiles (as many stages, as many pipeline positions: the stages on
+    /// tiles are those placed at the positions on tiles).
+    pub on_tiles: Vec<bool>,
+    /// The tiles of a sample.
+    pub grid: Grid,
+}
+
+impl TileCosts {
+    /// `whole` (each node on one rank) spread over `scheme`'s tiles, exchanging over `link`,
+    /// for micro-batches of `micro` samples with activations of `dtype`.
+    pub fn new(
+        g: &Graph,
+        scheme: &Scheme,
+        whole: &NodeCosts,
+        micro: usize,
+        dtype: DType,
+        link: &Link,
+    ) -> TileCosts {
+        let grid = scheme.spatial;
+        let exchange = Exchange::new(g, grid, micro, dtype, link);
+        let share = |i: usize, t: f64| match grid.is_split() && runs_on_tiles(g, grid, i) {
+            true => t / grid.tiles() as f64,
+            false => t,
+        };
+        let costs = NodeCosts {
+            forward: (whole.forward.iter().enumerate())
+                .map(|(i, &t)| share(i, t) + exchange.halo[i] + exchange.forward_sums[i])
+                .collect(),
+            backward: (whole.backward.iter().enumerate())
+                .map(|(i, &t)| share(i, t) + exchange.halo[i] + exchange.backward_sums[i])
+                .collect(),
+            data: whole.data,
+        };
+        TileCosts {
+            costs,
+            exchange,
+            on_tiles: (0..scheme.stages).map(|s| scheme.tiled(s)).collect(),
+            grid,
+        }
+    }
+
+    /// Each node's costs on a rank of stage `s`, given `whole`, their costs on one rank.
+    pub fn of_stage<'a>(&'a self, whole: &'a NodeCosts, s: usize) -> &'a NodeCosts {
+        match self.on_tiles.get(s) {
+            Some(true) => &self.costs,
+            _ => whole,
+        }
+    }
+
+    /// What the schedule builder weighs the stages `stages` by, per micro-batch, given
+    /// `whole`, each node's costs on one rank.
+    pub fn stage_costs(&self, whole: &NodeCosts, stages: &[Range<usize>]) -> StageCosts {
+        let (one, tiled) = (whole.stage_costs(stages), self.costs.stage_costs(stages));
+        let pick = |w: &[f64], t: &[f64]| -> Vec<f64> {
+            (0..stages.len())
+                .map(|s| if self.on_tiles[s] { t[s] } else { w[s] })
+                .collect()
+        };
+        StageCosts {
+            forward: pick(&one.forward, &tiled.forward),
+            backward: pick(&one.backward, &tiled.backward),
+            transfer: one.transfer,
+        }
+    }
+
+    /// Seconds of the halo exchanges and of the statistics' sums of the stages on tiles, per
+    /// micro-batch on each of their ranks.
+    pub fn exchanges(&self, stages: &[Range<usize>]) -> (f64, f64) {
+        let on = || (stages.iter().zip(&self.on_tiles)).filter(|(_, &t)| t);
+        (
+            on().map(|(r, _)| self.exchange.halo_in(r.clone())).sum(),
+            on().map(|(r, _)| self.exchange.sums_in(r.clone())).sum(),
+        )
     }
 }
 

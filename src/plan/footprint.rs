@@ -47,6 +47,21 @@ pub struct StageBytes {
     pub backward: u64,
 }
 
+impl StageBytes {
+    /// What each rank holds where the stage's samples are split into `tiles` tiles: a share
+    /// of the activations (halo buffers, small beside a tile, not counted), the whole weights
+    /// and the batch statistics (per channel, the same on every tile).
+    pub fn on_tiles(self, tiles: usize) -> StageBytes {
+        let share = |b: u64| b.div_ceil(tiles as u64);
+        StageBytes {
+            saved: share(self.saved),
+            forward: share(self.forward),
+            backward: share(self.backward),
+            ..self
+        }
+    }
+}
+
 /// A value that crosses a boundary and was saved before it: a stage starting there receives it
 /// and holds it for as long as it uses or saves it.
 #[derive(Clone, Copy, Debug)]
@@ -539,7 +554,9 @@ pub fn rank_bytes(scheme: &Scheme, moments: &[Vec<Moment>], stages: &[StageBytes
         .iter()
         .enumerate()
         .map(|(rank, at)| {
-            let copies: Vec<StageBytes> = copies(scheme, rank).map(|s| stages[s]).collect();
+            let copies: Vec<StageBytes> = copies(scheme, rank)
+                .map(|s| stages[s].on_tiles(scheme.width(rank)))
+                .collect();
             held_bytes(&copies, at)
         })
         .collect()

@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use crate::graph::{Graph, Output, ValueId};
 use crate::plan::config::RunConfig;
-use crate::plan::cost::{DeviceProfile, NodeCosts};
+use crate::plan::cost::{DeviceProfile, Link, NodeCosts, TileCosts};
 use crate::plan::partition::{self, Partition};
 use crate::schemes::schedule::{self, Schedule};
 use crate::tensor::DType;
@@ -26,6 +26,9 @@ pub struct Layout {
     pub losses: Vec<Vec<Output>>,
     /// What each node costs: measured (a calibration) or predicted (the analytical CPU model).
     pub costs: NodeCosts,
+    /// What each node costs on a rank of a tile group, exchanges included (the analytical
+    /// CPU model's link).
+    pub tiles: TileCosts,
     /// Seconds of one optimizer step over the whole model (0 without a calibration).
     pub optimizer: f64,
     /// Each rank's tasks for one step.
@@ -80,6 +83,14 @@ impl Layout {
             }
             None => NodeCosts::analytic(&graph, micro, t.activations(), &DeviceProfile::CPU),
         };
+        let tiles = TileCosts::new(
+            &graph,
+            &c.scheme,
+            &costs,
+            micro,
+            t.activations(),
+            &Link::CPU,
+        );
         let partition = match &c.balance {
             Some(b) if b.len() != c.scheme.stages => {
                 return Err(Error::Config(format!(
@@ -89,7 +100,7 @@ impl Layout {
                 )))
             }
             Some(b) => partition::from_balance(&graph, b)?,
-            None => crate::plan::memory::split(c, &graph, &costs)?,
+            None => crate::plan::memory::split(c, &graph, &costs, &tiles)?,
         };
         let stages = &partition.stages;
         let inputs = stages
@@ -122,8 +133,11 @@ impl Layout {
                     .collect()
             })
             .collect();
-        let stage_costs = costs.stage_costs(stages).tiled(&c.scheme);
-        let schedule = schedule::build(&c.scheme, &stage_costs, c.max_in_flight)?;
+        let schedule = schedule::build(
+            &c.scheme,
+            &tiles.stage_costs(&costs, stages),
+            c.max_in_flight,
+        )?;
         Ok(Layout {
             graph,
             partition,
@@ -131,6 +145,7 @@ impl Layout {
             outputs,
             losses,
             costs,
+            tiles,
             optimizer: c.calibration.as_ref().map_or(0.0, |cal| cal.optimizer),
             schedule,
         })
@@ -138,11 +153,20 @@ impl Layout {
 
     /// Predicted seconds of a step: the schedule, then the optimizer. When the ranks share one
     /// device (threads on one CPU), they also share its throughput: the step lasts at least as
-    /// long as all their work done one after another.
+    /// long as all their work done one after another, every tile rank's included.
     pub fn predicted_step(&self, shared_device: bool) -> f64 {
         let busy = self.schedule.busy();
         if shared_device {
-            self.schedule.makespan().max(busy.iter().sum()) + self.optimizer
+            let width = |s: usize| match self.tiles.on_tiles[s] {
+                true => self.tiles.grid.tiles(),
+                false => 1,
+            };
+            let all: f64 = busy
+                .iter()
+                .enumerate()
+                .map(|(s, b)| b * width(s) as f64)
+                .sum();
+            self.schedule.makespan().max(all) + self.optimizer
         } else {
             let total: usize = self.graph.params.len().max(1);
             let most = (0..self.partition.stages.len())

@@ -5,10 +5,10 @@ use crate::backend::meter::ConvWorkspace;
 use crate::graph::policy::Keep;
 use crate::graph::Graph;
 use crate::plan::config::RunConfig;
-use crate::plan::cost::NodeCosts;
+use crate::plan::cost::{NodeCosts, TileCosts};
 use crate::plan::footprint::{self, Footprint, StageMemory};
 use crate::plan::layout::Layout;
-use crate::plan::partition::{self, Limit, Partition, Shortfall};
+use crate::plan::partition::{self, Cost, Limit, Partition, Shortfall};
 use crate::schemes::schedule;
 use crate::Result;
 
@@ -27,15 +27,15 @@ const EXHAUSTIVE: usize = 2048;
 /// from the moments of the cost-balanced split's schedule, and searches again with every
 /// moment seen so far until the split it returns has none it did not account for: it fits,
 /// but a faster split that fits only its own schedule may be missed.
-pub fn split(c: &RunConfig, g: &Graph, costs: &NodeCosts) -> Result<Partition> {
+pub fn split(c: &RunConfig, g: &Graph, costs: &NodeCosts, tiles: &TileCosts) -> Result<Partition> {
     let p = c.scheme.stages;
-    let total = costs.total();
-    let fastest = partition::balanced(g, p, &total, None)?.expect("a split exists");
+    let cost = Cost::of(costs, tiles);
+    let fastest = partition::balanced(g, p, &cost, None)?.expect("a split exists");
     let Some(model) = Model::of(c, g)? else {
         return Ok(fastest);
     };
     let moments_of = |part: &Partition| -> Result<_> {
-        let stage_costs = costs.stage_costs(&part.stages).tiled(&c.scheme);
+        let stage_costs = tiles.stage_costs(costs, &part.stages);
         let s = schedule::build(&c.scheme, &stage_costs, c.max_in_flight)?;
         Ok(footprint::moments(&s))
     };
@@ -48,17 +48,13 @@ pub fn split(c: &RunConfig, g: &Graph, costs: &NodeCosts) -> Result<Partition> {
         let ranks = footprint::rank_bytes(&c.scheme, moments, &bytes);
         ranks.iter().all(|&b| b <= model.cap)
     };
-    let slowest = |part: &Partition| {
-        part.stages
-            .iter()
-            .map(|r| total[r.clone()].iter().sum::<f64>())
-            .fold(0.0, f64::max)
-    };
     if let Some(splits) = partition::every_split(g, p, EXHAUSTIVE) {
         // Few enough to try each with its own schedule: exact.
         let mut best: Option<Partition> = None;
         for part in splits {
-            let faster = best.as_ref().is_none_or(|b| slowest(&part) < slowest(b));
+            let faster = best
+                .as_ref()
+                .is_none_or(|b| cost.slowest(&part) < cost.slowest(b));
             if faster && fits(&part, &moments_of(&part)?) {
                 best = Some(part);
             }
@@ -67,7 +63,7 @@ pub fn split(c: &RunConfig, g: &Graph, costs: &NodeCosts) -> Result<Partition> {
     }
     let mut seen = moments_of(&fastest)?;
     loop {
-        let Some(part) = partition::balanced(g, p, &total, Some(&model.limit(c, &seen)))? else {
+        let Some(part) = partition::balanced(g, p, &cost, Some(&model.limit(c, &seen)))? else {
             return Ok(fastest);
         };
         // Still the fastest if it fits with the moments added too.
@@ -89,8 +85,8 @@ pub fn shortfall(g: &Graph, c: &RunConfig) -> Result<Option<Shortfall>> {
     };
     let moments = footprint::moments(&layout.schedule);
     let limit = model.limit(c, &moments);
-    let total = layout.costs.total();
-    let least = partition::least_memory(&layout.graph, c.scheme.stages, &total, &limit)?;
+    let cost = Cost::of(&layout.costs, &layout.tiles);
+    let least = partition::least_memory(&layout.graph, c.scheme.stages, &cost, &limit)?;
     Ok((least.need > model.cap).then_some(least))
 }
 
@@ -124,6 +120,7 @@ impl Model {
             stages: &self.fp,
             moments,
             mirrored: c.scheme.replicas >= 2,
+            tiles: (0..c.scheme.stages).map(|s| c.scheme.width(s)).collect(),
         }
     }
 }

@@ -8,6 +8,7 @@ use std::ops::Range;
 
 pub use crate::core::Shortfall;
 use crate::graph::{Graph, ValueId};
+use crate::plan::cost::{NodeCosts, TileCosts};
 use crate::plan::footprint::{held_bytes, Moment, StageBytes, StageMemory};
 use crate::{Error, Result};
 
@@ -104,6 +105,53 @@ fn too_many(g: &Graph, p: usize, cuts: usize) -> Error {
 /// positions it considers) cuts only where one value crosses: between blocks.
 pub const MIRRORED_POSITIONS: usize = 400;
 
+/// Each node's seconds per micro-batch on a rank of its stage: on one rank, or on each rank of
+/// a tile group for the stages that run on tiles.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Cost {
+    /// On one rank.
+    pub whole: Vec<f64>,
+    /// On a rank of a tile group.
+    pub tiled: Vec<f64>,
+    /// Which stages run on tiles (none past its end).
+    pub on_tiles: Vec<bool>,
+}
+
+impl Cost {
+    /// Every stage on one rank.
+    pub fn whole(cost: Vec<f64>) -> Cost {
+        Cost {
+            tiled: cost.clone(),
+            whole: cost,
+            on_tiles: Vec::new(),
+        }
+    }
+
+    /// Forward plus backward of `whole`, on one rank, and of `tiles`, on tiles.
+    pub fn of(whole: &NodeCosts, tiles: &TileCosts) -> Cost {
+        Cost {
+            whole: whole.total(),
+            tiled: tiles.costs.total(),
+            on_tiles: tiles.on_tiles.clone(),
+        }
+    }
+
+    /// Each node's seconds on a rank of stage `s`.
+    pub fn of_stage(&self, s: usize) -> &[f64] {
+        match self.on_tiles.get(s) {
+            Some(true) => &self.tiled,
+            _ => &self.whole,
+        }
+    }
+
+    /// The slowest stage's seconds under `part`.
+    pub fn slowest(&self, part: &Partition) -> f64 {
+        (part.stages.iter().enumerate())
+            .map(|(s, r)| self.of_stage(s)[r.clone()].iter().sum::<f64>())
+            .fold(0.0, f64::max)
+    }
+}
+
 /// Each rank's memory against a capacity, by the analytic model ([`crate::plan::footprint`]).
 pub struct Limit<'a> {
     /// Bytes each rank may hold.
@@ -114,11 +162,15 @@ pub struct Limit<'a> {
     pub moments: &'a [Vec<Moment>],
     /// Rank r also holds stage P-1-r (the mirrored replica of MAST and MASTER).
     pub mirrored: bool,
+    /// Per rank (pipeline position), the tiles its samples are split into: its stages'
+    /// activations are spread over them, each tile holding the whole weights.
+    pub tiles: Vec<usize>,
 }
 
 impl Limit<'_> {
     /// The bytes of rank `r` holding `own` (its stage r) and, mirrored, `mirror` (stage P-1-r).
     fn rank(&self, r: usize, own: StageBytes, mirror: StageBytes) -> u64 {
+        let (own, mirror) = (own.on_tiles(self.tiles[r]), mirror.on_tiles(self.tiles[r]));
         if self.mirrored {
             held_bytes(&[own, mirror], &self.moments[r])
         } else {
@@ -174,7 +226,7 @@ pub fn every_split(g: &Graph, p: usize, limit: usize) -> Option<Vec<Partition>> 
 pub fn balanced(
     g: &Graph,
     p: usize,
-    cost: &[f64],
+    cost: &Cost,
     limit: Option<&Limit>,
 ) -> Result<Option<Partition>> {
     let pos = positions(g, p, limit)?;
@@ -193,7 +245,7 @@ pub fn balanced(
 
 /// The split into `p` stages whose fullest rank under `limit` needs least (for mirrored ranks:
 /// within 0.4%, over the positions [`balanced`] searches), with that rank and its need.
-pub fn least_memory(g: &Graph, p: usize, cost: &[f64], limit: &Limit) -> Result<Shortfall> {
+pub fn least_memory(g: &Graph, p: usize, cost: &Cost, limit: &Limit) -> Result<Shortfall> {
     let pos = positions(g, p, Some(limit))?;
     Ok(Chain::new(&pos.searched, p, cost, Some(limit)).shortfall(limit.cap))
 }
@@ -242,9 +294,9 @@ fn positions(g: &Graph, p: usize, limit: Option<&Limit>) -> Result<Positions> {
 
 /// The stage boundaries (node indices, `p + 1` of them) of the split of the chain cut at
 /// `pos` (0, cut points, node count) that `balanced` describes.
-fn search(pos: &[usize], p: usize, cost: &[f64], limit: Option<&Limit>) -> Option<Vec<usize>> {
+fn search(pos: &[usize], p: usize, cost: &Cost, limit: Option<&Limit>) -> Option<Vec<usize>> {
     let chain = Chain::new(pos, p, cost, limit);
-    let span = |_: usize, a: usize, b: usize| chain.span(a, b);
+    let span = |j: usize, a: usize, b: usize| chain.span(j, a, b);
     let found = match limit {
         None => chain.min_max(span, |_, _, _| true).map(|(_, b)| b),
         Some(l) if !l.mirrored => chain
@@ -273,7 +325,9 @@ fn first(r: Range<usize>, f: impl Fn(usize) -> bool) -> usize {
 struct Chain<'a> {
     pos: &'a [usize],
     p: usize,
-    prefix: Vec<f64>,
+    /// Prefix costs on one rank, then on a rank of a tile group.
+    prefix: [Vec<f64>; 2],
+    on_tiles: &'a [bool],
     limit: Option<&'a Limit<'a>>,
     /// Bytes of every position range (mirrored searches, which revisit them often, over at
     /// most [`MIRRORED_POSITIONS`] cut points).
@@ -281,11 +335,14 @@ struct Chain<'a> {
 }
 
 impl<'a> Chain<'a> {
-    fn new(pos: &'a [usize], p: usize, cost: &[f64], limit: Option<&'a Limit<'a>>) -> Self {
-        let mut prefix = vec![0.0];
-        for c in cost {
-            prefix.push(prefix.last().unwrap() + c);
-        }
+    fn new(pos: &'a [usize], p: usize, cost: &'a Cost, limit: Option<&'a Limit<'a>>) -> Self {
+        let prefix = |cost: &[f64]| {
+            let mut prefix = vec![0.0];
+            for c in cost {
+                prefix.push(prefix.last().unwrap() + c);
+            }
+            prefix
+        };
         let m = pos.len();
         let table = match limit {
             Some(l) if l.mirrored && m <= MIRRORED_POSITIONS + 2 => (0..m * m)
@@ -303,14 +360,17 @@ impl<'a> Chain<'a> {
         Chain {
             pos,
             p,
-            prefix,
+            prefix: [prefix(&cost.whole), prefix(&cost.tiled)],
+            on_tiles: &cost.on_tiles,
             limit,
             table,
         }
     }
 
-    fn span(&self, a: usize, b: usize) -> f64 {
-        self.prefix[self.pos[b]] - self.prefix[self.pos[a]]
+    /// The seconds of stage `j` over positions `a..b`.
+    fn span(&self, j: usize, a: usize, b: usize) -> f64 {
+        let prefix = &self.prefix[(self.on_tiles.get(j) == Some(&true)) as usize];
+        prefix[self.pos[b]] - prefix[self.pos[a]]
     }
 
     fn bytes(&self, r: Range<usize>) -> StageBytes {
@@ -401,8 +461,8 @@ impl<'a> Chain<'a> {
     fn fastest_mirrored(&self, cap: u64) -> Option<Vec<usize>> {
         let within = |t: f64| {
             move |j: usize, a: Range<usize>, b: Range<usize>| {
-                self.span(a.start, a.end) <= t
-                    && self.span(b.start, b.end) <= t
+                self.span(j, a.start, a.end) <= t
+                    && self.span(self.p - 1 - j, b.start, b.end) <= t
                     && self.rank_bytes(j, a, b) <= cap
             }
         };
@@ -411,16 +471,21 @@ impl<'a> Chain<'a> {
         // is nothing to search). In between, the stage costs that occur are tried at doubling
         // steps from the fastest until one reaches, then bisected; each split reached bounds
         // the search by its own slowest stage.
-        let (fastest, _) = self.min_max(|_, a, b| self.span(a, b), |_, _, _| true)?;
+        let (fastest, _) = self.min_max(|j, a, b| self.span(j, a, b), |_, _, _| true)?;
         if let Some(split) = self.reach(within(fastest)) {
             return Some(split);
         }
         let mut found = self.reach(within(f64::INFINITY))?;
         let m = self.pos.len();
         let slowest = self.slowest(&found);
+        // Spans on one rank and on a rank of a tile group (the same without tiles).
         let mut bounds: Vec<f64> = (0..m)
             .flat_map(|a| (a + 1..m).map(move |b| (a, b)))
-            .map(|(a, b)| self.span(a, b))
+            .flat_map(|(a, b)| {
+                self.prefix
+                    .iter()
+                    .map(move |s| s[self.pos[b]] - s[self.pos[a]])
+            })
             .filter(|&t| t > fastest && t < slowest)
             .collect();
         bounds.sort_by(f64::total_cmp);
@@ -445,9 +510,8 @@ impl<'a> Chain<'a> {
 
     /// The slowest stage's cost under the split at position indices `bounds`.
     fn slowest(&self, bounds: &[usize]) -> f64 {
-        bounds
-            .windows(2)
-            .map(|w| self.span(w[0], w[1]))
+        (bounds.windows(2).enumerate())
+            .map(|(j, w)| self.span(j, w[0], w[1]))
             .fold(0.0, f64::max)
     }
 
@@ -549,7 +613,7 @@ impl<'a> Chain<'a> {
                 // Bisect on the bytes allowed, up to what the fastest split needs, to within
                 // 0.4%; each split reached bounds it by what it needs itself.
                 let (_, mut best) = self
-                    .min_max(|_, a, b| self.span(a, b), |_, _, _| true)
+                    .min_max(|j, a, b| self.span(j, a, b), |_, _, _| true)
                     .expect("a split exists");
                 let most = |b: &[usize]| *self.needs(b).iter().max().unwrap_or(&0);
                 let (mut lo, mut hi) = (0, most(&best));
@@ -623,6 +687,7 @@ pub fn from_balance(g: &Graph, balance: &[usize]) -> Result<Partition> {
 mod tests {
     use super::*;
     use crate::models;
+    use crate::ops::tiles::Grid;
     use crate::plan::footprint;
     use crate::schemes::schedule::{self, StageCosts};
     use crate::schemes::{Kind, Order, Scheme};
@@ -727,7 +792,21 @@ mod tests {
                 1 => (Kind::Mast, 2),
                 _ => (Kind::Master, 4),
             };
-            let scheme = Scheme::new(kind, p, m, replicas, 1, order);
+            // The first stage (and the mirrored last) on tiles, or none.
+            let grid = [(1, 1), (1, 2), (2, 2)][trial / 12 % 3];
+            let grid = Grid {
+                rows: grid.0,
+                cols: grid.1,
+            };
+            let scheme = Scheme::new(kind, p, m, replicas, 1, order).with_spatial(grid);
+            // On tiles: a share of the compute plus an exchange that varies by node.
+            let cost = Cost {
+                whole: chain.cost.clone(),
+                tiled: (0..n)
+                    .map(|i| chain.cost[i] / grid.tiles() as f64 + chain.forward[i] as f64 / 400.0)
+                    .collect(),
+                on_tiles: (0..p).map(|s| scheme.tiled(s)).collect(),
+            };
             let bound = (replicas > 1 && rng.random_bool(0.3)).then_some(m);
             let costs = StageCosts {
                 forward: (0..p).map(|_| rng.random_range(0.5..2.0)).collect(),
@@ -744,11 +823,7 @@ mod tests {
                     .max()
                     .unwrap()
             };
-            let slowest = |b: &Vec<usize>| {
-                b.windows(2)
-                    .map(|w| chain.cost[w[0]..w[1]].iter().sum::<f64>())
-                    .fold(0.0, f64::max)
-            };
+            let slowest = |b: &Vec<usize>| cost.slowest(&Partition::from_bounds(b));
             let mut needs: Vec<u64> = splits.iter().map(need).collect();
             needs.sort_unstable();
             // Caps around and at what the splits need, so that some fit and some do not.
@@ -762,6 +837,7 @@ mod tests {
                 stages: &chain,
                 moments: &moments,
                 mirrored,
+                tiles: (0..p).map(|s| scheme.width(s)).collect(),
             };
             let pos: Vec<usize> = (0..=n).collect();
             let brute = splits
@@ -770,7 +846,7 @@ mod tests {
                 .map(slowest)
                 .fold(f64::INFINITY, f64::min);
             let what = format!("trial {trial}: {scheme:?} bound {bound:?} cap {cap}");
-            match search(&pos, p, &chain.cost, Some(&limit)) {
+            match search(&pos, p, &cost, Some(&limit)) {
                 Some(b) => {
                     outcomes[0] += 1;
                     assert!(need(&b) <= cap, "{what}: {b:?} does not fit");
@@ -787,7 +863,7 @@ mod tests {
             }
             // The split that needs least: exact for one stage per rank, within 0.4% for
             // mirrored ranks.
-            let least = Chain::new(&pos, p, &chain.cost, Some(&limit)).shortfall(cap);
+            let least = Chain::new(&pos, p, &cost, Some(&limit)).shortfall(cap);
             let slack = if mirrored { 1 + least.need / 256 } else { 0 };
             assert!(
                 (needs[0]..=needs[0] + slack).contains(&least.need),
@@ -796,7 +872,7 @@ mod tests {
                 needs[0]
             );
             // Without a cap: the fastest split.
-            let b = search(&pos, p, &chain.cost, None).unwrap();
+            let b = search(&pos, p, &cost, None).unwrap();
             let fastest = splits.iter().map(slowest).fold(f64::INFINITY, f64::min);
             assert!((slowest(&b) - fastest).abs() < 1e-12, "{what}: no cap");
         }
@@ -846,7 +922,9 @@ mod tests {
                 .map(|_| rng.random_range(0.0..1.0))
                 .collect();
             let p = 1 + trial % 5;
-            let part = balanced(&g, p, &cost, None).unwrap().unwrap();
+            let part = balanced(&g, p, &Cost::whole(cost.clone()), None)
+                .unwrap()
+                .unwrap();
             assert_eq!(part.stages.len(), p);
             assert_eq!(part.stages.first().unwrap().start, 0);
             assert_eq!(part.stages.last().unwrap().end, g.nodes.len());
@@ -888,9 +966,11 @@ mod tests {
             .unwrap_err()
             .to_string()
             .contains("adds up to 2"));
-        assert!(balanced(&g, n + 1, &vec![1.0; g.nodes.len()], None)
-            .unwrap_err()
-            .to_string()
-            .contains("at most"));
+        assert!(
+            balanced(&g, n + 1, &Cost::whole(vec![1.0; g.nodes.len()]), None)
+                .unwrap_err()
+                .to_string()
+                .contains("at most")
+        );
     }
 }

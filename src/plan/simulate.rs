@@ -1,16 +1,17 @@
 //! The simulator: a scheme's real schedule replayed with predicted costs instead of tensors,
 //! for any number of GPUs. A step is the pipeline schedule of one data-parallel group (stage
 //! costs from the cost model on a device profile, boundary transfers on the link between the
-//! two ranks) followed by the gradient all-reduce of each stage over the ranks holding a copy of
-//! it (on the slowest link the group spans).
+//! two ranks, a tiled stage's halo exchanges and statistics' sums on the link between its tile
+//! ranks) followed by the gradient all-reduce of each stage over the ranks holding a copy of it
+//! (on the slowest link the group spans).
 
 use std::fmt;
 use std::str::FromStr;
 
-use super::cost::{DeviceProfile, NodeCosts};
+use super::cost::{DeviceProfile, Link, NodeCosts, TileCosts};
 use crate::graph::Graph;
 use crate::plan::{Layout, RunConfig};
-use crate::schemes::schedule::{self, StageCosts};
+use crate::schemes::schedule;
 use crate::{Error, Result};
 
 /// A machine to simulate: its GPUs and how they are connected.
@@ -69,31 +70,16 @@ impl Profile {
     /// Every profile.
     pub const ALL: [Profile; 3] = [Profile::V100_IB, Profile::H100_NVLINK_IB, Profile::CPU];
 
-    /// Seconds to move `bytes` between two ranks.
-    fn send(&self, bytes: f64, same_node: bool) -> f64 {
-        self.latency
-            + bytes
-                / if same_node {
-                    self.intra_node
-                } else {
-                    self.inter_node
-                }
-    }
-
-    /// Seconds of an all-reduce of `bytes` over `n` ranks: the bandwidth term of a ring
-    /// (2(n-1)/n of the bytes cross each link) with the latency of a tree (2·⌈log₂ n⌉ hops), as
-    /// NCCL's and MPI's large-scale algorithms achieve.
-    fn all_reduce(&self, bytes: f64, n: usize, one_node: bool) -> f64 {
-        if n <= 1 {
-            return 0.0;
+    /// The link between two GPUs of one node, or of two nodes.
+    pub fn link(&self, same_node: bool) -> Link {
+        Link {
+            bytes_per_s: if same_node {
+                self.intra_node
+            } else {
+                self.inter_node
+            },
+            latency: self.latency,
         }
-        let bw = if one_node {
-            self.intra_node
-        } else {
-            self.inter_node
-        };
-        let hops = 2.0 * (n as f64).log2().ceil();
-        hops * self.latency + 2.0 * (n - 1) as f64 / n as f64 * bytes / bw
     }
 }
 
@@ -127,6 +113,11 @@ pub struct Point {
     pub pipeline: f64,
     /// Seconds of the slowest stage's gradient all-reduce.
     pub all_reduce: f64,
+    /// Seconds per micro-batch a rank of a tile group spends in halo exchanges, forward and
+    /// backward, over its stages on tiles (0 without tiles).
+    pub halo: f64,
+    /// Seconds per micro-batch a rank of a tile group spends summing statistics over it.
+    pub sums: f64,
     /// Predicted training throughput.
     pub images_per_s: f64,
 }
@@ -137,44 +128,43 @@ pub fn step(c: &RunConfig, layout: &Layout, profile: &Profile, groups: usize) ->
     let micro = c.train.batch_size / s.parts;
     let (dtype, activations) = (c.train.dtype, c.train.activations());
     let stages = &layout.partition.stages;
-    let node_of = |rank: usize| rank / profile.gpus_per_node;
-    let (forward, backward) =
-        NodeCosts::analytic(g, micro, activations, &profile.device).stages(stages);
-    let sc = StageCosts {
-        forward,
-        backward,
-        transfer: (0..stages.len())
-            .map(|st| {
-                let bytes: usize = layout.outputs[st]
-                    .iter()
-                    .map(|&v| g.values[v].shape.numel())
-                    .sum();
-                let bytes = (bytes * micro * activations.size()) as f64;
-                if bytes == 0.0 {
-                    0.0
-                } else {
-                    profile.send(bytes, node_of(st) == node_of(st + 1))
-                }
-            })
-            .collect(),
-    };
+    // A stage's first rank: tile groups fill nodes like any other ranks.
+    let node_of = |slot: usize| s.first_rank(slot) / profile.gpus_per_node;
+    let whole = NodeCosts::analytic(g, micro, activations, &profile.device);
+    let tile_link = profile.link(s.spatial.tiles() <= profile.gpus_per_node);
+    let tiles = TileCosts::new(g, s, &whole, micro, activations, &tile_link);
+    let mut sc = tiles.stage_costs(&whole, stages);
+    for (st, t) in sc.transfer.iter_mut().enumerate() {
+        let bytes: usize = layout.outputs[st]
+            .iter()
+            .map(|&v| g.values[v].shape.numel())
+            .sum();
+        let bytes = (bytes * micro * activations.size()) as f64;
+        if bytes > 0.0 {
+            *t = profile.link(node_of(st) == node_of(st + 1)).send(1, bytes);
+        }
+    }
     let schedule = schedule::build(s, &sc, c.max_in_flight)?;
-    let holders = groups * if s.replicas >= 2 { 2 } else { 1 };
-    let one_node = groups * s.stages <= profile.gpus_per_node;
-    let all_reduce = stages
-        .iter()
-        .map(|r| {
+    let gpus = groups * s.group_size();
+    let link = profile.link(gpus <= profile.gpus_per_node);
+    // A stage's gradients are summed over its tiles too.
+    let holders = |st: usize| groups * s.replicas.min(2) * s.width(st);
+    let all_reduce = (stages.iter().enumerate())
+        .map(|(st, r)| {
             let params = g.trainable_in(r.clone());
-            profile.all_reduce((params * dtype.size()) as f64, holders, one_node)
+            link.all_reduce((params * dtype.size()) as f64, holders(st))
         })
         .fold(0.0, f64::max);
     let pipeline = schedule.makespan();
     let images = (s.replicas * c.train.batch_size * groups) as f64;
+    let (halo, sums) = tiles.exchanges(stages);
     Ok(Point {
-        gpus: groups * s.stages,
+        gpus,
         groups,
         pipeline,
         all_reduce,
+        halo,
+        sums,
         images_per_s: images / (pipeline + all_reduce),
     })
 }
@@ -194,7 +184,7 @@ pub fn weak_scaling(
     let layout = Layout::new(g, c)?;
     let mut points = Vec::new();
     let mut groups = 1;
-    while groups * c.scheme.stages <= max_gpus {
+    while groups * c.scheme.group_size() <= max_gpus {
         points.push(step(c, &layout, profile, groups)?);
         groups *= 2;
     }

@@ -788,7 +788,9 @@ impl Rank {
         let micro = n.div_ceil(mb);
         let per_group = micro.div_ceil(s.dp);
         let first = self.group * per_group;
-        let costs = layout.costs.stage_costs(&layout.partition.stages).tiled(s);
+        let costs = layout
+            .tiles
+            .stage_costs(&layout.costs, &layout.partition.stages);
         let schedule = schedule::evaluation(s, &costs, per_group.min(micro.saturating_sub(first)))?;
         let tasks: Vec<Task> = schedule.ranks[self.slot].iter().map(|t| t.task).collect();
         // Positions of the held-out order (first, count) of this group's micro-batch `j`.

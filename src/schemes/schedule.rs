@@ -53,19 +53,6 @@ impl StageCosts {
     }
 }
 
-impl StageCosts {
-    /// The costs where the stages at `scheme`'s tiled positions spread their compute over
-    /// R·C ranks (the halo exchange and the statistics' sums not counted).
-    pub fn tiled(mut self, scheme: &Scheme) -> StageCosts {
-        let tiles = scheme.spatial.tiles() as f64;
-        for s in (0..self.forward.len()).filter(|&s| scheme.tiled(s)) {
-            self.forward[s] /= tiles;
-            self.backward[s] /= tiles;
-        }
-        self
-    }
-}
-
 /// A task with its predicted start and end.
 #[derive(Clone, Copy, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct Timed {

@@ -716,7 +716,8 @@ pub struct SchemeArgs {
     /// Spatial parallelism: each sample of the first stage split into an RxC grid of tiles
     /// (e.g. 2x2), one rank each, exactly as one device computes it (halo exchange, batch norm
     /// over the whole map); with mast or master the mirrored replica's first stage too. `auto`:
-    /// the fewest tiles (the squarest grid of that many) whose plan fits --device-memory.
+    /// of the grids (the squarest of each tile count) whose plan fits --device-memory, the one
+    /// with the least predicted step (halo exchanges and statistics' sums counted).
     #[arg(long, default_value = "1x1", value_name = "RxC")]
     pub spatial: Tiling,
     /// World size; must be the scheme's (checked; the default is the scheme's: P·D ranks, with

@@ -34,7 +34,6 @@ pub fn plan(a: TrainArgs) -> anyhow::Result<()> {
         c.train.batch_size,
         c.train.numerics()
     );
-    let costs = layout.costs.total();
     println!(
         "{:<6} {:>12} {:>12} {:>20} {:>22}",
         "stage", "nodes", "parameters", "saved/micro-batch", "fwd+bwd/micro-batch"
@@ -43,10 +42,13 @@ pub fn plan(a: TrainArgs) -> anyhow::Result<()> {
     for (i, r) in layout.partition.stages.iter().enumerate() {
         let params = g.trainable_in(r.clone());
         let saved = saved[i];
-        let secs: f64 = costs[r.clone()].iter().sum();
-        // A stage on tiles: what the whole stage saves and costs, spread over its tiles.
+        // A stage on tiles: what the whole stage saves, and what each of its ranks computes
+        // and exchanges.
+        let secs: f64 = layout.tiles.of_stage(&layout.costs, i).total()[r.clone()]
+            .iter()
+            .sum();
         let on_tiles = match s.tiled(i) {
-            true => format!("  on {} tiles", s.spatial),
+            true => format!("  on {} tiles (per tile rank)", s.spatial),
             false => String::new(),
         };
         println!(
@@ -54,6 +56,21 @@ pub fn plan(a: TrainArgs) -> anyhow::Result<()> {
             format!("{}..{}", r.start, r.end),
             human_bytes(saved),
             1e3 * secs
+        );
+    }
+    if s.spatial.is_split() {
+        let (halo, sums) = layout.tiles.exchanges(&layout.partition.stages);
+        println!(
+            "tiles: {} grid, stages {} on tiles; per micro-batch on a tile rank: halo exchange \
+             {:.3} ms, statistics' all-reduces {:.3} ms (forward and backward)",
+            s.spatial,
+            (0..s.stages)
+                .filter(|&i| s.tiled(i))
+                .map(|i| i.to_string())
+                .collect::<Vec<_>>()
+                .join(" and "),
+            1e3 * halo,
+            1e3 * sums
         );
     }
     // Local ranks share this machine.
@@ -185,23 +202,28 @@ pub fn simulate(a: SimulateArgs) -> anyhow::Result<()> {
         a.profile
     );
     let points = simulate::weak_scaling(&g, &c, &a.profile, a.gpus)?;
-    let base = points
-        .first()
-        .ok_or_else(|| anyhow::anyhow!("--gpus {} is fewer than P = {}", a.gpus, s.stages))?;
+    let base = points.first().ok_or_else(|| {
+        anyhow::anyhow!(
+            "--gpus {} is fewer than a group's {} ranks",
+            a.gpus,
+            s.group_size()
+        )
+    })?;
     println!(
-        "{:>6} {:>7} {:>12} {:>13} {:>11} {:>11}",
-        "gpus", "groups", "pipeline s", "all-reduce s", "images/s", "efficiency"
+        "{:>6} {:>7} {:>12} {:>13} {:>11} {:>11} {:>13}",
+        "gpus", "groups", "pipeline s", "all-reduce s", "images/s", "efficiency", "halo+sums ms"
     );
     for p in &points {
         let eff = p.images_per_s / (base.images_per_s * p.groups as f64);
         println!(
-            "{:>6} {:>7} {:>12.4} {:>13.4} {:>11.2} {:>10.2}%",
+            "{:>6} {:>7} {:>12.4} {:>13.4} {:>11.2} {:>10.2}% {:>13.3}",
             p.gpus,
             p.groups,
             p.pipeline,
             p.all_reduce,
             p.images_per_s,
-            100.0 * eff
+            100.0 * eff,
+            1e3 * (p.halo + p.sums)
         );
     }
     let peak = fit::per_rank(&g, &c)?
