@@ -112,7 +112,7 @@ std::mutex& g_m = *new std::mutex;
 std::condition_variable& g_cv = *new std::condition_variable;
 // The first failure of queued work (a race report), returned by the next synchronisation.
 CUresult g_sticky = OK;
-std::string g_sticky_text;
+std::string& g_sticky_text = *new std::string;
 
 struct Chaos {
     bool on = false;
@@ -141,7 +141,7 @@ struct Stream {
     std::thread worker;
     void run();
 };
-std::set<Stream*> g_streams;
+std::set<Stream*>& g_streams = *new std::set<Stream*>;  // never destroyed, as g_m
 unsigned long long g_stream_count = 0;
 
 void Stream::run() {
@@ -215,16 +215,19 @@ using Event = std::shared_ptr<EventState>;
 const std::size_t TOTAL = std::size_t(8) << 30;
 // Freed blocks kept for reuse, at most this many bytes (beyond, the oldest go back to the host).
 const std::size_t POOL_KEEP = std::size_t(1) << 30;
-std::mutex mem_mutex;
-std::map<CUdeviceptr, std::size_t> allocations;  // live device allocations
+// Never destroyed, as g_m: a stream's queued free may still run while the process exits.
+std::mutex& mem_mutex = *new std::mutex;
+std::map<CUdeviceptr, std::size_t>& allocations = *new std::map<CUdeviceptr, std::size_t>;  // live
 // Allocations freed whose free has not yet run in its stream: work queued before the free may
 // still write them (what a temporary dropped right after its launches is).
-std::map<CUdeviceptr, std::size_t> freeing;
-std::deque<std::pair<CUdeviceptr, std::size_t>> pool;  // freed blocks, oldest first
+std::map<CUdeviceptr, std::size_t>& freeing = *new std::map<CUdeviceptr, std::size_t>;
+std::deque<std::pair<CUdeviceptr, std::size_t>>& pool =
+    *new std::deque<std::pair<CUdeviceptr, std::size_t>>;  // freed blocks, oldest first
 std::size_t used = 0, pooled = 0;
-std::map<const char*, std::size_t, std::greater<const char*>> pinned;  // pinned host blocks
+std::map<const char*, std::size_t, std::greater<const char*>>& pinned =
+    *new std::map<const char*, std::size_t, std::greater<const char*>>;  // pinned host blocks
 // The race check's shadows of device blocks it saw written, freed with the block's memory.
-std::map<CUdeviceptr, std::uint64_t*> shadows;
+std::map<CUdeviceptr, std::uint64_t*>& shadows = *new std::map<CUdeviceptr, std::uint64_t*>;
 
 void drop_pooled_front() {
     std::free(reinterpret_cast<void*>(pool.front().first));

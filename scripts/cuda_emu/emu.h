@@ -37,12 +37,13 @@ inline uint3 threadIdx, blockIdx, blockDim, gridDim;
 constexpr std::size_t EMU_STACK = 256 << 10;  // bytes of a fiber's stack
 struct Fiber { jmp_buf jb; ucontext_t start; std::unique_ptr<char[]> stack; bool started = false, done = false; };
 inline jmp_buf g_sched;
-inline std::vector<Fiber> g_fibers;
+// Never destroyed: a stream's queued launch may still run while the process exits.
+inline std::vector<Fiber>& g_fibers = *new std::vector<Fiber>;
 inline unsigned g_current;
 inline char* g_stack;    // the running fiber's stack (for the race check, which skips it)
 inline bool g_in_fiber;  // a thread of the block is running (not the scheduler)
 inline bool g_progress;  // something happened this round (else the block is stuck)
-inline std::function<void()> g_body;
+inline std::function<void()>& g_body = *new std::function<void()>;
 struct Barrier { unsigned expected = 0, arrived = 0, gen = 0; };
 inline Barrier g_bar, g_block_end, g_wbar[32];
 // Counts the block's barriers (and block starts): two accesses in one epoch are unordered.

@@ -30,7 +30,8 @@ namespace {
 
 bool (*g_device)(const void*, RaceDevice*);
 const char* g_kernel = "";
-std::string g_report;
+// Never destroyed: a stream's queued launch may still run while the process exits.
+std::string& g_report = *new std::string;
 std::uintptr_t g_data_lo, g_data_size;  // the writable segment holding the __shared__ arrays
 
 // Who last wrote a 4-byte word of __shared__ memory and who read it (two readers are kept:
@@ -40,13 +41,13 @@ struct Word {
     std::uint32_t write_epoch = 0, read_epoch = 0;
     std::uint16_t writer = 0, readers[2] = {0, 0};
 };
-std::vector<Word> g_shadow;  // one per word of that segment
+std::vector<Word>& g_shadow = *new std::vector<Word>;  // one per word of that segment
 unsigned long g_epoch_base = 0;
 
 // Device memory: each 2-byte unit's shadow holds the launch that first wrote it (high 32 bits)
 // and the writer as block * blockDim.x + thread (low 32 bits); launches count from 1.
 std::uint32_t g_launch = 0;
-std::vector<RaceDevice> g_devices;  // the allocations this launch wrote, the latest first
+std::vector<RaceDevice>& g_devices = *new std::vector<RaceDevice>;  // written this launch, latest first
 
 __attribute__((noinline, cold)) void shared_race(unsigned other, const char* first, const char* then, std::uintptr_t word) {
     if (!g_report.empty()) return;
