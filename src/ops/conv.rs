@@ -67,7 +67,7 @@ impl Conv2d {
 
 impl Conv2d {
     /// Rows and columns one window covers.
-    fn span(&self) -> (usize, usize) {
+    pub fn span(&self) -> (usize, usize) {
         let span = |k: usize, d: usize| d * (k - 1) + 1;
         (
             span(self.kernel.0, self.dilation.0),

@@ -273,10 +273,7 @@ impl Op {
             Op::Conv2d(c) => Some(Reach {
                 stride: c.stride,
                 pad: c.pad,
-                span: (
-                    c.dilation.0 * (c.kernel.0 - 1) + 1,
-                    c.dilation.1 * (c.kernel.1 - 1) + 1,
-                ),
+                span: c.span(),
             }),
             Op::MaxPool(p) => Some(window(&p.0)),
             Op::AvgPool(p) => Some(window(&p.0)),
