@@ -3,6 +3,7 @@
 
     scripts/bench_vs_torch.sh train            # the four training targets of issue 20
     scripts/bench_vs_torch.sh convs            # per-shape conv GFLOP/s, resnet110v2 at 256², B = 1
+    scripts/bench_vs_torch.sh convs --model resnet50 --side 224 --batch 8   # another model's
     scripts/bench_vs_torch.sh scaling          # resnet110v2, B = 1, step time from 128² to 1024²
     scripts/bench_vs_torch.sh all --json out.json
 
@@ -222,9 +223,11 @@ def sgemm_rate(threads, n=2048, repeats=10):
 
 
 def convs(a, report):
+    model, side, batch = a.model or "resnet110v2", a.side or 256, a.batch or 1
+    print(f"{model} at {side}², batch {batch}")
     with tempfile.NamedTemporaryFile(suffix=".json") as j:
         run_child([GEMS, "bench", "kernels", "--device", "cpu", "--threads", str(a.threads),
-                   "--model", "resnet110v2", "--image-size", "256", "--batch", "1",
+                   "--model", model, "--image-size", str(side), "--batch", str(batch),
                    "--repeats", str(a.repeats), "--json", j.name])
         ours = json.load(open(j.name))["convolutions"]
     geoms = [parse_geom(c["geom"]) for c in ours]
@@ -251,7 +254,8 @@ def convs(a, report):
     print("all convolutions of a step (ms, count-weighted): gems "
           + " / ".join(f"{x * 1e3:.0f}" for x in tot[0]) + ", torch "
           + " / ".join(f"{x * 1e3:.0f}" for x in tot[1]) + " (forward / bwd-data / bwd-filter)")
-    report["convs"] = {"sgemm_gflops": rate, "rows": rows}
+    report["convs"] = {"model": model, "side": side, "batch": batch, "sgemm_gflops": rate,
+                       "rows": rows}
 
 
 def scaling(a, report):
@@ -287,11 +291,11 @@ def main():
                    help="torch.compile in every round (default: the first only; it compiles "
                    "for about 3 minutes per model on 2 cores)")
     p.add_argument("--json", help="write every result to this file")
+    p.add_argument("--model", help="convs: this model (default resnet110v2); worker: its model")
+    p.add_argument("--side", type=int, help="convs: image side (default 256)")
+    p.add_argument("--batch", type=int, help="convs: batch (default 1)")
     w = p.add_argument_group("worker (internal)")
     w.add_argument("--mode", choices=["eager", "compile"])
-    w.add_argument("--model")
-    w.add_argument("--side", type=int)
-    w.add_argument("--batch", type=int)
     w.add_argument("--warmup", type=int)
     w.add_argument("--steps", type=int)
     a = p.parse_args()

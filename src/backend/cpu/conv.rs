@@ -7,15 +7,16 @@
 //! Work is split into contiguous runs of (sample, tile) items, one run per lane (a rayon task
 //! with its own slice of the workspace). Filter gradients are summed per lane, then over lanes
 //! in lane order; their lanes are a fixed number ([`REDUCTION_LANES`]), not one per thread,
-//! so a gradient's rounding depends neither on thread timing nor on the thread count. Data
-//! gradients overlap between tiles (col2im adds into shared rows), so they are split by
-//! sample instead.
+//! so a gradient's rounding depends neither on thread timing nor on the thread count; its
+//! items hold enough columns for a product worth its partial sums (whole samples side by side
+//! where planes are small, see [`FilterTiles`]). Strided data gradients overlap between
+//! tiles (col2im adds into shared rows), so they are split by sample instead.
 
 use std::ops::Range;
 
 use rayon::prelude::*;
 
-use super::{gemm, gemm_raw, Float, View};
+use super::{gemm, gemm_raw, simd, Float, View};
 use crate::backend::ConvGeom;
 
 /// Elements of one im2col tile: small enough to stay in a core's L2 cache.
@@ -50,22 +51,115 @@ fn col_tile_len(g: &ConvGeom) -> usize {
     }
 }
 
-fn lane_len(g: &ConvGeom) -> usize {
-    col_tile_len(g) + g.c_out * g.col_rows()
+/// Workspace elements of forward (and of backward-data, which needs fewer lanes): an im2col
+/// tile per lane.
+fn lanes_len(g: &ConvGeom) -> usize {
+    lanes(g.n * tiling(g).1) * col_tile_len(g)
 }
 
-/// Workspace elements of forward and backward-filter: per lane, an im2col tile and a
-/// filter-gradient partial sum.
-fn lanes_len(g: &ConvGeom) -> usize {
-    let items = g.n * tiling(g).1;
-    lanes(items).max(reduction_lanes(items)) * lane_len(g)
+/// `lanes` disjoint slices of `len` elements from the front of `ws` (empty ones for 0).
+fn lane_slices<T>(ws: &mut [T], lanes: usize, len: usize) -> Vec<&mut [T]> {
+    if len == 0 {
+        return (0..lanes).map(|_| <&mut [T]>::default()).collect();
+    }
+    ws[..lanes * len].chunks_mut(len).collect()
 }
 
 /// Workspace elements: what every pass needs (backward-data as a forward convolution: its
-/// flipped weights and that convolution's lanes).
+/// flipped weights and that convolution's lanes; backward-filter its lanes).
 pub fn workspace(g: &ConvGeom) -> usize {
     let data = transposed(g).map_or(0, |t| weights_len(g) + lanes_len(&t));
-    lanes_len(g).max(data)
+    let ft = FilterTiles::of(g);
+    let filter = reduction_lanes(ft.items(g)) * ft.lane_len(g);
+    lanes_len(g).max(data).max(filter)
+}
+
+/// Columns a filter-gradient product sums over at least, where the batch has them: with
+/// fewer, each product rereads and rewrites its C_out × C_in·k² partial sums for little work
+/// (resnet50's last stage at 224²: 49 columns a sample against 512 × 4608 partial sums).
+const FILTER_DEPTH: usize = 256;
+
+/// How backward-filter cuts its columns, (sample, output position), into items: tiles of
+/// `rows` output rows of one sample, im2col-sized as forward's but at least [`FILTER_DEPTH`]
+/// columns; or where a whole sample has fewer, groups of `samples` whole samples, their
+/// columns side by side. Depends on the geometry only, so the sums' order does too.
+#[derive(Clone, Copy)]
+struct FilterTiles {
+    rows: usize,
+    tiles: usize,
+    samples: usize,
+}
+
+impl FilterTiles {
+    fn of(g: &ConvGeom) -> Self {
+        let (k, w_out, hw_out) = (g.c_in * g.kh * g.kw, g.w_out.max(1), g.h_out * g.w_out);
+        let rows = (TILE_ELEMS / (k * w_out).max(1))
+            .max(FILTER_DEPTH.div_ceil(w_out))
+            .clamp(1, g.h_out.max(1));
+        let tiles = g.h_out.div_ceil(rows);
+        let mut samples = 1;
+        if tiles == 1 && hw_out > 0 && g.n > 1 {
+            // As few groups as reach the depth, as even as the batch allows.
+            let groups = g.n.div_ceil(FILTER_DEPTH.div_ceil(hw_out).min(g.n));
+            samples = g.n.div_ceil(groups);
+        }
+        FilterTiles {
+            rows,
+            tiles,
+            samples,
+        }
+    }
+
+    fn items(&self, g: &ConvGeom) -> usize {
+        if self.samples > 1 {
+            g.n.div_ceil(self.samples)
+        } else {
+            g.n * self.tiles
+        }
+    }
+
+    /// (first sample, samples, output rows) of item `i`.
+    fn item(&self, g: &ConvGeom, i: usize) -> (usize, usize, Range<usize>) {
+        if self.samples > 1 {
+            let n0 = i * self.samples;
+            (n0, self.samples.min(g.n - n0), 0..g.h_out)
+        } else {
+            let t = i % self.tiles;
+            (
+                i / self.tiles,
+                1,
+                t * self.rows..((t + 1) * self.rows).min(g.h_out),
+            )
+        }
+    }
+
+    /// The most columns of an item.
+    fn cols(&self, g: &ConvGeom) -> usize {
+        self.samples * self.rows * g.w_out
+    }
+
+    /// Per lane: the im2col columns (none for a pointwise convolution of one sample an item,
+    /// which reads its input in place), dy's columns side by side (for groups of samples), and
+    /// the partial sums.
+    fn col_len(&self, g: &ConvGeom) -> usize {
+        if g.is_pointwise() && self.samples == 1 {
+            0
+        } else {
+            g.c_in * g.kh * g.kw * self.cols(g)
+        }
+    }
+
+    fn dy_len(&self, g: &ConvGeom) -> usize {
+        if self.samples > 1 {
+            g.c_out * self.cols(g)
+        } else {
+            0
+        }
+    }
+
+    fn lane_len(&self, g: &ConvGeom) -> usize {
+        self.col_len(g) + self.dy_len(g) + g.c_out * g.col_rows()
+    }
 }
 
 fn weights_len(g: &ConvGeom) -> usize {
@@ -136,10 +230,12 @@ fn input_row(g: &ConvGeom, oh: usize, i: usize) -> Option<usize> {
         .filter(|&r| r < g.h)
 }
 
-/// col[(c·kh + i)·kw + j][t·w_out + ow] = x[c][ih][iw] for output rows `oh` (0 outside).
-fn im2col<T: Float>(x: &[T], col: &mut [T], g: &ConvGeom, oh: Range<usize>) {
+/// col[(c·kh + i)·kw + j][t·w_out + ow] = x[c][ih][iw] for output rows `oh` (0 outside),
+/// `ld` elements between col's rows.
+fn im2col<T: Float>(x: &[T], col: &mut [T], ld: usize, g: &ConvGeom, oh: Range<usize>) {
     let cols = oh.len() * g.w_out;
-    for (r, row) in col.chunks_mut(cols).take(g.c_in * g.kh * g.kw).enumerate() {
+    for r in 0..g.c_in * g.kh * g.kw {
+        let row = &mut col[r * ld..r * ld + cols];
         let (c, i, j) = (r / (g.kh * g.kw), r / g.kw % g.kh, r % g.kw);
         let plane = &x[c * g.h * g.w..(c + 1) * g.h * g.w];
         let valid = valid_cols(g, j);
@@ -223,6 +319,20 @@ fn rhs_view<'a, T: Float>(
     }
 }
 
+/// sum = Σ over the lanes' partial sums, in lane order, of their elements at..at + sum.len().
+fn lane_sum<'a, T: Float>(parts: &[&[T]], at: usize, sum: &'a mut [T]) -> &'a [T] {
+    let len = sum.len();
+    sum.copy_from_slice(&parts[0][at..at + len]);
+    for p in &parts[1..] {
+        simd(|| {
+            sum.iter_mut()
+                .zip(&p[at..at + len])
+                .for_each(|(s, p)| *s += *p)
+        });
+    }
+    sum
+}
+
 /// y[n] = W · im2col(x[n]) per group, tile by tile.
 pub fn forward<T: Float>(x: &[T], w: &[T], y: &mut [T], ws: &mut [T], g: &ConvGeom) {
     let (x_len, hw_out) = (g.c_in * g.h * g.w, g.h_out * g.w_out);
@@ -234,17 +344,16 @@ pub fn forward<T: Float>(x: &[T], w: &[T], y: &mut [T], ws: &mut [T], g: &ConvGe
     let par_gemm = items == 1;
     assert!(y.len() >= g.n * y_len && x.len() >= g.n * x_len);
     let out = SharedOut(y.as_mut_ptr());
-    ws[..lanes(items) * lane_len(g)]
-        .par_chunks_mut(lane_len(g))
+    lane_slices(ws, lanes(items), col_tile_len(g))
+        .into_par_iter()
         .enumerate()
-        .for_each(|(l, lane)| {
-            let col = &mut lane[..col_tile_len(g)];
+        .for_each(|(l, col)| {
             for item in l * per..((l + 1) * per).min(items) {
                 let (n, oh) = (item / tiles, tile_rows(g, item % tiles));
                 let (off, cols) = (oh.start * g.w_out, oh.len() * g.w_out);
                 let x_n = &x[n * x_len..(n + 1) * x_len];
                 if !g.is_pointwise() {
-                    im2col(x_n, col, g, oh);
+                    im2col(x_n, col, cols, g, oh);
                 }
                 for gi in 0..g.groups {
                     let lhs = View::rows(&w[gi * co_g * rows_g..], rows_g);
@@ -288,9 +397,8 @@ pub fn backward_data<T: Float>(dy: &[T], w: &[T], dx: &mut [T], ws: &mut [T], g:
     let par = lanes(g.n) == 1;
     dx.par_chunks_mut(per * x_len)
         .zip(dy.par_chunks(per * y_len))
-        .zip(ws.par_chunks_mut(lane_len(g)))
-        .for_each(|((dxs, dys), lane)| {
-            let dcol = &mut lane[..col_tile_len(g)];
+        .zip(lane_slices(ws, lanes(g.n), col_tile_len(g)))
+        .for_each(|((dxs, dys), dcol)| {
             for (dx_n, dy_n) in dxs.chunks_mut(x_len).zip(dys.chunks(y_len)) {
                 // col2im adds into dx; a pointwise convolution's products overwrite all of it.
                 if !g.is_pointwise() {
@@ -346,44 +454,68 @@ pub fn backward_data<T: Float>(dy: &[T], w: &[T], dx: &mut [T], ws: &mut [T], g:
         });
 }
 
-/// dW += Σ dy[n] · im2col(x[n])ᵀ per group, tile by tile.
+/// dW += Σ dy[n] · im2col(x[n])ᵀ per group, item by item (see [`FilterTiles`]).
 pub fn backward_filter<T: Float>(x: &[T], dy: &[T], dw: &mut [T], ws: &mut [T], g: &ConvGeom) {
-    let (x_len, hw_out) = (g.c_in * g.h * g.w, g.h_out * g.w_out);
+    let (x_len, hw, hw_out) = (g.c_in * g.h * g.w, g.h * g.w, g.h_out * g.w_out);
     let y_len = g.c_out * hw_out;
     let (rows_g, co_g) = (g.col_rows(), g.c_out / g.groups);
-    let tiles = tiling(g).1;
-    let items = g.n * tiles;
+    let ft = FilterTiles::of(g);
+    let items = ft.items(g);
+    if items == 0 {
+        return;
+    }
     let lanes = reduction_lanes(items);
     let per = items.div_ceil(lanes);
     let par_gemm = lanes < rayon::current_num_threads();
-    let cl = col_tile_len(g);
+    let (cl, dl, ll) = (ft.col_len(g), ft.dy_len(g), ft.lane_len(g));
     // The gemm crate runs these products (the long dimension inside both operands' rows)
     // about twice as fast with the larger of C_out and C_in·k² as the rows of the result, so
     // the partial sums are dWᵀ += im2col(x) · dyᵀ where C_in·k² is the larger.
     let transposed = rows_g >= co_g;
-    if items == 0 {
-        return;
-    }
     // A lane past the last item (items not a multiple of the lanes) holds no partial sums.
     let busy = |l: usize| l * per < items;
-    let ws = &mut ws[..lanes * lane_len(g)];
-    ws.par_chunks_mut(lane_len(g))
+    let ws = &mut ws[..lanes * ll];
+    ws.par_chunks_mut(ll)
         .enumerate()
         .filter(|(l, _)| busy(*l))
         .for_each(|(l, lane)| {
-            let (col, part) = lane.split_at_mut(cl);
+            let (col, rest) = lane.split_at_mut(cl);
+            let (dy_cols, part) = rest.split_at_mut(dl);
             for (k, item) in (l * per..((l + 1) * per).min(items)).enumerate() {
-                let (n, oh) = (item / tiles, tile_rows(g, item % tiles));
-                let (off, cols) = (oh.start * g.w_out, oh.len() * g.w_out);
-                let x_n = &x[n * x_len..(n + 1) * x_len];
-                if !g.is_pointwise() {
-                    im2col(x_n, col, g, oh);
+                let (n0, samples, oh) = ft.item(g, item);
+                let (off, cols) = (oh.start * g.w_out, samples * oh.len() * g.w_out);
+                // The input's columns: im2col side by side per sample, or a pointwise
+                // convolution's single sample read in place.
+                let in_place = g.is_pointwise() && ft.samples == 1;
+                if !in_place {
+                    for s in 0..samples {
+                        let x_n = &x[(n0 + s) * x_len..(n0 + s + 1) * x_len];
+                        im2col(x_n, &mut col[s * hw_out..], cols, g, oh.clone());
+                    }
                 }
+                // dy's columns likewise: in place for one sample, else copied side by side.
+                let dy_view = if ft.samples == 1 {
+                    View::rows(&dy[n0 * y_len + off..], hw_out)
+                } else {
+                    for (co, row) in dy_cols.chunks_mut(cols).take(g.c_out).enumerate() {
+                        for (s, dst) in row.chunks_mut(hw_out).enumerate() {
+                            dst.copy_from_slice(&dy[(n0 + s) * y_len + co * hw_out..][..hw_out]);
+                        }
+                    }
+                    View::rows(&dy_cols[..], cols)
+                };
                 // The lane's first product sets its partial sums: no zeroing pass.
                 let add = k > 0;
                 for gi in 0..g.groups {
-                    let im = rhs_view(g, x_n, col, gi, off, cols);
-                    let d = View::rows(&dy[n * y_len + gi * co_g * hw_out + off..], hw_out);
+                    let im = if in_place {
+                        View::rows(&x[n0 * x_len + gi * rows_g * hw + off..], hw)
+                    } else {
+                        View::rows(&col[gi * rows_g * cols..], cols)
+                    };
+                    let d = View {
+                        data: &dy_view.data[gi * co_g * dy_view.rs..],
+                        ..dy_view
+                    };
                     let part = &mut part[gi * co_g * rows_g..];
                     if transposed {
                         gemm(rows_g, co_g, cols, part, co_g, im, d.t(), add, par_gemm);
@@ -393,27 +525,162 @@ pub fn backward_filter<T: Float>(x: &[T], dy: &[T], dw: &mut [T], ws: &mut [T], 
                 }
             }
         });
-    // The lanes summed in lane order into the first (contiguous), then added to dw once.
-    let (first, rest) = ws.split_at_mut(lane_len(g));
-    let total = &mut first[cl..];
-    for (l, lane) in rest.chunks(lane_len(g)).enumerate() {
-        if busy(l + 1) {
-            total
-                .iter_mut()
-                .zip(&lane[cl..])
-                .for_each(|(t, p)| *t += *p);
+    // The lanes' partial sums added in lane order, then into dw once, in parallel over blocks
+    // of dw's rows: each element's sum has the same order on any number of threads. Where the
+    // partial sums are dWᵀ, a block reads a run of each of their rows in turn.
+    let parts: Vec<&[T]> = ws
+        .chunks(ll)
+        .enumerate()
+        .filter(|(l, _)| busy(*l))
+        .map(|(_, lane)| &lane[cl + dl..])
+        .collect();
+    const BLOCK: usize = 64;
+    dw[..g.c_out * rows_g]
+        .par_chunks_mut(co_g * rows_g)
+        .enumerate()
+        .for_each(|(gi, dw)| {
+            let base = gi * co_g * rows_g;
+            dw.par_chunks_mut(BLOCK * rows_g)
+                .enumerate()
+                .for_each(|(b, block)| {
+                    let mut sum = [T::zero(); BLOCK];
+                    if transposed {
+                        let (co0, rows) = (b * BLOCK, block.len() / rows_g);
+                        for r in 0..rows_g {
+                            let sum = lane_sum(&parts, base + r * co_g + co0, &mut sum[..rows]);
+                            for (i, s) in sum.iter().enumerate() {
+                                block[i * rows_g + r] += *s;
+                            }
+                        }
+                    } else {
+                        let at = base + b * BLOCK * rows_g;
+                        for (i, d) in block.chunks_mut(BLOCK).enumerate() {
+                            let sum = lane_sum(&parts, at + i * BLOCK, &mut sum[..d.len()]);
+                            simd(|| d.iter_mut().zip(sum.iter()).for_each(|(d, s)| *d += *s));
+                        }
+                    }
+                });
+        });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn geom(
+        n: usize,
+        (c_in, h, w): (usize, usize, usize),
+        c_out: usize,
+        (k, stride, pad, dilation): (usize, usize, usize, usize),
+        groups: usize,
+    ) -> ConvGeom {
+        let out = |len: usize| (len + 2 * pad - dilation * (k - 1) - 1) / stride + 1;
+        ConvGeom {
+            n,
+            c_in,
+            h,
+            w,
+            c_out,
+            kh: k,
+            kw: k,
+            stride: (stride, stride),
+            pad: (pad, pad),
+            dilation: (dilation, dilation),
+            groups,
+            h_out: out(h),
+            w_out: out(w),
         }
     }
-    for (gi, part) in total.chunks(co_g * rows_g).enumerate() {
-        let dw = &mut dw[gi * co_g * rows_g..(gi + 1) * co_g * rows_g];
-        if transposed {
-            for (r, row) in part.chunks(co_g).enumerate() {
-                for (co, p) in row.iter().enumerate() {
-                    dw[co * rows_g + r] += *p;
+
+    fn values(len: usize, seed: u64) -> Vec<f64> {
+        (0..len as u64)
+            .map(|i| ((i * 2_654_435_761 + seed * 40_503) % 1999) as f64 / 999.5 - 1.0)
+            .collect()
+    }
+
+    /// y, dx and dw of one convolution by its definition: a loop over every tap.
+    fn by_definition(g: &ConvGeom, x: &[f64], w: &[f64], dy: &[f64]) -> [Vec<f64>; 3] {
+        let (ci_g, co_g) = (g.c_in / g.groups, g.c_out / g.groups);
+        let mut y = vec![0.0; g.n * g.c_out * g.h_out * g.w_out];
+        let mut dx = vec![0.0; x.len()];
+        let mut dw = vec![0.0; w.len()];
+        for n in 0..g.n {
+            for co in 0..g.c_out {
+                for oh in 0..g.h_out {
+                    for ow in 0..g.w_out {
+                        let yi = ((n * g.c_out + co) * g.h_out + oh) * g.w_out + ow;
+                        for a in 0..ci_g {
+                            let ci = co / co_g * ci_g + a;
+                            for i in 0..g.kh {
+                                for j in 0..g.kw {
+                                    let ih =
+                                        (oh * g.stride.0 + i * g.dilation.0).wrapping_sub(g.pad.0);
+                                    let iw =
+                                        (ow * g.stride.1 + j * g.dilation.1).wrapping_sub(g.pad.1);
+                                    if ih >= g.h || iw >= g.w {
+                                        continue;
+                                    }
+                                    let xi = ((n * g.c_in + ci) * g.h + ih) * g.w + iw;
+                                    let wi = ((co * ci_g + a) * g.kh + i) * g.kw + j;
+                                    y[yi] += w[wi] * x[xi];
+                                    dx[xi] += w[wi] * dy[yi];
+                                    dw[wi] += dy[yi] * x[xi];
+                                }
+                            }
+                        }
+                    }
                 }
             }
-        } else {
-            dw.iter_mut().zip(part).for_each(|(d, p)| *d += *p);
+        }
+        [y, dx, dw]
+    }
+
+    fn assert_close(what: &str, g: &ConvGeom, got: &[f64], want: &[f64]) {
+        for (i, (a, b)) in got.iter().zip(want).enumerate() {
+            assert!(
+                (a - b).abs() <= 1e-12 * (1.0 + b.abs()),
+                "{what} [{i}]: {a} vs {b}, {g:?}"
+            );
+        }
+    }
+
+    /// Every pass against the definition, on geometries that take each of the passes' ways of
+    /// cutting the work: tiles of rows, whole samples, groups of samples (an uneven last one),
+    /// a pointwise input read in place or copied, strides, dilation, groups, and the filter
+    /// gradient's partial sums as dW (C_out > C_in·k²) or as dWᵀ.
+    #[test]
+    fn every_pass_matches_the_definition() {
+        let cases = [
+            geom(2, (16, 40, 64), 8, (3, 1, 1, 1), 1), // several tiles of rows a sample
+            geom(1, (8, 6, 7), 6, (3, 1, 1, 1), 1),    // one small sample
+            geom(7, (8, 10, 10), 6, (3, 1, 1, 1), 1),  // groups of 3, 3 and 1 samples
+            geom(2, (64, 48, 64), 12, (1, 1, 0, 1), 1), // pointwise, tiles, in place
+            geom(6, (4, 5, 5), 12, (1, 1, 0, 1), 1),   // pointwise, samples side by side, dW
+            geom(3, (6, 9, 11), 4, (3, 2, 1, 2), 2),   // stride, dilation, groups
+            geom(5, (4, 7, 6), 4, (3, 2, 1, 1), 4),    // depthwise
+            geom(4, (32, 7, 7), 64, (3, 1, 1, 1), 1),  // deep and small, dWᵀ
+        ];
+        for g in &cases {
+            let ws = vec![f64::NAN; workspace(g)];
+            let x = values(g.n * g.c_in * g.h * g.w, 1);
+            let w = values(g.c_out * g.col_rows(), 2);
+            let dy = values(g.n * g.c_out * g.h_out * g.w_out, 3);
+            let [y, dx, dw] = by_definition(g, &x, &w, &dy);
+
+            let (mut got, mut scratch) = (vec![f64::NAN; y.len()], ws.clone());
+            forward(&x, &w, &mut got, &mut scratch, g);
+            assert_close("forward", g, &got, &y);
+
+            let (mut got, mut scratch) = (vec![f64::NAN; dx.len()], ws.clone());
+            backward_data(&dy, &w, &mut got, &mut scratch, g);
+            assert_close("backward-data", g, &got, &dx);
+
+            // Backward-filter adds into dW.
+            let before = values(dw.len(), 4);
+            let (mut got, mut scratch) = (before.clone(), ws.clone());
+            backward_filter(&x, &dy, &mut got, &mut scratch, g);
+            let want: Vec<f64> = before.iter().zip(&dw).map(|(a, b)| a + b).collect();
+            assert_close("backward-filter", g, &got, &want);
         }
     }
 }
