@@ -16,7 +16,7 @@ use std::ops::Range;
 
 use rayon::prelude::*;
 
-use super::{gemm, gemm_raw, simd, Float, View};
+use super::{gemm, gemm_raw, simd, Float, SharedOut, View};
 use crate::backend::ConvGeom;
 
 /// Elements of one im2col tile: small enough to stay in a core's L2 cache.
@@ -285,20 +285,6 @@ fn col2im_channel<T: Float>(col: &[T], plane: &mut [T], c: usize, g: &ConvGeom, 
                 }
             }
         }
-    }
-}
-
-/// A pointer shared by lanes that write disjoint elements.
-#[derive(Clone, Copy)]
-struct SharedOut<T>(*mut T);
-// SAFETY: lanes write disjoint (sample, tile) regions through it; see `forward`.
-unsafe impl<T> Send for SharedOut<T> {}
-unsafe impl<T> Sync for SharedOut<T> {}
-
-impl<T> SharedOut<T> {
-    /// Through a method, so closures capture the wrapper (which is Sync), not the raw field.
-    fn at(&self, offset: usize) -> *mut T {
-        self.0.wrapping_add(offset)
     }
 }
 

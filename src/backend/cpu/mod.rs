@@ -8,6 +8,8 @@ pub use crate::core::rng::{splitmix64, uniform};
 mod norm;
 mod pool;
 mod resize;
+#[cfg(target_arch = "x86_64")]
+mod skinny;
 mod wide;
 
 use rayon::prelude::*;
@@ -139,7 +141,22 @@ impl<'a, T> View<'a, T> {
     }
 }
 
-/// dst (m×n, `dst_rs` between rows) = [dst +] lhs (m×k) · rhs (k×n).
+/// A pointer shared by parallel tasks that write disjoint elements through it.
+#[derive(Clone, Copy)]
+pub(crate) struct SharedOut<T>(pub *mut T);
+// SAFETY: the tasks sharing it write disjoint elements (each user says which).
+unsafe impl<T> Send for SharedOut<T> {}
+unsafe impl<T> Sync for SharedOut<T> {}
+
+impl<T> SharedOut<T> {
+    /// Through a method, so closures capture the wrapper (which is Sync), not the raw field.
+    pub fn at(&self, offset: usize) -> *mut T {
+        self.0.wrapping_add(offset)
+    }
+}
+
+/// dst (m×n, `dst_rs` between rows) = [dst +] lhs (m×k) · rhs (k×n): f32 with a small lhs
+/// by [`skinny`] where the CPU has AVX2 and FMA, else by the gemm crate.
 ///
 /// # Safety
 /// `dst` must be valid for writes at every `i·dst_rs + j` (i < m, j < n), and no other thread
@@ -170,6 +187,20 @@ pub(crate) unsafe fn gemm_raw<T: Float>(
             }
         }
         return;
+    }
+    #[cfg(target_arch = "x86_64")]
+    if std::any::TypeId::of::<T>() == std::any::TypeId::of::<f32>() {
+        // SAFETY: T is f32 (checked above), so the views and dst are f32 in fact.
+        let (lhs, rhs) = unsafe {
+            (
+                std::mem::transmute::<View<T>, View<f32>>(lhs),
+                std::mem::transmute::<View<T>, View<f32>>(rhs),
+            )
+        };
+        if skinny::suits(m, n, k, &rhs) {
+            skinny::product(m, n, k, dst.cast(), dst_rs, lhs, rhs, accumulate, parallel);
+            return;
+        }
     }
     let par = if parallel {
         gemm::Parallelism::Rayon(rayon::current_num_threads())
