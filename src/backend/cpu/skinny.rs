@@ -6,8 +6,9 @@
 //! over a 256² plane). Two things cost: rows of a plane lie a multiple of 4 KiB apart, so the
 //! k rows read together share cache sets; and the operands are packed for blocks far larger
 //! than this lhs. Here each block of [`BLOCK`] columns of rhs is copied into a contiguous
-//! scratch (one sequential read of each row), and 6 rows × 16 columns of dst are accumulated
-//! in registers over all of k with AVX2 FMAs.
+//! scratch (one sequential read of each row) where its rows alias so (else read in place, e.g.
+//! an im2col tile), and 6 rows × 16 columns of dst are accumulated in registers over all of
+//! k with AVX2 FMAs.
 //!
 //! Every element is one fused multiply-add chain over k in order, starting from 0 or dst, in
 //! the vector kernel and the scalar tail alike; threads split columns only, so the bits depend
@@ -29,6 +30,9 @@ const NR: usize = 16;
 /// Columns per block: rhs's block (k × BLOCK) stays in L2, at most 128 KiB.
 const BLOCK: usize = 256;
 const SCRATCH: usize = 1 << 15;
+/// Rows of rhs this many elements (4 KiB) apart, or a multiple, share cache sets: those are
+/// copied; others are read in place.
+const ALIASING: usize = 1024;
 
 /// Whether the product suits this kernel on this CPU.
 pub fn suits(m: usize, n: usize, k: usize, rhs: &View<f32>) -> bool {
@@ -70,6 +74,13 @@ pub unsafe fn product(
     let out = super::SharedOut(dst);
     let block = |b: usize| {
         let (p0, len) = (b * cols, cols.min(n - b * cols));
+        if !rhs.rs.is_multiple_of(ALIASING) {
+            let data = &rhs.data[p0..];
+            // SAFETY: as below.
+            return unsafe {
+                block_product(m, len, k, out.at(p0), dst_rs, lhs, data, rhs.rs, accumulate)
+            };
+        }
         PACKED.with(|packed| {
             let mut packed = packed.borrow_mut();
             packed.resize(k * cols, 0.0);
@@ -196,7 +207,8 @@ mod tests {
 
     /// Against f64 sums, for row counts around the kernel's 6 (tails of 1–5 rows), columns
     /// around its 16 and its blocks (a scalar tail), a transposed lhs, rows of rhs and dst
-    /// apart by more than n, with and without accumulating, on one thread and on all.
+    /// apart by more than n (rhs's copied or read in place), with and without accumulating,
+    /// on one thread and on all.
     #[test]
     fn products_match_f64_sums() {
         if !std::arch::is_x86_feature_detected!("avx2")
@@ -212,7 +224,13 @@ mod tests {
             (16, 1000, 144),
         ] {
             for (transposed, accumulate, parallel) in [(false, false, false), (true, true, true)] {
-                let (ld, dst_rs) = (n + 3, n + 5);
+                // rhs's rows 4 KiB apart (copied) or not (read in place).
+                let ld = if transposed {
+                    (n + 3usize).next_multiple_of(ALIASING)
+                } else {
+                    n + 3
+                };
+                let dst_rs = n + 5;
                 let w = values(m * k, 1);
                 let x = values(k * ld, 2);
                 let mut dst = values(m * dst_rs, 3);
