@@ -74,12 +74,13 @@ pub unsafe fn product(
     let out = super::SharedOut(dst);
     let block = |b: usize| {
         let (p0, len) = (b * cols, cols.min(n - b * cols));
+        // SAFETY: block b writes columns [p0, p0 + len) of dst, disjoint from every other
+        // block's; AVX2 and FMA were checked by `suits`.
+        let run = |data: &[f32], ld: usize| unsafe {
+            block_product(m, len, k, out.at(p0), dst_rs, lhs, data, ld, accumulate)
+        };
         if !rhs.rs.is_multiple_of(ALIASING) {
-            let data = &rhs.data[p0..];
-            // SAFETY: as below.
-            return unsafe {
-                block_product(m, len, k, out.at(p0), dst_rs, lhs, data, rhs.rs, accumulate)
-            };
+            return run(&rhs.data[p0..], rhs.rs);
         }
         PACKED.with(|packed| {
             let mut packed = packed.borrow_mut();
@@ -88,21 +89,7 @@ pub unsafe fn product(
                 packed[c * cols..c * cols + len]
                     .copy_from_slice(&rhs.data[c * rhs.rs + p0..][..len]);
             }
-            // SAFETY: block b writes columns [p0, p0 + len) of dst, disjoint from every other
-            // block's; AVX2 and FMA were checked by `suits`.
-            unsafe {
-                block_product(
-                    m,
-                    len,
-                    k,
-                    out.at(p0),
-                    dst_rs,
-                    lhs,
-                    &packed,
-                    cols,
-                    accumulate,
-                )
-            }
+            run(&packed, cols)
         })
     };
     let blocks = n.div_ceil(cols);
@@ -113,7 +100,7 @@ pub unsafe fn product(
     }
 }
 
-/// dst (m×n) = [dst +] lhs · rhs, rhs's rows `ld` apart in the packed block.
+/// dst (m×n) = [dst +] lhs · rhs, rhs's rows `ld` apart (in place or in the packed block).
 #[target_feature(enable = "avx2,fma")]
 #[allow(clippy::too_many_arguments)]
 unsafe fn block_product(
