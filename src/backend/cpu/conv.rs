@@ -138,11 +138,15 @@ impl FilterTiles {
         self.samples * self.rows * g.w_out
     }
 
-    /// Per lane: the im2col columns (none for a pointwise convolution of one sample an item,
-    /// which reads its input in place), dy's columns side by side (for groups of samples), and
-    /// the partial sums.
+    /// Whether items read the input in place: a pointwise convolution, one sample an item.
+    fn in_place(&self, g: &ConvGeom) -> bool {
+        g.is_pointwise() && self.samples == 1
+    }
+
+    /// Per lane: the im2col columns (none where the input is read in place), dy's columns side
+    /// by side (for groups of samples), and the partial sums.
     fn col_len(&self, g: &ConvGeom) -> usize {
-        if g.is_pointwise() && self.samples == 1 {
+        if self.in_place(g) {
             0
         } else {
             g.c_in * g.kh * g.kw * self.cols(g)
@@ -288,20 +292,20 @@ fn col2im_channel<T: Float>(col: &[T], plane: &mut [T], c: usize, g: &ConvGeom, 
     }
 }
 
-/// The input of group `gi` for output rows starting at column `off`: (rows of group) × cols.
+/// The input of group `gi` for output rows starting at column `off`: (rows of group) × cols,
+/// read in place from a pointwise convolution's sample `x_n`, else from the im2col columns.
 fn rhs_view<'a, T: Float>(
     g: &ConvGeom,
-    x_n: &'a [T],
+    x_n: Option<&'a [T]>,
     col: &'a [T],
     gi: usize,
     off: usize,
     cols: usize,
 ) -> View<'a, T> {
     let rows_g = g.col_rows();
-    if g.is_pointwise() {
-        View::rows(&x_n[gi * rows_g * g.h * g.w + off..], g.h * g.w)
-    } else {
-        View::rows(&col[gi * rows_g * cols..], cols)
+    match x_n {
+        Some(x_n) => View::rows(&x_n[gi * rows_g * g.h * g.w + off..], g.h * g.w),
+        None => View::rows(&col[gi * rows_g * cols..], cols),
     }
 }
 
@@ -343,7 +347,7 @@ pub fn forward<T: Float>(x: &[T], w: &[T], y: &mut [T], ws: &mut [T], g: &ConvGe
                 }
                 for gi in 0..g.groups {
                     let lhs = View::rows(&w[gi * co_g * rows_g..], rows_g);
-                    let rhs = rhs_view(g, x_n, col, gi, off, cols);
+                    let rhs = rhs_view(g, g.is_pointwise().then_some(x_n), col, gi, off, cols);
                     let start = n * y_len + gi * co_g * hw_out + off;
                     // SAFETY: item (n, tile) and group gi write rows [gi·co_g, (gi+1)·co_g) of
                     // sample n at columns [off, off + cols): inside y (asserted above) and
@@ -442,7 +446,7 @@ pub fn backward_data<T: Float>(dy: &[T], w: &[T], dx: &mut [T], ws: &mut [T], g:
 
 /// dW += Σ dy[n] · im2col(x[n])ᵀ per group, item by item (see [`FilterTiles`]).
 pub fn backward_filter<T: Float>(x: &[T], dy: &[T], dw: &mut [T], ws: &mut [T], g: &ConvGeom) {
-    let (x_len, hw, hw_out) = (g.c_in * g.h * g.w, g.h * g.w, g.h_out * g.w_out);
+    let (x_len, hw_out) = (g.c_in * g.h * g.w, g.h_out * g.w_out);
     let y_len = g.c_out * hw_out;
     let (rows_g, co_g) = (g.col_rows(), g.c_out / g.groups);
     let ft = FilterTiles::of(g);
@@ -454,6 +458,7 @@ pub fn backward_filter<T: Float>(x: &[T], dy: &[T], dw: &mut [T], ws: &mut [T], 
     let per = items.div_ceil(lanes);
     let par_gemm = lanes < rayon::current_num_threads();
     let (cl, dl, ll) = (ft.col_len(g), ft.dy_len(g), ft.lane_len(g));
+    let in_place = ft.in_place(g);
     // The gemm crate runs these products (the long dimension inside both operands' rows)
     // about twice as fast with the larger of C_out and C_in·k² as the rows of the result, so
     // the partial sums are dWᵀ += im2col(x) · dyᵀ where C_in·k² is the larger.
@@ -470,9 +475,7 @@ pub fn backward_filter<T: Float>(x: &[T], dy: &[T], dw: &mut [T], ws: &mut [T], 
             for (k, item) in (l * per..((l + 1) * per).min(items)).enumerate() {
                 let (n0, samples, oh) = ft.item(g, item);
                 let (off, cols) = (oh.start * g.w_out, samples * oh.len() * g.w_out);
-                // The input's columns: im2col side by side per sample, or a pointwise
-                // convolution's single sample read in place.
-                let in_place = g.is_pointwise() && ft.samples == 1;
+                // The input's columns: im2col side by side per sample, or read in place.
                 if !in_place {
                     for s in 0..samples {
                         let x_n = &x[(n0 + s) * x_len..(n0 + s + 1) * x_len];
@@ -493,11 +496,8 @@ pub fn backward_filter<T: Float>(x: &[T], dy: &[T], dw: &mut [T], ws: &mut [T], 
                 // The lane's first product sets its partial sums: no zeroing pass.
                 let add = k > 0;
                 for gi in 0..g.groups {
-                    let im = if in_place {
-                        View::rows(&x[n0 * x_len + gi * rows_g * hw + off..], hw)
-                    } else {
-                        View::rows(&col[gi * rows_g * cols..], cols)
-                    };
+                    let x_n = in_place.then(|| &x[n0 * x_len..(n0 + 1) * x_len]);
+                    let im = rhs_view(g, x_n, col, gi, off, cols);
                     let d = View {
                         data: &dy_view.data[gi * co_g * dy_view.rs..],
                         ..dy_view

@@ -27,7 +27,8 @@ const MAX_LHS: usize = 1 << 14;
 /// Rows and columns of dst a kernel call holds in registers (12 of the 16 ymm registers).
 const MR: usize = 6;
 const NR: usize = 16;
-/// Columns per block: rhs's block (k × BLOCK) stays in L2, at most 128 KiB.
+/// Columns per block at most, and the elements a block of rhs aims at (128 KiB, in L2): fewer
+/// columns where k is long, never fewer than [`NR`].
 const BLOCK: usize = 256;
 const SCRATCH: usize = 1 << 15;
 /// Rows of rhs this many elements (4 KiB) apart, or a multiple, share cache sets: those are
@@ -49,7 +50,7 @@ fn block_cols(k: usize) -> usize {
 
 thread_local! {
     /// The packed block of rhs, per thread (like the gemm crate's own packing buffers, outside
-    /// the device accounting: at most [`SCRATCH`] elements).
+    /// the device accounting: k × [`block_cols`] elements).
     static PACKED: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
 }
 
@@ -114,14 +115,13 @@ unsafe fn block_product(
     ld: usize,
     accumulate: bool,
 ) {
-    let w = |i: usize, c: usize| lhs.data.as_ptr().add(i * lhs.rs + c * lhs.cs);
+    let (rs, cs) = (lhs.rs, lhs.cs);
+    let w = |i: usize, c: usize| lhs.data.as_ptr().add(i * rs + c * cs);
     for i0 in (0..m).step_by(MR) {
-        let rows = MR.min(m - i0);
+        let (rows, l) = (MR.min(m - i0), w(i0, 0));
         let mut p = 0;
         while p + NR <= n {
             let (d, x) = (dst.add(i0 * dst_rs + p), rhs.as_ptr().add(p));
-            let l = w(i0, 0);
-            let (rs, cs) = (lhs.rs, lhs.cs);
             match rows {
                 6 => kernel::<6>(k, d, dst_rs, l, rs, cs, x, ld, accumulate),
                 5 => kernel::<5>(k, d, dst_rs, l, rs, cs, x, ld, accumulate),
