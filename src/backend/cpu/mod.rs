@@ -1,6 +1,7 @@
 //! The reference backend: f32 and f64 on the host (bf16 and f16 computed in f32, see
-//! `wide`), convolutions through im2col and the `gemm` crate (f32 products with a small left
-//! operand by `skinny`'s AVX2 kernel), parallel with rayon. Every kernel is deterministic: the
+//! `wide`), convolutions through im2col and the `gemm` crate (3×3 stride-1 ones by
+//! `winograd`'s F(2×2, 3×3); f32 products with a small left operand by `skinny`'s AVX2
+//! kernel), parallel with rayon. Every kernel is deterministic: the
 //! same inputs give the same bits on the same machine.
 
 mod conv;
@@ -12,6 +13,7 @@ mod resize;
 #[cfg(target_arch = "x86_64")]
 mod skinny;
 mod wide;
+mod winograd;
 
 use rayon::prelude::*;
 

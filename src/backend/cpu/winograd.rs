@@ -1,0 +1,548 @@
+//! 3×3 stride-1 convolution by Winograd's minimal filtering F(2×2, 3×3) (Lavin and Gray,
+//! "Fast Algorithms for Convolutional Neural Networks", 2016): each 2×2 tile of outputs comes
+//! from a 4×4 tile of inputs with 16 products per channel pair instead of 36. The weights
+//! (U = G w Gᵀ) and the input tiles (V = Bᵀ d B) are transformed into 16 planes, one per
+//! point ξ of the 4×4 tile; every point is one plain product M[ξ] = U[ξ] (C_out × C_in) ·
+//! V[ξ] (C_in × tiles); each tile's 16 points transform back into its outputs (Y = Aᵀ M A).
+//! The transforms' coefficients are 0, ±1 and ½, so the rounding stays close to a direct sum.
+//!
+//! Tiles are cut into chunks of whole rows of tiles (across samples where planes are small),
+//! run one after another, each in three parallel phases: input transform by channel, the 16
+//! products by point, output transform by channel. A chunk's V and M are the workspace, sized
+//! to stay in the shared cache yet wide enough that each product amortizes reading its U.
+//! The transforms run over rows of tiles as contiguous vectors: input rows are read split
+//! into even and odd columns, so a 4×4 tile's columns are four aligned streams.
+
+use rayon::prelude::*;
+
+use super::{gemm, simd, Float, SharedOut, View};
+use crate::backend::ConvGeom;
+
+/// Points of a 4×4 tile: the products a chunk runs.
+const POINTS: usize = 16;
+
+/// Elements of a chunk (V and M) to aim for: 4 MiB of f32, within the shared cache.
+const CHUNK_ELEMS: usize = 1 << 20;
+
+/// Tiles a chunk holds at least, where the batch has them: each of its products reads U[ξ]
+/// (C_out × C_in) once for this many columns.
+const MIN_TILES: usize = 256;
+
+/// Tiles processed at once by the transforms: their streams live on the stack.
+const BLOCK: usize = 64;
+
+/// Whether a convolution runs here: 3×3, stride 1, undilated, ungrouped, with enough input
+/// channels that the products outweigh the transforms.
+pub fn applies(g: &ConvGeom) -> bool {
+    (g.kh, g.kw, g.stride, g.dilation, g.groups) == (3, 3, (1, 1), (1, 1), 1)
+        && g.c_in >= 8
+        && g.h_out > 0
+        && g.w_out > 0
+}
+
+/// How the output is cut: `tw` tiles a row, `th` rows of tiles a sample, `rows` rows of tiles
+/// (over the batch's n·th) a chunk.
+struct Tiling {
+    tw: usize,
+    th: usize,
+    rows: usize,
+}
+
+impl Tiling {
+    fn of(g: &ConvGeom) -> Self {
+        let (tw, th) = (g.w_out.div_ceil(2), g.h_out.div_ceil(2));
+        let per_row = POINTS * (g.c_in + g.c_out) * tw;
+        let all = (g.n * th).max(1);
+        let most = (CHUNK_ELEMS / per_row)
+            .max(MIN_TILES.div_ceil(tw))
+            .clamp(1, all);
+        // As few chunks as that allows, as even as the rows allow.
+        let rows = all.div_ceil(all.div_ceil(most));
+        Tiling { tw, th, rows }
+    }
+
+    fn chunks(&self, g: &ConvGeom) -> usize {
+        (g.n * self.th).div_ceil(self.rows)
+    }
+
+    /// Workspace elements of a chunk: its V and M.
+    fn chunk_len(&self, g: &ConvGeom) -> usize {
+        POINTS * (g.c_in + g.c_out) * padded(self.rows * self.tw)
+    }
+}
+
+/// Columns of a product: its tiles rounded up to whole register blocks of the f32 kernel
+/// (a ragged end would run scalar); the extra columns are zero and never read back.
+fn padded(tiles: usize) -> usize {
+    tiles.next_multiple_of(16)
+}
+
+/// Workspace elements: the transformed weights and a chunk.
+pub fn workspace(g: &ConvGeom) -> usize {
+    POINTS * g.c_in * g.c_out + Tiling::of(g).chunk_len(g)
+}
+
+/// y = the convolution of x by w (see the module's notes); `ws` holds [`workspace`] elements.
+pub fn forward<T: Float>(x: &[T], w: &[T], y: &mut [T], ws: &mut [T], g: &ConvGeom) {
+    let (c_in, c_out) = (g.c_in, g.c_out);
+    assert!(
+        x.len() >= g.n * c_in * g.h * g.w && y.len() >= g.n * c_out * g.h_out * g.w_out,
+        "winograd operands out of bounds"
+    );
+    let t = Tiling::of(g);
+    let (u, ws) = ws.split_at_mut(POINTS * c_out * c_in);
+    transform_weights(w, u, c_out * c_in);
+    let u = &*u;
+    let out = SharedOut(y.as_mut_ptr());
+    let all_rows = g.n * t.th;
+    for chunk in 0..t.chunks(g) {
+        let rows = chunk * t.rows..((chunk + 1) * t.rows).min(all_rows);
+        let cols = padded(rows.len() * t.tw);
+        let (v, rest) = ws.split_at_mut(POINTS * c_in * cols);
+        let m = &mut rest[..POINTS * c_out * cols];
+        let vs = SharedOut(v.as_mut_ptr());
+        (0..c_in).into_par_iter().for_each(|c| {
+            // SAFETY: v holds the chunk's 16 × c_in rows of cols; this call writes channel
+            // c's, which no other call writes.
+            unsafe { transform_input(x, vs, c, cols, rows.clone(), &t, g) }
+        });
+        let v = &*v;
+        m.par_chunks_mut(c_out * cols)
+            .enumerate()
+            .for_each(|(p, m)| {
+                let lhs = View::rows(&u[p * c_out * c_in..], c_in);
+                let rhs = View::rows(&v[p * c_in * cols..], cols);
+                gemm(c_out, cols, c_in, m, cols, lhs, rhs, false, false);
+            });
+        let m = &*m;
+        (0..c_out).into_par_iter().for_each(|k| {
+            // SAFETY: y holds every sample's planes (asserted above); this call writes channel
+            // k's output rows of this chunk's rows of tiles, which no other call writes.
+            unsafe { transform_output(m, cols, out, k, rows.clone(), &t, g) }
+        });
+    }
+}
+
+/// dw += the filter gradient of the convolution for dy: with y = Aᵀ (U ⊙ V) A per tile and
+/// U = G w Gᵀ, dU = Σ over tiles (A dy Aᵀ) ⊙ V, which is one product per point over the
+/// tiles, summed chunk after chunk, and dw += Gᵀ dU G. Points run in parallel, each product
+/// on one thread, so the sums' order depends on the geometry only.
+pub fn backward_filter<T: Float>(x: &[T], dy: &[T], dw: &mut [T], ws: &mut [T], g: &ConvGeom) {
+    let (c_in, c_out) = (g.c_in, g.c_out);
+    assert!(
+        x.len() >= g.n * c_in * g.h * g.w && dy.len() >= g.n * c_out * g.h_out * g.w_out,
+        "winograd operands out of bounds"
+    );
+    let t = Tiling::of(g);
+    let (du, ws) = ws.split_at_mut(POINTS * c_out * c_in);
+    let all_rows = g.n * t.th;
+    for chunk in 0..t.chunks(g) {
+        let rows = chunk * t.rows..((chunk + 1) * t.rows).min(all_rows);
+        let cols = padded(rows.len() * t.tw);
+        let (v, rest) = ws.split_at_mut(POINTS * c_in * cols);
+        let d = &mut rest[..POINTS * c_out * cols];
+        let (vs, ds) = (SharedOut(v.as_mut_ptr()), SharedOut(d.as_mut_ptr()));
+        (0..c_in + c_out).into_par_iter().for_each(|c| {
+            // SAFETY: v and d hold the chunk's 16 × c_in and 16 × c_out rows of cols; this
+            // call writes channel c's of one of them, which no other call writes.
+            unsafe {
+                match c.checked_sub(c_in) {
+                    None => transform_input(x, vs, c, cols, rows.clone(), &t, g),
+                    Some(k) => transform_grad(dy, ds, k, cols, rows.clone(), &t, g),
+                }
+            }
+        });
+        let (v, d) = (&*v, &*d);
+        du.par_chunks_mut(c_out * c_in)
+            .enumerate()
+            .for_each(|(p, du)| {
+                let lhs = View::rows(&d[p * c_out * cols..], cols);
+                let rhs = View::rows(&v[p * c_in * cols..], cols).t();
+                gemm(c_out, c_in, cols, du, c_in, lhs, rhs, chunk > 0, false);
+            });
+    }
+    add_filter_grad(du, dw, c_out * c_in);
+}
+
+/// D[ξ][k][j] (`cols` columns a row) = (A dy_q Aᵀ)[ξ] for the 2×2 output-gradient tiles of
+/// channel k, j as in [`transform_input`], A = [1 0; 1 1; 1 -1; 0 -1] (zero outside the
+/// output and in the padding columns).
+///
+/// # Safety
+/// `d` must hold 16 × c_out rows of `cols` elements, and no other thread may touch channel
+/// k's rows during the call.
+unsafe fn transform_grad<T: Float>(
+    dy: &[T],
+    d: SharedOut<T>,
+    k: usize,
+    cols: usize,
+    rows: std::ops::Range<usize>,
+    t: &Tiling,
+    g: &ConvGeom,
+) {
+    let (c_out, plane_len, tiles) = (g.c_out, g.h_out * g.w_out, rows.len() * t.tw);
+    // SAFETY: the caller's contract: point ξ's row of channel k is this thread's.
+    let point =
+        |p: usize| unsafe { std::slice::from_raw_parts_mut(d.at((p * c_out + k) * cols), cols) };
+    let mut points: [&mut [T]; POINTS] = std::array::from_fn(point);
+    simd(|| {
+        let mut even = [[T::zero(); BLOCK + 1]; 2];
+        let mut odd = [[T::zero(); BLOCK + 1]; 2];
+        let (mut ve, mut vo) = ([[T::zero(); BLOCK]; 4], [[T::zero(); BLOCK]; 4]);
+        for (i, r) in rows.clone().enumerate() {
+            let (n, ti) = (r / t.th, r % t.th);
+            let plane = &dy[(n * c_out + k) * plane_len..][..plane_len];
+            for q0 in (0..t.tw).step_by(BLOCK) {
+                let len = BLOCK.min(t.tw - q0);
+                for a in 0..2 {
+                    let (e, o) = (&mut even[a][..len], &mut odd[a][..len]);
+                    let oh = 2 * ti + a;
+                    if oh < g.h_out {
+                        split_columns(&plane[oh * g.w_out..][..g.w_out], 2 * q0, 0, e, o);
+                    } else {
+                        e.fill(T::zero());
+                        o.fill(T::zero());
+                    }
+                }
+                // A dy: along the tile's rows, on the even and the odd streams.
+                for (s, v) in [(&even, &mut ve), (&odd, &mut vo)] {
+                    let [a, b, c, d] = v;
+                    a_col(
+                        [&s[0][..len], &s[1][..len]],
+                        [&mut a[..len], &mut b[..len], &mut c[..len], &mut d[..len]],
+                    );
+                }
+                // (A dy) Aᵀ: along the columns.
+                let at = i * t.tw + q0;
+                for (r, quad) in points.chunks_exact_mut(4).enumerate() {
+                    let [d0, d1, d2, d3] = quad else {
+                        unreachable!()
+                    };
+                    a_col(
+                        [&ve[r][..len], &vo[r][..len]],
+                        [
+                            &mut d0[at..at + len],
+                            &mut d1[at..at + len],
+                            &mut d2[at..at + len],
+                            &mut d3[at..at + len],
+                        ],
+                    );
+                }
+            }
+        }
+        for p in points.iter_mut() {
+            p[tiles..].fill(T::zero());
+        }
+    });
+}
+
+/// The four A combinations of two streams, A = [1 0; 1 1; 1 -1; 0 -1].
+#[inline(always)]
+fn a_col<T: Float>(y: [&[T]; 2], out: [&mut [T]; 4]) {
+    let [o0, o1, o2, o3] = out;
+    let n = o0.len();
+    let (y0, y1) = (&y[0][..n], &y[1][..n]);
+    let (o1, o2, o3) = (&mut o1[..n], &mut o2[..n], &mut o3[..n]);
+    for q in 0..n {
+        o0[q] = y0[q];
+        o1[q] = y0[q] + y1[q];
+        o2[q] = y0[q] - y1[q];
+        o3[q] = -y1[q];
+    }
+}
+
+/// dw_i += Gᵀ dU_i G for each of the `count` filters, dU[ξ][i]; the adjoint of
+/// [`transform_weights`], in parallel blocks of filters.
+fn add_filter_grad<T: Float>(du: &[T], dw: &mut [T], count: usize) {
+    dw[..count * 9]
+        .par_chunks_mut(BLOCK * 9)
+        .enumerate()
+        .for_each(|(b, dw)| {
+            let (i0, len) = (b * BLOCK, dw.len() / 9);
+            simd(|| {
+                // Gᵀ along dU's rows (four points each), then along its columns.
+                let mut rows = [[[T::zero(); BLOCK]; 3]; 4];
+                for (a, row) in rows.iter_mut().enumerate() {
+                    let p = [0, 1, 2, 3].map(|j| &du[(4 * a + j) * count + i0..][..len]);
+                    g_adjoint(p, row, len);
+                }
+                let mut taps = [[[T::zero(); BLOCK]; 3]; 3];
+                for s in 0..3 {
+                    let p = [0, 1, 2, 3].map(|a| &rows[a][s][..len]);
+                    let mut col = [[T::zero(); BLOCK]; 3];
+                    g_adjoint(p, &mut col, len);
+                    for r in 0..3 {
+                        taps[r][s] = col[r];
+                    }
+                }
+                for (i, f) in dw.chunks_exact_mut(9).enumerate() {
+                    for (tap, d) in f.iter_mut().enumerate() {
+                        *d += taps[tap / 3][tap % 3][i];
+                    }
+                }
+            })
+        });
+}
+
+/// The three Gᵀ combinations of four streams, Gᵀ = [1 ½ ½ 0; 0 ½ -½ 0; 0 ½ ½ 1].
+#[inline(always)]
+fn g_adjoint<T: Float>(u: [&[T]; 4], out: &mut [[T; BLOCK]; 3], n: usize) {
+    let half = T::of(0.5);
+    let [o0, o1, o2] = out;
+    let (u0, u1, u2, u3) = (&u[0][..n], &u[1][..n], &u[2][..n], &u[3][..n]);
+    for q in 0..n {
+        o0[q] = u0[q] + (u1[q] + u2[q]) * half;
+        o1[q] = (u1[q] - u2[q]) * half;
+        o2[q] = (u1[q] + u2[q]) * half + u3[q];
+    }
+}
+
+/// u[ξ][i] = (G w_i Gᵀ)[ξ] for each of the `count` 3×3 filters w_i, G = [1 0 0; ½ ½ ½;
+/// ½ -½ ½; 0 0 1]; blocks of filters in parallel, each tap and point a contiguous stream.
+fn transform_weights<T: Float>(w: &[T], u: &mut [T], count: usize) {
+    let us = SharedOut(u.as_mut_ptr());
+    let blocks = count.div_ceil(BLOCK);
+    (0..blocks).into_par_iter().for_each(|b| {
+        let (i0, len) = (b * BLOCK, BLOCK.min(count - b * BLOCK));
+        simd(|| {
+            let mut taps = [[T::zero(); BLOCK]; 9];
+            for (i, f) in w[i0 * 9..(i0 + len) * 9].chunks_exact(9).enumerate() {
+                for (tap, &v) in taps.iter_mut().zip(f) {
+                    tap[i] = v;
+                }
+            }
+            // G along the filters' rows (three taps each), then along their columns.
+            let mut rows = [[[T::zero(); BLOCK]; 4]; 3];
+            for (r, row) in rows.iter_mut().enumerate() {
+                let [a, b, c] = [0, 1, 2].map(|s| &taps[3 * r + s][..len]);
+                g_t(a, b, c, row, len);
+            }
+            let mut point = [[[T::zero(); BLOCK]; 4]; 4];
+            for j in 0..4 {
+                let [a, b, c] = [0, 1, 2].map(|r| &rows[r][j][..len]);
+                g_t(a, b, c, &mut point[j], len);
+            }
+            for (j, col) in point.iter().enumerate() {
+                for (a, p) in col.iter().enumerate() {
+                    // SAFETY: u holds 16 × count elements; this block alone writes filters
+                    // i0..i0 + len of each point.
+                    let dst = unsafe {
+                        std::slice::from_raw_parts_mut(us.at((4 * a + j) * count + i0), len)
+                    };
+                    dst.copy_from_slice(&p[..len]);
+                }
+            }
+        })
+    });
+}
+
+/// The four G combinations of three streams, G = [1 0 0; ½ ½ ½; ½ -½ ½; 0 0 1].
+#[inline(always)]
+fn g_t<T: Float>(a: &[T], b: &[T], c: &[T], out: &mut [[T; BLOCK]; 4], n: usize) {
+    let half = T::of(0.5);
+    let [o0, o1, o2, o3] = out;
+    let (b, c) = (&b[..n], &c[..n]);
+    for q in 0..n {
+        o0[q] = a[q];
+        o1[q] = (a[q] + b[q] + c[q]) * half;
+        o2[q] = (a[q] - b[q] + c[q]) * half;
+        o3[q] = c[q];
+    }
+}
+
+/// The four Bᵀ combinations of four streams, Bᵀ = [1 0 -1 0; 0 1 1 0; 0 -1 1 0; 0 1 0 -1].
+#[inline(always)]
+fn b_t<T: Float>(d: [&[T]; 4], out: [&mut [T]; 4]) {
+    let [o0, o1, o2, o3] = out;
+    let n = o0.len();
+    let (d0, d1, d2, d3) = (&d[0][..n], &d[1][..n], &d[2][..n], &d[3][..n]);
+    let (o1, o2, o3) = (&mut o1[..n], &mut o2[..n], &mut o3[..n]);
+    for q in 0..n {
+        o0[q] = d0[q] - d2[q];
+        o1[q] = d1[q] + d2[q];
+        o2[q] = d2[q] - d1[q];
+        o3[q] = d1[q] - d3[q];
+    }
+}
+
+/// V[ξ][c][j] (`cols` columns a row) = (Bᵀ d B)[ξ] for the input tiles d of channel c and
+/// column j = (row of tiles - rows.start)·tw + tile, zero in the padding columns.
+///
+/// # Safety
+/// `v` must hold 16 × c_in rows of `cols` elements, and no other thread may touch channel
+/// c's rows during the call.
+unsafe fn transform_input<T: Float>(
+    x: &[T],
+    v: SharedOut<T>,
+    c: usize,
+    cols: usize,
+    rows: std::ops::Range<usize>,
+    t: &Tiling,
+    g: &ConvGeom,
+) {
+    let (c_in, plane_len, tiles) = (g.c_in, g.h * g.w, rows.len() * t.tw);
+    // SAFETY: the caller's contract: point ξ's row of channel c is this thread's.
+    let point =
+        |p: usize| unsafe { std::slice::from_raw_parts_mut(v.at((p * c_in + c) * cols), cols) };
+    let mut points: [&mut [T]; POINTS] = std::array::from_fn(point);
+    simd(|| {
+        // Input rows 2·ti - ph + r, columns 2(q0 + q) - pw + s split by s's parity: the even
+        // and odd columns of tile q, and of q + 1, which are tile q's last two.
+        let mut even = [[T::zero(); BLOCK + 1]; 4];
+        let mut odd = [[T::zero(); BLOCK + 1]; 4];
+        let (mut ve, mut vo) = (even, odd);
+        for (i, r) in rows.clone().enumerate() {
+            let (n, ti) = (r / t.th, r % t.th);
+            let plane = &x[(n * c_in + c) * plane_len..][..plane_len];
+            for q0 in (0..t.tw).step_by(BLOCK) {
+                let len = BLOCK.min(t.tw - q0);
+                for r in 0..4 {
+                    let (e, o) = (&mut even[r][..=len], &mut odd[r][..=len]);
+                    match (2 * ti + r).checked_sub(g.pad.0).filter(|&ih| ih < g.h) {
+                        Some(ih) => {
+                            let row = &plane[ih * g.w..(ih + 1) * g.w];
+                            split_columns(row, 2 * q0, g.pad.1, e, o);
+                        }
+                        None => {
+                            e.fill(T::zero());
+                            o.fill(T::zero());
+                        }
+                    }
+                }
+                // Bᵀ d: along the tile's rows, on the even and the odd streams.
+                for (s, v) in [(&even, &mut ve), (&odd, &mut vo)] {
+                    let [a, b, c, d] = v;
+                    b_t(
+                        [&s[0][..=len], &s[1][..=len], &s[2][..=len], &s[3][..=len]],
+                        [
+                            &mut a[..=len],
+                            &mut b[..=len],
+                            &mut c[..=len],
+                            &mut d[..=len],
+                        ],
+                    );
+                }
+                // (Bᵀ d) B: along the columns: even q, odd q, even q + 1, odd q + 1.
+                let at = i * t.tw + q0;
+                for (r, quad) in points.chunks_exact_mut(4).enumerate() {
+                    let (e, o) = (&ve[r], &vo[r]);
+                    let [v0, v1, v2, v3] = quad else {
+                        unreachable!()
+                    };
+                    b_t(
+                        [&e[..len], &o[..len], &e[1..=len], &o[1..=len]],
+                        [
+                            &mut v0[at..at + len],
+                            &mut v1[at..at + len],
+                            &mut v2[at..at + len],
+                            &mut v3[at..at + len],
+                        ],
+                    );
+                }
+            }
+        }
+        for p in points.iter_mut() {
+            p[tiles..].fill(T::zero());
+        }
+    });
+}
+
+/// even[q] = row[first + 2q - pad], odd[q] = row[first + 2q + 1 - pad], zero outside the row.
+#[inline(always)]
+fn split_columns<T: Float>(row: &[T], first: usize, pad: usize, even: &mut [T], odd: &mut [T]) {
+    let len = even.len();
+    // Tiles q in inner read both their columns inside the row.
+    let lo = pad.saturating_sub(first).div_ceil(2).min(len);
+    let hi = ((row.len() + pad).saturating_sub(first + 1) / 2).clamp(lo, len);
+    let at = |c: usize| c.checked_sub(pad).and_then(|c| row.get(c)).copied();
+    for q in (0..lo).chain(hi..len) {
+        even[q] = at(first + 2 * q).unwrap_or(T::zero());
+        odd[q] = at(first + 2 * q + 1).unwrap_or(T::zero());
+    }
+    if lo < hi {
+        let pairs = row[first + 2 * lo - pad..][..2 * (hi - lo)].chunks_exact(2);
+        for ((e, o), pair) in even[lo..hi].iter_mut().zip(&mut odd[lo..hi]).zip(pairs) {
+            *e = pair[0];
+            *o = pair[1];
+        }
+    }
+}
+
+/// The two Aᵀ combinations of four streams, Aᵀ = [1 1 1 0; 0 1 -1 -1].
+#[inline(always)]
+fn a_t<T: Float>(m: [&[T]; 4], out: [&mut [T]; 2]) {
+    let [o0, o1] = out;
+    let n = o0.len();
+    let (m0, m1, m2, m3) = (&m[0][..n], &m[1][..n], &m[2][..n], &m[3][..n]);
+    let o1 = &mut o1[..n];
+    for q in 0..n {
+        o0[q] = m0[q] + m1[q] + m2[q];
+        o1[q] = m1[q] - m2[q] - m3[q];
+    }
+}
+
+/// Channel k's output rows of `rows` (rows of tiles) = Aᵀ M_q A for their tiles q, M[ξ][k][j]
+/// with `cols` columns a row, j as in [`transform_input`].
+///
+/// # Safety
+/// `y` must hold every sample's output planes, and no other thread may touch channel k's
+/// output rows of `rows` during the call.
+unsafe fn transform_output<T: Float>(
+    m: &[T],
+    cols: usize,
+    y: SharedOut<T>,
+    k: usize,
+    rows: std::ops::Range<usize>,
+    t: &Tiling,
+    g: &ConvGeom,
+) {
+    let (c_out, plane_len) = (g.c_out, g.h_out * g.w_out);
+    let points: [&[T]; POINTS] = std::array::from_fn(|p| &m[(p * c_out + k) * cols..][..cols]);
+    simd(|| {
+        let mut s = [[[T::zero(); BLOCK]; 4]; 2];
+        let (mut even, mut odd) = ([T::zero(); BLOCK], [T::zero(); BLOCK]);
+        for (i, r) in rows.clone().enumerate() {
+            let (n, ti) = (r / t.th, r % t.th);
+            let plane = (n * c_out + k) * plane_len;
+            for q0 in (0..t.tw).step_by(BLOCK) {
+                let len = BLOCK.min(t.tw - q0);
+                let at = i * t.tw + q0;
+                let point = |p: usize| &points[p][at..at + len];
+                // Aᵀ M: along the tile's rows, for each of its columns j.
+                for j in 0..4 {
+                    let [s0, s1] = &mut s;
+                    a_t(
+                        [point(j), point(4 + j), point(8 + j), point(12 + j)],
+                        [&mut s0[j][..len], &mut s1[j][..len]],
+                    );
+                }
+                // (Aᵀ M) A: along the columns; output row a's even and odd columns.
+                for (a, s) in s.iter().enumerate() {
+                    let oh = 2 * ti + a;
+                    if oh >= g.h_out {
+                        break;
+                    }
+                    a_t(
+                        [&s[0][..len], &s[1][..len], &s[2][..len], &s[3][..len]],
+                        [&mut even[..len], &mut odd[..len]],
+                    );
+                    let first = 2 * q0;
+                    let width = (2 * len).min(g.w_out - first);
+                    // SAFETY: row oh < h_out, columns first..first + width ≤ w_out of a plane
+                    // of y; the caller's contract gives this thread the row.
+                    let row = unsafe {
+                        std::slice::from_raw_parts_mut(y.at(plane + oh * g.w_out + first), width)
+                    };
+                    let mut pairs = row.chunks_exact_mut(2);
+                    for ((pair, e), o) in (&mut pairs).zip(&even).zip(&odd) {
+                        pair[0] = *e;
+                        pair[1] = *o;
+                    }
+                    if let [last] = pairs.into_remainder() {
+                        *last = even[width / 2];
+                    }
+                }
+            }
+        }
+    });
+}
