@@ -72,9 +72,16 @@ impl Tiling {
 }
 
 /// Columns of a product: its tiles rounded up to whole register blocks of the f32 kernel
-/// (a ragged end would run scalar); the extra columns are zero and never read back.
+/// (a ragged end would run scalar), and a block more where rows would lie a multiple of
+/// 4 KiB apart (they would share cache sets, and the kernel would copy them); the extra
+/// columns are zero and never read back.
 fn padded(tiles: usize) -> usize {
-    tiles.next_multiple_of(16)
+    let cols = tiles.next_multiple_of(16);
+    if cols.is_multiple_of(1024) {
+        cols + 16
+    } else {
+        cols
+    }
 }
 
 /// Workspace elements: the transformed weights and a chunk.
