@@ -2,7 +2,7 @@
 
 use rayon::prelude::*;
 
-use super::Float;
+use super::{simd, Float};
 use crate::backend::PoolGeom;
 
 /// The input rows and columns window (oh, ow) covers, clipped to the image.
@@ -30,19 +30,83 @@ fn argmax<T: Float>(x: &[T], g: &PoolGeom, oh: usize, ow: usize) -> usize {
     best.1
 }
 
+/// Outputs whose windows lie wholly inside the image along one axis: o·s ≥ p and
+/// o·s - p + k ≤ n.
+fn inside(o_len: usize, n: usize, k: usize, s: usize, p: usize) -> std::ops::Range<usize> {
+    let lo = p.div_ceil(s).min(o_len);
+    let hi = if n + p >= k {
+        ((n + p - k) / s + 1).min(o_len)
+    } else {
+        0
+    };
+    lo..hi.max(lo)
+}
+
+/// Outputs a block of the row-wise fold holds (on the stack).
+const BLOCK: usize = 64;
+
+/// best[q] (and at[q], where given): the first maximum, and its flat index, of the windows
+/// (oh, ow0 + q), which lie inside the image, visited as [`argmax`] visits them (rows, then
+/// columns, a later value kept only if greater), for a block of outputs at once.
+#[inline(always)]
+fn fold_max<T: Float>(
+    x: &[T],
+    g: &PoolGeom,
+    oh: usize,
+    ow0: usize,
+    best: &mut [T],
+    mut at: Option<&mut [usize]>,
+) {
+    let (n, s) = (best.len(), g.stride.1);
+    let (ih0, iw0) = (oh * g.stride.0 - g.pad.0, ow0 * s - g.pad.1);
+    for i in 0..g.kh {
+        for j in 0..g.kw {
+            let base = (ih0 + i) * g.w + iw0 + j;
+            let src = &x[base..base + (n - 1) * s + 1];
+            let first = i == 0 && j == 0;
+            for (q, b) in best.iter_mut().enumerate() {
+                let v = src[q * s];
+                let take = first || v > *b;
+                *b = if take { v } else { *b };
+                if let Some(at) = at.as_deref_mut() {
+                    at[q] = if take { base + q * s } else { at[q] };
+                }
+            }
+        }
+    }
+}
+
 pub fn max_forward<T: Float>(x: &[T], y: &mut [T], g: &PoolGeom) {
+    let (rows, cols) = (
+        inside(g.h_out, g.h, g.kh, g.stride.0, g.pad.0),
+        inside(g.w_out, g.w, g.kw, g.stride.1, g.pad.1),
+    );
     y.par_chunks_mut(g.h_out * g.w_out)
         .zip(x.par_chunks(g.h * g.w))
         .for_each(|(yp, xp)| {
-            for oh in 0..g.h_out {
-                for ow in 0..g.w_out {
-                    yp[oh * g.w_out + ow] = xp[argmax(xp, g, oh, ow)];
+            simd(|| {
+                for (oh, yr) in yp.chunks_mut(g.w_out).enumerate() {
+                    let inner = if rows.contains(&oh) {
+                        cols.clone()
+                    } else {
+                        0..0
+                    };
+                    for ow in (0..inner.start).chain(inner.end..g.w_out) {
+                        yr[ow] = xp[argmax(xp, g, oh, ow)];
+                    }
+                    for (b, best) in yr[inner.clone()].chunks_mut(BLOCK).enumerate() {
+                        fold_max(xp, g, oh, inner.start + b * BLOCK, best, None);
+                    }
                 }
-            }
+            })
         });
 }
 
 pub fn max_backward<T: Float>(x: &[T], dy: &[T], dx: &mut [T], g: &PoolGeom) {
+    let (rows, cols) = (
+        inside(g.h_out, g.h, g.kh, g.stride.0, g.pad.0),
+        inside(g.w_out, g.w, g.kw, g.stride.1, g.pad.1),
+    );
     dx.par_chunks_mut(g.h * g.w)
         .zip(
             x.par_chunks(g.h * g.w)
@@ -50,9 +114,35 @@ pub fn max_backward<T: Float>(x: &[T], dy: &[T], dx: &mut [T], g: &PoolGeom) {
         )
         .for_each(|(dxp, (xp, dyp))| {
             dxp.fill(T::zero());
-            for oh in 0..g.h_out {
-                for ow in 0..g.w_out {
-                    dxp[argmax(xp, g, oh, ow)] += dyp[oh * g.w_out + ow];
+            let (mut best, mut at) = ([T::zero(); BLOCK], [0; BLOCK]);
+            for (oh, dyr) in dyp.chunks(g.w_out).enumerate() {
+                let inner = if rows.contains(&oh) {
+                    cols.clone()
+                } else {
+                    0..0
+                };
+                // Outputs in order, so gradients meeting in one input add in the same order.
+                for ow in 0..inner.start {
+                    dxp[argmax(xp, g, oh, ow)] += dyr[ow];
+                }
+                for (b, d) in dyr[inner.clone()].chunks(BLOCK).enumerate() {
+                    let len = d.len();
+                    simd(|| {
+                        fold_max(
+                            xp,
+                            g,
+                            oh,
+                            inner.start + b * BLOCK,
+                            &mut best[..len],
+                            Some(&mut at[..len]),
+                        )
+                    });
+                    for (&i, &d) in at[..len].iter().zip(d) {
+                        dxp[i] += d;
+                    }
+                }
+                for ow in inner.end..g.w_out {
+                    dxp[argmax(xp, g, oh, ow)] += dyr[ow];
                 }
             }
         });
@@ -147,4 +237,64 @@ pub fn adaptive_avg_backward<T: Float>(dy: &[T], dx: &mut [T], g: &PoolGeom) {
                 }
             }
         });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The block fold against the window-by-window argmax, bit for bit, on values with many
+    /// ties and NaNs, for windows with and without padding, strides 1–3 and narrow images.
+    #[test]
+    fn max_pool_matches_window_by_window() {
+        for (h, w, k, s, p) in [
+            (9, 150, 3, 2, 1),
+            (7, 8, 3, 1, 1),
+            (12, 70, 2, 2, 0),
+            (5, 4, 3, 3, 2),
+            (6, 2, 3, 1, 0),
+        ] {
+            let out = |n: usize| (n + 2 * p).saturating_sub(k) / s + 1;
+            let g = PoolGeom {
+                n: 2,
+                c: 3,
+                h,
+                w,
+                kh: k,
+                kw: k,
+                stride: (s, s),
+                pad: (p, p),
+                h_out: out(h),
+                w_out: out(w),
+            };
+            let plane = h * w;
+            let x: Vec<f32> = (0..2 * 3 * plane)
+                .map(|i| match (i * 7919) % 23 {
+                    0 => f32::NAN,
+                    1 => -0.0,
+                    v => (v % 5) as f32 - 2.0,
+                })
+                .collect();
+            let dy: Vec<f32> = (0..2 * 3 * g.h_out * g.w_out)
+                .map(|i| (i % 13) as f32 * 0.25)
+                .collect();
+            let (mut y, mut dx) = (vec![0.0; dy.len()], vec![0.0; x.len()]);
+            max_forward(&x, &mut y, &g);
+            max_backward(&x, &dy, &mut dx, &g);
+            let (mut y_ref, mut dx_ref) = (vec![0.0f32; dy.len()], vec![0.0f32; x.len()]);
+            let o = g.h_out * g.w_out;
+            for (c, (xp, dxp)) in x.chunks(plane).zip(dx_ref.chunks_mut(plane)).enumerate() {
+                for oh in 0..g.h_out {
+                    for ow in 0..g.w_out {
+                        let i = argmax(xp, &g, oh, ow);
+                        y_ref[c * o + oh * g.w_out + ow] = xp[i];
+                        dxp[i] += dy[c * o + oh * g.w_out + ow];
+                    }
+                }
+            }
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&y), bits(&y_ref), "forward {g:?}");
+            assert_eq!(bits(&dx), bits(&dx_ref), "backward {g:?}");
+        }
+    }
 }
