@@ -188,10 +188,8 @@ unsafe fn transform_grad<T: Float>(
     g: &ConvGeom,
 ) {
     let (c_out, plane_len, tiles) = (g.c_out, g.h_out * g.w_out, rows.len() * t.tw);
-    // SAFETY: the caller's contract: point ξ's row of channel k is this thread's.
-    let point =
-        |p: usize| unsafe { std::slice::from_raw_parts_mut(d.at((p * c_out + k) * cols), cols) };
-    let mut points: [&mut [T]; POINTS] = std::array::from_fn(point);
+    // SAFETY: the caller's contract.
+    let mut points = unsafe { channel_rows(d, c_out, k, cols) };
     simd(|| {
         let mut even = [[T::zero(); BLOCK + 1]; 2];
         let mut odd = [[T::zero(); BLOCK + 1]; 2];
@@ -357,6 +355,24 @@ fn g_t<T: Float>(a: &[T], b: &[T], c: &[T], out: &mut [[T; BLOCK]; 4], n: usize)
     }
 }
 
+/// The 16 rows, one per point ξ, of channel `ch` in a chunk's transformed planes laid out
+/// [ξ][channel][column], `cols` columns a row.
+///
+/// # Safety
+/// `planes` must hold 16 × `channels` rows of `cols` elements, and no other thread may touch
+/// channel `ch`'s rows while the returned slices live.
+unsafe fn channel_rows<'a, T>(
+    planes: SharedOut<T>,
+    channels: usize,
+    ch: usize,
+    cols: usize,
+) -> [&'a mut [T]; POINTS] {
+    // SAFETY: within `planes` and this thread's alone (the caller's contract).
+    std::array::from_fn(|p| unsafe {
+        std::slice::from_raw_parts_mut(planes.at((p * channels + ch) * cols), cols)
+    })
+}
+
 /// The four Bᵀ combinations of four streams, Bᵀ = [1 0 -1 0; 0 1 1 0; 0 -1 1 0; 0 1 0 -1].
 #[inline(always)]
 fn b_t<T: Float>(d: [&[T]; 4], out: [&mut [T]; 4]) {
@@ -388,10 +404,8 @@ unsafe fn transform_input<T: Float>(
     g: &ConvGeom,
 ) {
     let (c_in, plane_len, tiles) = (g.c_in, g.h * g.w, rows.len() * t.tw);
-    // SAFETY: the caller's contract: point ξ's row of channel c is this thread's.
-    let point =
-        |p: usize| unsafe { std::slice::from_raw_parts_mut(v.at((p * c_in + c) * cols), cols) };
-    let mut points: [&mut [T]; POINTS] = std::array::from_fn(point);
+    // SAFETY: the caller's contract.
+    let mut points = unsafe { channel_rows(v, c_in, c, cols) };
     simd(|| {
         // Input rows 2·ti - ph + r, columns 2(q0 + q) - pw + s split by s's parity: the even
         // and odd columns of tile q, and of q + 1, which are tile q's last two.
