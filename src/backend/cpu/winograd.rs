@@ -220,18 +220,7 @@ unsafe fn transform_grad<T: Float>(
                 // (A dy) Aᵀ: along the columns.
                 let at = i * t.tw + q0;
                 for (r, quad) in points.chunks_exact_mut(4).enumerate() {
-                    let [d0, d1, d2, d3] = quad else {
-                        unreachable!()
-                    };
-                    a_col(
-                        [&ve[r][..len], &vo[r][..len]],
-                        [
-                            &mut d0[at..at + len],
-                            &mut d1[at..at + len],
-                            &mut d2[at..at + len],
-                            &mut d3[at..at + len],
-                        ],
-                    );
+                    a_col([&ve[r][..len], &vo[r][..len]], stretches(quad, at, len));
                 }
             }
         }
@@ -239,6 +228,14 @@ unsafe fn transform_grad<T: Float>(
             p[tiles..].fill(T::zero());
         }
     });
+}
+
+/// Columns at..at + len of four points' rows.
+fn stretches<'a, T>(quad: &'a mut [&mut [T]], at: usize, len: usize) -> [&'a mut [T]; 4] {
+    let [a, b, c, d] = quad else {
+        unreachable!("four points")
+    };
+    [a, b, c, d].map(|r| &mut r[at..at + len])
 }
 
 /// The four A combinations of two streams, A = [1 0; 1 1; 1 -1; 0 -1].
@@ -447,17 +444,9 @@ unsafe fn transform_input<T: Float>(
                 let at = i * t.tw + q0;
                 for (r, quad) in points.chunks_exact_mut(4).enumerate() {
                     let (e, o) = (&ve[r], &vo[r]);
-                    let [v0, v1, v2, v3] = quad else {
-                        unreachable!()
-                    };
                     b_t(
                         [&e[..len], &o[..len], &e[1..=len], &o[1..=len]],
-                        [
-                            &mut v0[at..at + len],
-                            &mut v1[at..at + len],
-                            &mut v2[at..at + len],
-                            &mut v3[at..at + len],
-                        ],
+                        stretches(quad, at, len),
                     );
                 }
             }
