@@ -4,13 +4,14 @@
 //! for 1024² images. A pointwise (1×1, stride 1, unpadded) convolution multiplies the input
 //! directly; a 3×3 stride-1 one runs all three passes by [`winograd`] (2.25× fewer products).
 //!
-//! Work is split into contiguous runs of (sample, tile) items, one run per lane (a rayon task
-//! with its own slice of the workspace). Filter gradients are summed per lane, then over lanes
-//! in lane order; their lanes are a fixed number ([`REDUCTION_LANES`]), not one per thread,
-//! so a gradient's rounding depends neither on thread timing nor on the thread count; its
-//! items hold enough columns for a product worth its partial sums (whole samples side by side
-//! where planes are small, see [`FilterTiles`]). Strided data gradients overlap between
-//! tiles (col2im adds into shared rows), so they are split by sample instead.
+//! Work is split into contiguous runs of items, one run per lane (a rayon task with its own
+//! slice of the workspace). An item is a tile of one sample's output rows or, where planes are
+//! small, whole samples side by side, so that every product has enough columns to be worth
+//! packing its weights (see [`ColumnTiles`]). Filter gradients are summed per lane, then over
+//! lanes in lane order; their lanes are a fixed number ([`REDUCTION_LANES`]), not one per
+//! thread, so a gradient's rounding depends neither on thread timing nor on the thread count.
+//! Strided data gradients overlap between tiles (col2im adds into shared rows), so they are
+//! split by sample instead.
 
 use std::ops::Range;
 
@@ -51,12 +52,6 @@ fn col_tile_len(g: &ConvGeom) -> usize {
     }
 }
 
-/// Workspace elements of forward (and of backward-data, which needs fewer lanes): an im2col
-/// tile per lane.
-fn lanes_len(g: &ConvGeom) -> usize {
-    lanes(g.n * tiling(g).1) * col_tile_len(g)
-}
-
 /// `lanes` disjoint slices of `len` elements from the front of `ws` (empty ones for 0).
 fn lane_slices<T>(ws: &mut [T], lanes: usize, len: usize) -> Vec<&mut [T]> {
     if len == 0 {
@@ -65,62 +60,85 @@ fn lane_slices<T>(ws: &mut [T], lanes: usize, len: usize) -> Vec<&mut [T]> {
     ws[..lanes * len].chunks_mut(len).collect()
 }
 
-/// Workspace elements of forward: Winograd's where it applies, else an im2col tile per lane.
+/// Workspace elements of forward: Winograd's where it applies, else its lanes' (im2col
+/// columns and, for samples side by side, the product before it goes to each sample).
 fn forward_len(g: &ConvGeom) -> usize {
     if winograd::applies(g) {
         winograd::workspace(g)
     } else {
-        lanes_len(g)
+        let ct = ColumnTiles::forward(g);
+        lanes(ct.items(g)) * (ct.col_len(g) + ct.gathered_len(g))
     }
 }
 
 /// Workspace elements: what every pass needs (backward-data as a forward convolution: its
-/// flipped weights and that convolution's workspace; backward-filter its lanes).
+/// flipped weights and that convolution's workspace, else an im2col tile per lane;
+/// backward-filter its lanes).
 pub fn workspace(g: &ConvGeom) -> usize {
-    let data = transposed(g).map_or(0, |t| weights_len(g) + forward_len(&t));
+    let data = transposed(g).map_or(lanes(g.n) * col_tile_len(g), |t| {
+        weights_len(g) + forward_len(&t)
+    });
     let filter = if winograd::applies(g) {
         winograd::workspace(g)
     } else {
-        let ft = FilterTiles::of(g);
-        reduction_lanes(ft.items(g)) * ft.lane_len(g)
+        let ct = ColumnTiles::of(g);
+        reduction_lanes(ct.items(g)) * ct.filter_lane_len(g)
     };
     forward_len(g).max(data).max(filter)
 }
 
-/// Columns a filter-gradient product sums over at least, where the batch has them: with
-/// fewer, each product rereads and rewrites its C_out × C_in·k² partial sums for little work
-/// (resnet50's last stage at 224²: 49 columns a sample against 512 × 4608 partial sums).
-const FILTER_DEPTH: usize = 256;
+/// Columns a product takes at least, where the batch has them. With fewer, a forward product
+/// packs its weights for little work, and a filter-gradient product rereads and rewrites its
+/// C_out × C_in·k² partial sums for little work (resnet50's last stage at 224²: 49 columns a
+/// sample against 512 × 4608 weights).
+const MIN_COLS: usize = 256;
 
-/// How backward-filter cuts its columns, (sample, output position), into items: tiles of
-/// `rows` output rows of one sample, im2col-sized as forward's but at least [`FILTER_DEPTH`]
-/// columns; or where a whole sample has fewer, groups of `samples` whole samples, their
-/// columns side by side. Depends on the geometry only, so the sums' order does too.
+/// How forward and backward-filter cut their columns, (sample, output position), into items:
+/// tiles of `rows` output rows of one sample, im2col-sized (~[`TILE_ELEMS`]) but at least
+/// [`MIN_COLS`] columns; or where a whole sample has fewer, groups of `samples` whole samples,
+/// their columns side by side. Depends on the geometry only, so the sums' order does too.
 #[derive(Clone, Copy)]
-struct FilterTiles {
+struct ColumnTiles {
     rows: usize,
     tiles: usize,
     samples: usize,
 }
 
-impl FilterTiles {
+impl ColumnTiles {
     fn of(g: &ConvGeom) -> Self {
         let (k, w_out, hw_out) = (g.c_in * g.kh * g.kw, g.w_out.max(1), g.h_out * g.w_out);
-        let rows = (TILE_ELEMS / (k * w_out).max(1))
-            .max(FILTER_DEPTH.div_ceil(w_out))
-            .clamp(1, g.h_out.max(1));
+        // A pointwise convolution reads its input in place: no tile to keep in cache.
+        let rows = if g.is_pointwise() {
+            g.h_out
+        } else {
+            TILE_ELEMS / (k * w_out).max(1)
+        }
+        .max(MIN_COLS.div_ceil(w_out))
+        .clamp(1, g.h_out.max(1));
         let tiles = g.h_out.div_ceil(rows);
         let mut samples = 1;
         if tiles == 1 && hw_out > 0 && g.n > 1 {
             // As few groups as reach the depth, as even as the batch allows.
-            let groups = g.n.div_ceil(FILTER_DEPTH.div_ceil(hw_out).min(g.n));
+            let groups = g.n.div_ceil(MIN_COLS.div_ceil(hw_out).min(g.n));
             samples = g.n.div_ceil(groups);
         }
-        FilterTiles {
+        ColumnTiles {
             rows,
             tiles,
             samples,
         }
+    }
+
+    /// Forward's items: backward-filter's, but with samples side by side only where the
+    /// weights outgrow a core's L2 cache ([`TILE_ELEMS`]), so that packing them again for each
+    /// sample would read them from memory; smaller ones cost less to pack again than the
+    /// copies of x and y cost.
+    fn forward(g: &ConvGeom) -> Self {
+        let mut ct = Self::of(g);
+        if weights_len(g) < TILE_ELEMS {
+            ct.samples = 1;
+        }
+        ct
     }
 
     fn items(&self, g: &ConvGeom) -> usize {
@@ -156,8 +174,9 @@ impl FilterTiles {
         g.is_pointwise() && self.samples == 1
     }
 
-    /// Per lane: the im2col columns (none where the input is read in place), dy's columns side
-    /// by side (for groups of samples), and the partial sums.
+    /// Per lane: the im2col columns (none where the input is read in place); for groups of
+    /// samples, C_out rows of their columns side by side (forward's product, backward-filter's
+    /// copy of dy); backward-filter's partial sums.
     fn col_len(&self, g: &ConvGeom) -> usize {
         if self.in_place(g) {
             0
@@ -166,7 +185,7 @@ impl FilterTiles {
         }
     }
 
-    fn dy_len(&self, g: &ConvGeom) -> usize {
+    fn gathered_len(&self, g: &ConvGeom) -> usize {
         if self.samples > 1 {
             g.c_out * self.cols(g)
         } else {
@@ -174,8 +193,8 @@ impl FilterTiles {
         }
     }
 
-    fn lane_len(&self, g: &ConvGeom) -> usize {
-        self.col_len(g) + self.dy_len(g) + g.c_out * g.col_rows()
+    fn filter_lane_len(&self, g: &ConvGeom) -> usize {
+        self.col_len(g) + self.gathered_len(g) + g.c_out * g.col_rows()
     }
 }
 
@@ -185,10 +204,12 @@ fn weights_len(g: &ConvGeom) -> usize {
 
 /// Backward-data of a stride-1 convolution as the forward convolution of dy with the weights
 /// flipped in space and transposed in channels (padding d·(k-1) - p), so it runs like forward:
-/// tiles of dx rows on every lane, each a plain product, no col2im adding into shared rows.
+/// tiles of dx rows on every lane, each a plain product, no col2im adding into shared rows. A
+/// pointwise one gains too: its product reads the weights row-major, which the gemm crate
+/// packs faster than their transpose (resnet50's 1024 → 256 at 14², B = 8: 0.63× the time).
 fn transposed(g: &ConvGeom) -> Option<ConvGeom> {
     let pad = |k: usize, d: usize, p: usize| (d * (k - 1)).checked_sub(p);
-    if g.stride != (1, 1) || g.is_pointwise() {
+    if g.stride != (1, 1) {
         return None;
     }
     Some(ConvGeom {
@@ -207,19 +228,29 @@ fn transposed(g: &ConvGeom) -> Option<ConvGeom> {
 }
 
 /// w'[gi·ci_g + a][b][i][j] = w[gi·co_g + b][a][kh-1-i][kw-1-j]: the weights of `transposed`.
+/// In blocks of rows of w' (in parallel) and of b, so that both sides stay in cache: for a
+/// pointwise convolution this is a matrix transpose (2048 × 512 in resnet50).
 fn flip_weights<T: Float>(w: &[T], wt: &mut [T], g: &ConvGeom) {
+    const BLOCK: usize = 16;
     let (ci_g, co_g, kk) = (g.c_in / g.groups, g.c_out / g.groups, g.kh * g.kw);
-    for gi in 0..g.groups {
-        for b in 0..co_g {
-            for a in 0..ci_g {
-                let src = &w[((gi * co_g + b) * ci_g + a) * kk..][..kk];
-                let dst = &mut wt[((gi * ci_g + a) * co_g + b) * kk..][..kk];
-                for (d, s) in dst.iter_mut().zip(src.iter().rev()) {
-                    *d = *s;
+    let row = co_g * kk;
+    wt[..g.c_in * row]
+        .par_chunks_mut(BLOCK * row)
+        .enumerate()
+        .for_each(|(i, rows)| {
+            for b0 in (0..co_g).step_by(BLOCK) {
+                for (r, dst_row) in rows.chunks_mut(row).enumerate() {
+                    let (gi, a) = ((i * BLOCK + r) / ci_g, (i * BLOCK + r) % ci_g);
+                    for b in b0..(b0 + BLOCK).min(co_g) {
+                        let src = &w[((gi * co_g + b) * ci_g + a) * kk..][..kk];
+                        let dst = &mut dst_row[b * kk..][..kk];
+                        for (d, s) in dst.iter_mut().zip(src.iter().rev()) {
+                            *d = *s;
+                        }
+                    }
                 }
             }
-        }
-    }
+        });
 }
 
 /// Output rows of tile `t`.
@@ -336,7 +367,8 @@ fn lane_sum<'a, T: Float>(parts: &[&[T]], at: usize, sum: &'a mut [T]) -> &'a [T
     sum
 }
 
-/// y[n] = W · im2col(x[n]) per group, tile by tile; 3×3 stride-1 by [`winograd`].
+/// y[n] = W · im2col(x[n]) per group, item by item (see [`ColumnTiles`]); 3×3 stride-1 by
+/// [`winograd`].
 pub fn forward<T: Float>(x: &[T], w: &[T], y: &mut [T], ws: &mut [T], g: &ConvGeom) {
     if winograd::applies(g) {
         return winograd::forward(x, w, y, ws, g);
@@ -344,43 +376,60 @@ pub fn forward<T: Float>(x: &[T], w: &[T], y: &mut [T], ws: &mut [T], g: &ConvGe
     let (x_len, hw_out) = (g.c_in * g.h * g.w, g.h_out * g.w_out);
     let y_len = g.c_out * hw_out;
     let (rows_g, co_g) = (g.col_rows(), g.c_out / g.groups);
-    let tiles = tiling(g).1;
-    let items = g.n * tiles;
-    let per = items.div_ceil(lanes(items));
-    let par_gemm = items == 1;
+    let ct = ColumnTiles::forward(g);
+    let items = ct.items(g);
+    let lanes = lanes(items);
+    let per = items.div_ceil(lanes);
+    let par_gemm = lanes < rayon::current_num_threads();
+    let (cl, gl) = (ct.col_len(g), ct.gathered_len(g));
+    let in_place = ct.in_place(g);
     assert!(y.len() >= g.n * y_len && x.len() >= g.n * x_len);
     let out = SharedOut(y.as_mut_ptr());
-    lane_slices(ws, lanes(items), col_tile_len(g))
+    lane_slices(ws, lanes, cl + gl)
         .into_par_iter()
         .enumerate()
-        .for_each(|(l, col)| {
+        .for_each(|(l, lane)| {
+            let (col, gathered) = lane.split_at_mut(cl);
             for item in l * per..((l + 1) * per).min(items) {
-                let (n, oh) = (item / tiles, tile_rows(g, item % tiles));
-                let (off, cols) = (oh.start * g.w_out, oh.len() * g.w_out);
-                let x_n = &x[n * x_len..(n + 1) * x_len];
-                if !g.is_pointwise() {
-                    im2col(x_n, col, cols, g, oh);
+                let (n0, samples, oh) = ct.item(g, item);
+                let (off, cols) = (oh.start * g.w_out, samples * oh.len() * g.w_out);
+                if !in_place {
+                    for s in 0..samples {
+                        let x_n = &x[(n0 + s) * x_len..(n0 + s + 1) * x_len];
+                        im2col(x_n, &mut col[s * hw_out..], cols, g, oh.clone());
+                    }
                 }
+                let x_n = in_place.then(|| &x[n0 * x_len..(n0 + 1) * x_len]);
                 for gi in 0..g.groups {
                     let lhs = View::rows(&w[gi * co_g * rows_g..], rows_g);
-                    let rhs = rhs_view(g, g.is_pointwise().then_some(x_n), col, gi, off, cols);
-                    let start = n * y_len + gi * co_g * hw_out + off;
-                    // SAFETY: item (n, tile) and group gi write rows [gi·co_g, (gi+1)·co_g) of
-                    // sample n at columns [off, off + cols): inside y (asserted above) and
-                    // disjoint from every other (item, group).
-                    unsafe {
-                        gemm_raw(
-                            co_g,
-                            cols,
-                            rows_g,
-                            out.at(start),
-                            hw_out,
-                            lhs,
-                            rhs,
-                            false,
-                            par_gemm,
-                        )
+                    let rhs = rhs_view(g, x_n, col, gi, off, cols);
+                    // One sample's rows go to y in place; samples side by side to `gathered`.
+                    let (dst, dst_rs) = if samples == 1 {
+                        (out.at(n0 * y_len + gi * co_g * hw_out + off), hw_out)
+                    } else {
+                        (gathered[gi * co_g * cols..].as_mut_ptr(), cols)
                     };
+                    // SAFETY: item (n0, rows) and group gi write rows [gi·co_g, (gi+1)·co_g)
+                    // of sample n0 at columns [off, off + cols): inside y (asserted above) and
+                    // disjoint from every other (item, group); or of the lane's own
+                    // `gathered`, which holds C_out × cols.
+                    unsafe { gemm_raw(co_g, cols, rows_g, dst, dst_rs, lhs, rhs, false, par_gemm) };
+                }
+                if samples == 1 {
+                    continue;
+                }
+                for (co, row) in gathered.chunks(cols).take(g.c_out).enumerate() {
+                    for (s, src) in row.chunks(hw_out).enumerate() {
+                        // SAFETY: row co of sample n0 + s, of this item alone: inside y
+                        // (asserted above), written by no other item.
+                        unsafe {
+                            std::ptr::copy_nonoverlapping(
+                                src.as_ptr(),
+                                out.at((n0 + s) * y_len + co * hw_out),
+                                hw_out,
+                            )
+                        };
+                    }
                 }
             }
         });
@@ -406,44 +455,25 @@ pub fn backward_data<T: Float>(dy: &[T], w: &[T], dx: &mut [T], ws: &mut [T], g:
         .zip(lane_slices(ws, lanes(g.n), col_tile_len(g)))
         .for_each(|((dxs, dys), dcol)| {
             for (dx_n, dy_n) in dxs.chunks_mut(x_len).zip(dys.chunks(y_len)) {
-                // col2im adds into dx; a pointwise convolution's products overwrite all of it.
-                if !g.is_pointwise() {
-                    dx_n.fill(T::zero());
-                }
+                // col2im adds into dx.
+                dx_n.fill(T::zero());
                 for t in 0..tiles {
                     let oh = tile_rows(g, t);
                     let (off, cols) = (oh.start * g.w_out, oh.len() * g.w_out);
                     for gi in 0..g.groups {
                         let lhs = View::rows(&w[gi * co_g * rows_g..], rows_g).t();
                         let rhs = View::rows(&dy_n[gi * co_g * hw_out + off..], hw_out);
-                        if g.is_pointwise() {
-                            gemm(
-                                rows_g,
-                                cols,
-                                co_g,
-                                &mut dx_n[gi * rows_g * hw + off..],
-                                hw,
-                                lhs,
-                                rhs,
-                                false,
-                                par,
-                            );
-                        } else {
-                            gemm(
-                                rows_g,
-                                cols,
-                                co_g,
-                                &mut dcol[gi * rows_g * cols..],
-                                cols,
-                                lhs,
-                                rhs,
-                                false,
-                                par,
-                            );
-                        }
-                    }
-                    if g.is_pointwise() {
-                        continue;
+                        gemm(
+                            rows_g,
+                            cols,
+                            co_g,
+                            &mut dcol[gi * rows_g * cols..],
+                            cols,
+                            lhs,
+                            rhs,
+                            false,
+                            par,
+                        );
                     }
                     let dcol = &*dcol;
                     if par {
@@ -460,7 +490,7 @@ pub fn backward_data<T: Float>(dy: &[T], w: &[T], dx: &mut [T], ws: &mut [T], g:
         });
 }
 
-/// dW += Σ dy[n] · im2col(x[n])ᵀ per group, item by item (see [`FilterTiles`]); 3×3
+/// dW += Σ dy[n] · im2col(x[n])ᵀ per group, item by item (see [`ColumnTiles`]); 3×3
 /// stride-1 by [`winograd`].
 pub fn backward_filter<T: Float>(x: &[T], dy: &[T], dw: &mut [T], ws: &mut [T], g: &ConvGeom) {
     if winograd::applies(g) {
@@ -469,7 +499,7 @@ pub fn backward_filter<T: Float>(x: &[T], dy: &[T], dw: &mut [T], ws: &mut [T], 
     let (x_len, hw_out) = (g.c_in * g.h * g.w, g.h_out * g.w_out);
     let y_len = g.c_out * hw_out;
     let (rows_g, co_g) = (g.col_rows(), g.c_out / g.groups);
-    let ft = FilterTiles::of(g);
+    let ft = ColumnTiles::of(g);
     let items = ft.items(g);
     if items == 0 {
         return;
@@ -477,7 +507,7 @@ pub fn backward_filter<T: Float>(x: &[T], dy: &[T], dw: &mut [T], ws: &mut [T], 
     let lanes = reduction_lanes(items);
     let per = items.div_ceil(lanes);
     let par_gemm = lanes < rayon::current_num_threads();
-    let (cl, dl, ll) = (ft.col_len(g), ft.dy_len(g), ft.lane_len(g));
+    let (cl, dl, ll) = (ft.col_len(g), ft.gathered_len(g), ft.filter_lane_len(g));
     let in_place = ft.in_place(g);
     // The gemm crate runs these products (the long dimension inside both operands' rows)
     // about twice as fast with the larger of C_out and C_in·k² as the rows of the result, so
@@ -662,13 +692,17 @@ mod tests {
             geom(7, (8, 10, 10), 6, (3, 1, 1, 1), 1),  // groups of 3, 3 and 1 samples
             geom(2, (64, 48, 64), 12, (1, 1, 0, 1), 1), // pointwise, tiles, in place
             geom(6, (4, 5, 5), 12, (1, 1, 0, 1), 1),   // pointwise, samples side by side, dW
+            geom(2, (40, 5, 6), 24, (1, 1, 0, 1), 2),  // pointwise in groups: dx transposed
+            geom(2, (36, 6, 5), 20, (3, 1, 1, 1), 4),  // groups, stride 1: dx by flipped weights
             geom(3, (6, 9, 11), 4, (3, 2, 1, 2), 2),   // stride, dilation, groups
-            geom(5, (4, 7, 6), 4, (3, 2, 1, 1), 4),    // depthwise
-            geom(4, (32, 7, 7), 64, (3, 1, 1, 1), 1),  // deep and small, dWᵀ
-            geom(3, (8, 96, 96), 8, (3, 1, 1, 1), 1),  // Winograd chunks across samples
-            geom(3, (9, 11, 6), 5, (3, 1, 0, 1), 1),   // Winograd unpadded, odd sides
-            geom(2, (10, 5, 9), 3, (3, 1, 2, 1), 1),   // Winograd padded past a tile
-            geom(1, (8, 3, 141), 9, (3, 1, 1, 1), 1),  // Winograd rows of several blocks
+            geom(7, (64, 20, 20), 256, (3, 2, 1, 1), 1), // large weights: samples side by side, 3 + 3 + 1
+            geom(2, (512, 3, 3), 256, (1, 1, 0, 1), 1),  // pointwise, large weights, side by side
+            geom(5, (4, 7, 6), 4, (3, 2, 1, 1), 4),      // depthwise
+            geom(4, (32, 7, 7), 64, (3, 1, 1, 1), 1),    // deep and small, dWᵀ
+            geom(3, (8, 96, 96), 8, (3, 1, 1, 1), 1),    // Winograd chunks across samples
+            geom(3, (9, 11, 6), 5, (3, 1, 0, 1), 1),     // Winograd unpadded, odd sides
+            geom(2, (10, 5, 9), 3, (3, 1, 2, 1), 1),     // Winograd padded past a tile
+            geom(1, (8, 3, 141), 9, (3, 1, 1, 1), 1),    // Winograd rows of several blocks
         ];
         for g in &cases {
             let ws = vec![f64::NAN; workspace(g)];
