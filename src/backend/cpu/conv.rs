@@ -23,13 +23,6 @@ use crate::backend::ConvGeom;
 /// Elements of one im2col tile: small enough to stay in a core's L2 cache.
 const TILE_ELEMS: usize = 1 << 17;
 
-/// Output rows per tile and tiles per sample.
-fn tiling(g: &ConvGeom) -> (usize, usize) {
-    let k = g.c_in * g.kh * g.kw;
-    let rows = (TILE_ELEMS / (k * g.w_out).max(1)).clamp(1, g.h_out.max(1));
-    (rows, g.h_out.div_ceil(rows))
-}
-
 /// Parallel lanes for `items` work items that sum nothing across items.
 fn lanes(items: usize) -> usize {
     items.clamp(1, rayon::current_num_threads())
@@ -42,14 +35,6 @@ const REDUCTION_LANES: usize = 4;
 
 fn reduction_lanes(items: usize) -> usize {
     items.clamp(1, REDUCTION_LANES)
-}
-
-fn col_tile_len(g: &ConvGeom) -> usize {
-    if g.is_pointwise() {
-        0
-    } else {
-        g.c_in * g.kh * g.kw * tiling(g).0 * g.w_out
-    }
 }
 
 /// `lanes` disjoint slices of `len` elements from the front of `ws` (empty ones for 0).
@@ -71,13 +56,18 @@ fn forward_len(g: &ConvGeom) -> usize {
     }
 }
 
-/// Workspace elements: what every pass needs (backward-data as a forward convolution: its
-/// flipped weights and that convolution's workspace, else an im2col tile per lane;
+/// Workspace elements: what every pass needs (backward-data the transposed weights and, as
+/// a forward convolution, that convolution's workspace, else its lanes as forward's;
 /// backward-filter its lanes).
 pub fn workspace(g: &ConvGeom) -> usize {
-    let data = transposed(g).map_or(lanes(g.n) * col_tile_len(g), |t| {
-        weights_len(g) + forward_len(&t)
-    });
+    let data = weights_len(g)
+        + transposed(g).map_or_else(
+            || {
+                let ct = ColumnTiles::forward(g);
+                lanes(g.n.div_ceil(ct.samples)) * (ct.col_len(g) + ct.gathered_len(g))
+            },
+            |t| forward_len(&t),
+        );
     let filter = if winograd::applies(g) {
         winograd::workspace(g)
     } else {
@@ -253,10 +243,24 @@ fn flip_weights<T: Float>(w: &[T], wt: &mut [T], g: &ConvGeom) {
         });
 }
 
-/// Output rows of tile `t`.
-fn tile_rows(g: &ConvGeom, t: usize) -> Range<usize> {
-    let rows = tiling(g).0;
-    t * rows..((t + 1) * rows).min(g.h_out)
+/// wt[gi][r][b] = w[gi·co_g + b][r] (r over C_in/groups · k²): each group's weights transposed,
+/// for backward-data's products. In parallel blocks of rows of wt, as [`flip_weights`].
+fn transpose_weights<T: Float>(w: &[T], wt: &mut [T], g: &ConvGeom) {
+    const BLOCK: usize = 16;
+    let (rows_g, co_g) = (g.col_rows(), g.c_out / g.groups);
+    wt[..g.groups * rows_g * co_g]
+        .par_chunks_mut(BLOCK * co_g)
+        .enumerate()
+        .for_each(|(i, rows)| {
+            for b0 in (0..co_g).step_by(BLOCK) {
+                for (q, dst) in rows.chunks_mut(co_g).enumerate() {
+                    let (gi, r) = ((i * BLOCK + q) / rows_g, (i * BLOCK + q) % rows_g);
+                    for b in b0..(b0 + BLOCK).min(co_g) {
+                        dst[b] = w[(gi * co_g + b) * rows_g + r];
+                    }
+                }
+            }
+        });
 }
 
 /// The output columns ow whose input column ow·sw + j·dw - pw lies inside the image.
@@ -312,12 +316,19 @@ fn im2col<T: Float>(x: &[T], col: &mut [T], ld: usize, g: &ConvGeom, oh: Range<u
 }
 
 /// The adjoint of im2col for channel `c`: plane[ih][iw] += col[...] over output rows `oh`.
-fn col2im_channel<T: Float>(col: &[T], plane: &mut [T], c: usize, g: &ConvGeom, oh: Range<usize>) {
+fn col2im_channel<T: Float>(
+    col: &[T],
+    ld: usize,
+    plane: &mut [T],
+    c: usize,
+    g: &ConvGeom,
+    oh: Range<usize>,
+) {
     let cols = oh.len() * g.w_out;
     for i in 0..g.kh {
         for j in 0..g.kw {
             let r = (c * g.kh + i) * g.kw + j;
-            let row = &col[r * cols..(r + 1) * cols];
+            let row = &col[r * ld..r * ld + cols];
             let valid = valid_cols(g, j);
             if valid.is_empty() {
                 continue;
@@ -436,54 +447,71 @@ pub fn forward<T: Float>(x: &[T], w: &[T], y: &mut [T], ws: &mut [T], g: &ConvGe
 }
 
 /// dx = the forward convolution of dy by the flipped weights where the stride is 1 (see
-/// [`transposed`]), else dx[n] = col2im(Wᵀ · dy[n]) per group; lanes split samples, tiles
-/// run in order.
+/// [`transposed`]), else dx[n] = col2im(Wᵀ · dy[n]) per group, Wᵀ copied row-major first (the
+/// gemm crate packs a transposed view slower). Items as forward's: lanes split samples, or
+/// groups of samples side by side (dy's columns gathered next to each other), and a sample's
+/// tiles run in order, as col2im adds into rows that neighbouring tiles share.
 pub fn backward_data<T: Float>(dy: &[T], w: &[T], dx: &mut [T], ws: &mut [T], g: &ConvGeom) {
+    let (wt, ws) = ws.split_at_mut(weights_len(g));
     if let Some(t) = transposed(g) {
-        let (wt, ws) = ws.split_at_mut(weights_len(g));
         flip_weights(w, wt, g);
         return forward(dy, wt, dx, ws, &t);
     }
+    transpose_weights(w, wt, g);
     let (x_len, hw, hw_out) = (g.c_in * g.h * g.w, g.h * g.w, g.h_out * g.w_out);
     let y_len = g.c_out * hw_out;
     let (rows_g, co_g) = (g.col_rows(), g.c_out / g.groups);
-    let tiles = tiling(g).1;
-    let per = g.n.div_ceil(lanes(g.n));
-    let par = lanes(g.n) == 1;
+    let ct = ColumnTiles::forward(g);
+    let units = g.n.div_ceil(ct.samples);
+    let lanes = lanes(units);
+    let per = ct.samples * units.div_ceil(lanes);
+    let par = lanes < rayon::current_num_threads();
+    let (cl, gl) = (ct.col_len(g), ct.gathered_len(g));
+    let wt = &*wt;
     dx.par_chunks_mut(per * x_len)
         .zip(dy.par_chunks(per * y_len))
-        .zip(lane_slices(ws, lanes(g.n), col_tile_len(g)))
-        .for_each(|((dxs, dys), dcol)| {
-            for (dx_n, dy_n) in dxs.chunks_mut(x_len).zip(dys.chunks(y_len)) {
+        .zip(lane_slices(ws, lanes, cl + gl))
+        .for_each(|((dxs, dys), lane)| {
+            let (dcol, gathered) = lane.split_at_mut(cl);
+            let units = dxs
+                .chunks_mut(ct.samples * x_len)
+                .zip(dys.chunks(ct.samples * y_len));
+            for (dx_u, dy_u) in units {
+                let samples = dx_u.len() / x_len;
                 // col2im adds into dx.
-                dx_n.fill(T::zero());
-                for t in 0..tiles {
-                    let oh = tile_rows(g, t);
-                    let (off, cols) = (oh.start * g.w_out, oh.len() * g.w_out);
+                dx_u.fill(T::zero());
+                for t in 0..ct.tiles {
+                    let oh = t * ct.rows..((t + 1) * ct.rows).min(g.h_out);
+                    let (off, cols) = (oh.start * g.w_out, samples * oh.len() * g.w_out);
+                    // dy's columns: in place for one sample, else copied side by side.
+                    let dy_view = if samples == 1 {
+                        View::rows(&dy_u[off..], hw_out)
+                    } else {
+                        for (co, row) in gathered.chunks_mut(cols).take(g.c_out).enumerate() {
+                            for (s, dst) in row.chunks_mut(hw_out).enumerate() {
+                                dst.copy_from_slice(&dy_u[s * y_len + co * hw_out..][..hw_out]);
+                            }
+                        }
+                        View::rows(&gathered[..], cols)
+                    };
                     for gi in 0..g.groups {
-                        let lhs = View::rows(&w[gi * co_g * rows_g..], rows_g).t();
-                        let rhs = View::rows(&dy_n[gi * co_g * hw_out + off..], hw_out);
-                        gemm(
-                            rows_g,
-                            cols,
-                            co_g,
-                            &mut dcol[gi * rows_g * cols..],
-                            cols,
-                            lhs,
-                            rhs,
-                            false,
-                            par,
-                        );
+                        let lhs = View::rows(&wt[gi * rows_g * co_g..], co_g);
+                        let rhs = View {
+                            data: &dy_view.data[gi * co_g * dy_view.rs..],
+                            ..dy_view
+                        };
+                        let dst = &mut dcol[gi * rows_g * cols..];
+                        gemm(rows_g, cols, co_g, dst, cols, lhs, rhs, false, par);
                     }
                     let dcol = &*dcol;
+                    let col2im = |(p, plane): (usize, &mut [T])| {
+                        let (s, c) = (p / g.c_in, p % g.c_in);
+                        col2im_channel(&dcol[s * hw_out..], cols, plane, c, g, oh.clone())
+                    };
                     if par {
-                        dx_n.par_chunks_mut(hw)
-                            .enumerate()
-                            .for_each(|(c, p)| col2im_channel(dcol, p, c, g, oh.clone()));
+                        dx_u.par_chunks_mut(hw).enumerate().for_each(col2im);
                     } else {
-                        dx_n.chunks_mut(hw)
-                            .enumerate()
-                            .for_each(|(c, p)| col2im_channel(dcol, p, c, g, oh.clone()));
+                        dx_u.chunks_mut(hw).enumerate().for_each(col2im);
                     }
                 }
             }
