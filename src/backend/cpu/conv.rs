@@ -97,14 +97,9 @@ struct ColumnTiles {
 impl ColumnTiles {
     fn of(g: &ConvGeom) -> Self {
         let (k, w_out, hw_out) = (g.c_in * g.kh * g.kw, g.w_out.max(1), g.h_out * g.w_out);
-        // A pointwise convolution reads its input in place: no tile to keep in cache.
-        let rows = if g.is_pointwise() {
-            g.h_out
-        } else {
-            TILE_ELEMS / (k * w_out).max(1)
-        }
-        .max(MIN_COLS.div_ceil(w_out))
-        .clamp(1, g.h_out.max(1));
+        let rows = (TILE_ELEMS / (k * w_out).max(1))
+            .max(MIN_COLS.div_ceil(w_out))
+            .clamp(1, g.h_out.max(1));
         let tiles = g.h_out.div_ceil(rows);
         let mut samples = 1;
         if tiles == 1 && hw_out > 0 && g.n > 1 {
@@ -122,11 +117,16 @@ impl ColumnTiles {
     /// Forward's items: backward-filter's, but with samples side by side only where the
     /// weights outgrow a core's L2 cache ([`TILE_ELEMS`]), so that packing them again for each
     /// sample would read them from memory; smaller ones cost less to pack again than the
-    /// copies of x and y cost.
+    /// copies of x and y cost. A pointwise convolution reads its input in place, so it has
+    /// no tile to keep in cache: one product a sample (backward-filter keeps its tiles, the
+    /// lanes of a batch of one).
     fn forward(g: &ConvGeom) -> Self {
         let mut ct = Self::of(g);
         if weights_len(g) < TILE_ELEMS {
             ct.samples = 1;
+        }
+        if g.is_pointwise() && ct.samples == 1 {
+            (ct.rows, ct.tiles) = (g.h_out.max(1), 1);
         }
         ct
     }
