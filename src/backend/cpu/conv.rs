@@ -218,45 +218,56 @@ fn transposed(g: &ConvGeom) -> Option<ConvGeom> {
 }
 
 /// w'[gi·ci_g + a][b][i][j] = w[gi·co_g + b][a][kh-1-i][kw-1-j]: the weights of `transposed`.
-/// In blocks of rows of w' (in parallel) and of b, so that both sides stay in cache: for a
-/// pointwise convolution this is a matrix transpose (2048 × 512 in resnet50).
 fn flip_weights<T: Float>(w: &[T], wt: &mut [T], g: &ConvGeom) {
-    const BLOCK: usize = 16;
-    let (ci_g, co_g, kk) = (g.c_in / g.groups, g.c_out / g.groups, g.kh * g.kw);
-    let row = co_g * kk;
-    wt[..g.c_in * row]
-        .par_chunks_mut(BLOCK * row)
-        .enumerate()
-        .for_each(|(i, rows)| {
-            for b0 in (0..co_g).step_by(BLOCK) {
-                for (r, dst_row) in rows.chunks_mut(row).enumerate() {
-                    let (gi, a) = ((i * BLOCK + r) / ci_g, (i * BLOCK + r) % ci_g);
-                    for b in b0..(b0 + BLOCK).min(co_g) {
-                        let src = &w[((gi * co_g + b) * ci_g + a) * kk..][..kk];
-                        let dst = &mut dst_row[b * kk..][..kk];
-                        for (d, s) in dst.iter_mut().zip(src.iter().rev()) {
-                            *d = *s;
-                        }
-                    }
-                }
-            }
-        });
+    let (ci_g, co_g) = (g.c_in / g.groups, g.c_out / g.groups);
+    swap_channels(w, wt, g.groups, (co_g, ci_g), g.kh * g.kw, true);
 }
 
 /// wt[gi][r][b] = w[gi·co_g + b][r] (r over C_in/groups · k²): each group's weights transposed,
-/// for backward-data's products. In parallel blocks of rows of wt, as [`flip_weights`].
+/// for the strided backward-data's products.
 fn transpose_weights<T: Float>(w: &[T], wt: &mut [T], g: &ConvGeom) {
+    swap_channels(
+        w,
+        wt,
+        g.groups,
+        (g.c_out / g.groups, g.col_rows()),
+        1,
+        false,
+    );
+}
+
+/// wt[gi][a][b][..] = w[gi][b][a][..] for each group of `outer` × `inner` runs of `run`
+/// elements, each run reversed where asked. In parallel blocks of rows of wt and of b, so that
+/// both sides stay in cache (a pointwise convolution's is a plain transpose, 2048 × 512 in
+/// resnet50).
+fn swap_channels<T: Float>(
+    w: &[T],
+    wt: &mut [T],
+    groups: usize,
+    (outer, inner): (usize, usize),
+    run: usize,
+    reverse: bool,
+) {
     const BLOCK: usize = 16;
-    let (rows_g, co_g) = (g.col_rows(), g.c_out / g.groups);
-    wt[..g.groups * rows_g * co_g]
-        .par_chunks_mut(BLOCK * co_g)
+    let row = outer * run;
+    wt[..groups * inner * row]
+        .par_chunks_mut(BLOCK * row)
         .enumerate()
         .for_each(|(i, rows)| {
-            for b0 in (0..co_g).step_by(BLOCK) {
-                for (q, dst) in rows.chunks_mut(co_g).enumerate() {
-                    let (gi, r) = ((i * BLOCK + q) / rows_g, (i * BLOCK + q) % rows_g);
-                    for b in b0..(b0 + BLOCK).min(co_g) {
-                        dst[b] = w[(gi * co_g + b) * rows_g + r];
+            for b0 in (0..outer).step_by(BLOCK) {
+                for (r, dst_row) in rows.chunks_mut(row).enumerate() {
+                    let (gi, a) = ((i * BLOCK + r) / inner, (i * BLOCK + r) % inner);
+                    for b in b0..(b0 + BLOCK).min(outer) {
+                        let src = &w[((gi * outer + b) * inner + a) * run..][..run];
+                        let dst = &mut dst_row[b * run..][..run];
+                        // Element loops, not memcpy: runs are 1 to 9 elements long.
+                        if reverse {
+                            dst.iter_mut()
+                                .zip(src.iter().rev())
+                                .for_each(|(d, s)| *d = *s);
+                        } else {
+                            dst.iter_mut().zip(src).for_each(|(d, s)| *d = *s);
+                        }
                     }
                 }
             }
