@@ -60,28 +60,48 @@ fn channel_sums<T: Float, const K: usize>(
     acc
 }
 
-fn stats<T: Float>(x: &[T], g: &ChannelGeom) -> Vec<(T, T)> {
+/// Channel c's (mean, biased variance), two passes over its planes (the second from cache).
+fn channel_stats<T: Float>(c: usize, g: &ChannelGeom, x: &[T]) -> (T, T) {
     let m = T::of((g.n * g.hw) as f64);
+    let [sum] = channel_sums(c, g, x, x, move |x, _| [x.f64()]);
+    let mean = T::of(sum) / m;
+    let [sq] = channel_sums(c, g, x, x, move |x, _| [((x - mean) * (x - mean)).f64()]);
+    (mean, T::of(sq) / m)
+}
+
+fn stats<T: Float>(x: &[T], g: &ChannelGeom) -> Vec<(T, T)> {
     (0..g.c)
         .into_par_iter()
-        .map(|c| {
-            let [sum] = channel_sums(c, g, x, x, move |x, _| [x.f64()]);
-            let mean = T::of(sum) / m;
-            let [sq] = channel_sums(c, g, x, x, move |x, _| [((x - mean) * (x - mean)).f64()]);
-            (mean, T::of(sq) / m)
-        })
+        .map(|c| channel_stats(c, g, x))
         .collect()
+}
+
+/// The planes of `t` (N·C planes of HW values) grouped by channel, plane n·C + c in group c:
+/// for work by channel, each group on one thread.
+fn planes_by_channel<'a, T>(t: &'a mut [T], g: &ChannelGeom) -> Vec<Vec<&'a mut [T]>> {
+    let mut groups: Vec<Vec<&mut [T]>> = (0..g.c).map(|_| Vec::with_capacity(g.n)).collect();
+    for (p, plane) in t[..g.n * g.c * g.hw].chunks_mut(g.hw).enumerate() {
+        groups[p % g.c].push(plane);
+    }
+    groups
+}
+
+/// The values of plane n·C + c.
+fn plane(g: &ChannelGeom, n: usize, c: usize) -> std::ops::Range<usize> {
+    (n * g.c + c) * g.hw..(n * g.c + c + 1) * g.hw
 }
 
 /// Per channel (scale, shift) of the normalization as an affine map: scale = γ/√(var + eps),
 /// shift = β - mean·scale. The fused BN+ReLU's backward recomputes its mask with them.
 fn coefficients<T: Float>(gamma: &[T], beta: &[T], mean: &[T], var: &[T], eps: f64) -> Vec<(T, T)> {
     (0..gamma.len())
-        .map(|c| {
-            let scale = gamma[c] / (var[c] + T::of(eps)).sqrt();
-            (scale, beta[c] - mean[c] * scale)
-        })
+        .map(|c| coefficient(gamma[c], beta[c], mean[c], var[c], eps))
         .collect()
+}
+
+fn coefficient<T: Float>(gamma: T, beta: T, mean: T, var: T, eps: f64) -> (T, T) {
+    let scale = gamma / (var + T::of(eps)).sqrt();
+    (scale, beta - mean * scale)
 }
 
 /// y = x · scale[c] + shift[c] over planes (shift holding the mean's part), then with `relu`
@@ -90,18 +110,19 @@ fn affine<T: Float>(x: &[T], y: &mut [T], g: &ChannelGeom, coef: &[(T, T)], relu
     y.par_chunks_mut(g.hw)
         .zip(x.par_chunks(g.hw))
         .enumerate()
-        .for_each(|(p, (yp, xp))| {
-            let (scale, shift) = coef[p % g.c];
-            simd(
-                #[inline(always)]
-                || {
-                    for (y, &x) in yp.iter_mut().zip(xp) {
-                        let v = x * scale + shift;
-                        *y = if relu { v.max(T::zero()) } else { v };
-                    }
-                },
-            )
-        });
+        .for_each(|(p, (yp, xp))| affine_plane(xp, yp, coef[p % g.c], relu));
+}
+
+fn affine_plane<T: Float>(x: &[T], y: &mut [T], (scale, shift): (T, T), relu: bool) {
+    simd(
+        #[inline(always)]
+        || {
+            for (y, &x) in y.iter_mut().zip(x) {
+                let v = x * scale + shift;
+                *y = if relu { v.max(T::zero()) } else { v };
+            }
+        },
+    )
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -116,12 +137,24 @@ pub fn forward_train<T: Float>(
     g: &ChannelGeom,
     relu: bool,
 ) {
-    let st = stats(x, g);
+    // By channel: its statistics, then its normalization while its planes are still in cache
+    // (x read once from memory, not twice; the results are forward_eval's with these stats).
+    let st: Vec<(T, T)> = planes_by_channel(y, g)
+        .into_par_iter()
+        .enumerate()
+        .map(|(c, ys)| {
+            let (m, v) = channel_stats(c, g, x);
+            let coef = coefficient(gamma[c], beta[c], m, v, eps);
+            for (n, yp) in ys.into_iter().enumerate() {
+                affine_plane(&x[plane(g, n, c)], yp, coef, relu);
+            }
+            (m, v)
+        })
+        .collect();
     for (c, &(m, v)) in st.iter().enumerate() {
         mean[c] = m;
         var[c] = v;
     }
-    forward_eval(x, gamma, beta, mean, var, y, eps, g, relu);
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -162,19 +195,33 @@ pub fn backward_sums<T: Float>(
     eps: f64,
     g: &ChannelGeom,
 ) -> Vec<(f64, f64)> {
-    let coef = relu_beta.map(|beta| coefficients(gamma, beta, mean, var, eps));
+    let masks = relu_beta.map(|beta| coefficients(gamma, beta, mean, var, eps));
     (0..g.c)
         .into_par_iter()
         .map(|c| {
-            let (invstd, mean) = (invstd(var, c, eps), mean[c]);
-            let term = move |d: T, x: T| [d.f64(), d.f64() * ((x - mean) * invstd).f64()];
-            let [sdy, sdyx] = match &coef {
-                Some(k) => channel_sums(c, g, dy, x, |d, x| term(relu_pass(d, x, k[c]), x)),
-                None => channel_sums(c, g, dy, x, term),
-            };
-            (sdy, sdyx)
+            let mask = masks.as_ref().map(|k| k[c]);
+            channel_backward_sums(c, g, x, dy, mask, mean[c], invstd(var, c, eps))
         })
         .collect()
+}
+
+/// Channel c's (Σdy, Σ(dy·x̂)), dy passing only where the fused ReLU's `mask` (its input's
+/// affine map) was positive.
+fn channel_backward_sums<T: Float>(
+    c: usize,
+    g: &ChannelGeom,
+    x: &[T],
+    dy: &[T],
+    mask: Option<(T, T)>,
+    mean: T,
+    invstd: T,
+) -> (f64, f64) {
+    let term = move |d: T, x: T| [d.f64(), d.f64() * ((x - mean) * invstd).f64()];
+    let [sdy, sdyx] = match mask {
+        Some(k) => channel_sums(c, g, dy, x, |d, x| term(relu_pass(d, x, k), x)),
+        None => channel_sums(c, g, dy, x, term),
+    };
+    (sdy, sdyx)
 }
 
 fn invstd<T: Float>(var: &[T], c: usize, eps: f64) -> T {
@@ -197,29 +244,63 @@ pub fn backward_dx<T: Float>(
     eps: f64,
     g: &ChannelGeom,
 ) {
-    let plane = |p: usize| p * g.hw..(p + 1) * g.hw;
-    let coef = relu_beta.map(|beta| coefficients(gamma, beta, mean, var, eps));
-    let m = T::of(count as f64);
+    let span = |p: usize| p * g.hw..(p + 1) * g.hw;
+    let masks = relu_beta.map(|beta| coefficients(gamma, beta, mean, var, eps));
     dx.par_chunks_mut(g.hw).enumerate().for_each(|(p, dxp)| {
         let c = p % g.c;
-        let (invstd, mean) = (invstd(var, c, eps), mean[c]);
-        let (sdy, sdyx) = (T::of(sums[c].0), T::of(sums[c].1));
-        let k = gamma[c] * invstd / m;
-        // Copies in `move` closures: through references LLVM reloads them every element.
-        let dx = move |d: T, x: T| {
-            let xhat = (x - mean) * invstd;
-            k * (m * d - sdy - xhat * sdyx)
-        };
-        let out = dxp.iter_mut().zip(dy[plane(p)].iter().zip(&x[plane(p)]));
-        let mask = coef.as_ref().map(|k| k[c]);
-        simd(
-            #[inline(always)]
-            move || match mask {
-                Some(a) => out.for_each(move |(o, (&d, &x))| *o = dx(relu_pass(d, x, a), x)),
-                None => out.for_each(move |(o, (&d, &x))| *o = dx(d, x)),
-            },
-        )
+        let k = DxCoefficients::new(gamma[c], mean[c], invstd(var, c, eps), sums[c], count);
+        let mask = masks.as_ref().map(|k| k[c]);
+        dx_plane(dxp, &dy[span(p)], &x[span(p)], k, mask);
     });
+}
+
+/// What dx of one channel needs besides dy and x.
+#[derive(Clone, Copy)]
+struct DxCoefficients<T> {
+    /// γ·invstd/M.
+    k: T,
+    mean: T,
+    invstd: T,
+    /// M, Σdy, Σ(dy·x̂).
+    m: T,
+    sdy: T,
+    sdyx: T,
+}
+
+impl<T: Float> DxCoefficients<T> {
+    fn new(gamma: T, mean: T, invstd: T, (sdy, sdyx): (f64, f64), count: usize) -> Self {
+        let m = T::of(count as f64);
+        DxCoefficients {
+            k: gamma * invstd / m,
+            mean,
+            invstd,
+            m,
+            sdy: T::of(sdy),
+            sdyx: T::of(sdyx),
+        }
+    }
+}
+
+fn dx_plane<T: Float>(
+    dxp: &mut [T],
+    dy: &[T],
+    x: &[T],
+    k: DxCoefficients<T>,
+    mask: Option<(T, T)>,
+) {
+    // Copies in `move` closures: through references LLVM reloads them every element.
+    let dx = move |d: T, x: T| {
+        let xhat = (x - k.mean) * k.invstd;
+        k.k * (k.m * d - k.sdy - xhat * k.sdyx)
+    };
+    let out = dxp.iter_mut().zip(dy.iter().zip(x));
+    simd(
+        #[inline(always)]
+        move || match mask {
+            Some(a) => out.for_each(move |(o, (&d, &x))| *o = dx(relu_pass(d, x, a), x)),
+            None => out.for_each(move |(o, (&d, &x))| *o = dx(d, x)),
+        },
+    )
 }
 
 /// dx = γ·invstd/M · (M·dy - Σdy - x̂·Σ(dy·x̂)); dγ += Σ(dy·x̂); dβ += Σdy, over x's batch.
@@ -237,24 +318,27 @@ pub fn backward<T: Float>(
     eps: f64,
     g: &ChannelGeom,
 ) {
-    let sums = backward_sums(x, dy, relu_beta, gamma, mean, var, eps, g);
+    // By channel: its sums, then its dx while its planes of x and dy are still in cache (each
+    // read once from memory, not twice; the results are backward_sums' and backward_dx's).
+    let masks = relu_beta.map(|beta| coefficients(gamma, beta, mean, var, eps));
+    let sums: Vec<(f64, f64)> = planes_by_channel(dx, g)
+        .into_par_iter()
+        .enumerate()
+        .map(|(c, dxs)| {
+            let (mask, invstd) = (masks.as_ref().map(|k| k[c]), invstd(var, c, eps));
+            let s = channel_backward_sums(c, g, x, dy, mask, mean[c], invstd);
+            let k = DxCoefficients::new(gamma[c], mean[c], invstd, s, g.n * g.hw);
+            for (n, dxp) in dxs.into_iter().enumerate() {
+                let p = plane(g, n, c);
+                dx_plane(dxp, &dy[p.clone()], &x[p], k, mask);
+            }
+            s
+        })
+        .collect();
     for (c, &(sdy, sdyx)) in sums.iter().enumerate() {
         dbeta[c] += T::of(sdy);
         dgamma[c] += T::of(sdyx);
     }
-    backward_dx(
-        x,
-        dy,
-        relu_beta,
-        gamma,
-        mean,
-        var,
-        &sums,
-        g.n * g.hw,
-        dx,
-        eps,
-        g,
-    );
 }
 
 /// The gradient `d` through a fused ReLU whose input x had the affine map (scale, shift):
