@@ -13,27 +13,42 @@ use crate::backend::ChannelGeom;
 const LANES: usize = 32;
 
 /// Σ f(a[i], b[i]) over i, each of the K terms accumulated in f64 in [`LANES`] partial sums.
-fn lane_sums<T: Float, const K: usize>(a: &[T], b: &[T], f: impl Fn(T, T) -> [f64; K]) -> [f64; K] {
+/// f32 terms are first summed [`F32_ROWS`] to a lane in f32: a conversion to f64 per element
+/// made the statistics compute-bound (one element per cycle); f64 terms go straight in.
+fn lane_sums<T: Float, const K: usize>(a: &[T], b: &[T], f: impl Fn(T, T) -> [T; K]) -> [f64; K] {
+    let rows = if std::mem::size_of::<T>() < 8 {
+        F32_ROWS
+    } else {
+        1
+    };
     simd(
         #[inline(always)]
         || {
             let mut acc = [[0.0f64; LANES]; K];
-            let (ac, bc) = (a.chunks_exact(LANES), b.chunks_exact(LANES));
+            let (ac, bc) = (a.chunks_exact(rows * LANES), b.chunks_exact(rows * LANES));
             let (ar, br) = (ac.remainder(), bc.remainder());
             for (a, b) in ac.zip(bc) {
-                let (a, b): (&[T; LANES], &[T; LANES]) =
-                    (a.try_into().unwrap(), b.try_into().unwrap());
-                for l in 0..LANES {
-                    let v = f(a[l], b[l]);
-                    for k in 0..K {
-                        acc[k][l] += v[k];
+                let mut part = [[T::zero(); LANES]; K];
+                for (a, b) in a.chunks_exact(LANES).zip(b.chunks_exact(LANES)) {
+                    let (a, b): (&[T; LANES], &[T; LANES]) =
+                        (a.try_into().unwrap(), b.try_into().unwrap());
+                    for l in 0..LANES {
+                        let v = f(a[l], b[l]);
+                        for k in 0..K {
+                            part[k][l] += v[k];
+                        }
+                    }
+                }
+                for k in 0..K {
+                    for l in 0..LANES {
+                        acc[k][l] += part[k][l].f64();
                     }
                 }
             }
-            for (l, (&a, &b)) in ar.iter().zip(br).enumerate() {
+            for (i, (&a, &b)) in ar.iter().zip(br).enumerate() {
                 let v = f(a, b);
                 for k in 0..K {
-                    acc[k][l] += v[k];
+                    acc[k][i % LANES] += v[k].f64();
                 }
             }
             acc.map(|lanes| lanes.iter().sum())
@@ -41,13 +56,17 @@ fn lane_sums<T: Float, const K: usize>(a: &[T], b: &[T], f: impl Fn(T, T) -> [f6
     )
 }
 
+/// f32 terms a lane sums in f32 before adding them in f64: a relative error of at most
+/// 8 units in the last place of f32 per partial sum, far below the statistics' own noise.
+const F32_ROWS: usize = 8;
+
 /// Σ over the planes of channel c of `lane_sums` of (a, b).
 fn channel_sums<T: Float, const K: usize>(
     c: usize,
     g: &ChannelGeom,
     a: &[T],
     b: &[T],
-    f: impl Fn(T, T) -> [f64; K] + Copy,
+    f: impl Fn(T, T) -> [T; K] + Copy,
 ) -> [f64; K] {
     let mut acc = [0.0; K];
     for n in 0..g.n {
@@ -63,9 +82,9 @@ fn channel_sums<T: Float, const K: usize>(
 /// Channel c's (mean, biased variance), two passes over its planes (the second from cache).
 fn channel_stats<T: Float>(c: usize, g: &ChannelGeom, x: &[T]) -> (T, T) {
     let m = T::of((g.n * g.hw) as f64);
-    let [sum] = channel_sums(c, g, x, x, move |x, _| [x.f64()]);
+    let [sum] = channel_sums(c, g, x, x, move |x, _| [x]);
     let mean = T::of(sum) / m;
-    let [sq] = channel_sums(c, g, x, x, move |x, _| [((x - mean) * (x - mean)).f64()]);
+    let [sq] = channel_sums(c, g, x, x, move |x, _| [(x - mean) * (x - mean)]);
     (mean, T::of(sq) / m)
 }
 
@@ -216,7 +235,7 @@ fn channel_backward_sums<T: Float>(
     mean: T,
     invstd: T,
 ) -> (f64, f64) {
-    let term = move |d: T, x: T| [d.f64(), d.f64() * ((x - mean) * invstd).f64()];
+    let term = move |d: T, x: T| [d, d * ((x - mean) * invstd)];
     let [sdy, sdyx] = match mask {
         Some(k) => channel_sums(c, g, dy, x, |d, x| term(relu_pass(d, x, k), x)),
         None => channel_sums(c, g, dy, x, term),
@@ -371,8 +390,7 @@ pub fn update_running<T: Float>(
 #[cfg(test)]
 mod tests {
     use crate::backend::cpu::{uniform, Cpu};
-    use crate::backend::Storage;
-    use crate::backend::{Backend, ChannelGeom};
+    use crate::backend::{Backend, ChannelGeom, Storage};
     use crate::core::DType;
 
     fn values(n: usize, seed: u64, offset: f64) -> Storage {
@@ -382,6 +400,89 @@ mod tests {
 
     fn f64s(s: &Storage) -> Vec<f64> {
         s.to_f64_vec().unwrap()
+    }
+
+    /// f32 BN+ReLU, forward and backward, against the definition computed in f64: planes of
+    /// whole blocks of partial sums and a remainder, values far from zero mean.
+    #[test]
+    fn f32_batchnorm_relu_matches_the_definition_in_f64() {
+        let g = ChannelGeom {
+            n: 2,
+            c: 3,
+            hw: 600,
+        };
+        let (n, eps) = (g.n * g.c * g.hw, 1e-5);
+        let x: Vec<f64> = (0..n as u64).map(|i| 3.0 + uniform(1, i)).collect();
+        let dy: Vec<f64> = (0..n as u64).map(|i| uniform(2, i) - 0.5).collect();
+        let (gamma, beta) = (vec![0.5, 1.0, 2.0], vec![0.1, -0.2, 0.0]);
+        let f32s = |v: &[f64]| Cpu.upload(v, DType::F32).unwrap();
+        let zeros = |n| Cpu.zeros(n, DType::F32).unwrap();
+        let (mut y, mut mean, mut var) = (zeros(n), zeros(g.c), zeros(g.c));
+        let (xs, gs, bs) = (f32s(&x), f32s(&gamma), f32s(&beta));
+        Cpu.batchnorm_relu_forward_train(&xs, &gs, &bs, &mut y, &mut mean, &mut var, eps, &g)
+            .unwrap();
+        let (mut dx, mut dg, mut db) = (zeros(n), zeros(g.c), zeros(g.c));
+        Cpu.batchnorm_relu_backward(
+            &xs,
+            &f32s(&dy),
+            &gs,
+            &bs,
+            &mean,
+            &var,
+            &mut dx,
+            &mut dg,
+            &mut db,
+            eps,
+            &g,
+        )
+        .unwrap();
+
+        let close = |got: &Storage, want: &[f64], what: &str| {
+            let scale = want.iter().fold(1e-3f64, |m, v| m.max(v.abs()));
+            for (i, (a, b)) in f64s(got).iter().zip(want).enumerate() {
+                assert!(
+                    (a - b).abs() <= 2e-5 * scale,
+                    "{what}[{i}]: {a} against {b}"
+                );
+            }
+        };
+        let m = (g.n * g.hw) as f64;
+        let at =
+            |c: usize| (0..g.n).flat_map(move |s| (s * g.c + c) * g.hw..(s * g.c + c + 1) * g.hw);
+        let (mut want_y, mut want_dx) = (vec![0.0; n], vec![0.0; n]);
+        let (mut want_mean, mut want_var, mut want_dg, mut want_db) =
+            (vec![], vec![], vec![], vec![]);
+        for c in 0..g.c {
+            let mu = at(c).map(|i| x[i]).sum::<f64>() / m;
+            let v = at(c).map(|i| (x[i] - mu).powi(2)).sum::<f64>() / m;
+            let invstd = 1.0 / (v + eps).sqrt();
+            let xhat = |i: usize| (x[i] - mu) * invstd;
+            let pass = |i: usize| {
+                if gamma[c] * xhat(i) + beta[c] > 0.0 {
+                    dy[i]
+                } else {
+                    0.0
+                }
+            };
+            let (sdy, sdyx) = (
+                at(c).map(pass).sum::<f64>(),
+                at(c).map(|i| pass(i) * xhat(i)).sum::<f64>(),
+            );
+            for i in at(c) {
+                want_y[i] = (gamma[c] * xhat(i) + beta[c]).max(0.0);
+                want_dx[i] = gamma[c] * invstd / m * (m * pass(i) - sdy - xhat(i) * sdyx);
+            }
+            want_mean.push(mu);
+            want_var.push(v);
+            want_dg.push(sdyx);
+            want_db.push(sdy);
+        }
+        close(&y, &want_y, "y");
+        close(&mean, &want_mean, "mean");
+        close(&var, &want_var, "var");
+        close(&dx, &want_dx, "dx");
+        close(&dg, &want_dg, "dgamma");
+        close(&db, &want_db, "dbeta");
     }
 
     /// The fused op is BN then ReLU, and its backward is ReLU's then BN's, to the last bit.
