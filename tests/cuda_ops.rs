@@ -1079,16 +1079,42 @@ fn no_further_than_cpu(
     (on_cpu, on_gpu): (&[Vec<f64>], &[Vec<f64>]),
     tol: f64,
 ) {
-    let mut distances = Vec::new();
-    for i in 0..before.len() {
-        let cpu = update_distance(&before[i], &reference[i], &on_cpu[i]);
-        let gpu = update_distance(&before[i], &reference[i], &on_gpu[i]);
+    no_further_over_draws(what, &[distances(before, reference, (on_cpu, on_gpu))], tol)
+}
+
+/// Per parameter, (the CPU's, the GPU's) update distance from the reference's.
+fn distances(
+    before: &[Vec<f64>],
+    reference: &[Vec<f64>],
+    (on_cpu, on_gpu): (&[Vec<f64>], &[Vec<f64>]),
+) -> Vec<(f64, f64)> {
+    (0..before.len())
+        .map(|i| {
+            let cpu = update_distance(&before[i], &reference[i], &on_cpu[i]);
+            (cpu, update_distance(&before[i], &reference[i], &on_gpu[i]))
+        })
+        .collect()
+}
+
+/// [`no_further_than_cpu`] on each parameter's distances averaged over independent draws
+/// (steps from other seeds): one draw's distance is a sample of that noise, and the CPU's can
+/// land low by chance.
+fn no_further_over_draws(what: &str, draws: &[Vec<(f64, f64)>], tol: f64) {
+    let k = draws.len() as f64;
+    let distances: Vec<(f64, f64)> = (0..draws[0].len())
+        .map(|i| {
+            let (c, g) = draws
+                .iter()
+                .fold((0.0, 0.0), |(c, g), d| (c + d[i].0, g + d[i].1));
+            (c / k, g / k)
+        })
+        .collect();
+    for (i, &(cpu, gpu)) in distances.iter().enumerate() {
         assert!(
             gpu <= 3.0 * cpu + tol,
             "{what}: parameter {i}: the GPU's update is {gpu:.2e} from the reference's, the \
-             CPU's {cpu:.2e} (relative norms)"
+             CPU's {cpu:.2e} (relative norms, mean of {k} draws)"
         );
-        distances.push((cpu, gpu));
     }
     let n = distances.len() as f64;
     let cpu_mean = distances.iter().map(|d| d.0).sum::<f64>() / n;
@@ -1098,12 +1124,13 @@ fn no_further_than_cpu(
         .fold(0.0f64, |m, (c, g)| m.max(g / c.max(tol)));
     println!(
         "{what}: updates from the reference's: mean {cpu_mean:.2e} on the CPU, {gpu_mean:.2e} \
-         on the GPU; GPU/CPU at most {worst_ratio:.2} (relative norms, {n} parameters)"
+         on the GPU; GPU/CPU at most {worst_ratio:.2} (relative norms, {n} parameters, mean of \
+         {k} draws)"
     );
     assert!(
         gpu_mean <= 1.5 * cpu_mean + tol,
         "{what}: the GPU's updates are {gpu_mean:.2e} from the reference's on average, the \
-         CPU's {cpu_mean:.2e}"
+         CPU's {cpu_mean:.2e} (mean of {k} draws)"
     );
 }
 
@@ -1119,34 +1146,43 @@ fn resnet110v2_cudnn_step_matches_cpu() {
     step_matches_cpu(ConvImpl::Cudnn);
 }
 
+/// Steps from three seeds ([`no_further_over_draws`]): from one seed, correct CPU builds
+/// whose BN sums differ only in order put the CPU's mean distance anywhere in 0.7–1.14% and a
+/// parameter's GPU/CPU ratio up to 3.03 (seed 0) or 755 (seed 11, a parameter the CPU
+/// happened to match), with the GPU unchanged.
 fn step_matches_cpu(conv: ConvImpl) {
-    let step = |device, dtype, conv| {
-        one_step(
-            "resnet110v2",
-            TrainConfig {
-                device,
-                dtype,
-                conv,
-                ..TrainConfig::new(8, 1)
-            },
-        )
-    };
-    let (before, exact, _) = step(DeviceKind::Cpu, DType::F64, ConvImpl::Native);
-    let (_, on_cpu, rc) = step(DeviceKind::Cpu, DType::F32, ConvImpl::Native);
-    let (gpu_before, on_gpu, rg) = step(DeviceKind::Cuda { ordinal: 0 }, DType::F32, conv);
-    assert_eq!(
-        before.iter().map(|v| v.len()).collect::<Vec<_>>(),
-        gpu_before.iter().map(|v| v.len()).collect::<Vec<_>>()
-    );
-    let (lc, lg) = (rc.loss, rg.loss);
-    assert!((lc - lg).abs() < 1e-4 * lc, "loss: CPU {lc}, GPU {lg}");
-    no_further_than_cpu(
-        &format!("resnet110v2 fp32 ({conv} convolutions)"),
-        &before,
-        &exact,
-        (&on_cpu, &on_gpu),
-        tol(Precision::Fp32),
-    );
+    let what = format!("resnet110v2 fp32 ({conv} convolutions)");
+    let draws: Vec<_> = [0, 7, 11]
+        .into_iter()
+        .map(|seed| {
+            let step = |device, dtype, conv| {
+                one_step(
+                    "resnet110v2",
+                    TrainConfig {
+                        device,
+                        dtype,
+                        conv,
+                        seed,
+                        ..TrainConfig::new(8, 1)
+                    },
+                )
+            };
+            let (before, exact, _) = step(DeviceKind::Cpu, DType::F64, ConvImpl::Native);
+            let (_, on_cpu, rc) = step(DeviceKind::Cpu, DType::F32, ConvImpl::Native);
+            let (gpu_before, on_gpu, rg) = step(DeviceKind::Cuda { ordinal: 0 }, DType::F32, conv);
+            assert_eq!(
+                before.iter().map(|v| v.len()).collect::<Vec<_>>(),
+                gpu_before.iter().map(|v| v.len()).collect::<Vec<_>>()
+            );
+            let (lc, lg) = (rc.loss, rg.loss);
+            assert!(
+                (lc - lg).abs() < 1e-4 * lc,
+                "{what}, seed {seed}: loss: CPU {lc}, GPU {lg}"
+            );
+            distances(&before, &exact, (&on_cpu, &on_gpu))
+        })
+        .collect();
+    no_further_over_draws(&what, &draws, tol(Precision::Fp32));
 }
 
 /// One resnet20v2 training step in bf16 or fp16 on the GPU against the same step on the CPU,
