@@ -71,7 +71,7 @@ fn channel_sums<T: Float, const K: usize>(
 ) -> [f64; K] {
     let mut acc = [0.0; K];
     for n in 0..g.n {
-        let p = (n * g.c + c) * g.hw..(n * g.c + c + 1) * g.hw;
+        let p = plane(g, n, c);
         let s = lane_sums(&a[p.clone()], &b[p], f);
         for k in 0..K {
             acc[k] += s[k];
