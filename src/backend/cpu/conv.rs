@@ -380,11 +380,14 @@ fn lane_sum<'a, T: Float>(parts: &[&[T]], at: usize, sum: &'a mut [T]) -> &'a [T
     let len = sum.len();
     sum.copy_from_slice(&parts[0][at..at + len]);
     for p in &parts[1..] {
-        simd(|| {
-            sum.iter_mut()
-                .zip(&p[at..at + len])
-                .for_each(|(s, p)| *s += *p)
-        });
+        simd(
+            #[inline(always)]
+            || {
+                sum.iter_mut()
+                    .zip(&p[at..at + len])
+                    .for_each(|(s, p)| *s += *p)
+            },
+        );
     }
     sum
 }
@@ -631,7 +634,10 @@ pub fn backward_filter<T: Float>(x: &[T], dy: &[T], dw: &mut [T], ws: &mut [T], 
                         let at = base + b * BLOCK * rows_g;
                         for (i, d) in block.chunks_mut(BLOCK).enumerate() {
                             let sum = lane_sum(&parts, at + i * BLOCK, &mut sum[..d.len()]);
-                            simd(|| d.iter_mut().zip(sum.iter()).for_each(|(d, s)| *d += *s));
+                            simd(
+                                #[inline(always)]
+                                || d.iter_mut().zip(sum.iter()).for_each(|(d, s)| *d += *s),
+                            );
                         }
                     }
                 });

@@ -84,21 +84,24 @@ pub fn max_forward<T: Float>(x: &[T], y: &mut [T], g: &PoolGeom) {
     y.par_chunks_mut(g.h_out * g.w_out)
         .zip(x.par_chunks(g.h * g.w))
         .for_each(|(yp, xp)| {
-            simd(|| {
-                for (oh, yr) in yp.chunks_mut(g.w_out).enumerate() {
-                    let inner = if rows.contains(&oh) {
-                        cols.clone()
-                    } else {
-                        0..0
-                    };
-                    for ow in (0..inner.start).chain(inner.end..g.w_out) {
-                        yr[ow] = xp[argmax(xp, g, oh, ow)];
+            simd(
+                #[inline(always)]
+                || {
+                    for (oh, yr) in yp.chunks_mut(g.w_out).enumerate() {
+                        let inner = if rows.contains(&oh) {
+                            cols.clone()
+                        } else {
+                            0..0
+                        };
+                        for ow in (0..inner.start).chain(inner.end..g.w_out) {
+                            yr[ow] = xp[argmax(xp, g, oh, ow)];
+                        }
+                        for (b, best) in yr[inner.clone()].chunks_mut(BLOCK).enumerate() {
+                            fold_max(xp, g, oh, inner.start + b * BLOCK, best, None);
+                        }
                     }
-                    for (b, best) in yr[inner.clone()].chunks_mut(BLOCK).enumerate() {
-                        fold_max(xp, g, oh, inner.start + b * BLOCK, best, None);
-                    }
-                }
-            })
+                },
+            )
         });
 }
 
@@ -127,16 +130,19 @@ pub fn max_backward<T: Float>(x: &[T], dy: &[T], dx: &mut [T], g: &PoolGeom) {
                 }
                 for (b, d) in dyr[inner.clone()].chunks(BLOCK).enumerate() {
                     let len = d.len();
-                    simd(|| {
-                        fold_max(
-                            xp,
-                            g,
-                            oh,
-                            inner.start + b * BLOCK,
-                            &mut best[..len],
-                            Some(&mut at[..len]),
-                        )
-                    });
+                    simd(
+                        #[inline(always)]
+                        || {
+                            fold_max(
+                                xp,
+                                g,
+                                oh,
+                                inner.start + b * BLOCK,
+                                &mut best[..len],
+                                Some(&mut at[..len]),
+                            )
+                        },
+                    );
                     for (&i, &d) in at[..len].iter().zip(d) {
                         dxp[i] += d;
                     }
