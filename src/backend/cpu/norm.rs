@@ -14,8 +14,8 @@ use crate::backend::ChannelGeom;
 const LANES: usize = 32;
 
 /// Σ f(a[i], b[i]) over i, each of the K terms accumulated in f64 in [`LANES`] partial sums.
-/// f32 terms are first summed [`F32_ROWS`] to a lane in f32: a conversion to f64 per element
-/// made the statistics compute-bound (one element per cycle); f64 terms go straight in.
+/// f32 terms are first summed up to [`F32_ROWS`] to a lane in f32: a conversion to f64 per
+/// element made the statistics compute-bound (one element per cycle); f64 terms go straight in.
 fn lane_sums<T: Float, const K: usize>(a: &[T], b: &[T], f: impl Fn(T, T) -> [T; K]) -> [f64; K] {
     let rows = if std::mem::size_of::<T>() < 8 {
         F32_ROWS
@@ -26,8 +26,14 @@ fn lane_sums<T: Float, const K: usize>(a: &[T], b: &[T], f: impl Fn(T, T) -> [T;
         #[inline(always)]
         || {
             let mut acc = [[0.0f64; LANES]; K];
-            let (ac, bc) = (a.chunks_exact(rows * LANES), b.chunks_exact(rows * LANES));
-            let (ar, br) = (ac.remainder(), bc.remainder());
+            // Whole rows of lanes in blocks of `rows` (the last may be shorter: a small plane,
+            // 8² or 7², is one or two rows); only a tail shorter than a row goes element-wise.
+            let whole = a.len() / LANES * LANES;
+            let (ac, bc) = (
+                a[..whole].chunks(rows * LANES),
+                b[..whole].chunks(rows * LANES),
+            );
+            let (ar, br) = (&a[whole..], &b[whole..]);
             for (a, b) in ac.zip(bc) {
                 let mut part = [[T::zero(); LANES]; K];
                 for (a, b) in a.chunks_exact(LANES).zip(b.chunks_exact(LANES)) {
