@@ -1,7 +1,7 @@
 //! Batch normalization over (N, H, W) per channel. Statistics are two-pass (mean, then the
 //! centred sum of squares) and every per-channel sum is accumulated in f64, for accuracy
-//! (a channel of a 1024² image sums millions of terms; f32 terms enter in partial sums of 8);
-//! channels run in parallel.
+//! (a channel of a 1024² image sums millions of terms; f32 terms enter in partial sums of up
+//! to 8); channels run in parallel.
 
 use rayon::prelude::*;
 
