@@ -17,7 +17,7 @@ use std::ops::Range;
 
 use rayon::prelude::*;
 
-use super::{gemm, gemm_raw, simd, winograd, Float, SharedOut, View};
+use super::{gemm, gemm_raw, winograd, Float, SharedOut, View};
 use crate::backend::ConvGeom;
 
 /// Elements of one im2col tile: small enough to stay in a core's L2 cache.
@@ -380,14 +380,11 @@ fn lane_sum<'a, T: Float>(parts: &[&[T]], at: usize, sum: &'a mut [T]) -> &'a [T
     let len = sum.len();
     sum.copy_from_slice(&parts[0][at..at + len]);
     for p in &parts[1..] {
-        simd(
-            #[inline(always)]
-            || {
-                sum.iter_mut()
-                    .zip(&p[at..at + len])
-                    .for_each(|(s, p)| *s += *p)
-            },
-        );
+        simd!(|| {
+            sum.iter_mut()
+                .zip(&p[at..at + len])
+                .for_each(|(s, p)| *s += *p)
+        });
     }
     sum
 }
@@ -634,10 +631,7 @@ pub fn backward_filter<T: Float>(x: &[T], dy: &[T], dw: &mut [T], ws: &mut [T], 
                         let at = base + b * BLOCK * rows_g;
                         for (i, d) in block.chunks_mut(BLOCK).enumerate() {
                             let sum = lane_sum(&parts, at + i * BLOCK, &mut sum[..d.len()]);
-                            simd(
-                                #[inline(always)]
-                                || d.iter_mut().zip(sum.iter()).for_each(|(d, s)| *d += *s),
-                            );
+                            simd!(|| d.iter_mut().zip(sum.iter()).for_each(|(d, s)| *d += *s));
                         }
                     }
                 });

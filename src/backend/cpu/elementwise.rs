@@ -2,7 +2,7 @@
 
 use rayon::prelude::*;
 
-use super::{simd, Float};
+use super::Float;
 use crate::backend::{ChannelGeom, LossGeom, SgdStep};
 use crate::core::rng::uniform;
 
@@ -13,14 +13,11 @@ const PAR_MIN: usize = 1 << 15;
 /// the compiler vectorizes (element-wise rayon iterators did not vectorize).
 pub fn zip<T: Float>(a: &[T], b: &[T], y: &mut [T], f: impl Fn(T, T) -> T + Sync + Copy) {
     let block = |y: &mut [T], a: &[T], b: &[T]| {
-        simd(
-            #[inline(always)]
-            || {
-                for (y, (&a, &b)) in y.iter_mut().zip(a.iter().zip(b)) {
-                    *y = f(a, b);
-                }
-            },
-        )
+        simd!(|| {
+            for (y, (&a, &b)) in y.iter_mut().zip(a.iter().zip(b)) {
+                *y = f(a, b);
+            }
+        })
     };
     if y.len() <= PAR_MIN {
         return block(y, a, b);
@@ -45,14 +42,11 @@ pub fn relu_backward<T: Float>(y: &[T], dy: &[T], dx: &mut [T]) {
 
 pub fn add_assign<T: Float>(y: &mut [T], x: &[T]) {
     let block = |y: &mut [T], x: &[T]| {
-        simd(
-            #[inline(always)]
-            || {
-                for (y, &x) in y.iter_mut().zip(x) {
-                    *y += x;
-                }
-            },
-        )
+        simd!(|| {
+            for (y, &x) in y.iter_mut().zip(x) {
+                *y += x;
+            }
+        })
     };
     if y.len() <= PAR_MIN {
         return block(y, x);

@@ -4,6 +4,19 @@
 //! kernel), parallel with rayon. Every kernel is deterministic: the
 //! same inputs give the same bits on the same machine.
 
+/// `simd!(|| ...)` runs the closure compiled for AVX2 where the CPU has it (see
+/// [`with_avx2`]). The closure is always inlined there: LLVM compiled a large one apart
+/// otherwise, for baseline x86-64 (Winograd's input transform ran on SSE so, 13% of a
+/// resnet20v2 kernel benchmark).
+macro_rules! simd {
+    ($f:expr $(,)?) => {
+        $crate::backend::cpu::with_avx2(
+            #[inline(always)]
+            $f,
+        )
+    };
+}
+
 mod conv;
 mod elementwise;
 pub use crate::core::rng::{splitmix64, uniform};
@@ -270,11 +283,9 @@ pub(crate) fn gemm<T: Float>(
 /// so the element-wise loops (BN sums, affine maps) are otherwise vectorized 128 bits wide;
 /// inlined here, the same loops use 256-bit vectors. The arithmetic and its order are the
 /// same (no contraction into FMAs, reductions in the order written), so are the bits.
-/// Callers mark the closure `#[inline(always)]`: LLVM compiles a large closure apart
-/// otherwise, for baseline x86-64 (Winograd's input transform ran on SSE so, 13% of a
-/// resnet20v2 kernel benchmark).
+/// Called through [`simd!`], which marks the closure `#[inline(always)]`.
 #[inline(always)]
-pub(crate) fn simd<R>(f: impl FnOnce() -> R) -> R {
+fn with_avx2<R>(f: impl FnOnce() -> R) -> R {
     #[cfg(target_arch = "x86_64")]
     if std::arch::is_x86_feature_detected!("avx2") {
         #[target_feature(enable = "avx2")]

@@ -5,7 +5,7 @@
 
 use rayon::prelude::*;
 
-use super::{simd, Float};
+use super::Float;
 use crate::backend::ChannelGeom;
 
 /// Interleaved partial sums: independent f64 chains the compiler vectorizes (one chain adds
@@ -22,45 +22,42 @@ fn lane_sums<T: Float, const K: usize>(a: &[T], b: &[T], f: impl Fn(T, T) -> [T;
     } else {
         1
     };
-    simd(
-        #[inline(always)]
-        || {
-            let mut acc = [[0.0f64; LANES]; K];
-            // Whole rows of lanes in blocks of `rows` (the last may be shorter: a small plane,
-            // 8² or 7², is one or two rows); only a tail shorter than a row goes element-wise.
-            let whole = a.len() / LANES * LANES;
-            let (ac, bc) = (
-                a[..whole].chunks(rows * LANES),
-                b[..whole].chunks(rows * LANES),
-            );
-            let (ar, br) = (&a[whole..], &b[whole..]);
-            for (a, b) in ac.zip(bc) {
-                let mut part = [[T::zero(); LANES]; K];
-                for (a, b) in a.chunks_exact(LANES).zip(b.chunks_exact(LANES)) {
-                    let (a, b): (&[T; LANES], &[T; LANES]) =
-                        (a.try_into().unwrap(), b.try_into().unwrap());
-                    for l in 0..LANES {
-                        let v = f(a[l], b[l]);
-                        for k in 0..K {
-                            part[k][l] += v[k];
-                        }
-                    }
-                }
-                for k in 0..K {
-                    for l in 0..LANES {
-                        acc[k][l] += part[k][l].f64();
+    simd!(|| {
+        let mut acc = [[0.0f64; LANES]; K];
+        // Whole rows of lanes in blocks of `rows` (the last may be shorter: a small plane,
+        // 8² or 7², is one or two rows); only a tail shorter than a row goes element-wise.
+        let whole = a.len() / LANES * LANES;
+        let (ac, bc) = (
+            a[..whole].chunks(rows * LANES),
+            b[..whole].chunks(rows * LANES),
+        );
+        let (ar, br) = (&a[whole..], &b[whole..]);
+        for (a, b) in ac.zip(bc) {
+            let mut part = [[T::zero(); LANES]; K];
+            for (a, b) in a.chunks_exact(LANES).zip(b.chunks_exact(LANES)) {
+                let (a, b): (&[T; LANES], &[T; LANES]) =
+                    (a.try_into().unwrap(), b.try_into().unwrap());
+                for l in 0..LANES {
+                    let v = f(a[l], b[l]);
+                    for k in 0..K {
+                        part[k][l] += v[k];
                     }
                 }
             }
-            for (i, (&a, &b)) in ar.iter().zip(br).enumerate() {
-                let v = f(a, b);
-                for k in 0..K {
-                    acc[k][i % LANES] += v[k].f64();
+            for k in 0..K {
+                for l in 0..LANES {
+                    acc[k][l] += part[k][l].f64();
                 }
             }
-            acc.map(|lanes| lanes.iter().sum())
-        },
-    )
+        }
+        for (i, (&a, &b)) in ar.iter().zip(br).enumerate() {
+            let v = f(a, b);
+            for k in 0..K {
+                acc[k][i % LANES] += v[k].f64();
+            }
+        }
+        acc.map(|lanes| lanes.iter().sum())
+    })
 }
 
 /// f32 terms a lane sums in f32 before adding them in f64: a relative error of at most
@@ -140,15 +137,12 @@ fn affine<T: Float>(x: &[T], y: &mut [T], g: &ChannelGeom, coef: &[(T, T)], relu
 }
 
 fn affine_plane<T: Float>(x: &[T], y: &mut [T], (scale, shift): (T, T), relu: bool) {
-    simd(
-        #[inline(always)]
-        || {
-            for (y, &x) in y.iter_mut().zip(x) {
-                let v = x * scale + shift;
-                *y = if relu { v.max(T::zero()) } else { v };
-            }
-        },
-    )
+    simd!(|| {
+        for (y, &x) in y.iter_mut().zip(x) {
+            let v = x * scale + shift;
+            *y = if relu { v.max(T::zero()) } else { v };
+        }
+    })
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -320,13 +314,10 @@ fn dx_plane<T: Float>(
         k.k * (k.m * d - k.sdy - xhat * k.sdyx)
     };
     let out = dxp.iter_mut().zip(dy.iter().zip(x));
-    simd(
-        #[inline(always)]
-        move || match mask {
-            Some(a) => out.for_each(move |(o, (&d, &x))| *o = dx(relu_pass(d, x, a), x)),
-            None => out.for_each(move |(o, (&d, &x))| *o = dx(d, x)),
-        },
-    )
+    simd!(move || match mask {
+        Some(a) => out.for_each(move |(o, (&d, &x))| *o = dx(relu_pass(d, x, a), x)),
+        None => out.for_each(move |(o, (&d, &x))| *o = dx(d, x)),
+    })
 }
 
 /// dx = γ·invstd/M · (M·dy - Σdy - x̂·Σ(dy·x̂)); dγ += Σ(dy·x̂); dβ += Σdy, over x's batch.

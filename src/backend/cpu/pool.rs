@@ -2,7 +2,7 @@
 
 use rayon::prelude::*;
 
-use super::{simd, Float};
+use super::Float;
 use crate::backend::PoolGeom;
 
 /// The input rows and columns window (oh, ow) covers, clipped to the image.
@@ -84,24 +84,21 @@ pub fn max_forward<T: Float>(x: &[T], y: &mut [T], g: &PoolGeom) {
     y.par_chunks_mut(g.h_out * g.w_out)
         .zip(x.par_chunks(g.h * g.w))
         .for_each(|(yp, xp)| {
-            simd(
-                #[inline(always)]
-                || {
-                    for (oh, yr) in yp.chunks_mut(g.w_out).enumerate() {
-                        let inner = if rows.contains(&oh) {
-                            cols.clone()
-                        } else {
-                            0..0
-                        };
-                        for ow in (0..inner.start).chain(inner.end..g.w_out) {
-                            yr[ow] = xp[argmax(xp, g, oh, ow)];
-                        }
-                        for (b, best) in yr[inner.clone()].chunks_mut(BLOCK).enumerate() {
-                            fold_max(xp, g, oh, inner.start + b * BLOCK, best, None);
-                        }
+            simd!(|| {
+                for (oh, yr) in yp.chunks_mut(g.w_out).enumerate() {
+                    let inner = if rows.contains(&oh) {
+                        cols.clone()
+                    } else {
+                        0..0
+                    };
+                    for ow in (0..inner.start).chain(inner.end..g.w_out) {
+                        yr[ow] = xp[argmax(xp, g, oh, ow)];
                     }
-                },
-            )
+                    for (b, best) in yr[inner.clone()].chunks_mut(BLOCK).enumerate() {
+                        fold_max(xp, g, oh, inner.start + b * BLOCK, best, None);
+                    }
+                }
+            })
         });
 }
 
@@ -130,19 +127,16 @@ pub fn max_backward<T: Float>(x: &[T], dy: &[T], dx: &mut [T], g: &PoolGeom) {
                 }
                 for (b, d) in dyr[inner.clone()].chunks(BLOCK).enumerate() {
                     let len = d.len();
-                    simd(
-                        #[inline(always)]
-                        || {
-                            fold_max(
-                                xp,
-                                g,
-                                oh,
-                                inner.start + b * BLOCK,
-                                &mut best[..len],
-                                Some(&mut at[..len]),
-                            )
-                        },
-                    );
+                    simd!(|| {
+                        fold_max(
+                            xp,
+                            g,
+                            oh,
+                            inner.start + b * BLOCK,
+                            &mut best[..len],
+                            Some(&mut at[..len]),
+                        )
+                    });
                     for (&i, &d) in at[..len].iter().zip(d) {
                         dxp[i] += d;
                     }

@@ -15,7 +15,7 @@
 
 use rayon::prelude::*;
 
-use super::{gemm, simd, Float, SharedOut, View};
+use super::{gemm, Float, SharedOut, View};
 use crate::backend::ConvGeom;
 
 /// Points of a 4×4 tile: the products a chunk runs.
@@ -190,47 +190,44 @@ unsafe fn transform_grad<T: Float>(
     let (c_out, plane_len, tiles) = (g.c_out, g.h_out * g.w_out, rows.len() * t.tw);
     // SAFETY: the caller's contract.
     let mut points = unsafe { channel_rows(d, c_out, k, cols) };
-    simd(
-        #[inline(always)]
-        || {
-            let mut even = [[T::zero(); BLOCK + 1]; 2];
-            let mut odd = [[T::zero(); BLOCK + 1]; 2];
-            let (mut ve, mut vo) = ([[T::zero(); BLOCK]; 4], [[T::zero(); BLOCK]; 4]);
-            for (i, r) in rows.clone().enumerate() {
-                let (n, ti) = (r / t.th, r % t.th);
-                let plane = &dy[(n * c_out + k) * plane_len..][..plane_len];
-                for q0 in (0..t.tw).step_by(BLOCK) {
-                    let len = BLOCK.min(t.tw - q0);
-                    for a in 0..2 {
-                        let (e, o) = (&mut even[a][..len], &mut odd[a][..len]);
-                        let oh = 2 * ti + a;
-                        if oh < g.h_out {
-                            split_columns(&plane[oh * g.w_out..][..g.w_out], 2 * q0, 0, e, o);
-                        } else {
-                            e.fill(T::zero());
-                            o.fill(T::zero());
-                        }
-                    }
-                    // A dy: along the tile's rows, on the even and the odd streams.
-                    for (s, v) in [(&even, &mut ve), (&odd, &mut vo)] {
-                        let [a, b, c, d] = v;
-                        a_col(
-                            [&s[0][..len], &s[1][..len]],
-                            [&mut a[..len], &mut b[..len], &mut c[..len], &mut d[..len]],
-                        );
-                    }
-                    // (A dy) Aᵀ: along the columns.
-                    let at = i * t.tw + q0;
-                    for (r, quad) in points.chunks_exact_mut(4).enumerate() {
-                        a_col([&ve[r][..len], &vo[r][..len]], stretches(quad, at, len));
+    simd!(|| {
+        let mut even = [[T::zero(); BLOCK + 1]; 2];
+        let mut odd = [[T::zero(); BLOCK + 1]; 2];
+        let (mut ve, mut vo) = ([[T::zero(); BLOCK]; 4], [[T::zero(); BLOCK]; 4]);
+        for (i, r) in rows.clone().enumerate() {
+            let (n, ti) = (r / t.th, r % t.th);
+            let plane = &dy[(n * c_out + k) * plane_len..][..plane_len];
+            for q0 in (0..t.tw).step_by(BLOCK) {
+                let len = BLOCK.min(t.tw - q0);
+                for a in 0..2 {
+                    let (e, o) = (&mut even[a][..len], &mut odd[a][..len]);
+                    let oh = 2 * ti + a;
+                    if oh < g.h_out {
+                        split_columns(&plane[oh * g.w_out..][..g.w_out], 2 * q0, 0, e, o);
+                    } else {
+                        e.fill(T::zero());
+                        o.fill(T::zero());
                     }
                 }
+                // A dy: along the tile's rows, on the even and the odd streams.
+                for (s, v) in [(&even, &mut ve), (&odd, &mut vo)] {
+                    let [a, b, c, d] = v;
+                    a_col(
+                        [&s[0][..len], &s[1][..len]],
+                        [&mut a[..len], &mut b[..len], &mut c[..len], &mut d[..len]],
+                    );
+                }
+                // (A dy) Aᵀ: along the columns.
+                let at = i * t.tw + q0;
+                for (r, quad) in points.chunks_exact_mut(4).enumerate() {
+                    a_col([&ve[r][..len], &vo[r][..len]], stretches(quad, at, len));
+                }
             }
-            for p in points.iter_mut() {
-                p[tiles..].fill(T::zero());
-            }
-        },
-    );
+        }
+        for p in points.iter_mut() {
+            p[tiles..].fill(T::zero());
+        }
+    });
 }
 
 /// Columns at..at + len of four points' rows.
@@ -264,31 +261,28 @@ fn add_filter_grad<T: Float>(du: &[T], dw: &mut [T], count: usize) {
         .enumerate()
         .for_each(|(b, dw)| {
             let (i0, len) = (b * BLOCK, dw.len() / 9);
-            simd(
-                #[inline(always)]
-                || {
-                    // Gᵀ along dU's rows (four points each), then along its columns.
-                    let mut rows = [[[T::zero(); BLOCK]; 3]; 4];
-                    for (a, row) in rows.iter_mut().enumerate() {
-                        let p = [0, 1, 2, 3].map(|j| &du[(4 * a + j) * count + i0..][..len]);
-                        g_adjoint(p, row, len);
+            simd!(|| {
+                // Gᵀ along dU's rows (four points each), then along its columns.
+                let mut rows = [[[T::zero(); BLOCK]; 3]; 4];
+                for (a, row) in rows.iter_mut().enumerate() {
+                    let p = [0, 1, 2, 3].map(|j| &du[(4 * a + j) * count + i0..][..len]);
+                    g_adjoint(p, row, len);
+                }
+                let mut taps = [[[T::zero(); BLOCK]; 3]; 3];
+                for s in 0..3 {
+                    let p = [0, 1, 2, 3].map(|a| &rows[a][s][..len]);
+                    let mut col = [[T::zero(); BLOCK]; 3];
+                    g_adjoint(p, &mut col, len);
+                    for r in 0..3 {
+                        taps[r][s] = col[r];
                     }
-                    let mut taps = [[[T::zero(); BLOCK]; 3]; 3];
-                    for s in 0..3 {
-                        let p = [0, 1, 2, 3].map(|a| &rows[a][s][..len]);
-                        let mut col = [[T::zero(); BLOCK]; 3];
-                        g_adjoint(p, &mut col, len);
-                        for r in 0..3 {
-                            taps[r][s] = col[r];
-                        }
+                }
+                for (i, f) in dw.chunks_exact_mut(9).enumerate() {
+                    for (tap, d) in f.iter_mut().enumerate() {
+                        *d += taps[tap / 3][tap % 3][i];
                     }
-                    for (i, f) in dw.chunks_exact_mut(9).enumerate() {
-                        for (tap, d) in f.iter_mut().enumerate() {
-                            *d += taps[tap / 3][tap % 3][i];
-                        }
-                    }
-                },
-            )
+                }
+            })
         });
 }
 
@@ -312,38 +306,35 @@ fn transform_weights<T: Float>(w: &[T], u: &mut [T], count: usize) {
     let blocks = count.div_ceil(BLOCK);
     (0..blocks).into_par_iter().for_each(|b| {
         let (i0, len) = (b * BLOCK, BLOCK.min(count - b * BLOCK));
-        simd(
-            #[inline(always)]
-            || {
-                let mut taps = [[T::zero(); BLOCK]; 9];
-                for (i, f) in w[i0 * 9..(i0 + len) * 9].chunks_exact(9).enumerate() {
-                    for (tap, &v) in taps.iter_mut().zip(f) {
-                        tap[i] = v;
-                    }
+        simd!(|| {
+            let mut taps = [[T::zero(); BLOCK]; 9];
+            for (i, f) in w[i0 * 9..(i0 + len) * 9].chunks_exact(9).enumerate() {
+                for (tap, &v) in taps.iter_mut().zip(f) {
+                    tap[i] = v;
                 }
-                // G along the filters' rows (three taps each), then along their columns.
-                let mut rows = [[[T::zero(); BLOCK]; 4]; 3];
-                for (r, row) in rows.iter_mut().enumerate() {
-                    let [a, b, c] = [0, 1, 2].map(|s| &taps[3 * r + s][..len]);
-                    g_t(a, b, c, row, len);
+            }
+            // G along the filters' rows (three taps each), then along their columns.
+            let mut rows = [[[T::zero(); BLOCK]; 4]; 3];
+            for (r, row) in rows.iter_mut().enumerate() {
+                let [a, b, c] = [0, 1, 2].map(|s| &taps[3 * r + s][..len]);
+                g_t(a, b, c, row, len);
+            }
+            let mut point = [[[T::zero(); BLOCK]; 4]; 4];
+            for j in 0..4 {
+                let [a, b, c] = [0, 1, 2].map(|r| &rows[r][j][..len]);
+                g_t(a, b, c, &mut point[j], len);
+            }
+            for (j, col) in point.iter().enumerate() {
+                for (a, p) in col.iter().enumerate() {
+                    // SAFETY: u holds 16 × count elements; this block alone writes filters
+                    // i0..i0 + len of each point.
+                    let dst = unsafe {
+                        std::slice::from_raw_parts_mut(us.at((4 * a + j) * count + i0), len)
+                    };
+                    dst.copy_from_slice(&p[..len]);
                 }
-                let mut point = [[[T::zero(); BLOCK]; 4]; 4];
-                for j in 0..4 {
-                    let [a, b, c] = [0, 1, 2].map(|r| &rows[r][j][..len]);
-                    g_t(a, b, c, &mut point[j], len);
-                }
-                for (j, col) in point.iter().enumerate() {
-                    for (a, p) in col.iter().enumerate() {
-                        // SAFETY: u holds 16 × count elements; this block alone writes filters
-                        // i0..i0 + len of each point.
-                        let dst = unsafe {
-                            std::slice::from_raw_parts_mut(us.at((4 * a + j) * count + i0), len)
-                        };
-                        dst.copy_from_slice(&p[..len]);
-                    }
-                }
-            },
-        )
+            }
+        })
     });
 }
 
@@ -412,61 +403,58 @@ unsafe fn transform_input<T: Float>(
     let (c_in, plane_len, tiles) = (g.c_in, g.h * g.w, rows.len() * t.tw);
     // SAFETY: the caller's contract.
     let mut points = unsafe { channel_rows(v, c_in, c, cols) };
-    simd(
-        #[inline(always)]
-        || {
-            // Input rows 2·ti - ph + r, columns 2(q0 + q) - pw + s split by s's parity: the even
-            // and odd columns of tile q, and of q + 1, which are tile q's last two.
-            let mut even = [[T::zero(); BLOCK + 1]; 4];
-            let mut odd = [[T::zero(); BLOCK + 1]; 4];
-            let (mut ve, mut vo) = (even, odd);
-            for (i, r) in rows.clone().enumerate() {
-                let (n, ti) = (r / t.th, r % t.th);
-                let plane = &x[(n * c_in + c) * plane_len..][..plane_len];
-                for q0 in (0..t.tw).step_by(BLOCK) {
-                    let len = BLOCK.min(t.tw - q0);
-                    for r in 0..4 {
-                        let (e, o) = (&mut even[r][..=len], &mut odd[r][..=len]);
-                        match (2 * ti + r).checked_sub(g.pad.0).filter(|&ih| ih < g.h) {
-                            Some(ih) => {
-                                let row = &plane[ih * g.w..(ih + 1) * g.w];
-                                split_columns(row, 2 * q0, g.pad.1, e, o);
-                            }
-                            None => {
-                                e.fill(T::zero());
-                                o.fill(T::zero());
-                            }
+    simd!(|| {
+        // Input rows 2·ti - ph + r, columns 2(q0 + q) - pw + s split by s's parity: the even
+        // and odd columns of tile q, and of q + 1, which are tile q's last two.
+        let mut even = [[T::zero(); BLOCK + 1]; 4];
+        let mut odd = [[T::zero(); BLOCK + 1]; 4];
+        let (mut ve, mut vo) = (even, odd);
+        for (i, r) in rows.clone().enumerate() {
+            let (n, ti) = (r / t.th, r % t.th);
+            let plane = &x[(n * c_in + c) * plane_len..][..plane_len];
+            for q0 in (0..t.tw).step_by(BLOCK) {
+                let len = BLOCK.min(t.tw - q0);
+                for r in 0..4 {
+                    let (e, o) = (&mut even[r][..=len], &mut odd[r][..=len]);
+                    match (2 * ti + r).checked_sub(g.pad.0).filter(|&ih| ih < g.h) {
+                        Some(ih) => {
+                            let row = &plane[ih * g.w..(ih + 1) * g.w];
+                            split_columns(row, 2 * q0, g.pad.1, e, o);
+                        }
+                        None => {
+                            e.fill(T::zero());
+                            o.fill(T::zero());
                         }
                     }
-                    // Bᵀ d: along the tile's rows, on the even and the odd streams.
-                    for (s, v) in [(&even, &mut ve), (&odd, &mut vo)] {
-                        let [a, b, c, d] = v;
-                        b_t(
-                            [&s[0][..=len], &s[1][..=len], &s[2][..=len], &s[3][..=len]],
-                            [
-                                &mut a[..=len],
-                                &mut b[..=len],
-                                &mut c[..=len],
-                                &mut d[..=len],
-                            ],
-                        );
-                    }
-                    // (Bᵀ d) B: along the columns: even q, odd q, even q + 1, odd q + 1.
-                    let at = i * t.tw + q0;
-                    for (r, quad) in points.chunks_exact_mut(4).enumerate() {
-                        let (e, o) = (&ve[r], &vo[r]);
-                        b_t(
-                            [&e[..len], &o[..len], &e[1..=len], &o[1..=len]],
-                            stretches(quad, at, len),
-                        );
-                    }
+                }
+                // Bᵀ d: along the tile's rows, on the even and the odd streams.
+                for (s, v) in [(&even, &mut ve), (&odd, &mut vo)] {
+                    let [a, b, c, d] = v;
+                    b_t(
+                        [&s[0][..=len], &s[1][..=len], &s[2][..=len], &s[3][..=len]],
+                        [
+                            &mut a[..=len],
+                            &mut b[..=len],
+                            &mut c[..=len],
+                            &mut d[..=len],
+                        ],
+                    );
+                }
+                // (Bᵀ d) B: along the columns: even q, odd q, even q + 1, odd q + 1.
+                let at = i * t.tw + q0;
+                for (r, quad) in points.chunks_exact_mut(4).enumerate() {
+                    let (e, o) = (&ve[r], &vo[r]);
+                    b_t(
+                        [&e[..len], &o[..len], &e[1..=len], &o[1..=len]],
+                        stretches(quad, at, len),
+                    );
                 }
             }
-            for p in points.iter_mut() {
-                p[tiles..].fill(T::zero());
-            }
-        },
-    );
+        }
+        for p in points.iter_mut() {
+            p[tiles..].fill(T::zero());
+        }
+    });
 }
 
 /// even[q] = row[first + 2q - pad], odd[q] = row[first + 2q + 1 - pad], zero outside the row.
@@ -520,57 +508,51 @@ unsafe fn transform_output<T: Float>(
 ) {
     let (c_out, plane_len) = (g.c_out, g.h_out * g.w_out);
     let points: [&[T]; POINTS] = std::array::from_fn(|p| &m[(p * c_out + k) * cols..][..cols]);
-    simd(
-        #[inline(always)]
-        || {
-            let mut s = [[[T::zero(); BLOCK]; 4]; 2];
-            let (mut even, mut odd) = ([T::zero(); BLOCK], [T::zero(); BLOCK]);
-            for (i, r) in rows.clone().enumerate() {
-                let (n, ti) = (r / t.th, r % t.th);
-                let plane = (n * c_out + k) * plane_len;
-                for q0 in (0..t.tw).step_by(BLOCK) {
-                    let len = BLOCK.min(t.tw - q0);
-                    let at = i * t.tw + q0;
-                    let point = |p: usize| &points[p][at..at + len];
-                    // Aᵀ M: along the tile's rows, for each of its columns j.
-                    for j in 0..4 {
-                        let [s0, s1] = &mut s;
-                        a_t(
-                            [point(j), point(4 + j), point(8 + j), point(12 + j)],
-                            [&mut s0[j][..len], &mut s1[j][..len]],
-                        );
+    simd!(|| {
+        let mut s = [[[T::zero(); BLOCK]; 4]; 2];
+        let (mut even, mut odd) = ([T::zero(); BLOCK], [T::zero(); BLOCK]);
+        for (i, r) in rows.clone().enumerate() {
+            let (n, ti) = (r / t.th, r % t.th);
+            let plane = (n * c_out + k) * plane_len;
+            for q0 in (0..t.tw).step_by(BLOCK) {
+                let len = BLOCK.min(t.tw - q0);
+                let at = i * t.tw + q0;
+                let point = |p: usize| &points[p][at..at + len];
+                // Aᵀ M: along the tile's rows, for each of its columns j.
+                for j in 0..4 {
+                    let [s0, s1] = &mut s;
+                    a_t(
+                        [point(j), point(4 + j), point(8 + j), point(12 + j)],
+                        [&mut s0[j][..len], &mut s1[j][..len]],
+                    );
+                }
+                // (Aᵀ M) A: along the columns; output row a's even and odd columns.
+                for (a, s) in s.iter().enumerate() {
+                    let oh = 2 * ti + a;
+                    if oh >= g.h_out {
+                        break;
                     }
-                    // (Aᵀ M) A: along the columns; output row a's even and odd columns.
-                    for (a, s) in s.iter().enumerate() {
-                        let oh = 2 * ti + a;
-                        if oh >= g.h_out {
-                            break;
-                        }
-                        a_t(
-                            [&s[0][..len], &s[1][..len], &s[2][..len], &s[3][..len]],
-                            [&mut even[..len], &mut odd[..len]],
-                        );
-                        let first = 2 * q0;
-                        let width = (2 * len).min(g.w_out - first);
-                        // SAFETY: row oh < h_out, columns first..first + width ≤ w_out of a plane
-                        // of y; the caller's contract gives this thread the row.
-                        let row = unsafe {
-                            std::slice::from_raw_parts_mut(
-                                y.at(plane + oh * g.w_out + first),
-                                width,
-                            )
-                        };
-                        let mut pairs = row.chunks_exact_mut(2);
-                        for ((pair, e), o) in (&mut pairs).zip(&even).zip(&odd) {
-                            pair[0] = *e;
-                            pair[1] = *o;
-                        }
-                        if let [last] = pairs.into_remainder() {
-                            *last = even[width / 2];
-                        }
+                    a_t(
+                        [&s[0][..len], &s[1][..len], &s[2][..len], &s[3][..len]],
+                        [&mut even[..len], &mut odd[..len]],
+                    );
+                    let first = 2 * q0;
+                    let width = (2 * len).min(g.w_out - first);
+                    // SAFETY: row oh < h_out, columns first..first + width ≤ w_out of a plane
+                    // of y; the caller's contract gives this thread the row.
+                    let row = unsafe {
+                        std::slice::from_raw_parts_mut(y.at(plane + oh * g.w_out + first), width)
+                    };
+                    let mut pairs = row.chunks_exact_mut(2);
+                    for ((pair, e), o) in (&mut pairs).zip(&even).zip(&odd) {
+                        pair[0] = *e;
+                        pair[1] = *o;
+                    }
+                    if let [last] = pairs.into_remainder() {
+                        *last = even[width / 2];
                     }
                 }
             }
-        },
-    );
+        }
+    });
 }
