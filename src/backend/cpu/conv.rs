@@ -249,24 +249,33 @@ fn swap_channels<T: Float>(
     reverse: bool,
 ) {
     const BLOCK: usize = 16;
-    let row = outer * run;
+    let (row, stride) = (outer * run, inner * run);
     wt[..groups * inner * row]
         .par_chunks_mut(BLOCK * row)
         .enumerate()
         .for_each(|(i, rows)| {
             for b0 in (0..outer).step_by(BLOCK) {
+                let b1 = (b0 + BLOCK).min(outer);
                 for (r, dst_row) in rows.chunks_mut(row).enumerate() {
                     let (gi, a) = ((i * BLOCK + r) / inner, (i * BLOCK + r) % inner);
-                    for b in b0..(b0 + BLOCK).min(outer) {
-                        let src = &w[((gi * outer + b) * inner + a) * run..][..run];
-                        let dst = &mut dst_row[b * run..][..run];
-                        // Element loops, not memcpy: runs are 1 to 9 elements long.
-                        if reverse {
-                            dst.iter_mut()
-                                .zip(src.iter().rev())
-                                .for_each(|(d, s)| *d = *s);
-                        } else {
-                            dst.iter_mut().zip(src).for_each(|(d, s)| *d = *s);
+                    // Run b of this row of wt is run a of w's row gi·outer + b.
+                    let src = &w[(gi * outer + b0) * stride + a * run..];
+                    let dst = &mut dst_row[b0 * run..b1 * run];
+                    // Element loops without bounds checks, not memcpy: runs are 1 to 9 long
+                    // (a pointwise convolution's, single elements, were half its backward-data).
+                    if run == 1 {
+                        dst.iter_mut()
+                            .zip(src.iter().step_by(stride))
+                            .for_each(|(d, s)| *d = *s);
+                    } else {
+                        for (d, s) in dst.chunks_exact_mut(run).zip(src.chunks(stride)) {
+                            if reverse {
+                                d.iter_mut()
+                                    .zip(s[..run].iter().rev())
+                                    .for_each(|(d, s)| *d = *s);
+                            } else {
+                                d.copy_from_slice(&s[..run]);
+                            }
                         }
                     }
                 }
@@ -602,7 +611,9 @@ pub fn backward_filter<T: Float>(x: &[T], dy: &[T], dw: &mut [T], ws: &mut [T], 
         });
     // The lanes' partial sums added in lane order, then into dw once, in parallel over blocks
     // of dw's rows: each element's sum has the same order on any number of threads. Where the
-    // partial sums are dWᵀ, a block reads a run of each of their rows in turn.
+    // partial sums are dWᵀ, a block sums a run of each of TILE of their rows, then adds the
+    // TILE × BLOCK tile to dw a row (of TILE adjacent elements) at a time: written a column at
+    // a time, dw's rows, a power-of-two apart, would share a few L1 sets and evict each other.
     let parts: Vec<&[T]> = ws
         .chunks(ll)
         .enumerate()
@@ -610,6 +621,7 @@ pub fn backward_filter<T: Float>(x: &[T], dy: &[T], dw: &mut [T], ws: &mut [T], 
         .map(|(_, lane)| &lane[cl + dl..])
         .collect();
     const BLOCK: usize = 64;
+    const TILE: usize = 16;
     dw[..g.c_out * rows_g]
         .par_chunks_mut(co_g * rows_g)
         .enumerate()
@@ -621,10 +633,16 @@ pub fn backward_filter<T: Float>(x: &[T], dy: &[T], dw: &mut [T], ws: &mut [T], 
                     let mut sum = [T::zero(); BLOCK];
                     if transposed {
                         let (co0, rows) = (b * BLOCK, block.len() / rows_g);
-                        for r in 0..rows_g {
-                            let sum = lane_sum(&parts, base + r * co_g + co0, &mut sum[..rows]);
-                            for (i, s) in sum.iter().enumerate() {
-                                block[i * rows_g + r] += *s;
+                        let mut tile = [[T::zero(); BLOCK]; TILE];
+                        for r0 in (0..rows_g).step_by(TILE) {
+                            let tile = &mut tile[..TILE.min(rows_g - r0)];
+                            for (t, sums) in tile.iter_mut().enumerate() {
+                                lane_sum(&parts, base + (r0 + t) * co_g + co0, &mut sums[..rows]);
+                            }
+                            for (i, dst) in block.chunks_mut(rows_g).enumerate() {
+                                for (d, sums) in dst[r0..].iter_mut().zip(tile.iter()) {
+                                    *d += sums[i];
+                                }
                             }
                         }
                     } else {
