@@ -1,5 +1,7 @@
 //! Max, average and adaptive-average pooling, one (n, c) plane per parallel task.
 
+use std::hint::select_unpredictable;
+
 use rayon::prelude::*;
 
 use super::Float;
@@ -66,10 +68,11 @@ fn fold_max<T: Float>(
             let first = i == 0 && j == 0;
             for (q, b) in best.iter_mut().enumerate() {
                 let v = src[q * s];
+                // Without branches: where the maximum lies is as unpredictable as the data.
                 let take = first || v > *b;
-                *b = if take { v } else { *b };
+                *b = select_unpredictable(take, v, *b);
                 if let Some(at) = at.as_deref_mut() {
-                    at[q] = if take { base + q * s } else { at[q] };
+                    at[q] = select_unpredictable(take, base + q * s, at[q]);
                 }
             }
         }
