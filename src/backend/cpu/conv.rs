@@ -691,12 +691,13 @@ mod tests {
             .collect()
     }
 
-    /// y, dx and dw of one convolution by its definition: a loop over every tap.
-    fn by_definition(g: &ConvGeom, x: &[f64], w: &[f64], dy: &[f64]) -> [Vec<f64>; 3] {
+    /// y, dx and dw of one convolution by its definition, a loop over every tap, each element
+    /// with the sum of its terms' magnitudes (what its rounding scales with).
+    fn by_definition(g: &ConvGeom, x: &[f64], w: &[f64], dy: &[f64]) -> [Sums; 3] {
         let (ci_g, co_g) = (g.c_in / g.groups, g.c_out / g.groups);
-        let mut y = vec![0.0; g.n * g.c_out * g.h_out * g.w_out];
-        let mut dx = vec![0.0; x.len()];
-        let mut dw = vec![0.0; w.len()];
+        let mut y = Sums::zeros(g.n * g.c_out * g.h_out * g.w_out);
+        let mut dx = Sums::zeros(x.len());
+        let mut dw = Sums::zeros(w.len());
         for n in 0..g.n {
             for co in 0..g.c_out {
                 for oh in 0..g.h_out {
@@ -715,9 +716,9 @@ mod tests {
                                     }
                                     let xi = ((n * g.c_in + ci) * g.h + ih) * g.w + iw;
                                     let wi = ((co * ci_g + a) * g.kh + i) * g.kw + j;
-                                    y[yi] += w[wi] * x[xi];
-                                    dx[xi] += w[wi] * dy[yi];
-                                    dw[wi] += dy[yi] * x[xi];
+                                    y.add(yi, w[wi] * x[xi]);
+                                    dx.add(xi, w[wi] * dy[yi]);
+                                    dw.add(wi, dy[yi] * x[xi]);
                                 }
                             }
                         }
@@ -728,10 +729,38 @@ mod tests {
         [y, dx, dw]
     }
 
-    fn assert_close(what: &str, g: &ConvGeom, got: &[f64], want: &[f64]) {
-        for (i, (a, b)) in got.iter().zip(want).enumerate() {
+    /// Sums and the sums of their terms' magnitudes.
+    struct Sums {
+        sum: Vec<f64>,
+        magnitude: Vec<f64>,
+    }
+
+    impl Sums {
+        fn zeros(len: usize) -> Self {
+            Sums {
+                sum: vec![0.0; len],
+                magnitude: vec![0.0; len],
+            }
+        }
+
+        fn add(&mut self, i: usize, term: f64) {
+            self.sum[i] += term;
+            self.magnitude[i] += term.abs();
+        }
+    }
+
+    /// Within 1e-12 relative, or 1e-14 of the terms' magnitudes: a long sum through
+    /// Winograd's F(4×4, 3×3) transforms (coefficients up to 8 and 1/24) rounds a few hundred
+    /// ulps of its terms, more than its result's 1e-12 where terms cancel. A wrong index is
+    /// off by a term's size, far beyond either.
+    fn assert_close(what: &str, g: &ConvGeom, got: &[f64], want: &Sums) {
+        for (i, (a, (b, m))) in got
+            .iter()
+            .zip(want.sum.iter().zip(&want.magnitude))
+            .enumerate()
+        {
             assert!(
-                (a - b).abs() <= 1e-12 * (1.0 + b.abs()),
+                (a - b).abs() <= 1e-12 * (1.0 + b.abs()) + 1e-14 * m,
                 "{what} [{i}]: {a} vs {b}, {g:?}"
             );
         }
@@ -760,6 +789,10 @@ mod tests {
             geom(3, (9, 11, 6), 5, (3, 1, 0, 1), 1),     // Winograd unpadded, odd sides
             geom(2, (10, 5, 9), 3, (3, 1, 2, 1), 1),     // Winograd padded past a tile
             geom(1, (8, 3, 141), 9, (3, 1, 1, 1), 1),    // Winograd rows of several blocks
+            geom(2, (32, 26, 30), 32, (3, 1, 1, 1), 1),  // Winograd's 4×4 tiles, ragged ends
+            geom(2, (33, 27, 27), 40, (3, 1, 0, 1), 1),  // 4×4 tiles unpadded, odd sides
+            geom(1, (32, 24, 141), 33, (3, 1, 1, 1), 1), // 4×4 tiles, rows of several blocks
+            geom(3, (32, 48, 96), 32, (3, 1, 1, 1), 1),  // 4×4 tiles, chunks across samples
         ];
         for g in &cases {
             let ws = vec![f64::NAN; workspace(g)];
@@ -768,20 +801,58 @@ mod tests {
             let dy = values(g.n * g.c_out * g.h_out * g.w_out, 3);
             let [y, dx, dw] = by_definition(g, &x, &w, &dy);
 
-            let (mut got, mut scratch) = (vec![f64::NAN; y.len()], ws.clone());
+            let (mut got, mut scratch) = (vec![f64::NAN; y.sum.len()], ws.clone());
             forward(&x, &w, &mut got, &mut scratch, g);
             assert_close("forward", g, &got, &y);
 
-            let (mut got, mut scratch) = (vec![f64::NAN; dx.len()], ws.clone());
+            let (mut got, mut scratch) = (vec![f64::NAN; dx.sum.len()], ws.clone());
             backward_data(&dy, &w, &mut got, &mut scratch, g);
             assert_close("backward-data", g, &got, &dx);
 
             // Backward-filter adds into dW.
-            let before = values(dw.len(), 4);
+            let before = values(dw.sum.len(), 4);
             let (mut got, mut scratch) = (before.clone(), ws.clone());
             backward_filter(&x, &dy, &mut got, &mut scratch, g);
-            let want: Vec<f64> = before.iter().zip(&dw).map(|(a, b)| a + b).collect();
+            let mut want = dw;
+            for (i, b) in before.iter().enumerate() {
+                want.add(i, *b);
+            }
             assert_close("backward-filter", g, &got, &want);
+        }
+    }
+
+    /// f32 rounding of the forward pass against the definition in f64, relative to the largest
+    /// output, over 256 input channels: F(4×4, 3×3) at 28² (its coefficients round the most),
+    /// F(2×2, 3×3) at 14², im2col + gemm at stride 2. Guards the tiles' error levels as
+    /// documented in `winograd` against a change of interpolation points or transform order.
+    #[test]
+    fn f32_forward_rounding_stays_at_its_documented_level() {
+        for (g, bound) in [
+            (geom(1, (256, 28, 28), 32, (3, 1, 1, 1), 1), 1e-5),
+            (geom(1, (256, 14, 14), 32, (3, 1, 1, 1), 1), 2e-6),
+            (geom(1, (256, 28, 28), 32, (3, 2, 1, 1), 1), 2e-6),
+        ] {
+            let x = values(g.n * g.c_in * g.h * g.w, 1);
+            let w: Vec<f64> = values(g.c_out * g.col_rows(), 2)
+                .iter()
+                .map(|v| v / (g.col_rows() as f64).sqrt())
+                .collect();
+            let dy = vec![0.0; g.n * g.c_out * g.h_out * g.w_out];
+            let [y, _, _] = by_definition(&g, &x, &w, &dy);
+            let f32s = |v: &[f64]| v.iter().map(|&v| v as f32).collect::<Vec<f32>>();
+            let mut got = vec![0.0f32; y.sum.len()];
+            let mut ws = vec![0.0f32; workspace(&g)];
+            forward(&f32s(&x), &f32s(&w), &mut got, &mut ws, &g);
+            let largest = y.sum.iter().fold(0.0f64, |m, v| m.max(v.abs()));
+            let worst = got
+                .iter()
+                .zip(&y.sum)
+                .fold(0.0f64, |m, (a, b)| m.max((*a as f64 - b).abs()));
+            assert!(
+                worst <= bound * largest,
+                "{worst:e} of {largest}, bound {bound:e}, {g:?}"
+            );
+            println!("{:e} of the largest output, {g:?}", worst / largest);
         }
     }
 }
