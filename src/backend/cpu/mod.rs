@@ -1,8 +1,8 @@
 //! The reference backend: f32 and f64 on the host (bf16 and f16 computed in f32, see
 //! `wide`), convolutions through im2col and the `gemm` crate (3×3 stride-1 ones by
-//! `winograd`'s F(2×2, 3×3); f32 products with a small left operand by `skinny`'s AVX2
-//! kernel), parallel with rayon. Every kernel is deterministic: the
-//! same inputs give the same bits on the same machine.
+//! `winograd`, F(4×4, 3×3) or F(2×2, 3×3) by geometry; f32 products with a small left
+//! operand by `skinny`'s AVX2 kernel), parallel with rayon. Every kernel is deterministic:
+//! the same inputs give the same bits on the same machine.
 
 /// `simd!(|| ...)` runs the closure compiled for AVX2 where the CPU has it (see
 /// [`with_avx2`]). The closure is always inlined there: LLVM compiled a large one apart

@@ -1,10 +1,9 @@
 //! F(4×4, 3×3): each 4×4 tile of outputs from a 6×6 tile of inputs, 36 points. The
 //! transforms' coefficients (up to 8, down to 1/24) round more than F(2×2, 3×3)'s: in f32,
 //! over 256 input channels, 4·10⁻⁶ of the largest output against 9·10⁻⁷ for F(2×2, 3×3) and
-//! for im2col + gemm (`f32_forward_rounding_stays_at_its_documented_level`), the level of
-//! cuDNN's and oneDNN's Winograd kernels. Input rows are read split by column
-//! modulo 4, so a 6×6 tile's columns are six aligned streams (the four phases of tile q, then
-//! the first two of tile q + 1).
+//! for im2col + gemm (`f32_forward_rounding_stays_at_its_documented_level`). Input rows are
+//! read split by column modulo 4, so a 6×6 tile's columns are six aligned streams (the four
+//! phases of tile q, then the first two of tile q + 1).
 
 use std::ops::Range;
 
