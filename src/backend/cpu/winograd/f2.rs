@@ -7,7 +7,7 @@ use std::ops::Range;
 
 use rayon::prelude::*;
 
-use super::{channel_rows, Tile, Tiling};
+use super::{add_taps, channel_rows, gather_taps, Tile, Tiling};
 use crate::backend::cpu::{Float, SharedOut};
 use crate::backend::ConvGeom;
 
@@ -30,12 +30,7 @@ impl Tile for F2 {
         (0..blocks).into_par_iter().for_each(|b| {
             let (i0, len) = (b * BLOCK, BLOCK.min(count - b * BLOCK));
             simd!(|| {
-                let mut taps = [[T::zero(); BLOCK]; 9];
-                for (i, f) in w[i0 * 9..(i0 + len) * 9].chunks_exact(9).enumerate() {
-                    for (tap, &v) in taps.iter_mut().zip(f) {
-                        tap[i] = v;
-                    }
-                }
+                let taps: [[T; BLOCK]; 9] = gather_taps(&w[i0 * 9..(i0 + len) * 9]);
                 // G along the filters' rows (three taps each), then along their columns.
                 let mut rows = [[[T::zero(); BLOCK]; 4]; 3];
                 for (r, row) in rows.iter_mut().enumerate() {
@@ -83,11 +78,7 @@ impl Tile for F2 {
                             taps[r][s] = col[r];
                         }
                     }
-                    for (i, f) in dw.chunks_exact_mut(9).enumerate() {
-                        for (tap, d) in f.iter_mut().enumerate() {
-                            *d += taps[tap / 3][tap % 3][i];
-                        }
-                    }
+                    add_taps(&taps, dw);
                 })
             });
     }

@@ -152,8 +152,8 @@ fn padded(tiles: usize) -> usize {
 /// Workspace elements: the transformed weights and a chunk's V and M.
 pub fn workspace(g: &ConvGeom) -> usize {
     fn of<F: Tile>(g: &ConvGeom) -> usize {
-        let chunk = padded(Tiling::of::<F>(g).rows * g.w_out.div_ceil(F::OUT));
-        F::POINTS * (g.c_in * g.c_out + (g.c_in + g.c_out) * chunk)
+        let t = Tiling::of::<F>(g);
+        F::POINTS * (g.c_in * g.c_out + (g.c_in + g.c_out) * padded(t.rows * t.tw))
     }
     if large_tiles(g) {
         of::<F4>(g)
@@ -264,6 +264,30 @@ fn backward_filter_by<T: Float, F: Tile>(
             });
     }
     F::add_filter_grad(du, dw, c_out * c_in);
+}
+
+/// taps[t][i] = filters[9i + t] for a block of 3×3 filters: each tap a stream for the weight
+/// transform (both tiles' blocks start so).
+#[inline(always)]
+fn gather_taps<T: Float, const B: usize>(filters: &[T]) -> [[T; B]; 9] {
+    let mut taps = [[T::zero(); B]; 9];
+    for (i, f) in filters.chunks_exact(9).enumerate() {
+        for (tap, &v) in taps.iter_mut().zip(f) {
+            tap[i] = v;
+        }
+    }
+    taps
+}
+
+/// dw[9i + 3r + s] += taps[r][s][i]: a block's filter gradients, tap by tap, back into the
+/// filters' layout (the inverse of [`gather_taps`], adding).
+#[inline(always)]
+fn add_taps<T: Float, const B: usize>(taps: &[[[T; B]; 3]; 3], dw: &mut [T]) {
+    for (i, f) in dw.chunks_exact_mut(9).enumerate() {
+        for (tap, d) in f.iter_mut().enumerate() {
+            *d += taps[tap / 3][tap % 3][i];
+        }
+    }
 }
 
 /// The N rows, one per point ξ, of channel `ch` in a chunk's transformed planes laid out
