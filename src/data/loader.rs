@@ -133,7 +133,19 @@ impl Loader {
             if let Some(b) = s.ready.remove(&i) {
                 break b;
             }
-            s = sh.changed.wait(s).unwrap_or_else(|p| p.into_inner());
+            if rayon::current_thread_index().is_none() {
+                s = sh.changed.wait(s).unwrap_or_else(|p| p.into_inner());
+                continue;
+            }
+            // A CPU run waits here on one of the pool's workers, perhaps its only one: what a
+            // source runs on the pool to make this batch needs that worker too.
+            drop(s);
+            rayon::yield_now();
+            let (held, _) = sh
+                .changed
+                .wait_timeout(sh.lock(), Duration::from_millis(1))
+                .unwrap_or_else(|p| p.into_inner());
+            s = held;
         };
         s.next += 1;
         drop(s);
@@ -152,5 +164,72 @@ impl Drop for Loader {
         for w in self.workers.drain(..) {
             let _ = w.join();
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::data::{transform::Transform, Image, Source};
+    use rayon::prelude::*;
+
+    /// Images whose pixels are summed on a pool, as a source decoding in parallel would.
+    struct Parallel(Vec<String>, Arc<rayon::ThreadPool>);
+
+    impl Source for Parallel {
+        fn samples(&self) -> Option<usize> {
+            None
+        }
+        fn classes(&self) -> &[String] {
+            &self.0
+        }
+        fn label(&self, _: usize) -> Result<u32> {
+            Ok(0)
+        }
+        fn read(&self, index: usize) -> Result<Image> {
+            let value = self.1.install(|| {
+                (0..64)
+                    .into_par_iter()
+                    .map(|i| (i * index) as f32)
+                    .sum::<f32>()
+            });
+            Ok(Image {
+                height: 2,
+                width: 2,
+                pixels: vec![value; 12],
+            })
+        }
+        fn describe(&self, index: usize) -> String {
+            format!("image {index}")
+        }
+    }
+
+    #[test]
+    fn waiting_on_the_pools_only_worker_lets_a_source_use_the_pool() {
+        let pool = Arc::new(
+            rayon::ThreadPoolBuilder::new()
+                .num_threads(1)
+                .build()
+                .unwrap(),
+        );
+        let source = Arc::new(Parallel(vec!["0".into()], pool.clone()));
+        let transform = Transform {
+            augment: false,
+            normalize: false,
+        };
+        let pipeline = Arc::new(Pipeline::new(source, 2, transform, 0, false, false));
+        let (done, finished) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let mut loader = Loader::new(pipeline, Box::new(|i| Some((i as u64, 1))), 1, 1);
+            let sums: Vec<f32> = pool.install(|| {
+                (0..3)
+                    .map(|_| loader.next_batch().map(|b| b.pixels[0]))
+                    .collect::<Result<_>>()
+            })?;
+            let _ = done.send(sums);
+            Ok::<(), Error>(())
+        });
+        let sums = finished.recv_timeout(Duration::from_secs(60));
+        assert_eq!(sums, Ok(vec![0.0, 2016.0, 4032.0]), "the loader hung");
     }
 }

@@ -22,6 +22,7 @@ use std::sync::mpsc::{channel, Receiver, Sender};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 
+use crate::backend::DeviceKind;
 use crate::comm::local::{catch_panic, root_cause, World};
 use crate::comm::{self, Comm};
 use crate::data::{Dataset, Pipeline};
@@ -81,8 +82,13 @@ struct Worker {
 }
 
 enum Ranks {
-    /// The one rank this process runs: the whole world, or one MPI process's share.
+    /// The one rank this process runs, on the calling thread: one MPI process's share (the
+    /// communicator belongs to the thread that made it), or a whole world on one GPU (so does
+    /// the driver's context).
     Here(Box<Rank>),
+    /// The whole world on the CPU: its work runs on the CPU backend's worker threads (see
+    /// [`Session::all`]).
+    Pooled(Box<Rank>),
     /// Every rank a thread of this process.
     Threads {
         workers: Vec<Worker>,
@@ -142,7 +148,11 @@ impl Session {
             Some(comm) => Ranks::Here(Box::new(Rank::new(c.clone(), layout.clone(), comm, train)?)),
             None if world_size == 1 => {
                 let comm = World::new(1).1.pop().expect("one rank");
-                Ranks::Here(Box::new(Rank::new(c.clone(), layout.clone(), comm, train)?))
+                let rank = Box::new(Rank::new(c.clone(), layout.clone(), comm, train)?);
+                match c.train.device {
+                    DeviceKind::Cpu => Ranks::Pooled(rank),
+                    DeviceKind::Cuda { .. } => Ranks::Here(rank),
+                }
             }
             None => {
                 // Before the rank threads exist (see the function).
@@ -184,6 +194,11 @@ impl Session {
         }
         let out = match &mut self.ranks {
             Ranks::Here(rank) => catch_panic(|| f(rank)).map(|v| vec![v]),
+            // From a thread outside the pool, every operator would wake a worker and sleep
+            // until it finished: two futex round trips per operator, a few hundred per step.
+            // On a worker, operators fork onto warm threads. The one thing the rank waits for,
+            // its next batch, works the pool meanwhile (`Loader::next_batch`).
+            Ranks::Pooled(rank) => rayon::scope(|_| catch_panic(|| f(rank))).map(|v| vec![v]),
             Ranks::Threads { workers, world } => {
                 let f = Arc::new(f);
                 for (r, w) in workers.iter().enumerate() {
