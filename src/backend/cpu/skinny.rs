@@ -21,9 +21,11 @@ use rayon::prelude::*;
 
 use super::View;
 
-/// The largest m·k taken here (the gemm crate is as fast or faster beyond: 64 × 576 at 47–63
-/// GFLOP/s against 41–44 here).
-const MAX_LHS: usize = 1 << 14;
+/// The largest m·k taken here. Beyond it the gemm crate is as fast or faster: on Zen 4 (its
+/// AVX-512 kernels, 2 threads, convolutions at B = 8–32) 256 → 64 1×1 at 8² 134–136 → 175–200
+/// GFLOP/s forward, 32 → 32 3×3/2 at 32² 55–57 → 86–89, 64 → 256 1×1 at 56² 170–174 →
+/// 181–189; at 16·64 and below this kernel stays ahead on large planes (16 ↔ 64 at 256²).
+const MAX_LHS: usize = 1 << 12;
 /// Rows and columns of dst a kernel call holds in registers (12 of the 16 ymm registers).
 const MR: usize = 6;
 const NR: usize = 16;
