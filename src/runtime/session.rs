@@ -113,7 +113,8 @@ pub struct Session {
 }
 
 impl Session {
-    /// `config` on `graph`, every rank a thread of this process, reading `data`.
+    /// `config` on `graph`, every rank a thread of this process (a one-rank CPU run works on
+    /// the CPU backend's worker threads), reading `data`.
     pub fn new(graph: &Graph, config: RunConfig, data: Dataset) -> Result<Session> {
         Session::start(graph, config, Some(data), None)
     }
