@@ -324,12 +324,27 @@ fn im2col<T: Float>(x: &[T], col: &mut [T], ld: usize, g: &ConvGeom, oh: Range<u
             }
             let src = &plane[ih * g.w..(ih + 1) * g.w];
             let iw0 = valid.start * g.stride.1 + j * g.dilation.1 - g.pad.1;
-            if g.stride.1 == 1 {
-                dst[valid.clone()].copy_from_slice(&src[iw0..iw0 + valid.len()]);
-            } else {
-                for (k, d) in dst[valid.clone()].iter_mut().enumerate() {
-                    *d = src[iw0 + k * g.stride.1];
-                }
+            gather(&mut dst[valid.clone()], &src[iw0..], g.stride.1);
+        }
+    }
+}
+
+/// dst[k] = src[k·stride] (dst not empty). Stride 2 by pairs, which vectorize; an index per
+/// element did not (the 7×7/2 stem's im2col, 147 rows of 112² columns a sample).
+fn gather<T: Float>(dst: &mut [T], src: &[T], stride: usize) {
+    let n = dst.len();
+    match stride {
+        1 => dst.copy_from_slice(&src[..n]),
+        2 => simd!(|| {
+            // The last element alone: its pair may run past the row.
+            for (d, pair) in dst[..n - 1].iter_mut().zip(src.chunks_exact(2)) {
+                *d = pair[0];
+            }
+            dst[n - 1] = src[2 * (n - 1)];
+        }),
+        _ => {
+            for (d, &v) in dst.iter_mut().zip(src.iter().step_by(stride)) {
+                *d = v;
             }
         }
     }
@@ -359,9 +374,26 @@ fn col2im_channel<T: Float>(
                 };
                 let dst = &mut plane[ih * g.w..(ih + 1) * g.w];
                 let iw0 = valid.start * g.stride.1 + j * g.dilation.1 - g.pad.1;
-                for (k, &v) in src[valid.clone()].iter().enumerate() {
-                    dst[iw0 + k * g.stride.1] += v;
-                }
+                scatter_add(&mut dst[iw0..], &src[valid.clone()], g.stride.1);
+            }
+        }
+    }
+}
+
+/// dst[k·stride] += src[k] (src not empty): [`gather`]'s adjoint, stride 2 by pairs as there.
+fn scatter_add<T: Float>(dst: &mut [T], src: &[T], stride: usize) {
+    let n = src.len();
+    match stride {
+        1 => dst[..n].iter_mut().zip(src).for_each(|(d, &v)| *d += v),
+        2 => simd!(|| {
+            for (pair, &v) in dst.chunks_exact_mut(2).zip(&src[..n - 1]) {
+                pair[0] += v;
+            }
+            dst[2 * (n - 1)] += src[n - 1];
+        }),
+        _ => {
+            for (d, &v) in dst.iter_mut().step_by(stride).zip(src) {
+                *d += v;
             }
         }
     }
@@ -784,6 +816,8 @@ mod tests {
             geom(7, (64, 20, 20), 256, (3, 2, 1, 1), 1), // large weights: samples side by side, 3 + 3 + 1
             geom(2, (512, 3, 3), 256, (1, 1, 0, 1), 1),  // pointwise, large weights, side by side
             geom(5, (4, 7, 6), 4, (3, 2, 1, 1), 4),      // depthwise
+            geom(2, (3, 17, 19), 8, (7, 2, 3, 1), 1),    // a 7×7/2 stem, odd sides
+            geom(2, (4, 11, 13), 5, (3, 3, 1, 1), 1),    // stride 3
             geom(4, (32, 7, 7), 64, (3, 1, 1, 1), 1),    // deep and small, dWᵀ
             geom(3, (8, 96, 96), 8, (3, 1, 1, 1), 1),    // Winograd chunks across samples
             geom(3, (9, 11, 6), 5, (3, 1, 0, 1), 1),     // Winograd unpadded, odd sides
