@@ -285,6 +285,7 @@ pub fn forward(
         requires_grad[v] = input_grads;
         values[v] = Some(t);
     }
+    graph.mark_requires_grad(nodes.clone(), &mut requires_grad);
     let keep_of = |id: usize| policy.map_or(Keep::Device, |p| p.of(id));
     let mut tape = Tape {
         running: Vec::new(),
@@ -394,8 +395,6 @@ pub fn forward(
             });
         }
         drop(ins);
-        let has_trainable = node.params.clone().any(|p| graph.params[p].spec.trainable);
-        requires_grad[node.output] = has_trainable || node.inputs.iter().any(|&v| requires_grad[v]);
         values[node.output] = Some(y);
         for &v in &node.inputs {
             uses[v] -= 1;

@@ -106,6 +106,16 @@ pub struct Graph {
 }
 
 impl Graph {
+    /// Marks which outputs of `nodes` carry a gradient in training: a node's does when it has
+    /// a trainable parameter or reads a value already marked (the caller marks what it feeds
+    /// them; the model's input carries none).
+    pub fn mark_requires_grad(&self, nodes: std::ops::Range<usize>, requires_grad: &mut [bool]) {
+        for n in &self.nodes[nodes] {
+            requires_grad[n.output] = n.params.clone().any(|p| self.params[p].spec.trainable)
+                || n.inputs.iter().any(|&v| requires_grad[v]);
+        }
+    }
+
     /// The per-sample shape of the input (`[3, side, side]`).
     pub fn input_shape(&self) -> &Shape {
         &self.values[self.input].shape
@@ -271,4 +281,37 @@ pub fn saved_bytes(g: &Graph, nodes: std::ops::Range<usize>, dtype: DType) -> u6
         .map(|(v, _)| v.shape.numel())
         .sum();
     ((elems + own) * dtype.size()) as u64
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ops::conv::Conv2d;
+
+    #[test]
+    fn gradients_start_at_the_first_trainable_parameter() {
+        // input → relu → conv → relu: the first ReLU sees only the image.
+        let (mut b, x) = GraphBuilder::new("tiny", "test", Shape::new([3, 8, 8]));
+        let early = b.relu("early", x).unwrap();
+        let conv = b.conv("conv", early, Conv2d::new(4, 3, 1, 1)).unwrap();
+        let late = b.relu("late", conv).unwrap();
+        let g = b
+            .finish(vec![Output {
+                value: late,
+                weight: 1.0,
+                training_only: false,
+            }])
+            .unwrap();
+        let mut wants = vec![false; g.values.len()];
+        g.mark_requires_grad(0..g.nodes.len(), &mut wants);
+        assert_eq!(
+            [x, early, conv, late].map(|v| wants[v]),
+            [false, false, true, true]
+        );
+        // A stage fed a value that carries a gradient passes it on without parameters.
+        let mut fed = vec![false; g.values.len()];
+        fed[x] = true;
+        g.mark_requires_grad(0..1, &mut fed);
+        assert!(fed[early]);
+    }
 }

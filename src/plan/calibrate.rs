@@ -133,6 +133,9 @@ pub fn calibrate(
         v.sort_by(f64::total_cmp);
         v[v.len() / 2]
     };
+    // What training computes: no gradient for the model's input (the stem's backward-data).
+    let mut requires_grad = vec![false; graph.values.len()];
+    graph.mark_requires_grad(0..graph.nodes.len(), &mut requires_grad);
     for node in &graph.nodes {
         let op = node.op.get();
         let shapes: Vec<Shape> = node
@@ -169,7 +172,7 @@ pub fn calibrate(
             &mut rng,
             false,
         )?;
-        let need = vec![true; xs.len()];
+        let need: Vec<bool> = node.inputs.iter().map(|&v| requires_grad[v]).collect();
         let ctx = Ctx {
             device,
             training: true,
