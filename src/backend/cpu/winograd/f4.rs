@@ -7,9 +7,7 @@
 
 use std::ops::Range;
 
-use rayon::prelude::*;
-
-use super::{add_taps, channel_rows, gather_taps, Tile, Tiling};
+use super::{add_filter_grad_by, channel_rows, transform_weights_by, Tile, Tiling};
 use crate::backend::cpu::{Float, SharedOut};
 use crate::backend::ConvGeom;
 
@@ -28,62 +26,11 @@ impl Tile for F4 {
     const POINTS: usize = POINTS;
 
     fn transform_weights<T: Float>(w: &[T], u: &mut [T], count: usize) {
-        let us = SharedOut(u.as_mut_ptr());
-        let blocks = count.div_ceil(BLOCK);
-        (0..blocks).into_par_iter().for_each(|b| {
-            let (i0, len) = (b * BLOCK, BLOCK.min(count - b * BLOCK));
-            simd!(|| {
-                let taps: [[T; BLOCK]; 9] = gather_taps(&w[i0 * 9..(i0 + len) * 9]);
-                // G along the filters' rows (three taps each), then along their columns.
-                let mut rows = [[[T::zero(); BLOCK]; SIDE]; 3];
-                for (r, row) in rows.iter_mut().enumerate() {
-                    let [a, b, c] = [0, 1, 2].map(|s| &taps[3 * r + s][..len]);
-                    g_t(a, b, c, row, len);
-                }
-                let mut point = [[[T::zero(); BLOCK]; SIDE]; SIDE];
-                for j in 0..SIDE {
-                    let [a, b, c] = [0, 1, 2].map(|r| &rows[r][j][..len]);
-                    g_t(a, b, c, &mut point[j], len);
-                }
-                for (j, col) in point.iter().enumerate() {
-                    for (a, p) in col.iter().enumerate() {
-                        // SAFETY: u holds 36 × count elements; this block alone writes filters
-                        // i0..i0 + len of each point.
-                        let dst = unsafe {
-                            std::slice::from_raw_parts_mut(us.at((SIDE * a + j) * count + i0), len)
-                        };
-                        dst.copy_from_slice(&p[..len]);
-                    }
-                }
-            })
-        });
+        transform_weights_by::<T, SIDE, BLOCK>(w, u, count, g_t);
     }
 
     fn add_filter_grad<T: Float>(du: &[T], dw: &mut [T], count: usize) {
-        dw[..count * 9]
-            .par_chunks_mut(BLOCK * 9)
-            .enumerate()
-            .for_each(|(b, dw)| {
-                let (i0, len) = (b * BLOCK, dw.len() / 9);
-                simd!(|| {
-                    // Gᵀ along dU's rows (six points each), then along its columns.
-                    let mut rows = [[[T::zero(); BLOCK]; 3]; SIDE];
-                    for (a, row) in rows.iter_mut().enumerate() {
-                        let p = std::array::from_fn(|j| &du[(SIDE * a + j) * count + i0..][..len]);
-                        g_adjoint(p, row, len);
-                    }
-                    let mut taps = [[[T::zero(); BLOCK]; 3]; 3];
-                    for s in 0..3 {
-                        let p = std::array::from_fn(|a| &rows[a][s][..len]);
-                        let mut col = [[T::zero(); BLOCK]; 3];
-                        g_adjoint(p, &mut col, len);
-                        for r in 0..3 {
-                            taps[r][s] = col[r];
-                        }
-                    }
-                    add_taps(&taps, dw);
-                })
-            });
+        add_filter_grad_by::<T, SIDE, BLOCK>(du, dw, count, g_adjoint);
     }
 
     unsafe fn transform_input<T: Float>(

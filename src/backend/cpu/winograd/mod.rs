@@ -266,28 +266,86 @@ fn backward_filter_by<T: Float, F: Tile>(
     F::add_filter_grad(du, dw, c_out * c_in);
 }
 
-/// taps[t][i] = filters[9i + t] for a block of 3×3 filters: each tap a stream for the weight
-/// transform (both tiles' blocks start so).
-#[inline(always)]
-fn gather_taps<T: Float, const B: usize>(filters: &[T]) -> [[T; B]; 9] {
-    let mut taps = [[T::zero(); B]; 9];
-    for (i, f) in filters.chunks_exact(9).enumerate() {
-        for (tap, &v) in taps.iter_mut().zip(f) {
-            tap[i] = v;
-        }
-    }
-    taps
+/// u[ξ][i] = (G w_i Gᵀ)[ξ], ξ = SIDE·a + j, for each of the `count` 3×3 filters w_i, BLOCK
+/// filters at a time, each tap a stream: `g_t` applies a tile's G (SIDE × 3) to three streams,
+/// along the filters' rows, then along their columns.
+fn transform_weights_by<T: Float, const SIDE: usize, const BLOCK: usize>(
+    w: &[T],
+    u: &mut [T],
+    count: usize,
+    g_t: impl Fn(&[T], &[T], &[T], &mut [[T; BLOCK]; SIDE], usize) + Sync + Copy,
+) {
+    let us = SharedOut(u.as_mut_ptr());
+    let blocks = count.div_ceil(BLOCK);
+    (0..blocks).into_par_iter().for_each(|b| {
+        let (i0, len) = (b * BLOCK, BLOCK.min(count - b * BLOCK));
+        simd!(|| {
+            let mut taps = [[T::zero(); BLOCK]; 9];
+            for (i, f) in w[i0 * 9..(i0 + len) * 9].chunks_exact(9).enumerate() {
+                for (tap, &v) in taps.iter_mut().zip(f) {
+                    tap[i] = v;
+                }
+            }
+            let mut rows = [[[T::zero(); BLOCK]; SIDE]; 3];
+            for (r, row) in rows.iter_mut().enumerate() {
+                let [a, b, c] = [0, 1, 2].map(|s| &taps[3 * r + s][..len]);
+                g_t(a, b, c, row, len);
+            }
+            let mut point = [[[T::zero(); BLOCK]; SIDE]; SIDE];
+            for (j, col) in point.iter_mut().enumerate() {
+                let [a, b, c] = [0, 1, 2].map(|r| &rows[r][j][..len]);
+                g_t(a, b, c, col, len);
+            }
+            for (j, col) in point.iter().enumerate() {
+                for (a, p) in col.iter().enumerate() {
+                    // SAFETY: u holds SIDE² × count elements; this block alone writes filters
+                    // i0..i0 + len of each point.
+                    let dst = unsafe {
+                        std::slice::from_raw_parts_mut(us.at((SIDE * a + j) * count + i0), len)
+                    };
+                    dst.copy_from_slice(&p[..len]);
+                }
+            }
+        })
+    });
 }
 
-/// dw[9i + 3r + s] += taps[r][s][i]: a block's filter gradients, tap by tap, back into the
-/// filters' layout (the inverse of [`gather_taps`], adding).
-#[inline(always)]
-fn add_taps<T: Float, const B: usize>(taps: &[[[T; B]; 3]; 3], dw: &mut [T]) {
-    for (i, f) in dw.chunks_exact_mut(9).enumerate() {
-        for (tap, d) in f.iter_mut().enumerate() {
-            *d += taps[tap / 3][tap % 3][i];
-        }
-    }
+/// dw_i += Gᵀ dU_i G for each of the `count` filters, dU[ξ][i], BLOCK filters at a time: the
+/// adjoint of [`transform_weights_by`], `g_adjoint` applying Gᵀ to SIDE streams.
+fn add_filter_grad_by<T: Float, const SIDE: usize, const BLOCK: usize>(
+    du: &[T],
+    dw: &mut [T],
+    count: usize,
+    g_adjoint: impl Fn([&[T]; SIDE], &mut [[T; BLOCK]; 3], usize) + Sync + Copy,
+) {
+    dw[..count * 9]
+        .par_chunks_mut(BLOCK * 9)
+        .enumerate()
+        .for_each(|(b, dw)| {
+            let (i0, len) = (b * BLOCK, dw.len() / 9);
+            simd!(|| {
+                // Gᵀ along dU's rows (SIDE points each), then along its columns.
+                let mut rows = [[[T::zero(); BLOCK]; 3]; SIDE];
+                for (a, row) in rows.iter_mut().enumerate() {
+                    let p = std::array::from_fn(|j| &du[(SIDE * a + j) * count + i0..][..len]);
+                    g_adjoint(p, row, len);
+                }
+                let mut taps = [[[T::zero(); BLOCK]; 3]; 3];
+                for s in 0..3 {
+                    let p = std::array::from_fn(|a| &rows[a][s][..len]);
+                    let mut col = [[T::zero(); BLOCK]; 3];
+                    g_adjoint(p, &mut col, len);
+                    for r in 0..3 {
+                        taps[r][s] = col[r];
+                    }
+                }
+                for (i, f) in dw.chunks_exact_mut(9).enumerate() {
+                    for (tap, d) in f.iter_mut().enumerate() {
+                        *d += taps[tap / 3][tap % 3][i];
+                    }
+                }
+            })
+        });
 }
 
 /// The N rows, one per point ξ, of channel `ch` in a chunk's transformed planes laid out
