@@ -57,9 +57,27 @@ fn fold_max<T: Float>(
     oh: usize,
     ow0: usize,
     best: &mut [T],
+    at: Option<&mut [usize]>,
+) {
+    // A stride known at compile time lets the loads vectorize (stride 2 as pairs).
+    match g.stride.1 {
+        1 => fold_max_by::<T, 1>(x, g, oh, ow0, best, at),
+        2 => fold_max_by::<T, 2>(x, g, oh, ow0, best, at),
+        _ => fold_max_by::<T, 0>(x, g, oh, ow0, best, at),
+    }
+}
+
+/// [`fold_max`] for column stride `S`, or the geometry's where `S` is 0.
+#[inline(always)]
+fn fold_max_by<T: Float, const S: usize>(
+    x: &[T],
+    g: &PoolGeom,
+    oh: usize,
+    ow0: usize,
+    best: &mut [T],
     mut at: Option<&mut [usize]>,
 ) {
-    let (n, s) = (best.len(), g.stride.1);
+    let (n, s) = (best.len(), if S == 0 { g.stride.1 } else { S });
     let (ih0, iw0) = (oh * g.stride.0 - g.pad.0, ow0 * s - g.pad.1);
     for i in 0..g.kh {
         for j in 0..g.kw {
