@@ -12,6 +12,9 @@
  * rounding). Biases and their gradients are parameters, f32 in every stamp.
  *
  *   add_SUF                   y = a + b
+ *   add_relu_SUF              y = max(a + b, 0) (a residual connection and its ReLU; the
+ *                             sum in f32, then the compare, then one rounding to T: the same
+ *                             bits as add then relu_forward)
  *   add_assign_SUF            y += x (gradient accumulation)
  *   mul_SUF                   y = x * mask (dropout forward and backward)
  *   fill_SUF                  s = value
@@ -43,6 +46,9 @@
 STAMP_BINARY(add_f32, float, x0 + x1)
 STAMP_BINARY(add_bf16, gems_bf16, x0 + x1)
 STAMP_BINARY(add_f16, gems_f16, x0 + x1)
+STAMP_BINARY(add_relu_f32, float, x0 + x1 > 0.0f ? x0 + x1 : 0.0f)
+STAMP_BINARY(add_relu_bf16, gems_bf16, x0 + x1 > 0.0f ? x0 + x1 : 0.0f)
+STAMP_BINARY(add_relu_f16, gems_f16, x0 + x1 > 0.0f ? x0 + x1 : 0.0f)
 STAMP_BINARY(mul_f32, float, x0 * x1)
 STAMP_BINARY(mul_bf16, gems_bf16, x0 * x1)
 STAMP_BINARY(mul_f16, gems_f16, x0 * x1)

@@ -495,6 +495,11 @@ fn elementwise_matches(precision: Precision) {
         gpu.add(&ag, &bg, &mut sg).unwrap();
         p.check(&format!("add {name}"), &s, &sg, 0.0);
 
+        let (mut r, mut rg) = p.output_as(n, dtype);
+        cpu.add_relu(&a, &b, &mut r).unwrap();
+        gpu.add_relu(&ag, &bg, &mut rg).unwrap();
+        p.check(&format!("add_relu {name}"), &r, &rg, 0.0);
+
         cpu.add_assign(&mut s, &a).unwrap();
         gpu.add_assign(&mut sg, &ag).unwrap();
         p.check(&format!("add_assign {name}"), &s, &sg, 0.0);

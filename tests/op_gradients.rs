@@ -376,7 +376,15 @@ fn relu_add_flatten_concat() {
     check_gradients(
         "add",
         Case {
-            op: Op::Add(elementwise::Add),
+            op: Op::Add(elementwise::Add::default()),
+            inputs: vec![vec![2, 3, 3], vec![2, 3, 3]],
+            batch: 2,
+        },
+    );
+    check_gradients(
+        "add+relu",
+        Case {
+            op: Op::Add(elementwise::Add { relu: true }),
             inputs: vec![vec![2, 3, 3], vec![2, 3, 3]],
             batch: 2,
         },

@@ -282,6 +282,10 @@ impl Backend for Meter {
         Ok(())
     }
 
+    fn add_relu(&self, _a: &Storage, _b: &Storage, _y: &mut Storage) -> Result<()> {
+        Ok(())
+    }
+
     fn add_assign(&self, _y: &mut Storage, _x: &Storage) -> Result<()> {
         Ok(())
     }

@@ -379,6 +379,8 @@ pub trait Backend: Send + Sync {
     fn relu_backward(&self, y: &Storage, dy: &Storage, dx: &mut Storage) -> Result<()>;
     /// y = a + b.
     fn add(&self, a: &Storage, b: &Storage, y: &mut Storage) -> Result<()>;
+    /// y = max(a + b, 0): a residual connection and the ReLU after it, in one pass.
+    fn add_relu(&self, a: &Storage, b: &Storage, y: &mut Storage) -> Result<()>;
     /// y += x.
     fn add_assign(&self, y: &mut Storage, x: &Storage) -> Result<()>;
     /// y = x · mask (dropout).

@@ -192,7 +192,11 @@ impl GraphBuilder {
     }
     /// a + b (a residual connection).
     pub fn add(&mut self, name: &str, a: ValueId, b: ValueId) -> Result<ValueId> {
-        self.op(name, Op::Add(elementwise::Add), &[a, b])
+        self.op(name, Op::Add(elementwise::Add::default()), &[a, b])
+    }
+    /// max(a + b, 0): a residual connection and the ReLU after it, as one op.
+    pub fn add_relu(&mut self, name: &str, a: ValueId, b: ValueId) -> Result<ValueId> {
+        self.op(name, Op::Add(elementwise::Add { relu: true }), &[a, b])
     }
     /// Max pooling of `x` over window `w`.
     pub fn max_pool(&mut self, name: &str, x: ValueId, w: pool::Window) -> Result<ValueId> {

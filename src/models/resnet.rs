@@ -155,6 +155,5 @@ pub(super) fn basic_block(
     } else {
         x
     };
-    let y = b.add("add", h, shortcut)?;
-    b.relu("relu2", y)
+    b.add_relu("relu2", h, shortcut)
 }

@@ -227,6 +227,5 @@ fn bottleneck(b: &mut GraphBuilder, x: ValueId, planes: usize, stride: usize) ->
     } else {
         x
     };
-    let y = b.add("add", h, shortcut)?;
-    b.relu("relu3", y)
+    b.add_relu("relu3", h, shortcut)
 }

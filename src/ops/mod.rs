@@ -154,7 +154,8 @@ pub enum Op {
     BatchNorm(norm::BatchNorm),
     /// max(x, 0).
     Relu(activation::Relu),
-    /// Elementwise sum of two values (residual connections).
+    /// Elementwise sum of two values (residual connections), optionally fused with the
+    /// following ReLU.
     Add(elementwise::Add),
     /// Max pooling.
     MaxPool(pool::MaxPool),
@@ -211,6 +212,7 @@ impl Op {
             Op::BatchNorm(b) if b.relu => "batchnorm+relu".into(),
             Op::BatchNorm(_) => "batchnorm".into(),
             Op::Relu(_) => "relu".into(),
+            Op::Add(a) if a.relu => "add+relu".into(),
             Op::Add(_) => "add".into(),
             Op::MaxPool(p) => format!("maxpool {}", p.0),
             Op::AvgPool(p) => format!("avgpool {}", p.0),

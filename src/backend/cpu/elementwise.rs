@@ -31,6 +31,18 @@ pub fn relu<T: Float>(x: &[T], y: &mut [T]) {
     zip(x, x, y, |x, _| if x > T::zero() { x } else { T::zero() });
 }
 
+/// max(a + b, 0), the sum rounded to T first, as `add` then `relu` would.
+pub fn add_relu<T: Float>(a: &[T], b: &[T], y: &mut [T]) {
+    zip(a, b, y, |a, b| {
+        let s = a + b;
+        if s > T::zero() {
+            s
+        } else {
+            T::zero()
+        }
+    });
+}
+
 pub fn relu_backward<T: Float>(y: &[T], dy: &[T], dx: &mut [T]) {
     zip(
         y,

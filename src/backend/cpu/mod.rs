@@ -688,6 +688,11 @@ impl Backend for Cpu {
         Ok(())
     }
 
+    fn add_relu(&self, a: &Storage, b: &Storage, y: &mut Storage) -> Result<()> {
+        compute!(a.dtype(), T, [a, b], [y] => elementwise::add_relu(a, b, y));
+        Ok(())
+    }
+
     fn add_assign(&self, y: &mut Storage, x: &Storage) -> Result<()> {
         compute!(x.dtype(), T, [x], [y] => elementwise::add_assign::<T>(y, x));
         Ok(())

@@ -1164,6 +1164,11 @@ impl Backend for Cuda {
         launch!(self, t.kernel("add"), self.grid_1d(a.len()); t.arg(a)?, t.arg(b)?, t.arg_mut(y)?, &n)
     }
 
+    fn add_relu(&self, a: &Storage, b: &Storage, y: &mut Storage) -> Result<()> {
+        let (t, n) = (Ty::of(a)?, a.len() as i64);
+        launch!(self, t.kernel("add_relu"), self.grid_1d(a.len()); t.arg(a)?, t.arg(b)?, t.arg_mut(y)?, &n)
+    }
+
     fn add_assign(&self, y: &mut Storage, x: &Storage) -> Result<()> {
         let (t, n) = (Ty::of(x)?, x.len() as i64);
         launch!(self, t.kernel("add_assign"), self.grid_1d(x.len()); t.arg_mut(y)?, t.arg(x)?, &n)
