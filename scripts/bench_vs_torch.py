@@ -13,10 +13,11 @@ with it; run it from the repository root after `cargo build --release`.)
 Same model (scripts/torch_reference.py rebuilds gems's models and checks their parameter
 counts), same sizes, f32, SGD momentum 0.9 with weight decay 5e-4, softmax cross-entropy,
 synthetic data, the same threads (gems `--threads T`, torch.set_num_threads(T)). Every
-measurement runs in its own process, the runs alternating (gems, eager, compile, gems, ...) so
-a change of load on a shared machine hits all of them alike; a step time is the median of
-the timed steps after warm-up, and the table shows the median over rounds. Peak memory is
-each process's peak resident set (getrusage of that child).
+measurement runs in its own process, the runs alternating (gems, eager, compile, then eager,
+gems, ...: each round starts one runner later) so a change of load on a shared machine hits
+all of them alike; a step time is the median of the timed steps after warm-up, and the table
+shows the median over rounds. Peak memory is each process's peak resident set (getrusage of
+that child).
 """
 
 import argparse
@@ -97,12 +98,15 @@ def torch_worker(a):
 
 def rounds_of(runners, rounds, once=()):
     """{name: (median step s, max peak RSS)} over `rounds` alternating rounds of `runners`
-    (those named in `once` only in the first: torch.compile spends minutes compiling)."""
+    (those named in `once` only in the first: torch.compile spends minutes compiling). Each
+    round starts one runner later than the one before, so no runner always runs first or
+    always follows the same one (the first run after another model's has been the slowest,
+    by up to a fifth for the same binary)."""
     got = {name: ([], []) for name, _ in runners}
     for i in range(rounds):
-        for name, run in runners:
-            if i > 0 and name in once:
-                continue
+        this_round = [(n, r) for n, r in runners if i == 0 or n not in once]
+        shift = i % len(this_round)
+        for name, run in this_round[shift:] + this_round[:shift]:
             try:
                 s, rss = run()
             except RuntimeError as e:
