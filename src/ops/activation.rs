@@ -34,12 +34,7 @@ impl Operator for Relu {
         _params: &[Tensor],
         _grads: &mut [Tensor],
     ) -> Result<Vec<Option<Tensor>>> {
-        let y = &b.saved.0[0];
-        let mut dx = ctx.output(y.shape().clone(), y)?;
-        ctx.device
-            .backend()
-            .relu_backward(y.storage(), b.dy.storage(), dx.storage_mut()?)?;
-        Ok(vec![Some(dx)])
+        Ok(vec![Some(relu_grad(ctx, &b.saved.0[0], &b.dy)?)])
     }
 
     fn flops(&self, _inputs: &[&Shape], output: &Shape) -> u64 {
@@ -56,4 +51,14 @@ impl Operator for Relu {
             ..Default::default()
         }
     }
+}
+
+/// The gradient before a ReLU, from its output `y` and the gradient `dy` after it (also the
+/// backward of [`super::elementwise::Add`] with its ReLU fused).
+pub(super) fn relu_grad(ctx: &Ctx, y: &Tensor, dy: &Tensor) -> Result<Tensor> {
+    let mut dx = ctx.output(y.shape().clone(), y)?;
+    ctx.device
+        .backend()
+        .relu_backward(y.storage(), dy.storage(), dx.storage_mut()?)?;
+    Ok(dx)
 }

@@ -1,6 +1,7 @@
 //! Element-wise sum of two tensors of one shape (residual connections), optionally with the
 //! ReLU after it fused: one pass over memory instead of two, and the sum never stored.
 
+use super::activation::relu_grad;
 use super::{Backward, Ctx, Operator, Saved, SavesFor};
 use crate::tensor::{Shape, Tensor};
 use crate::Result;
@@ -50,12 +51,7 @@ impl Operator for Add {
         _grads: &mut [Tensor],
     ) -> Result<Vec<Option<Tensor>>> {
         let ds = if self.relu {
-            let y = &b.saved.0[0];
-            let mut ds = ctx.output(y.shape().clone(), y)?;
-            ctx.device
-                .backend()
-                .relu_backward(y.storage(), b.dy.storage(), ds.storage_mut()?)?;
-            ds
+            relu_grad(ctx, &b.saved.0[0], &b.dy)?
         } else {
             b.dy
         };

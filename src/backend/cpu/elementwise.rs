@@ -27,20 +27,23 @@ pub fn zip<T: Float>(a: &[T], b: &[T], y: &mut [T], f: impl Fn(T, T) -> T + Sync
         .for_each(|(y, (a, b))| block(y, a, b));
 }
 
+/// max(x, 0), NaN and -0 to +0.
+#[inline(always)]
+fn relu_of<T: Float>(x: T) -> T {
+    if x > T::zero() {
+        x
+    } else {
+        T::zero()
+    }
+}
+
 pub fn relu<T: Float>(x: &[T], y: &mut [T]) {
-    zip(x, x, y, |x, _| if x > T::zero() { x } else { T::zero() });
+    zip(x, x, y, |x, _| relu_of(x));
 }
 
 /// max(a + b, 0), the sum rounded to T first, as `add` then `relu` would.
 pub fn add_relu<T: Float>(a: &[T], b: &[T], y: &mut [T]) {
-    zip(a, b, y, |a, b| {
-        let s = a + b;
-        if s > T::zero() {
-            s
-        } else {
-            T::zero()
-        }
-    });
+    zip(a, b, y, |a, b| relu_of(a + b));
 }
 
 pub fn relu_backward<T: Float>(y: &[T], dy: &[T], dx: &mut [T]) {
