@@ -11,6 +11,7 @@ use gems::ops::{batched, loss};
 use gems::optim::schedule::{Decay, LrSchedule};
 use gems::optim::{Sgd, SgdConfig};
 use gems::plan::{RunConfig, TrainConfig};
+use gems::schemes::schedule::{self, Pass};
 use gems::schemes::{Kind, Order, Scheme};
 use gems::{models, DType, Device, Evaluation, Session};
 
@@ -75,7 +76,12 @@ fn run(g: &Graph, scheme: Scheme, batch: usize, dtype: DType, lr: f64) -> Run {
 }
 
 fn run_with(g: &Graph, scheme: Scheme, config: TrainConfig) -> Run {
-    let mut s = session(g, RunConfig::new(config, scheme));
+    run_config(g, RunConfig::new(config, scheme))
+}
+
+fn run_config(g: &Graph, c: RunConfig) -> Run {
+    let scheme = c.scheme;
+    let mut s = session(g, c);
     let losses = (0..STEPS)
         .map(|_| s.step().unwrap_or_else(|e| panic!("{scheme:?}: {e}")).loss)
         .collect();
@@ -109,9 +115,15 @@ fn check(model: &Graph, s: Scheme, batch: usize) {
 
 /// [`check`] with base learning rate `lr`.
 fn check_at(model: &Graph, s: Scheme, batch: usize, lr: f64) {
+    check_run(model, RunConfig::new(train(batch, DType::F64, lr), s), lr)
+}
+
+/// [`check`] of the run `c` (f64, base learning rate `lr`), whose tasks may be the caller's.
+fn check_run(model: &Graph, c: RunConfig, lr: f64) {
+    let (s, batch) = (c.scheme, c.train.batch_size);
     let name = &model.name;
     let (want, want_losses) = reference(model, &s, batch, DType::F64, lr);
-    let got = run(model, s, batch, DType::F64, lr);
+    let got = run_config(model, c);
     let mut seen: HashMap<usize, &Vec<f64>> = HashMap::new();
     for (rank, params) in got.params.iter().enumerate() {
         for (_, id, v) in params {
@@ -168,6 +180,46 @@ fn every_scheme(name: &str) {
     check(model, Scheme::new(Kind::Mp, 2, 2, 1, 2, Order::OneFOneB), 2);
     check(model, Scheme::new(Kind::Mast, 2, 1, 2, 2, Order::GPipe), 2);
     check(model, Scheme::new(Kind::Dp, 1, 1, 1, 2, Order::GPipe), 2);
+}
+
+/// The zero-bubble order and hand-written schedules on `model` (P stages, m micro-batches):
+/// B and W as separate tasks, with and without data parallelism.
+fn split_backward(name: &str, p: usize, m: usize) {
+    let model = &self::model(name, 4);
+    check(model, Scheme::new(Kind::Mp, p, m, 1, 1, Order::ZbH1), m);
+    check(model, Scheme::new(Kind::Mp, p, m, 1, 2, Order::ZbH1), m);
+    check(model, Scheme::new(Kind::Dp, 1, m, 1, 2, Order::ZbH1), m);
+    // 1F1B with every W deferred to the end of the step: a schedule written by hand.
+    let scheme = Scheme::new(Kind::Mp, p, m, 1, 1, Order::OneFOneB);
+    let mut c = RunConfig::new(train(m, DType::F64, LR), scheme);
+    let one_f = gems::plan::Layout::new(model, &c)
+        .unwrap()
+        .schedule
+        .schedule(&scheme);
+    let mut deferred = one_f;
+    for tasks in &mut deferred.ranks {
+        let ws: Vec<schedule::Task> = (tasks.iter())
+            .filter(|t| t.pass == Pass::Backward)
+            .map(|t| schedule::Task::weight(t.stage, t.micro))
+            .collect();
+        for t in tasks.iter_mut().filter(|t| t.pass == Pass::Backward) {
+            t.pass = Pass::Input;
+        }
+        tasks.extend(ws);
+    }
+    c.schedule = Some(std::sync::Arc::new(deferred));
+    check_run(model, c, LR);
+}
+
+#[test]
+fn zero_bubble_and_hand_written_schedules_match_single_on_resnet110v2() {
+    split_backward("resnet110v2", 4, 4);
+}
+
+#[test]
+fn zero_bubble_and_hand_written_schedules_match_single_on_unet() {
+    // Skip connections from the first stage to the last cross every boundary between them.
+    split_backward("unet_d3_w4", 3, 3);
 }
 
 #[test]
@@ -343,7 +395,7 @@ fn hand_rolled(g: &Graph, c: &TrainConfig, steps: usize) -> (Vec<f64>, Vec<Vec<f
             let grad = ce.backward(&device, out.weight, c.activations()).unwrap();
             seeds.push((out.value, grad));
         }
-        graph::backward(g, &mut params, &device, tape, seeds, &[], None).unwrap();
+        graph::backward(g, &mut params, &device, tape, seeds, &[], None, false).unwrap();
         sgd.step(&mut params, &device, c.schedule.lr(step), 1.0)
             .unwrap();
         losses.push(total);

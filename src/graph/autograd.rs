@@ -496,8 +496,35 @@ fn recompute(
     Ok(())
 }
 
+/// The parameter gradients a split backward left for its weight pass: each node whose op
+/// [splits its backward](crate::ops::Operator::splits_weights), with what that pass reads
+/// again (what forward saved, and the gradient of the node's output), held until then.
+#[derive(Default)]
+pub struct WeightWork {
+    nodes: Vec<WeightNode>,
+}
+
+struct WeightNode {
+    id: usize,
+    saved: Saved,
+    dy: Tensor,
+    inputs: Vec<Shape>,
+    seed: u64,
+}
+
+impl WeightWork {
+    /// Whether nothing was left for the weight pass.
+    pub fn is_empty(&self) -> bool {
+        self.nodes.is_empty()
+    }
+}
+
 /// Back-propagates `seeds` (gradients of values the forward produced) through the tape,
-/// adding parameter gradients into `params.grads`; returns the gradients of `want`.
+/// adding parameter gradients into `params.grads`; returns the gradients of `want`. With
+/// `split`, nodes whose op splits its backward compute only their input gradients here and
+/// leave their parameter gradients to [`weight_gradients`] (zero-bubble schedules run that
+/// later); a node that ran on tiles computes both here.
+#[allow(clippy::too_many_arguments)]
 pub fn backward(
     graph: &Graph,
     params: &mut Params,
@@ -506,7 +533,9 @@ pub fn backward(
     seeds: Vec<(ValueId, Tensor)>,
     want: &[ValueId],
     tiles: Option<&Tiles>,
-) -> Result<Vec<Option<Tensor>>> {
+    split: bool,
+) -> Result<(Vec<Option<Tensor>>, WeightWork)> {
+    let mut work = WeightWork::default();
     let mut grads: Vec<Option<Tensor>> = vec![None; graph.values.len()];
     for (v, g) in seeds {
         accumulate(device, &mut grads[v], g)?;
@@ -568,11 +597,22 @@ pub fn backward(
             let s = &graph.values[node.output].shape;
             dy = tiles::all_gather(&ctx, t, &dy, (s.dim(1), s.dim(2)))?;
         }
+        let defer = split && run == Run::Plain && node.op.get().splits_weights();
+        if defer && !trainable.is_empty() {
+            work.nodes.push(WeightNode {
+                id,
+                saved: Saved(saved.0.clone()),
+                dy: dy.clone(),
+                inputs: tape.input_shapes[i].clone(),
+                seed: ctx.seed,
+            });
+        }
         let b = Backward {
             saved,
             dy,
             inputs: &tape.input_shapes[i],
             need: &need,
+            weights: !defer,
         };
         let result = node.op.get().backward(
             &ctx,
@@ -595,5 +635,53 @@ pub fn backward(
         }
     }
     device.settle()?;
-    Ok(want.iter().map(|&v| grads[v].take()).collect())
+    Ok((want.iter().map(|&v| grads[v].take()).collect(), work))
+}
+
+/// Adds the parameter gradients a split [`backward`] left in `work` into `params.grads`,
+/// freeing what each node held for it.
+pub fn weight_gradients(
+    graph: &Graph,
+    params: &mut Params,
+    device: &Device,
+    work: WeightWork,
+) -> Result<()> {
+    for w in work.nodes {
+        let node = &graph.nodes[w.id];
+        let trainable: Vec<usize> = node
+            .params
+            .clone()
+            .filter(|&p| params.grads[p - params.first].is_some())
+            .collect();
+        let mut pgrads: Vec<Tensor> = trainable
+            .iter()
+            .map(|&p| params.grads[p - params.first].take().expect("trainable"))
+            .collect();
+        let ctx = Ctx {
+            device,
+            training: true,
+            seed: w.seed,
+            tiles: None,
+        };
+        let need = vec![false; node.inputs.len()];
+        let b = Backward {
+            saved: w.saved,
+            dy: w.dy,
+            inputs: &w.inputs,
+            need: &need,
+            weights: true,
+        };
+        let result = node.op.get().backward(
+            &ctx,
+            b,
+            &params.values[params.local(&node.params)],
+            &mut pgrads,
+        );
+        for (&p, g) in trainable.iter().zip(pgrads) {
+            params.grads[p - params.first] = Some(g);
+        }
+        result?;
+    }
+    device.settle()?;
+    Ok(())
 }

@@ -8,7 +8,10 @@ pub mod policy;
 
 use std::fmt::Write;
 
-pub use autograd::{backward, commit_running, forward, runs_on_tiles, Params, RunningUpdate, Tape};
+pub use autograd::{
+    backward, commit_running, forward, runs_on_tiles, weight_gradients, Params, RunningUpdate,
+    Tape, WeightWork,
+};
 pub use builder::GraphBuilder;
 
 use crate::ops::{Op, ParamSpec};

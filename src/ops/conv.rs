@@ -320,20 +320,22 @@ impl Operator for Conv2d {
                 None => dx = Some(d),
             }
         }
-        be.conv2d_backward_filter(
-            x.storage(),
-            dy.storage(),
-            grads[0].storage_mut()?,
-            ws.storage_mut()?,
-            &g,
-        )?;
-        if self.bias {
-            let cg = ChannelGeom {
-                n: g.n,
-                c: g.c_out,
-                hw: g.h_out * g.w_out,
-            };
-            be.channel_sum(dy.storage(), grads[1].storage_mut()?, &cg)?;
+        if b.weights {
+            be.conv2d_backward_filter(
+                x.storage(),
+                dy.storage(),
+                grads[0].storage_mut()?,
+                ws.storage_mut()?,
+                &g,
+            )?;
+            if self.bias {
+                let cg = ChannelGeom {
+                    n: g.n,
+                    c: g.c_out,
+                    hw: g.h_out * g.w_out,
+                };
+                be.channel_sum(dy.storage(), grads[1].storage_mut()?, &cg)?;
+            }
         }
         drop((ws, x));
         if let (Some(r), Some((t, _, needs))) = (returning, &tiled) {
@@ -350,6 +352,10 @@ impl Operator for Conv2d {
 
     fn on_tiles(&self) -> TileRule {
         TileRule::Tiled
+    }
+
+    fn splits_weights(&self) -> bool {
+        true
     }
 
     fn saves(&self, _inputs: &[&Shape]) -> SavesFor {
@@ -527,21 +533,23 @@ impl Operator for ConvTranspose2d {
         let g = self.geom(x.shape())?;
         let be = ctx.device.backend();
         let mut ws = ctx.workspace(be.conv2d_workspace(&g), x.dtype().compute())?;
-        // The adjoint's weight gradient: its input is dy, its output gradient x.
-        be.conv2d_backward_filter(
-            dy.storage(),
-            x.storage(),
-            grads[0].storage_mut()?,
-            ws.storage_mut()?,
-            &g,
-        )?;
-        if self.bias {
-            let cg = ChannelGeom {
-                n: g.n,
-                c: g.c_in,
-                hw: g.h * g.w,
-            };
-            be.channel_sum(dy.storage(), grads[1].storage_mut()?, &cg)?;
+        if b.weights {
+            // The adjoint's weight gradient: its input is dy, its output gradient x.
+            be.conv2d_backward_filter(
+                dy.storage(),
+                x.storage(),
+                grads[0].storage_mut()?,
+                ws.storage_mut()?,
+                &g,
+            )?;
+            if self.bias {
+                let cg = ChannelGeom {
+                    n: g.n,
+                    c: g.c_in,
+                    hw: g.h * g.w,
+                };
+                be.channel_sum(dy.storage(), grads[1].storage_mut()?, &cg)?;
+            }
         }
         let dx = if b.need[0] {
             let mut dx = ctx.output(b.inputs[0].clone(), x)?;
@@ -563,6 +571,10 @@ impl Operator for ConvTranspose2d {
         let c_out = self.c_out / self.groups;
         let macs = inputs[0].numel() * c_out * self.kernel.0 * self.kernel.1;
         2 * macs as u64 + if self.bias { output.numel() as u64 } else { 0 }
+    }
+
+    fn splits_weights(&self) -> bool {
+        true
     }
 
     fn saves(&self, _inputs: &[&Shape]) -> SavesFor {

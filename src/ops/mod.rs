@@ -73,6 +73,10 @@ pub struct Backward<'a> {
     pub inputs: &'a [Shape],
     /// Which inputs want a gradient.
     pub need: &'a [bool],
+    /// Whether to add the parameters' gradients into `grads`. Only an op that
+    /// [splits its backward](Operator::splits_weights) is ever told `false`; its weight pass
+    /// then comes as a second call with `need` all false.
+    pub weights: bool,
 }
 
 /// Everything forward and backward need besides tensors.
@@ -140,6 +144,12 @@ pub trait Operator {
     /// How it runs on tiles of split samples (see [`tiles`]); by default on whole inputs.
     fn on_tiles(&self) -> tiles::TileRule {
         tiles::TileRule::Whole
+    }
+    /// Whether backward computes its input gradients and its parameter gradients as separable
+    /// passes (see [`Backward::weights`]), so a zero-bubble schedule can run the second later.
+    /// An op that says no computes both in its input pass.
+    fn splits_weights(&self) -> bool {
+        false
     }
 }
 

@@ -8,7 +8,7 @@ use std::time::Instant;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
-use super::cost::NodeCosts;
+use super::cost::{weight_share, NodeCosts};
 use crate::graph::Graph;
 use crate::memory::Category;
 use crate::ops::{batched, Backward, Ctx};
@@ -42,11 +42,12 @@ pub struct Calibration {
 }
 
 impl Calibration {
-    /// The measured times as the planner's node costs.
-    pub fn costs(&self) -> NodeCosts {
+    /// The measured times as the planner's node costs for `g` (the graph measured).
+    pub fn costs(&self, g: &Graph) -> NodeCosts {
         NodeCosts {
             forward: self.forward.clone(),
             backward: self.backward.clone(),
+            weight: weight_share(g, &self.backward),
             data: self.data,
         }
     }
@@ -194,6 +195,7 @@ pub fn calibrate(
                     dy: dy.clone(),
                     inputs: &shapes,
                     need: &need,
+                    weights: true,
                 },
                 &params,
                 &mut grads,

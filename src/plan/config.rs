@@ -11,6 +11,7 @@ use crate::graph::policy::SavePolicy;
 use crate::optim::schedule::{Decay, LrSchedule};
 use crate::optim::{LossScale, SgdConfig};
 use crate::plan::calibrate::Calibration;
+use crate::schemes::schedule::{self, Schedule, StageCosts, Timeline};
 use crate::schemes::Scheme;
 use crate::tensor::{DType, Precision};
 use crate::{Error, Result};
@@ -164,6 +165,9 @@ pub struct RunConfig {
     pub metered: bool,
     /// Measured node costs to balance and schedule with (the analytical CPU model otherwise).
     pub calibration: Option<Arc<Calibration>>,
+    /// The tasks each rank runs, where the caller writes them; the scheme's order builds them
+    /// otherwise.
+    pub schedule: Option<Arc<Schedule>>,
 }
 
 impl RunConfig {
@@ -177,6 +181,19 @@ impl RunConfig {
             max_in_flight: None,
             metered: false,
             calibration: None,
+            schedule: None,
+        }
+    }
+
+    /// The run's tasks with their times under `costs`: its own schedule, checked and replayed,
+    /// or the one its order builds.
+    pub fn timeline(&self, costs: &StageCosts) -> Result<Timeline> {
+        match &self.schedule {
+            Some(s) => {
+                s.validate(&self.scheme)?;
+                schedule::time(&self.scheme, costs, s)
+            }
+            None => schedule::build(&self.scheme, costs, self.max_in_flight),
         }
     }
 

@@ -49,6 +49,8 @@ pub struct NodeCosts {
     pub forward: Vec<f64>,
     /// Backward seconds of each node for one micro-batch.
     pub backward: Vec<f64>,
+    /// Seconds of each node's backward a split backward leaves to its weight pass (W).
+    pub weight: Vec<f64>,
     /// Seconds stage 0 spends making a micro-batch's images (0 in the analytical model).
     pub data: f64,
 }
@@ -57,9 +59,11 @@ impl NodeCosts {
     /// The analytical model: backward is two thirds of a node's forward + backward.
     pub fn analytic(g: &Graph, batch: usize, dtype: DType, p: &DeviceProfile) -> NodeCosts {
         let total = node_costs(g, batch, dtype, p);
+        let backward: Vec<f64> = total.iter().map(|t| 2.0 * t / 3.0).collect();
         NodeCosts {
             forward: total.iter().map(|t| t / 3.0).collect(),
-            backward: total.iter().map(|t| 2.0 * t / 3.0).collect(),
+            weight: weight_share(g, &backward),
+            backward,
             data: 0.0,
         }
     }
@@ -75,12 +79,31 @@ impl NodeCosts {
 
     /// Forward and backward seconds of each node range.
     pub fn stages(&self, stages: &[std::ops::Range<usize>]) -> (Vec<f64>, Vec<f64>) {
-        let sum = |v: &[f64], r: &std::ops::Range<usize>| v[r.clone()].iter().sum::<f64>();
         (
-            stages.iter().map(|r| sum(&self.forward, r)).collect(),
-            stages.iter().map(|r| sum(&self.backward, r)).collect(),
+            sum_over(&self.forward, stages),
+            sum_over(&self.backward, stages),
         )
     }
+}
+
+/// The sums of `v` over each range of `stages`.
+fn sum_over(v: &[f64], stages: &[Range<usize>]) -> Vec<f64> {
+    stages.iter().map(|r| v[r.clone()].iter().sum()).collect()
+}
+
+/// Seconds of each node's `backward` its weight pass takes: half for an op that splits its
+/// backward (a convolution's filter gradient costs about what its data gradient does), none
+/// for the others.
+pub fn weight_share(g: &Graph, backward: &[f64]) -> Vec<f64> {
+    (g.nodes.iter().zip(backward))
+        .map(|(n, b)| {
+            if n.op.get().splits_weights() {
+                b / 2.0
+            } else {
+                0.0
+            }
+        })
+        .collect()
 }
 
 impl NodeCosts {
@@ -91,6 +114,7 @@ impl NodeCosts {
         StageCosts {
             forward,
             backward,
+            weight: sum_over(&self.weight, stages),
             transfer: vec![0.0; stages.len()],
         }
     }
@@ -247,6 +271,9 @@ impl TileCosts {
             backward: (whole.backward.iter().enumerate())
                 .map(|(i, &t)| share(i, t) + exchange.halo[i] + exchange.backward_sums[i])
                 .collect(),
+            weight: (whole.weight.iter().enumerate())
+                .map(|(i, &t)| share(i, t))
+                .collect(),
             data: whole.data,
         };
         TileCosts {
@@ -277,6 +304,7 @@ impl TileCosts {
         StageCosts {
             forward: pick(&one.forward, &tiled.forward),
             backward: pick(&one.backward, &tiled.backward),
+            weight: pick(&one.weight, &tiled.weight),
             transfer: one.transfer,
         }
     }

@@ -26,7 +26,7 @@ use crate::graph::Graph;
 use crate::memory::Category;
 use crate::ops::{batched, Backward, Ctx};
 use crate::plan::partition::MAX_CUT_VALUES;
-use crate::schemes::schedule::{Pass, Schedule};
+use crate::schemes::schedule::{Pass, Timeline};
 use crate::schemes::Scheme;
 use crate::tensor::DType;
 use crate::tensor::Device;
@@ -459,6 +459,7 @@ fn op_allocations(
                     dy,
                     inputs: &shapes,
                     need: &need,
+                    weights: true,
                 },
                 &params,
                 &mut grads,
@@ -497,7 +498,7 @@ impl Moment {
 }
 
 /// For every rank, the moments of its task list that no other moment covers.
-pub fn moments(schedule: &Schedule) -> Vec<Vec<Moment>> {
+pub fn moments(schedule: &Timeline) -> Vec<Vec<Moment>> {
     schedule
         .ranks
         .iter()
@@ -507,7 +508,7 @@ pub fn moments(schedule: &Schedule) -> Vec<Vec<Moment>> {
             let mut all = Vec::new();
             for t in tasks {
                 let c = t.task.replica % 2;
-                let backward = t.task.pass == Pass::Backward;
+                let backward = t.task.pass != Pass::Forward;
                 if !backward {
                     held[c] += 1;
                     forwarded[c] += 1;
@@ -518,7 +519,8 @@ pub fn moments(schedule: &Schedule) -> Vec<Vec<Moment>> {
                     running: c,
                     backward,
                 });
-                if backward {
+                // A B leaves what its W reads held (counted whole: an upper bound).
+                if matches!(t.task.pass, Pass::Backward | Pass::Weight) {
                     held[c] -= 1;
                 }
             }

@@ -8,7 +8,7 @@ use crate::graph::{Graph, Output, ValueId};
 use crate::plan::config::RunConfig;
 use crate::plan::cost::{DeviceProfile, Link, NodeCosts, TileCosts};
 use crate::plan::partition::{self, Partition};
-use crate::schemes::schedule::{self, Schedule};
+use crate::schemes::schedule::Timeline;
 use crate::tensor::DType;
 use crate::{Error, Result};
 
@@ -31,8 +31,8 @@ pub struct Layout {
     pub tiles: TileCosts,
     /// Seconds of one optimizer step over the whole model (0 without a calibration).
     pub optimizer: f64,
-    /// Each rank's tasks for one step.
-    pub schedule: Schedule,
+    /// Each rank's tasks for one step, with their predicted times.
+    pub schedule: Timeline,
 }
 
 impl Layout {
@@ -79,7 +79,7 @@ impl Layout {
                     micro,
                     t.activations(),
                 )?;
-                cal.costs()
+                cal.costs(&graph)
             }
             None => NodeCosts::analytic(&graph, micro, t.activations(), &DeviceProfile::CPU),
         };
@@ -133,11 +133,7 @@ impl Layout {
                     .collect()
             })
             .collect();
-        let schedule = schedule::build(
-            &c.scheme,
-            &tiles.stage_costs(&costs, stages),
-            c.max_in_flight,
-        )?;
+        let schedule = c.timeline(&tiles.stage_costs(&costs, stages))?;
         Ok(Layout {
             graph,
             partition,

@@ -9,7 +9,6 @@ use crate::plan::cost::{NodeCosts, TileCosts};
 use crate::plan::footprint::{self, Footprint, StageMemory};
 use crate::plan::layout::Layout;
 use crate::plan::partition::{self, Cost, Limit, Partition, Shortfall};
-use crate::schemes::schedule;
 use crate::Result;
 
 /// Splits tried one by one, each with its own schedule, when there are no more than this.
@@ -36,7 +35,7 @@ pub fn split(c: &RunConfig, g: &Graph, costs: &NodeCosts, tiles: &TileCosts) -> 
     };
     let moments_of = |part: &Partition| -> Result<_> {
         let stage_costs = tiles.stage_costs(costs, &part.stages);
-        let s = schedule::build(&c.scheme, &stage_costs, c.max_in_flight)?;
+        let s = c.timeline(&stage_costs)?;
         Ok(footprint::moments(&s))
     };
     let fits = |part: &Partition, moments: &[Vec<footprint::Moment>]| {

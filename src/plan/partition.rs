@@ -811,6 +811,7 @@ mod tests {
             let costs = StageCosts {
                 forward: (0..p).map(|_| rng.random_range(0.5..2.0)).collect(),
                 backward: (0..p).map(|_| rng.random_range(1.0..4.0)).collect(),
+                weight: vec![0.0; p],
                 transfer: vec![0.0; p],
             };
             let moments = footprint::moments(&schedule::build(&scheme, &costs, bound).unwrap());

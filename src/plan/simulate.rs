@@ -11,7 +11,6 @@ use std::str::FromStr;
 use super::cost::{DeviceProfile, Link, NodeCosts, TileCosts};
 use crate::graph::Graph;
 use crate::plan::{Layout, RunConfig};
-use crate::schemes::schedule;
 use crate::{Error, Result};
 
 /// A machine to simulate: its GPUs and how they are connected.
@@ -144,7 +143,7 @@ pub fn step(c: &RunConfig, layout: &Layout, profile: &Profile, groups: usize) ->
             *t = profile.link(node_of(st) == node_of(st + 1)).send(1, bytes);
         }
     }
-    let schedule = schedule::build(s, &sc, c.max_in_flight)?;
+    let schedule = c.timeline(&sc)?;
     let gpus = groups * s.group_size();
     let link = profile.link(gpus <= profile.gpus_per_node);
     // A stage's gradients are summed over its tiles too.

@@ -50,15 +50,17 @@ pub fn svg(title: &str, tasks: &[Vec<Timed>], held: &[Vec<(f64, u64)>]) -> Strin
         );
         for t in list {
             let (f, b) = COLOURS[t.task.replica % COLOURS.len()];
-            let (fill, letter) = if t.task.pass == Pass::Forward {
-                (f, "F")
-            } else {
-                (b, "B")
+            // Forward light, backward dark, a weight pass (W) dark and faded.
+            let (fill, opacity) = match t.task.pass {
+                Pass::Forward => (f, 1.0),
+                Pass::Backward | Pass::Input => (b, 1.0),
+                Pass::Weight => (b, 0.45),
             };
+            let letter = t.task.pass.code();
             let w = (x(t.end) - x(t.start)).max(0.5);
             let _ = writeln!(
                 s,
-                r#"<rect class="task" x="{:.2}" y="{y}" width="{w:.2}" height="{row}" fill="{fill}" stroke="white" stroke-width="0.5"><title>{letter} replica {} stage {} micro-batch {}: {:.4}–{:.4} s</title></rect>"#,
+                r#"<rect class="task" x="{:.2}" y="{y}" width="{w:.2}" height="{row}" fill="{fill}" fill-opacity="{opacity}" stroke="white" stroke-width="0.5"><title>{letter} replica {} stage {} micro-batch {}: {:.4}–{:.4} s</title></rect>"#,
                 x(t.start),
                 t.task.replica,
                 t.task.stage,
@@ -131,7 +133,8 @@ pub fn held(tasks: &[Vec<Timed>], stage_bytes: &[u64]) -> Vec<Vec<(f64, u64)>> {
                     let b = stage_bytes[t.task.stage];
                     now = match t.task.pass {
                         Pass::Forward => now + b,
-                        Pass::Backward => now.saturating_sub(b),
+                        Pass::Backward | Pass::Weight => now.saturating_sub(b),
+                        Pass::Input => now,
                     };
                     (t.end, now)
                 })

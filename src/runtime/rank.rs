@@ -20,7 +20,7 @@ use crate::comm::{self, Comm, Message};
 use crate::core::rng::splitmix64;
 use crate::data::loader::Loader;
 use crate::data::{Pipeline, UNLABELLED};
-use crate::graph::{self, Params, RunningUpdate, Tape, ValueId};
+use crate::graph::{self, Params, RunningUpdate, Tape, ValueId, WeightWork};
 use crate::memory::{Category, MemoryStats};
 use crate::ops::tiles::{self, Tiles};
 use crate::ops::{batched, loss};
@@ -107,7 +107,10 @@ pub(crate) struct Rank {
     data: Option<Arc<Pipeline>>,
     /// Prepares this rank's stage-0 micro-batches in the order its tasks take them.
     loader: Option<Loader>,
-    pending: HashMap<(usize, usize), Pending>,
+    /// Forwards waiting for their backward, by (replica, stage, micro-batch).
+    pending: HashMap<(usize, usize, usize), Pending>,
+    /// Split backwards (B) waiting for their weight pass (W), by the same key.
+    weights: HashMap<(usize, usize, usize), WeightWork>,
     /// fp16's dynamic loss scale (the same on every rank: they skip steps together).
     loss_scale: Option<LossScale>,
     /// Steps done, and the position in the data's epoch order of the next step's first image.
@@ -252,6 +255,7 @@ impl Rank {
             data,
             loader: None,
             pending: HashMap::new(),
+            weights: HashMap::new(),
             loss_scale,
             step: 0,
             position: 0,
@@ -337,7 +341,9 @@ impl Rank {
         for t in tasks {
             let computing = match t.pass {
                 Pass::Forward => self.forward(t)?,
-                Pass::Backward => self.backward(t)?,
+                Pass::Backward => self.backward(t, false)?,
+                Pass::Input => self.backward(t, true)?,
+                Pass::Weight => self.weight(t)?,
             };
             timeline.push(Timed {
                 task: t,
@@ -569,7 +575,7 @@ impl Rank {
         self.current.busy += start.elapsed().as_secs_f64();
         self.send(t, t.micro, &outs[..n_out])?;
         self.pending
-            .insert((t.replica, t.micro), Pending { tape, seeds });
+            .insert((t.replica, t.stage, t.micro), Pending { tape, seeds });
         Ok(start)
     }
 
@@ -870,14 +876,16 @@ impl Rank {
         Ok(Tally::from_vec(&sum, classes).finish(data.classes(), samples, per_pixel))
     }
 
-    /// Runs a backward task; returns when its computation started.
-    fn backward(&mut self, t: Task) -> Result<Instant> {
+    /// Runs a backward task (BW, or with `split` a B that leaves its weight gradients to a
+    /// W); returns when its computation started.
+    fn backward(&mut self, t: Task, split: bool) -> Result<Instant> {
         let (c, layout) = (Arc::clone(&self.c), Arc::clone(&self.layout));
         let s = &c.scheme;
+        let key = (t.replica, t.stage, t.micro);
         let Pending { tape, mut seeds } = self
             .pending
-            .remove(&(t.replica, t.micro))
-            .ok_or_else(|| Error::Internal(format!("backward before forward: {t:?}")))?;
+            .remove(&key)
+            .ok_or_else(|| Error::Internal(format!("{t} before its F")))?;
         if t.stage + 1 < s.stages {
             let from = s.place(t.replica, t.stage + 1);
             for (vi, &v) in layout.outputs[t.stage].iter().enumerate() {
@@ -894,7 +902,7 @@ impl Rank {
             &[]
         };
         let copy = &mut self.copies[t.replica % 2];
-        let grads = graph::backward(
+        let (grads, work) = graph::backward(
             &layout.graph,
             &mut copy.params,
             &self.device,
@@ -902,7 +910,11 @@ impl Rank {
             seeds,
             want,
             self.tiles.as_ref(),
+            split,
         )?;
+        if split {
+            self.weights.insert(key, work);
+        }
         self.device.backend().synchronize()?;
         self.current.busy += start.elapsed().as_secs_f64();
         if t.stage > 0 {
@@ -915,9 +927,28 @@ impl Rank {
         Ok(start)
     }
 
+    /// Runs a W task: the weight gradients its B left; returns when it started.
+    fn weight(&mut self, t: Task) -> Result<Instant> {
+        let work = self
+            .weights
+            .remove(&(t.replica, t.stage, t.micro))
+            .ok_or_else(|| Error::Internal(format!("{t} before its B")))?;
+        let start = Instant::now();
+        let copy = &mut self.copies[t.replica % 2];
+        graph::weight_gradients(&self.layout.graph, &mut copy.params, &self.device, work)?;
+        self.device.backend().synchronize()?;
+        self.current.busy += start.elapsed().as_secs_f64();
+        Ok(start)
+    }
+
     /// Sums each stage's gradients over its copies, commits BN statistics in reference order,
     /// and steps the optimizer.
     fn synchronize(&mut self) -> Result<()> {
+        if !self.pending.is_empty() || !self.weights.is_empty() {
+            return Err(Error::Internal(
+                "the step ended with passes left undone (a schedule without every backward)".into(),
+            ));
+        }
         // A non-finite loss or gradient anywhere: fp16 skips the step (below); any other run
         // stops here, before a statistic or a weight changes.
         let mut here = !self.current.loss.is_finite();

@@ -119,6 +119,20 @@ impl Session {
         Session::start(graph, config, Some(data), None)
     }
 
+    /// [`Session::new`] running `schedule`'s tasks instead of those of the scheme's order:
+    /// refused before any work if it is not a valid schedule of `config`'s scheme (see
+    /// [`Schedule::validate`](crate::schemes::schedule::Schedule::validate)).
+    pub fn with_schedule(
+        graph: &Graph,
+        mut config: RunConfig,
+        schedule: crate::schemes::schedule::Schedule,
+        data: Dataset,
+    ) -> Result<Session> {
+        schedule.validate(&config.scheme)?;
+        config.schedule = Some(Arc::new(schedule));
+        Session::new(graph, config, data)
+    }
+
     /// This process's rank of a run spread over the processes of `comm` (MPI: one process per
     /// rank); the others build theirs with the same arguments.
     pub fn on(

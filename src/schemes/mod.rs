@@ -60,6 +60,25 @@ pub enum Order {
     GPipe,
     /// One forward, one backward after a warm-up of P-1-s forwards (PipeDream-flush).
     OneFOneB,
+    /// Zero-bubble ZB-H1 (Qi et al., ICLR 2024): 1F1B's memory, each backward split into B
+    /// (input gradients, sent upstream at once) and W (weight gradients), the W passes filling
+    /// the pipeline's bubbles.
+    ZbH1,
+}
+
+impl Order {
+    /// Every built-in order.
+    pub const ALL: [Order; 3] = [Order::GPipe, Order::OneFOneB, Order::ZbH1];
+}
+
+impl fmt::Display for Order {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Order::GPipe => "gpipe",
+            Order::OneFOneB => "1f1b",
+            Order::ZbH1 => "zbh1",
+        })
+    }
 }
 
 impl FromStr for Order {
@@ -68,7 +87,8 @@ impl FromStr for Order {
         match s {
             "gpipe" => Ok(Order::GPipe),
             "1f1b" => Ok(Order::OneFOneB),
-            _ => Err(format!("unknown pipeline order '{s}' (gpipe, 1f1b)")),
+            "zbh1" => Ok(Order::ZbH1),
+            _ => Err(format!("unknown pipeline order '{s}' (gpipe, 1f1b, zbh1)")),
         }
     }
 }
@@ -158,6 +178,12 @@ impl Scheme {
                 ))
             }
             _ => {}
+        }
+        if self.order == Order::ZbH1 && self.replicas != 1 {
+            return bad(format!(
+                "the zbh1 order runs one replica per step, not {} (mp, dp or single)",
+                self.replicas
+            ));
         }
         if batch == 0 || !batch.is_multiple_of(self.parts) {
             return bad(format!(

@@ -1,9 +1,18 @@
-//! Per-rank task lists. The builder is a list scheduler: every (replica, stage) copy keeps its
-//! pipeline order (GPipe or 1F1B), and whenever a rank could start several copies' next tasks,
-//! the one that can start earliest under the predicted costs runs first, subject to a bound on
-//! the forward passes whose activations a rank holds at once. The same replay gives the
-//! predicted timeline, so the schedule the runtime runs and the one the planner predicts are
-//! the same list.
+//! Schedules: per rank, the ordered tasks of one training step of one data-parallel group.
+//! A [`Schedule`] is public data — written in Rust, loaded from JSON, or made by a built-in
+//! order's builder — and every schedule goes through the same checks ([`Schedule::validate`]:
+//! each task once, each on the rank holding its stage, each after what it depends on, no
+//! deadlock) and the same replay under predicted costs ([`time`]), which gives the
+//! [`Timeline`] the runtime runs, the meter measures and the simulator predicts.
+//!
+//! The built-in orders are builders: GPipe and 1F1B keep each (replica, stage) copy's pipeline
+//! order and, where a rank serves several copies (MAST, MASTER), start whichever can start
+//! earliest, subject to a bound on the forward passes whose activations a rank holds; ZB-H1
+//! (zero-bubble, Qi et al. 2024) splits each backward into B (input gradients) and W (weight
+//! gradients) and fills the pipeline's bubbles with the W passes, holding no more
+//! micro-batches than 1F1B does.
+
+use std::collections::HashMap;
 
 use super::{Order, Scheme};
 use crate::{Error, Result};
@@ -11,16 +20,51 @@ use crate::{Error, Result};
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
 /// Which pass of a micro-batch a task runs.
 pub enum Pass {
-    /// Forward through a stage.
+    /// F: forward through a stage.
     Forward,
-    /// Backward through a stage.
+    /// BW: backward through a stage, input and parameter gradients together.
     Backward,
+    /// B: the input gradients only, sent upstream at once; the stage's parameter gradients
+    /// wait for its W.
+    Input,
+    /// W: the parameter gradients its B left.
+    Weight,
+}
+
+impl Pass {
+    /// Every pass, in the order of their codes.
+    pub const ALL: [Pass; 4] = [Pass::Forward, Pass::Backward, Pass::Input, Pass::Weight];
+
+    /// Its code in schedule files: `F`, `BW`, `B`, `W`.
+    pub fn code(self) -> &'static str {
+        match self {
+            Pass::Forward => "F",
+            Pass::Backward => "BW",
+            Pass::Input => "B",
+            Pass::Weight => "W",
+        }
+    }
+
+    /// Whether it sends the gradients of its stage's inputs upstream (BW and B).
+    pub fn sends_gradients(self) -> bool {
+        matches!(self, Pass::Backward | Pass::Input)
+    }
+}
+
+impl std::str::FromStr for Pass {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Pass, String> {
+        Pass::ALL
+            .into_iter()
+            .find(|p| p.code() == s)
+            .ok_or_else(|| format!("unknown task kind '{s}' (F, B, W, BW)"))
+    }
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
 /// One unit of a schedule: a pass of one micro-batch through one stage of one replica.
 pub struct Task {
-    /// Forward or backward.
+    /// Which pass.
     pub pass: Pass,
     /// Which model replica (MAST and MASTER run more than one).
     pub replica: usize,
@@ -30,30 +74,97 @@ pub struct Task {
     pub micro: usize,
 }
 
-/// Predicted seconds of one micro-batch's forward and backward per stage, and of moving its
-/// boundary tensors (activations forward, their gradients backward) from stage s to s + 1.
+impl Task {
+    /// F of `micro` through `stage` (replica 0).
+    pub fn forward(stage: usize, micro: usize) -> Task {
+        Task {
+            pass: Pass::Forward,
+            replica: 0,
+            stage,
+            micro,
+        }
+    }
+    /// BW of `micro` through `stage` (replica 0).
+    pub fn backward(stage: usize, micro: usize) -> Task {
+        Task {
+            pass: Pass::Backward,
+            ..Task::forward(stage, micro)
+        }
+    }
+    /// B of `micro` through `stage` (replica 0).
+    pub fn input(stage: usize, micro: usize) -> Task {
+        Task {
+            pass: Pass::Input,
+            ..Task::forward(stage, micro)
+        }
+    }
+    /// W of `micro` through `stage` (replica 0).
+    pub fn weight(stage: usize, micro: usize) -> Task {
+        Task {
+            pass: Pass::Weight,
+            ..Task::forward(stage, micro)
+        }
+    }
+    /// The same task of replica `replica`.
+    pub fn of_replica(self, replica: usize) -> Task {
+        Task { replica, ..self }
+    }
+}
+
+impl std::fmt::Display for Task {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{} of stage {}, micro-batch {}",
+            self.pass.code(),
+            self.stage,
+            self.micro
+        )?;
+        if self.replica > 0 {
+            write!(f, ", replica {}", self.replica)?;
+        }
+        Ok(())
+    }
+}
+
+/// Predicted seconds of one micro-batch's passes per stage, and of moving its boundary
+/// tensors (activations forward, their gradients backward) from stage s to s + 1.
 #[derive(Clone, Debug, PartialEq)]
 pub struct StageCosts {
     /// Seconds of each stage's forward.
     pub forward: Vec<f64>,
-    /// Seconds of each stage's backward.
+    /// Seconds of each stage's whole backward (BW).
     pub backward: Vec<f64>,
+    /// Seconds of it a split backward leaves to W (the rest is B's).
+    pub weight: Vec<f64>,
     /// Seconds to move a micro-batch's boundary tensors from stage s to s + 1.
     pub transfer: Vec<f64>,
 }
 
 impl StageCosts {
-    /// Every stage costs `f` forward and `b` backward.
+    /// Every stage costs `f` forward and `b` backward, a third of which is W.
     pub fn uniform(stages: usize, f: f64, b: f64) -> Self {
         StageCosts {
             forward: vec![f; stages],
             backward: vec![b; stages],
+            weight: vec![b / 3.0; stages],
             transfer: vec![0.0; stages],
+        }
+    }
+
+    /// Seconds of `t`'s pass.
+    pub fn of(&self, t: &Task) -> f64 {
+        let s = t.stage;
+        match t.pass {
+            Pass::Forward => self.forward[s],
+            Pass::Backward => self.backward[s],
+            Pass::Input => self.backward[s] - self.weight[s],
+            Pass::Weight => self.weight[s],
         }
     }
 }
 
-/// A task with its predicted start and end.
+/// A task with its predicted (or measured) start and end.
 #[derive(Clone, Copy, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct Timed {
     /// The task.
@@ -64,14 +175,15 @@ pub struct Timed {
     pub end: f64,
 }
 
-/// Each rank's ordered tasks for one step of one data-parallel group (all groups run the same).
+/// Each rank's tasks with their times, for one step of one data-parallel group (all groups
+/// run the same).
 #[derive(Clone, Debug, PartialEq)]
-pub struct Schedule {
+pub struct Timeline {
     /// Each rank's tasks in the order it runs them.
     pub ranks: Vec<Vec<Timed>>,
 }
 
-impl Schedule {
+impl Timeline {
     /// Seconds from the first task's start to the last one's end.
     pub fn makespan(&self) -> f64 {
         self.ranks
@@ -88,6 +200,367 @@ impl Schedule {
             .map(|r| r.iter().map(|t| t.end - t.start).sum())
             .collect()
     }
+
+    /// The share of the ranks' time spent idle within the makespan (the pipeline's bubble).
+    pub fn bubble(&self) -> f64 {
+        let span = self.makespan() * self.ranks.len() as f64;
+        if span <= 0.0 {
+            return 0.0;
+        }
+        1.0 - self.busy().iter().sum::<f64>() / span
+    }
+
+    /// The tasks alone, in each rank's order.
+    pub fn schedule(&self, scheme: &Scheme) -> Schedule {
+        Schedule {
+            stages: scheme.stages,
+            micro_batches: scheme.parts,
+            replicas: scheme.replicas,
+            ranks: (self.ranks.iter())
+                .map(|r| r.iter().map(|t| t.task).collect())
+                .collect(),
+        }
+    }
+}
+
+/// What each rank of a pipeline runs in one step, in order: per pipeline position, a list of
+/// tasks. Gradient sums and the optimizer step close every rank's list; sends and receives are
+/// those of its tasks (an F receives its stage's inputs and sends its outputs, a B or BW
+/// receives its outputs' gradients and sends its inputs'), sends never block.
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct Schedule {
+    /// P: pipeline stages.
+    pub stages: usize,
+    /// m: micro-batches per replica pass.
+    pub micro_batches: usize,
+    /// η: replicas per step.
+    pub replicas: usize,
+    /// Each pipeline position's tasks in the order it runs them.
+    pub ranks: Vec<Vec<Task>>,
+}
+
+/// A task as a schedule file writes it.
+#[derive(serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct FileTask {
+    kind: String,
+    stage: usize,
+    micro_batch: usize,
+    #[serde(default)]
+    replica: usize,
+}
+
+/// A schedule file: the sizes, then one list of tasks per rank.
+#[derive(serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct File {
+    stages: usize,
+    micro_batches: usize,
+    #[serde(default = "one")]
+    replicas: usize,
+    ranks: Vec<Vec<FileTask>>,
+}
+
+fn one() -> usize {
+    1
+}
+
+impl Schedule {
+    /// A schedule of `stages` positions and `micro_batches` micro-batches with no tasks yet
+    /// (one replica; see [`Schedule::push`]).
+    pub fn empty(stages: usize, micro_batches: usize) -> Schedule {
+        Schedule {
+            stages,
+            micro_batches,
+            replicas: 1,
+            ranks: vec![Vec::new(); stages],
+        }
+    }
+
+    /// Appends `task` to rank `rank`'s list.
+    pub fn push(&mut self, rank: usize, task: Task) -> &mut Schedule {
+        if rank >= self.ranks.len() {
+            self.ranks.resize(rank + 1, Vec::new());
+        }
+        self.ranks[rank].push(task);
+        self
+    }
+
+    /// The schedule as JSON: `{"stages": P, "micro_batches": m, "replicas": η, "ranks":
+    /// [[{"kind": "F", "stage": 0, "micro_batch": 0, "replica": 0}, …], …]}`.
+    pub fn to_json(&self) -> String {
+        let file = File {
+            stages: self.stages,
+            micro_batches: self.micro_batches,
+            replicas: self.replicas,
+            ranks: (self.ranks.iter())
+                .map(|r| {
+                    r.iter()
+                        .map(|t| FileTask {
+                            kind: t.pass.code().into(),
+                            stage: t.stage,
+                            micro_batch: t.micro,
+                            replica: t.replica,
+                        })
+                        .collect()
+                })
+                .collect(),
+        };
+        // One task per line: a file people read and edit.
+        let mut out = format!(
+            "{{\n  \"stages\": {},\n  \"micro_batches\": {},\n  \"replicas\": {},\n  \"ranks\": [\n",
+            file.stages, file.micro_batches, file.replicas
+        );
+        for (r, tasks) in file.ranks.iter().enumerate() {
+            out.push_str("    [\n");
+            for (i, t) in tasks.iter().enumerate() {
+                let line = serde_json::to_string(t).unwrap_or_default();
+                let comma = if i + 1 < tasks.len() { "," } else { "" };
+                out.push_str(&format!("      {line}{comma}\n"));
+            }
+            let comma = if r + 1 < file.ranks.len() { "," } else { "" };
+            out.push_str(&format!("    ]{comma}\n"));
+        }
+        out.push_str("  ]\n}\n");
+        out
+    }
+
+    /// Reads a schedule written as [`Schedule::to_json`] writes it (sizes are checked by
+    /// [`Schedule::validate`]).
+    pub fn from_json(text: &str) -> Result<Schedule> {
+        let file: File = serde_json::from_str(text)
+            .map_err(|e| Error::Config(format!("the schedule file is not valid: {e}")))?;
+        let mut ranks = Vec::with_capacity(file.ranks.len());
+        for (r, tasks) in file.ranks.into_iter().enumerate() {
+            let mut list = Vec::with_capacity(tasks.len());
+            for (i, t) in tasks.into_iter().enumerate() {
+                let pass = t
+                    .kind
+                    .parse()
+                    .map_err(|e| Error::Config(format!("rank {r}, task {i}: {e}")))?;
+                list.push(Task {
+                    pass,
+                    replica: t.replica,
+                    stage: t.stage,
+                    micro: t.micro_batch,
+                });
+            }
+            ranks.push(list);
+        }
+        Ok(Schedule {
+            stages: file.stages,
+            micro_batches: file.micro_batches,
+            replicas: file.replicas,
+            ranks,
+        })
+    }
+
+    /// Refuses a schedule that `scheme` cannot run, naming the rank, the task's index in its
+    /// list and the reason: sizes other than the scheme's; a task outside them or on a rank
+    /// that does not hold its stage; a micro-batch's F, its backward (one BW, or one B and one
+    /// W) of some stage missing or repeated; a B or BW before its F, a W before its B on the
+    /// same rank; a rank waiting for a message no task will send (a deadlock, found by
+    /// replaying the message matching).
+    pub fn validate(&self, scheme: &Scheme) -> Result<()> {
+        let bad = |m: String| Err(Error::Config(format!("the schedule is refused: {m}")));
+        let sizes = (self.stages, self.micro_batches, self.replicas);
+        if sizes != (scheme.stages, scheme.parts, scheme.replicas) {
+            return bad(format!(
+                "it is for {} stages, {} micro-batches and {} replicas, the run has {}, {} and {}",
+                sizes.0, sizes.1, sizes.2, scheme.stages, scheme.parts, scheme.replicas
+            ));
+        }
+        if self.ranks.len() != scheme.stages {
+            return bad(format!(
+                "it lists {} ranks, the pipeline has {}",
+                self.ranks.len(),
+                scheme.stages
+            ));
+        }
+        // Where each task sits: (rank, index).
+        let mut at: HashMap<Task, (usize, usize)> = HashMap::new();
+        for (r, tasks) in self.ranks.iter().enumerate() {
+            for (i, t) in tasks.iter().enumerate() {
+                let here = format!("rank {r}, task {i} ({t})");
+                if t.stage >= self.stages
+                    || t.micro >= self.micro_batches
+                    || t.replica >= self.replicas
+                {
+                    return bad(format!("{here}: outside the schedule's sizes"));
+                }
+                let home = scheme.place(t.replica, t.stage);
+                if home != r {
+                    return bad(format!(
+                        "{here}: stage {} of replica {} is held by rank {home}",
+                        t.stage, t.replica
+                    ));
+                }
+                if let Some((r0, i0)) = at.insert(*t, (r, i)) {
+                    return bad(format!("{here}: repeats task {i0} of rank {r0}"));
+                }
+            }
+        }
+        for replica in 0..self.replicas {
+            for stage in 0..self.stages {
+                let r = scheme.place(replica, stage);
+                for micro in 0..self.micro_batches {
+                    let find = |pass| {
+                        at.get(&Task {
+                            pass,
+                            replica,
+                            stage,
+                            micro,
+                        })
+                        .map(|&(_, i)| i)
+                    };
+                    let what = Task::forward(stage, micro).of_replica(replica);
+                    let name = |pass| Task { pass, ..what };
+                    let Some(f) = find(Pass::Forward) else {
+                        return bad(format!("rank {r} has no {}", name(Pass::Forward)));
+                    };
+                    let (bw, b, w) = (find(Pass::Backward), find(Pass::Input), find(Pass::Weight));
+                    let first_backward = match (bw, b, w) {
+                        (Some(i), None, None) => i,
+                        (None, Some(i), Some(j)) if j > i => i,
+                        (None, Some(i), Some(j)) => {
+                            return bad(format!(
+                                "rank {r}, task {j} ({}): comes before its B (task {i})",
+                                name(Pass::Weight)
+                            ))
+                        }
+                        (None, Some(i), None) => {
+                            return bad(format!(
+                                "rank {r} has no {} for its B (task {i})",
+                                name(Pass::Weight)
+                            ))
+                        }
+                        (None, None, Some(j)) => {
+                            return bad(format!(
+                                "rank {r}, task {j} ({}): has no B before it",
+                                name(Pass::Weight)
+                            ))
+                        }
+                        (None, None, None) => {
+                            return bad(format!(
+                                "rank {r} has no backward (BW, or B and W) for {}",
+                                name(Pass::Forward)
+                            ))
+                        }
+                        (Some(i), _, _) => {
+                            return bad(format!(
+                                "rank {r}, task {i} ({}): the micro-batch's backward is also split into B and W",
+                                name(Pass::Backward)
+                            ))
+                        }
+                    };
+                    if first_backward < f {
+                        let t = self.ranks[r][first_backward];
+                        return bad(format!(
+                            "rank {r}, task {first_backward} ({t}): comes before its F (task {f})"
+                        ));
+                    }
+                }
+            }
+        }
+        time(scheme, &StageCosts::uniform(scheme.stages, 1.0, 2.0), self).map(|_| ())
+    }
+}
+
+/// The tasks `t` waits for: on its own rank (its F, its B) and from other ranks (the
+/// activations of the stage before, the gradients of the stage after).
+fn depends(t: &Task, stages: usize) -> impl Iterator<Item = Task> {
+    let at = |pass, stage| Task { pass, stage, ..*t };
+    let (mut local, mut remote) = (None, None);
+    match t.pass {
+        Pass::Forward if t.stage > 0 => remote = Some(at(Pass::Forward, t.stage - 1)),
+        Pass::Forward => {}
+        Pass::Backward | Pass::Input => {
+            local = Some(at(Pass::Forward, t.stage));
+            if t.stage + 1 < stages {
+                // Either backward of the next stage sends the gradients.
+                remote = Some(at(Pass::Input, t.stage + 1));
+            }
+        }
+        Pass::Weight => local = Some(at(Pass::Input, t.stage)),
+    }
+    local.into_iter().chain(remote)
+}
+
+/// When a task's gradients are ready, whichever backward (BW or B) sent them.
+fn finished(done: &HashMap<Task, f64>, t: &Task) -> Option<f64> {
+    done.get(t).copied().or_else(|| match t.pass {
+        Pass::Input => done
+            .get(&Task {
+                pass: Pass::Backward,
+                ..*t
+            })
+            .copied(),
+        _ => None,
+    })
+}
+
+/// Replays `schedule`'s fixed per-rank orders under `costs`: each task starts when its rank is
+/// free and what it waits for has ended (plus the transfer from another stage). A schedule
+/// whose ranks all wait for messages no task can send is a deadlock, reported with each
+/// waiting rank's task.
+pub fn time(scheme: &Scheme, costs: &StageCosts, schedule: &Schedule) -> Result<Timeline> {
+    let p = schedule.ranks.len();
+    let mut next = vec![0usize; p];
+    let mut free_at = vec![0.0f64; p];
+    let mut done: HashMap<Task, f64> = HashMap::new();
+    let mut out: Vec<Vec<Timed>> = vec![Vec::new(); p];
+    let total: usize = schedule.ranks.iter().map(Vec::len).sum();
+    for _ in 0..total {
+        let mut best: Option<(f64, usize)> = None;
+        for r in 0..p {
+            let Some(t) = schedule.ranks[r].get(next[r]) else {
+                continue;
+            };
+            let mut ready = 0.0f64;
+            let mut waiting = false;
+            for d in depends(t, scheme.stages) {
+                match finished(&done, &d) {
+                    Some(e) if d.stage == t.stage => ready = ready.max(e),
+                    Some(e) => ready = ready.max(e + costs.transfer[t.stage.min(d.stage)]),
+                    None => waiting = true,
+                }
+            }
+            if waiting {
+                continue;
+            }
+            let start = free_at[r].max(ready);
+            if best.is_none_or(|b| start < b.0) {
+                best = Some((start, r));
+            }
+        }
+        let Some((start, r)) = best else {
+            let stuck: Vec<String> = (0..p)
+                .filter_map(|r| {
+                    let t = schedule.ranks[r].get(next[r])?;
+                    let on = depends(t, scheme.stages)
+                        .find(|d| finished(&done, d).is_none())
+                        .map(|d| format!(", waiting for {d}"))
+                        .unwrap_or_default();
+                    Some(format!("rank {r} at task {} ({t}{on})", next[r]))
+                })
+                .collect();
+            return Err(Error::Config(format!(
+                "the schedule is refused: it deadlocks: {}",
+                stuck.join("; ")
+            )));
+        };
+        let t = schedule.ranks[r][next[r]];
+        next[r] += 1;
+        let end = start + costs.of(&t);
+        free_at[r] = end;
+        done.insert(t, end);
+        out[r].push(Timed {
+            task: t,
+            start,
+            end,
+        });
+    }
+    Ok(Timeline { ranks: out })
 }
 
 /// One stage's passes over `m` micro-batches in pipeline order.
@@ -97,7 +570,7 @@ fn stage_sequence(order: Order, stages: usize, stage: usize, m: usize) -> Vec<(P
             .map(|k| (Pass::Forward, k))
             .chain((0..m).rev().map(|k| (Pass::Backward, k)))
             .collect(),
-        Order::OneFOneB => {
+        Order::OneFOneB | Order::ZbH1 => {
             let warm = (stages - 1 - stage).min(m);
             let mut seq: Vec<_> = (0..warm).map(|k| (Pass::Forward, k)).collect();
             for k in 0..m - warm {
@@ -110,22 +583,26 @@ fn stage_sequence(order: Order, stages: usize, stage: usize, m: usize) -> Vec<(P
     }
 }
 
-/// Builds the schedule of `scheme` under `costs`, holding at most `max_in_flight` forward
-/// passes' activations per rank (`None`: no bound). Under a bound, replicas enter each rank in
-/// replica order (a later replica's forward waits until the earlier ones' forwards there are
-/// done), so the first replica is never starved of the memory the bound leaves.
+/// Builds the schedule of `scheme`'s order under `costs`, holding at most `max_in_flight`
+/// forward passes' activations per rank (`None`: no bound; ZB-H1 holds what 1F1B holds).
+/// Under a bound, replicas enter each rank in replica order (a later replica's forward waits
+/// until the earlier ones' forwards there are done), so the first replica is never starved of
+/// the memory the bound leaves.
 pub fn build(
     scheme: &Scheme,
     costs: &StageCosts,
     max_in_flight: Option<usize>,
-) -> Result<Schedule> {
-    replay(scheme, costs, max_in_flight, false)
+) -> Result<Timeline> {
+    match scheme.order {
+        Order::ZbH1 => zero_bubble(scheme, costs),
+        Order::GPipe | Order::OneFOneB => replay(scheme, costs, max_in_flight, false),
+    }
 }
 
 /// The task list of an evaluation on one group: `micro` micro-batches' forwards through replica
 /// 0's stages, in order, with no backward. One replica is enough: every copy of a stage holds
 /// the same weights, and a second would only shorten a pass that is short already.
-pub fn evaluation(scheme: &Scheme, costs: &StageCosts, micro: usize) -> Result<Schedule> {
+pub fn evaluation(scheme: &Scheme, costs: &StageCosts, micro: usize) -> Result<Timeline> {
     let one = Scheme {
         replicas: 1,
         parts: micro,
@@ -135,13 +612,105 @@ pub fn evaluation(scheme: &Scheme, costs: &StageCosts, micro: usize) -> Result<S
     replay(&one, costs, None, true)
 }
 
+/// ZB-H1 on one replica: every rank runs, whenever it is free, the first of these that can
+/// start: a B whose gradients have arrived (oldest first), the next F if the rank holds fewer
+/// micro-batches than 1F1B would (P − s on stage s; a micro-batch is held from its F until its
+/// W), else the oldest W. The W passes so fill the time a rank would wait, and a rank short of
+/// room for an F frees it with a W first. With equal F, B and W the step takes
+/// m(F + B + W) + (P − 1)(F + B), against 1F1B's m(F + B + W) + (P − 1)(F + B + W): gradients
+/// travel upstream at B's pace instead of BW's.
+fn zero_bubble(scheme: &Scheme, costs: &StageCosts) -> Result<Timeline> {
+    if scheme.replicas != 1 {
+        return Err(Error::Config(
+            "the zbh1 order runs one replica per step (mp, dp or single)".into(),
+        ));
+    }
+    let (p, m) = (scheme.stages, scheme.parts);
+    let mut free_at = vec![0.0f64; p];
+    let mut next_f = vec![0usize; p];
+    let mut held = vec![0usize; p];
+    let mut done: HashMap<Task, f64> = HashMap::new();
+    let mut ws: Vec<Vec<usize>> = vec![Vec::new(); p];
+    let mut out: Vec<Vec<Timed>> = vec![Vec::new(); p];
+    let mut next_b = vec![0usize; p];
+    for _ in 0..3 * p * m {
+        // Each rank's choice at the earliest time it could start something.
+        let mut best: Option<(f64, usize, Task)> = None;
+        for s in 0..p {
+            let ready_at = |t: &Task| -> Option<f64> {
+                depends(t, p).try_fold(free_at[s], |acc, d| {
+                    let e = finished(&done, &d)?;
+                    Some(acc.max(if d.stage == s {
+                        e
+                    } else {
+                        e + costs.transfer[s.min(d.stage)]
+                    }))
+                })
+            };
+            let mut options: Vec<(f64, u8, Task)> = Vec::new();
+            if next_b[s] < m {
+                let b = Task::input(s, next_b[s]);
+                if let Some(at) = ready_at(&b) {
+                    options.push((at, 0, b));
+                }
+            }
+            if next_f[s] < m && held[s] < p - s {
+                let f = Task::forward(s, next_f[s]);
+                if let Some(at) = ready_at(&f) {
+                    options.push((at, 1, f));
+                }
+            }
+            if let Some(&k) = ws[s].first() {
+                options.push((free_at[s], 2, Task::weight(s, k)));
+            }
+            // What can start soonest; at the same time, B before F before W.
+            let choice = options
+                .into_iter()
+                .min_by(|a, b| (a.0, a.1).partial_cmp(&(b.0, b.1)).expect("finite times"));
+            if let Some((at, _, t)) = choice {
+                if best.is_none_or(|b| at < b.0) {
+                    best = Some((at, s, t));
+                }
+            }
+        }
+        let Some((start, s, t)) = best else {
+            break;
+        };
+        match t.pass {
+            Pass::Forward => {
+                next_f[s] += 1;
+                held[s] += 1;
+            }
+            Pass::Input => {
+                next_b[s] += 1;
+                ws[s].push(t.micro);
+            }
+            _ => {
+                ws[s].remove(0);
+                held[s] -= 1;
+            }
+        }
+        let end = start + costs.of(&t);
+        free_at[s] = end;
+        done.insert(t, end);
+        out[s].push(Timed {
+            task: t,
+            start,
+            end,
+        });
+    }
+    let timeline = Timeline { ranks: out };
+    timeline.schedule(scheme).validate(scheme)?;
+    Ok(timeline)
+}
+
 /// [`build`], or with `forward_only` its forward tasks alone.
 fn replay(
     scheme: &Scheme,
     costs: &StageCosts,
     max_in_flight: Option<usize>,
     forward_only: bool,
-) -> Result<Schedule> {
+) -> Result<Timeline> {
     let p = scheme.stages;
     // Per rank, its copies' sequences: a copy is one orientation (even or odd replicas) of one
     // stage; its replicas run one after another on it.
@@ -220,18 +789,14 @@ fn replay(
         };
         let t = seqs[rank][c][next[rank][c]];
         next[rank][c] += 1;
-        let cost = match t.pass {
-            Pass::Forward => costs.forward[t.stage],
-            Pass::Backward => costs.backward[t.stage],
-        };
-        let end = start + cost;
+        let end = start + costs.of(&t);
         free_at[rank] = end;
         match t.pass {
             Pass::Forward => {
                 in_flight[rank] += 1;
                 forwards_left[rank][t.replica] -= 1;
             }
-            Pass::Backward => in_flight[rank] -= 1,
+            _ => in_flight[rank] -= 1,
         }
         done.insert(t, end);
         out[rank].push(Timed {
@@ -240,7 +805,7 @@ fn replay(
             end,
         });
     }
-    Ok(Schedule { ranks: out })
+    Ok(Timeline { ranks: out })
 }
 
 #[cfg(test)]
@@ -407,6 +972,141 @@ mod tests {
         )
         .unwrap();
         assert!(s.ranks.iter().all(Vec::is_empty));
+    }
+
+    /// The most micro-batches each rank holds at once (from its F to its BW or W).
+    fn most_held(t: &Timeline) -> Vec<usize> {
+        t.ranks
+            .iter()
+            .map(|r| {
+                let (mut n, mut most) = (0usize, 0usize);
+                for t in r {
+                    match t.task.pass {
+                        Pass::Forward => n += 1,
+                        Pass::Backward | Pass::Weight => n -= 1,
+                        Pass::Input => {}
+                    }
+                    most = most.max(n);
+                }
+                most
+            })
+            .collect()
+    }
+
+    #[test]
+    fn zbh1_fills_1f1b_bubble_with_w_at_1f1b_memory() {
+        // F = B = W = 1: 1F1B takes m·3 + (P - 1)·(F + B + W); ZB-H1, holding no more
+        // micro-batches than 1F1B (each until its W), m·3 + (P - 1)·(F + B).
+        let costs = |p| StageCosts {
+            weight: vec![1.0; p],
+            ..StageCosts::uniform(p, 1.0, 2.0)
+        };
+        for (p, m) in [(2, 4), (4, 8), (4, 16), (8, 8)] {
+            let one_f =
+                build(&scheme(Kind::Mp, p, m, 1, Order::OneFOneB), &costs(p), None).unwrap();
+            let zb = build(&scheme(Kind::Mp, p, m, 1, Order::ZbH1), &costs(p), None).unwrap();
+            assert_eq!(one_f.makespan(), ((m + p - 1) * 3) as f64, "P {p} m {m}");
+            assert_eq!(zb.makespan(), (m * 3 + (p - 1) * 2) as f64, "P {p} m {m}");
+            assert!(zb.bubble() < one_f.bubble());
+            assert_eq!(most_held(&zb), most_held(&one_f), "P {p} m {m}");
+            // Every task once, in an order the ranks can run.
+            let s = zb.schedule(&scheme(Kind::Mp, p, m, 1, Order::ZbH1));
+            s.validate(&scheme(Kind::Mp, p, m, 1, Order::ZbH1)).unwrap();
+        }
+    }
+
+    #[test]
+    fn schedules_round_trip_through_json() {
+        let sch = scheme(Kind::Mast, 3, 2, 2, Order::OneFOneB);
+        let s = build(&sch, &StageCosts::uniform(3, F, B), None)
+            .unwrap()
+            .schedule(&sch);
+        let back = Schedule::from_json(&s.to_json()).unwrap();
+        assert_eq!(back, s);
+        back.validate(&sch).unwrap();
+        // A fixed order replayed gives the times the builder gave it.
+        let t = time(&sch, &StageCosts::uniform(3, F, B), &s).unwrap();
+        assert_eq!(
+            t.makespan(),
+            build(&sch, &StageCosts::uniform(3, F, B), None)
+                .unwrap()
+                .makespan()
+        );
+    }
+
+    #[test]
+    fn the_validator_names_rank_task_and_reason() {
+        let sch = scheme(Kind::Mp, 2, 2, 1, Order::OneFOneB);
+        let good = build(&sch, &StageCosts::uniform(2, F, B), None)
+            .unwrap()
+            .schedule(&sch);
+        good.validate(&sch).unwrap();
+        let refused = |s: &Schedule| s.validate(&sch).unwrap_err().to_string();
+        // A task missing.
+        let mut s = good.clone();
+        s.ranks[1].retain(|t| *t != Task::backward(1, 1));
+        assert!(
+            refused(&s).contains("rank 1 has no backward"),
+            "{}",
+            refused(&s)
+        );
+        // A backward before its forward.
+        let mut s = good.clone();
+        let i = s.ranks[1]
+            .iter()
+            .position(|t| *t == Task::backward(1, 0))
+            .unwrap();
+        s.ranks[1].swap(i - 1, i);
+        assert!(refused(&s).contains("before its F"), "{}", refused(&s));
+        // A stage on the wrong rank.
+        let mut s = good.clone();
+        let t = s.ranks[1].remove(0);
+        s.ranks[0].insert(0, t);
+        assert!(refused(&s).contains("rank 0, task 0") && refused(&s).contains("held by rank 1"));
+        // A swapped pair that deadlocks: rank 0 waits for a gradient rank 1 sends only after
+        // a forward that waits for rank 0.
+        let mut s = Schedule::empty(2, 2);
+        for t in [
+            Task::forward(0, 0),
+            Task::backward(0, 0),
+            Task::forward(0, 1),
+            Task::backward(0, 1),
+        ] {
+            s.push(0, t);
+        }
+        for t in [
+            Task::forward(1, 1),
+            Task::forward(1, 0),
+            Task::backward(1, 0),
+            Task::backward(1, 1),
+        ] {
+            s.push(1, t);
+        }
+        let e = refused(&s);
+        assert!(
+            e.contains("deadlocks")
+                && e.contains("rank 0 at task 1")
+                && e.contains("rank 1 at task 0"),
+            "{e}"
+        );
+        // A W without its B, and a W before its B.
+        let mut s = good.clone();
+        let i = s.ranks[0]
+            .iter()
+            .position(|t| *t == Task::backward(0, 0))
+            .unwrap();
+        s.ranks[0][i] = Task::weight(0, 0);
+        assert!(
+            refused(&s).contains("has no B before it"),
+            "{}",
+            refused(&s)
+        );
+        s.ranks[0].insert(i + 1, Task::input(0, 0));
+        assert!(
+            refused(&s).contains("comes before its B"),
+            "{}",
+            refused(&s)
+        );
     }
 
     #[test]

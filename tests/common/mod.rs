@@ -60,7 +60,7 @@ fn run(
         }
     }
     if backward {
-        graph::backward(g, params, d, tape, seeds, &[], None).unwrap();
+        graph::backward(g, params, d, tape, seeds, &[], None, false).unwrap();
     }
     total
 }

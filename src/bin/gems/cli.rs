@@ -11,6 +11,7 @@ use gems::data::slide::TileConfig;
 use gems::data::{DataConfig, SourceSpec, Task};
 use gems::memory::parse_bytes;
 use gems::optim::schedule::Decay;
+use gems::schemes::schedule::Schedule;
 use gems::schemes::{Kind, Order, Scheme};
 use gems::{DType, Precision, TrainConfig};
 
@@ -58,6 +59,16 @@ pub enum Command {
     /// Benchmarks on a device.
     #[command(subcommand)]
     Bench(BenchCommand),
+    /// Pipeline schedules as files.
+    #[command(subcommand)]
+    Schedule(ScheduleCommand),
+}
+
+#[derive(Subcommand)]
+pub enum ScheduleCommand {
+    /// Write the schedule a run would use (its order's, for its model and sizes) as JSON, one
+    /// list of tasks per rank, which --schedule-file reads back (takes the flags of train).
+    Export(Box<TrainArgs>),
 }
 
 #[derive(Subcommand)]
@@ -615,6 +626,10 @@ pub struct TrainArgs {
     /// A profile from `gems calibrate`: measured op times to split and schedule with.
     #[arg(long, value_name = "FILE")]
     pub calibration: Option<PathBuf>,
+    /// Plan with --order all: also train this many steps of each order on local ranks and
+    /// print the measured step (the median after the first).
+    #[arg(long, value_name = "STEPS")]
+    pub measure: Option<usize>,
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -724,9 +739,14 @@ pub struct SchemeArgs {
     /// R·C for each stage position that runs on tiles).
     #[arg(long)]
     pub ranks: Option<usize>,
-    /// Pipeline order: gpipe or 1f1b.
+    /// Pipeline order: gpipe, 1f1b or zbh1 (zero-bubble: backward split into B and W, 1F1B's
+    /// memory); `all` (plan only) compares every order that fits the scheme.
     #[arg(long, default_value = "gpipe")]
-    pub order: Order,
+    pub order: OrderChoice,
+    /// Run the tasks a schedule file lists (JSON, as `gems schedule export` writes it) instead
+    /// of the order's; P, m and η come from the file unless given.
+    #[arg(long, value_name = "FILE.json")]
+    pub schedule_file: Option<PathBuf>,
     /// Segments (pieces between cut points) per stage, e.g. 10,12; balanced by cost if absent.
     #[arg(long, value_delimiter = ',')]
     pub balance: Option<Vec<usize>>,
@@ -738,32 +758,67 @@ pub struct SchemeArgs {
     pub max_in_flight: Option<usize>,
 }
 
+/// `--order`: one order, or every order (compared by `gems plan`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum OrderChoice {
+    One(Order),
+    All,
+}
+
+impl std::str::FromStr for OrderChoice {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "all" => Ok(OrderChoice::All),
+            _ => Ok(OrderChoice::One(s.parse()?)),
+        }
+    }
+}
+
 impl SchemeArgs {
+    /// The schedule file's tasks, where one is given.
+    pub fn schedule(&self) -> anyhow::Result<Option<Schedule>> {
+        let Some(path) = &self.schedule_file else {
+            return Ok(None);
+        };
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| anyhow::anyhow!("cannot read {}: {e}", path.display()))?;
+        Schedule::from_json(&text)
+            .map(Some)
+            .map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))
+    }
+
     pub fn scheme(&self) -> anyhow::Result<Scheme> {
-        let replicas = match self.replicas {
-            Some(Choice::Fixed(n)) => n,
+        let file = self.schedule()?;
+        let replicas = match (self.replicas, &file) {
+            (Some(Choice::Fixed(n)), _) => n,
+            (_, Some(f)) => f.replicas,
             _ if self.scheme == Kind::Mast => 2,
             _ if self.scheme == Kind::Master => 4,
             _ => 1,
         };
-        // `auto` is resolved against memory later, from one stage up.
-        let stages = match self.split {
-            Choice::Fixed(p) => p,
-            Choice::Auto => 1,
+        // `auto` is resolved against memory later, from one stage up; a schedule file gives
+        // the sizes the flags leave at their defaults.
+        let stages = match (self.split, &file) {
+            (Choice::Fixed(1), Some(f)) => f.stages,
+            (Choice::Fixed(p), _) => p,
+            (Choice::Auto, _) => 1,
         };
-        let s = Scheme::new(
-            self.scheme,
-            stages,
-            self.parts,
-            replicas,
-            self.dp,
-            self.order,
-        )
-        .with_spatial(match self.spatial {
-            Tiling::Grid(grid) => grid,
-            // Resolved against memory later, from no split up.
-            Tiling::Auto => gems::ops::tiles::Grid::ONE,
-        });
+        let parts = match &file {
+            Some(f) if self.parts == 1 => f.micro_batches,
+            _ => self.parts,
+        };
+        let order = match self.order {
+            OrderChoice::One(o) => o,
+            OrderChoice::All => Order::GPipe,
+        };
+        let s = Scheme::new(self.scheme, stages, parts, replicas, self.dp, order).with_spatial(
+            match self.spatial {
+                Tiling::Grid(grid) => grid,
+                // Resolved against memory later, from no split up.
+                Tiling::Auto => gems::ops::tiles::Grid::ONE,
+            },
+        );
         if let Some(n) = self.ranks {
             if n != s.world() && !s.spatial.is_split() {
                 anyhow::bail!(

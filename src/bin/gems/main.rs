@@ -13,7 +13,7 @@ use std::process::ExitCode;
 
 use clap::Parser;
 
-use cli::{BenchCommand, Cli, Command, DataCommand};
+use cli::{BenchCommand, Cli, Command, DataCommand, ScheduleCommand};
 
 fn main() -> ExitCode {
     // Like other command-line tools, end quietly when the reader of our output goes away
@@ -47,6 +47,7 @@ fn main() -> ExitCode {
         Command::Info => bench::info(),
         Command::Bench(BenchCommand::Kernels(a)) => bench::kernels(a),
         Command::Bench(BenchCommand::Offload(a)) => bench::offload(a),
+        Command::Schedule(ScheduleCommand::Export(a)) => plan::export_schedule(*a),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -7,13 +7,94 @@ use gems::fit;
 use gems::graph::policy::Keep;
 use gems::memory::human_bytes;
 use gems::plan::Layout;
-use gems::schemes::Kind;
+use gems::schemes::{Kind, Order};
 
-use crate::cli::{CalibrateArgs, SimulateArgs, TrainArgs};
+use crate::cli::{CalibrateArgs, OrderChoice, SimulateArgs, TrainArgs};
 use crate::train::setup;
+
+/// The schedule `gems train` would run with these flags, as JSON on standard output.
+pub fn export_schedule(a: TrainArgs) -> anyhow::Result<()> {
+    if a.spread.order == OrderChoice::All {
+        anyhow::bail!("--order all: export one order at a time");
+    }
+    let (graph, c) = setup(&a)?;
+    let layout = Layout::new(&graph, &c)?;
+    print!("{}", layout.schedule.schedule(&c.scheme).to_json());
+    Ok(())
+}
+
+/// One row per order the scheme can run: the pipeline's bubble, each rank's metered peak,
+/// the predicted step and, with --measure, the measured one.
+fn compare_orders(a: &TrainArgs) -> anyhow::Result<()> {
+    if a.spread.schedule_file.is_some() {
+        anyhow::bail!("--order all compares the built-in orders; a schedule file is one schedule");
+    }
+    let (graph, c) = setup(a)?;
+    let s = &c.scheme;
+    println!(
+        "orders for {} at {}², {} with P={} m={} η={} D={}, B={} ({}):",
+        graph.name,
+        graph.image_size(),
+        s.kind,
+        s.stages,
+        s.parts,
+        s.replicas,
+        s.dp,
+        c.train.batch_size,
+        if c.calibration.is_some() {
+            "calibrated"
+        } else {
+            "analytical CPU model"
+        }
+    );
+    println!(
+        "{:<6} {:>7} {:>16} {:>15}  peak per rank (metered)",
+        "order", "bubble", "predicted step", "measured step"
+    );
+    for order in Order::ALL {
+        let mut c = c.clone();
+        c.scheme.order = order;
+        if let Err(e) = c.scheme.validate(c.train.batch_size) {
+            println!("{order:<6} not for this scheme: {e}");
+            continue;
+        }
+        let layout = Layout::new(&graph, &c)?;
+        let peaks = fit::per_rank(&graph, &c)?;
+        let measured = match a.measure {
+            Some(steps) => {
+                let data = crate::train::open_data(&graph, &c, false)?;
+                let mut session = gems::Session::new(&graph, c.clone(), data)?;
+                let mut times = Vec::new();
+                for _ in 0..steps.max(2) {
+                    times.push(session.step()?.seconds);
+                }
+                times.remove(0);
+                times.sort_by(f64::total_cmp);
+                format!("{:.3} s", times[times.len() / 2])
+            }
+            None => "-".into(),
+        };
+        println!(
+            "{:<6} {:>6.1}% {:>14.3} s {:>15}  {}",
+            order.to_string(),
+            100.0 * layout.schedule.bubble(),
+            layout.predicted_step(true),
+            measured,
+            peaks
+                .iter()
+                .map(|m| human_bytes(m.peak))
+                .collect::<Vec<_>>()
+                .join(" ")
+        );
+    }
+    Ok(())
+}
 
 /// The partition, the predicted schedule, and each rank's memory by category against capacity.
 pub fn plan(a: TrainArgs) -> anyhow::Result<()> {
+    if a.spread.order == OrderChoice::All {
+        return compare_orders(&a);
+    }
     let (graph, c) = setup(&a)?;
     let layout = Layout::new(&graph, &c)?;
     let (g, s) = (&layout.graph, &c.scheme);

@@ -16,7 +16,7 @@ use gems::runtime::folder::checkpoint_path;
 use gems::runtime::{Checkpoint, CheckpointFolder, FolderRules};
 use gems::{models, Evaluation, Graph, RunConfig, Session, StepReport, TrainConfig};
 
-use crate::cli::{Choice, Offload, Tiling, TrainArgs, Transport};
+use crate::cli::{Choice, Offload, OrderChoice, Tiling, TrainArgs, Transport};
 
 /// The model and the run the training flags describe (or a checkpoint, with `--resume`),
 /// with `auto` and `max` resolved against the capacity by metered runs; what was chosen is
@@ -99,6 +99,7 @@ pub fn setup(a: &TrainArgs) -> anyhow::Result<(Graph, RunConfig)> {
     let mut c = RunConfig::new(train, a.spread.scheme()?);
     c.balance = a.spread.balance.clone();
     c.max_in_flight = a.spread.max_in_flight;
+    c.schedule = a.spread.schedule()?.map(std::sync::Arc::new);
     if let Some(p) = &a.calibration {
         c.calibration = Some(std::sync::Arc::new(
             gems::plan::calibrate::Calibration::load(p)?,
@@ -155,6 +156,9 @@ pub fn train(a: TrainArgs) -> anyhow::Result<()> {
     if a.input.val_every == Some(0) {
         anyhow::bail!("--val-every must be at least 1");
     }
+    if a.spread.order == OrderChoice::All {
+        anyhow::bail!("--order all compares the orders in `gems plan`; a run trains one");
+    }
     let (graph, c) = setup(&a)?;
     fit::check_fits(&graph, &c)?;
     match a.spread.transport {
@@ -170,7 +174,7 @@ pub fn train(a: TrainArgs) -> anyhow::Result<()> {
 
 /// Opens the run's data for `graph`; where `speaks`, warns of samples left out and prints the
 /// samples of each class (when segmenting, the share of labelled pixels of each) (a class the data lacks is refused when the source is opened).
-fn open_data(graph: &Graph, c: &RunConfig, speaks: bool) -> anyhow::Result<gems::Dataset> {
+pub fn open_data(graph: &Graph, c: &RunConfig, speaks: bool) -> anyhow::Result<gems::Dataset> {
     let t = &c.train;
     let data = gems::data::open(&t.data, graph.image_size(), graph.classes(), t.seed)?;
     if speaks {
