@@ -182,13 +182,20 @@ fn every_scheme(name: &str) {
     check(model, Scheme::new(Kind::Dp, 1, 1, 1, 2, Order::GPipe), 2);
 }
 
-/// The zero-bubble order and hand-written schedules on `model` (P stages, m micro-batches):
+/// The zero-bubble and interleaved orders and a hand-written schedule on `model` (P ranks, m
+/// micro-batches):
 /// B and W as separate tasks, with and without data parallelism.
 fn split_backward(name: &str, p: usize, m: usize) {
     let model = &self::model(name, 4);
     check(model, Scheme::new(Kind::Mp, p, m, 1, 1, Order::ZbH1), m);
     check(model, Scheme::new(Kind::Mp, p, m, 1, 2, Order::ZbH1), m);
     check(model, Scheme::new(Kind::Dp, 1, m, 1, 2, Order::ZbH1), m);
+    check(model, Scheme::new(Kind::Mp, p, m, 1, 1, Order::ZbV), m);
+    check(model, Scheme::new(Kind::Mp, p, m, 1, 2, Order::ZbV), m);
+    let interleaved = Scheme::new(Kind::Mp, p, p, 1, 1, Order::Interleaved);
+    check(model, interleaved.with_virtual_stages(2), p);
+    let interleaved = Scheme::new(Kind::Mp, p, p, 1, 2, Order::Interleaved);
+    check(model, interleaved.with_virtual_stages(2), p);
     // 1F1B with every W deferred to the end of the step: a schedule written by hand.
     let scheme = Scheme::new(Kind::Mp, p, m, 1, 1, Order::OneFOneB);
     let mut c = RunConfig::new(train(m, DType::F64, LR), scheme);
@@ -212,12 +219,12 @@ fn split_backward(name: &str, p: usize, m: usize) {
 }
 
 #[test]
-fn zero_bubble_and_hand_written_schedules_match_single_on_resnet110v2() {
+fn pipeline_orders_and_hand_written_schedules_match_single_on_resnet110v2() {
     split_backward("resnet110v2", 4, 4);
 }
 
 #[test]
-fn zero_bubble_and_hand_written_schedules_match_single_on_unet() {
+fn pipeline_orders_and_hand_written_schedules_match_single_on_unet() {
     // Skip connections from the first stage to the last cross every boundary between them.
     split_backward("unet_d3_w4", 3, 3);
 }

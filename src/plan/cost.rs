@@ -279,7 +279,9 @@ impl TileCosts {
         TileCosts {
             costs,
             exchange,
-            on_tiles: (0..scheme.stages).map(|s| scheme.tiled(s)).collect(),
+            on_tiles: (0..scheme.model_stages())
+                .map(|s| scheme.tiled(s))
+                .collect(),
             grid,
         }
     }

@@ -92,11 +92,11 @@ impl Layout {
             &Link::CPU,
         );
         let partition = match &c.balance {
-            Some(b) if b.len() != c.scheme.stages => {
+            Some(b) if b.len() != c.scheme.model_stages() => {
                 return Err(Error::Config(format!(
                     "the balance lists {} stages but the scheme has {}",
                     b.len(),
-                    c.scheme.stages
+                    c.scheme.model_stages()
                 )))
             }
             Some(b) => partition::from_balance(&graph, b)?,

@@ -27,7 +27,7 @@ const EXHAUSTIVE: usize = 2048;
 /// moment seen so far until the split it returns has none it did not account for: it fits,
 /// but a faster split that fits only its own schedule may be missed.
 pub fn split(c: &RunConfig, g: &Graph, costs: &NodeCosts, tiles: &TileCosts) -> Result<Partition> {
-    let p = c.scheme.stages;
+    let p = c.scheme.model_stages();
     let cost = Cost::of(costs, tiles);
     let fastest = partition::balanced(g, p, &cost, None)?.expect("a split exists");
     let Some(model) = Model::of(c, g)? else {
@@ -96,10 +96,16 @@ struct Model {
 }
 
 impl Model {
+    /// `None` where the model does not apply: no capacity, saved tensors off the device, or
+    /// several model chunks per rank (the model counts one per orientation; the metered run
+    /// still holds such a run to its capacity).
     fn of(c: &RunConfig, g: &Graph) -> Result<Option<Model>> {
         let Some(cap) = c.train.device_memory else {
             return Ok(None);
         };
+        if c.scheme.chunks() > 1 {
+            return Ok(None);
+        }
         if c.train.saves.nodes.iter().any(|&k| k != Keep::Device) {
             return Ok(None);
         }

@@ -130,11 +130,12 @@ fn tag(
     vi: usize,
 ) -> Result<u64> {
     let p = matches!(pass, Pass::Backward) as usize;
-    let t = ((((p * s.replicas + replica) * s.stages + stage) * s.parts + micro) * 8 + vi) as u64;
+    let stages = s.model_stages();
+    let t = ((((p * s.replicas + replica) * stages + stage) * s.parts + micro) * 8 + vi) as u64;
     if t >= crate::comm::COLLECTIVE_TAG {
         return Err(Error::Config(format!(
             "{} replicas × {} stages × {} micro-batches are too many to tag messages",
-            s.replicas, s.stages, s.parts
+            s.replicas, stages, s.parts
         )));
     }
     Ok(t)
@@ -206,22 +207,23 @@ impl Rank {
         let tiles = s.tiled(slot).then(|| Tiles::new(tile_group, s.spatial));
         let mut copies = Vec::new();
         for orientation in 0..s.replicas.min(2) {
-            let stage = s.place(orientation, slot);
-            let params = Params::init_range(
-                &layout.graph,
-                &device,
-                c.train.dtype,
-                c.train.seed,
-                layout.param_ids(stage),
-            )?;
-            let sgd = Sgd::new(&params, &device, c.train.sgd)?;
-            copies.push(Copy {
-                stage,
-                orientation,
-                params,
-                sgd,
-                running: Vec::new(),
-            });
+            for stage in s.stages_at(orientation, slot) {
+                let params = Params::init_range(
+                    &layout.graph,
+                    &device,
+                    c.train.dtype,
+                    c.train.seed,
+                    layout.param_ids(stage),
+                )?;
+                let sgd = Sgd::new(&params, &device, c.train.sgd)?;
+                copies.push(Copy {
+                    stage,
+                    orientation,
+                    params,
+                    sgd,
+                    running: Vec::new(),
+                });
+            }
         }
         // Only ranks that make images or score losses read data (never a metered run).
         let tasks = &layout.schedule.ranks[slot];
@@ -407,9 +409,8 @@ impl Rank {
         let n = self.layout.graph.params.len();
         let mut values: Vec<Option<Message>> = (0..n).map(|_| None).collect();
         let mut momentum: Vec<Option<Message>> = (0..n).map(|_| None).collect();
-        let mine = self.copies.iter().find(|c| c.orientation == 0);
-        if self.group == 0 && self.tile == 0 {
-            let copy = mine.ok_or_else(|| Error::Internal("no orientation-0 copy".into()))?;
+        let mine = self.copies.iter().filter(|c| c.orientation == 0);
+        for copy in mine.filter(|_| self.group == 0 && self.tile == 0) {
             for (i, v) in copy.params.values.iter().enumerate() {
                 let id = copy.params.first + i;
                 let buffer = copy.sgd.buffers()[i].as_ref().map(host).transpose()?;
@@ -427,7 +428,7 @@ impl Rank {
         if self.rank() != 0 {
             return Ok(None);
         }
-        for stage in 1..s.stages {
+        for stage in (0..s.model_stages()).filter(|&st| s.place(0, st) != 0) {
             let from = s.first_rank(s.place(0, stage));
             for id in self.layout.param_ids(stage) {
                 values[id] = Some(self.comm.recv_message(from, STATE_TAG)?);
@@ -508,8 +509,8 @@ impl Rank {
             .chain(losses.iter().map(|o| o.value))
             .collect();
         let seed = splitmix64(c.train.seed ^ (self.step * s.micro_batches_per_step() + gm) as u64);
-        let copy = &mut self.copies[t.replica % 2];
-        debug_assert_eq!(copy.stage, t.stage);
+        let held = self.copy_of(&t)?;
+        let copy = &mut self.copies[held];
         let range = layout.partition.stages[t.stage].clone();
         let (outs, mut tape) = graph::forward(
             g,
@@ -840,9 +841,10 @@ impl Rank {
                 .copied()
                 .chain(scores.then_some(out))
                 .collect();
+            let held = self.copy_of(&t)?;
             let (outs, _) = graph::forward(
                 g,
-                &mut self.copies[t.replica % 2].params,
+                &mut self.copies[held].params,
                 &self.device,
                 feeds,
                 layout.partition.stages[t.stage].clone(),
@@ -886,7 +888,7 @@ impl Rank {
             .pending
             .remove(&key)
             .ok_or_else(|| Error::Internal(format!("{t} before its F")))?;
-        if t.stage + 1 < s.stages {
+        if t.stage + 1 < s.model_stages() {
             let from = s.place(t.replica, t.stage + 1);
             for (vi, &v) in layout.outputs[t.stage].iter().enumerate() {
                 let tg = tag(s, Pass::Backward, t.replica, t.stage, t.micro, vi)?;
@@ -901,7 +903,8 @@ impl Rank {
         } else {
             &[]
         };
-        let copy = &mut self.copies[t.replica % 2];
+        let held = self.copy_of(&t)?;
+        let copy = &mut self.copies[held];
         let (grads, work) = graph::backward(
             &layout.graph,
             &mut copy.params,
@@ -927,6 +930,14 @@ impl Rank {
         Ok(start)
     }
 
+    /// Which of this rank's copies runs task `t`.
+    fn copy_of(&self, t: &Task) -> Result<usize> {
+        self.copies
+            .iter()
+            .position(|c| c.stage == t.stage && c.orientation == t.replica % 2)
+            .ok_or_else(|| Error::Internal(format!("rank {} holds no copy for {t}", self.rank())))
+    }
+
     /// Runs a W task: the weight gradients its B left; returns when it started.
     fn weight(&mut self, t: Task) -> Result<Instant> {
         let work = self
@@ -934,7 +945,8 @@ impl Rank {
             .remove(&(t.replica, t.stage, t.micro))
             .ok_or_else(|| Error::Internal(format!("{t} before its B")))?;
         let start = Instant::now();
-        let copy = &mut self.copies[t.replica % 2];
+        let held = self.copy_of(&t)?;
+        let copy = &mut self.copies[held];
         graph::weight_gradients(&self.layout.graph, &mut copy.params, &self.device, work)?;
         self.device.backend().synchronize()?;
         self.current.busy += start.elapsed().as_secs_f64();

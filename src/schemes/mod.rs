@@ -64,11 +64,32 @@ pub enum Order {
     /// (input gradients, sent upstream at once) and W (weight gradients), the W passes filling
     /// the pipeline's bubbles.
     ZbH1,
+    /// Interleaved 1F1B (Megatron-LM): V model chunks per rank, chunk v of rank r being stage
+    /// v·P + r, so a micro-batch loops over the ranks V times and the bubble shrinks V-fold.
+    Interleaved,
+    /// Zero-bubble ZB-V: two chunks per rank in a V (stage s on rank s going down, stage
+    /// 2P−1−s coming back), so the first rank also holds the last stage; B and W split.
+    ZbV,
 }
 
 impl Order {
     /// Every built-in order.
-    pub const ALL: [Order; 3] = [Order::GPipe, Order::OneFOneB, Order::ZbH1];
+    pub const ALL: [Order; 5] = [
+        Order::GPipe,
+        Order::OneFOneB,
+        Order::Interleaved,
+        Order::ZbH1,
+        Order::ZbV,
+    ];
+
+    /// Model chunks each rank holds under this order with `virtual_stages` asked for.
+    pub fn chunks(self, virtual_stages: usize) -> usize {
+        match self {
+            Order::Interleaved => virtual_stages,
+            Order::ZbV => 2,
+            _ => 1,
+        }
+    }
 }
 
 impl fmt::Display for Order {
@@ -77,6 +98,8 @@ impl fmt::Display for Order {
             Order::GPipe => "gpipe",
             Order::OneFOneB => "1f1b",
             Order::ZbH1 => "zbh1",
+            Order::Interleaved => "interleaved",
+            Order::ZbV => "zbv",
         })
     }
 }
@@ -88,7 +111,11 @@ impl FromStr for Order {
             "gpipe" => Ok(Order::GPipe),
             "1f1b" => Ok(Order::OneFOneB),
             "zbh1" => Ok(Order::ZbH1),
-            _ => Err(format!("unknown pipeline order '{s}' (gpipe, 1f1b, zbh1)")),
+            "interleaved" => Ok(Order::Interleaved),
+            "zbv" => Ok(Order::ZbV),
+            _ => Err(format!(
+                "unknown pipeline order '{s}' (gpipe, 1f1b, interleaved, zbh1, zbv)"
+            )),
         }
     }
 }
@@ -111,6 +138,9 @@ pub struct Scheme {
     /// Spatial parallelism: each sample of the first stage (and, flowing the other way, of
     /// MAST's mirrored replica) split into this grid of tiles, one rank each.
     pub spatial: Grid,
+    /// V: model chunks per rank (interleaved 1F1B; ZB-V holds 2 whatever it says): the model
+    /// is split into P·V stages.
+    pub virtual_stages: usize,
 }
 
 impl Scheme {
@@ -131,7 +161,26 @@ impl Scheme {
             dp,
             order,
             spatial: Grid::ONE,
+            virtual_stages: 1,
         }
+    }
+
+    /// The same scheme with `v` model chunks per rank (interleaved 1F1B).
+    pub fn with_virtual_stages(self, v: usize) -> Scheme {
+        Scheme {
+            virtual_stages: v,
+            ..self
+        }
+    }
+
+    /// Model chunks each rank holds: V for interleaved 1F1B, 2 for ZB-V, else 1.
+    pub fn chunks(&self) -> usize {
+        self.order.chunks(self.virtual_stages)
+    }
+
+    /// Stages the model is split into: P·chunks.
+    pub fn model_stages(&self) -> usize {
+        self.stages * self.chunks()
     }
 
     /// The same scheme with its first stage's samples split into `grid` tiles.
@@ -179,11 +228,31 @@ impl Scheme {
             }
             _ => {}
         }
-        if self.order == Order::ZbH1 && self.replicas != 1 {
+        let zero_bubble = matches!(self.order, Order::ZbH1 | Order::ZbV);
+        if (zero_bubble || self.order == Order::Interleaved) && self.replicas != 1 {
             return bad(format!(
-                "the zbh1 order runs one replica per step, not {} (mp, dp or single)",
-                self.replicas
+                "the {} order runs one replica per step, not {} (mp, dp or single)",
+                self.order, self.replicas
             ));
+        }
+        if self.virtual_stages == 0 {
+            return bad("--virtual-stages must be at least 1".into());
+        }
+        if self.chunks() > 1 {
+            if self.spatial.is_split() {
+                return bad(format!(
+                    "the {} order holds several model chunks per rank; spatial parallelism \
+                     tiles the first stage of one chunk per rank (use gpipe, 1f1b or zbh1)",
+                    self.order
+                ));
+            }
+            if self.order == Order::Interleaved && !self.parts.is_multiple_of(self.stages) {
+                return bad(format!(
+                    "interleaved 1F1B runs micro-batches in rounds of P = {}: {} micro-batches \
+                     are not a multiple of it",
+                    self.stages, self.parts
+                ));
+            }
         }
         if batch == 0 || !batch.is_multiple_of(self.parts) {
             return bad(format!(
@@ -238,13 +307,24 @@ impl Scheme {
     }
 
     /// The pipeline position (within a data-parallel group) that runs `stage` of `replica`:
-    /// even replicas flow from position 0, odd ones (MAST's second replica) from P-1.
+    /// even replicas flow from position 0, odd ones (MAST's second replica) from P-1; with
+    /// model chunks, stage s on position s mod P (interleaved) or in a V (ZB-V: down the
+    /// ranks, then back up).
     pub fn place(&self, replica: usize, stage: usize) -> usize {
-        if replica % 2 == 1 {
-            self.stages - 1 - stage
-        } else {
-            stage
+        let p = self.stages;
+        match self.order {
+            Order::Interleaved => stage % p,
+            Order::ZbV if stage >= p => 2 * p - 1 - stage,
+            _ if replica % 2 == 1 => p - 1 - stage,
+            _ => stage,
         }
+    }
+
+    /// The model stages position `slot` holds for `replica`, in stage order.
+    pub fn stages_at(&self, replica: usize, slot: usize) -> Vec<usize> {
+        (0..self.model_stages())
+            .filter(|&s| self.place(replica, s) == slot)
+            .collect()
     }
 
     /// Micro-batches per step over all replicas and groups: the reference's accumulation count.

@@ -216,6 +216,8 @@ impl Timeline {
             stages: scheme.stages,
             micro_batches: scheme.parts,
             replicas: scheme.replicas,
+            placement: scheme.order,
+            virtual_stages: scheme.chunks(),
             ranks: (self.ranks.iter())
                 .map(|r| r.iter().map(|t| t.task).collect())
                 .collect(),
@@ -226,15 +228,22 @@ impl Timeline {
 /// What each rank of a pipeline runs in one step, in order: per pipeline position, a list of
 /// tasks. Gradient sums and the optimizer step close every rank's list; sends and receives are
 /// those of its tasks (an F receives its stage's inputs and sends its outputs, a B or BW
-/// receives its outputs' gradients and sends its inputs'), sends never block.
-#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+/// receives its outputs' gradients and sends its inputs'), sends never block. Which rank
+/// holds which stage is the placement of a built-in order: stage s on rank s (MAST's second
+/// replica mirrored) for gpipe, 1f1b and zbh1; P·V stages looped over the ranks for
+/// interleaved; 2P stages in a V for zbv.
+#[derive(Clone, Debug, PartialEq)]
 pub struct Schedule {
-    /// P: pipeline stages.
+    /// P: pipeline positions (ranks of a group).
     pub stages: usize,
     /// m: micro-batches per replica pass.
     pub micro_batches: usize,
     /// η: replicas per step.
     pub replicas: usize,
+    /// The built-in order whose placement of stages on ranks the tasks follow.
+    pub placement: Order,
+    /// Model chunks per rank under that placement (the model has this many times P stages).
+    pub virtual_stages: usize,
     /// Each pipeline position's tasks in the order it runs them.
     pub ranks: Vec<Vec<Task>>,
 }
@@ -258,7 +267,15 @@ struct File {
     micro_batches: usize,
     #[serde(default = "one")]
     replicas: usize,
+    #[serde(default = "standard")]
+    placement: String,
+    #[serde(default = "one")]
+    virtual_stages: usize,
     ranks: Vec<Vec<FileTask>>,
+}
+
+fn standard() -> String {
+    Order::OneFOneB.to_string()
 }
 
 fn one() -> usize {
@@ -273,8 +290,18 @@ impl Schedule {
             stages,
             micro_batches,
             replicas: 1,
+            placement: Order::OneFOneB,
+            virtual_stages: 1,
             ranks: vec![Vec::new(); stages],
         }
+    }
+
+    /// The same schedule with its stages placed as `order` places them with `virtual_stages`
+    /// chunks per rank (e.g. interleaved, 2).
+    pub fn placed_as(mut self, order: Order, virtual_stages: usize) -> Schedule {
+        self.placement = order;
+        self.virtual_stages = order.chunks(virtual_stages);
+        self
     }
 
     /// Appends `task` to rank `rank`'s list.
@@ -293,6 +320,8 @@ impl Schedule {
             stages: self.stages,
             micro_batches: self.micro_batches,
             replicas: self.replicas,
+            placement: self.placement.to_string(),
+            virtual_stages: self.virtual_stages,
             ranks: (self.ranks.iter())
                 .map(|r| {
                     r.iter()
@@ -308,8 +337,8 @@ impl Schedule {
         };
         // One task per line: a file people read and edit.
         let mut out = format!(
-            "{{\n  \"stages\": {},\n  \"micro_batches\": {},\n  \"replicas\": {},\n  \"ranks\": [\n",
-            file.stages, file.micro_batches, file.replicas
+            "{{\n  \"stages\": {},\n  \"micro_batches\": {},\n  \"replicas\": {},\n  \"placement\": \"{}\",\n  \"virtual_stages\": {},\n  \"ranks\": [\n",
+            file.stages, file.micro_batches, file.replicas, file.placement, file.virtual_stages
         );
         for (r, tasks) in file.ranks.iter().enumerate() {
             out.push_str("    [\n");
@@ -347,10 +376,16 @@ impl Schedule {
             }
             ranks.push(list);
         }
+        let placement: Order = file
+            .placement
+            .parse()
+            .map_err(|e| Error::Config(format!("the schedule's placement: {e}")))?;
         Ok(Schedule {
             stages: file.stages,
             micro_batches: file.micro_batches,
             replicas: file.replicas,
+            virtual_stages: file.virtual_stages,
+            placement,
             ranks,
         })
     }
@@ -370,6 +405,24 @@ impl Schedule {
                 sizes.0, sizes.1, sizes.2, scheme.stages, scheme.parts, scheme.replicas
             ));
         }
+        let mine = Scheme {
+            order: self.placement,
+            virtual_stages: self.virtual_stages,
+            ..*scheme
+        };
+        let stages = scheme.model_stages();
+        let same = mine.model_stages() == stages
+            && (0..self.replicas)
+                .all(|r| (0..stages).all(|s| mine.place(r, s) == scheme.place(r, s)));
+        if !same {
+            return bad(format!(
+                "it places stages as {} with {} chunks per rank, the run as {} with {}",
+                self.placement,
+                self.virtual_stages,
+                scheme.order,
+                scheme.chunks()
+            ));
+        }
         if self.ranks.len() != scheme.stages {
             return bad(format!(
                 "it lists {} ranks, the pipeline has {}",
@@ -382,9 +435,7 @@ impl Schedule {
         for (r, tasks) in self.ranks.iter().enumerate() {
             for (i, t) in tasks.iter().enumerate() {
                 let here = format!("rank {r}, task {i} ({t})");
-                if t.stage >= self.stages
-                    || t.micro >= self.micro_batches
-                    || t.replica >= self.replicas
+                if t.stage >= stages || t.micro >= self.micro_batches || t.replica >= self.replicas
                 {
                     return bad(format!("{here}: outside the schedule's sizes"));
                 }
@@ -401,7 +452,7 @@ impl Schedule {
             }
         }
         for replica in 0..self.replicas {
-            for stage in 0..self.stages {
+            for stage in 0..stages {
                 let r = scheme.place(replica, stage);
                 for micro in 0..self.micro_batches {
                     let find = |pass| {
@@ -462,7 +513,7 @@ impl Schedule {
                 }
             }
         }
-        time(scheme, &StageCosts::uniform(scheme.stages, 1.0, 2.0), self).map(|_| ())
+        time(scheme, &StageCosts::uniform(stages, 1.0, 2.0), self).map(|_| ())
     }
 }
 
@@ -518,9 +569,9 @@ pub fn time(scheme: &Scheme, costs: &StageCosts, schedule: &Schedule) -> Result<
             };
             let mut ready = 0.0f64;
             let mut waiting = false;
-            for d in depends(t, scheme.stages) {
+            for d in depends(t, scheme.model_stages()) {
                 match finished(&done, &d) {
-                    Some(e) if d.stage == t.stage => ready = ready.max(e),
+                    Some(e) if scheme.place(d.replica, d.stage) == r => ready = ready.max(e),
                     Some(e) => ready = ready.max(e + costs.transfer[t.stage.min(d.stage)]),
                     None => waiting = true,
                 }
@@ -537,7 +588,7 @@ pub fn time(scheme: &Scheme, costs: &StageCosts, schedule: &Schedule) -> Result<
             let stuck: Vec<String> = (0..p)
                 .filter_map(|r| {
                     let t = schedule.ranks[r].get(next[r])?;
-                    let on = depends(t, scheme.stages)
+                    let on = depends(t, scheme.model_stages())
                         .find(|d| finished(&done, d).is_none())
                         .map(|d| format!(", waiting for {d}"))
                         .unwrap_or_default();
@@ -563,14 +614,14 @@ pub fn time(scheme: &Scheme, costs: &StageCosts, schedule: &Schedule) -> Result<
     Ok(Timeline { ranks: out })
 }
 
-/// One stage's passes over `m` micro-batches in pipeline order.
+/// One stage's passes over `m` micro-batches in GPipe's order, or else 1F1B's.
 fn stage_sequence(order: Order, stages: usize, stage: usize, m: usize) -> Vec<(Pass, usize)> {
     match order {
         Order::GPipe => (0..m)
             .map(|k| (Pass::Forward, k))
             .chain((0..m).rev().map(|k| (Pass::Backward, k)))
             .collect(),
-        Order::OneFOneB | Order::ZbH1 => {
+        _ => {
             let warm = (stages - 1 - stage).min(m);
             let mut seq: Vec<_> = (0..warm).map(|k| (Pass::Forward, k)).collect();
             for k in 0..m - warm {
@@ -594,7 +645,8 @@ pub fn build(
     max_in_flight: Option<usize>,
 ) -> Result<Timeline> {
     match scheme.order {
-        Order::ZbH1 => zero_bubble(scheme, costs),
+        Order::ZbH1 | Order::ZbV => zero_bubble(scheme, costs),
+        Order::Interleaved => time(scheme, costs, &interleaved(scheme)),
         Order::GPipe | Order::OneFOneB => replay(scheme, costs, max_in_flight, false),
     }
 }
@@ -606,62 +658,88 @@ pub fn evaluation(scheme: &Scheme, costs: &StageCosts, micro: usize) -> Result<T
     let one = Scheme {
         replicas: 1,
         parts: micro,
-        order: Order::GPipe,
         ..*scheme
     };
     replay(&one, costs, None, true)
 }
 
-/// ZB-H1 on one replica: every rank runs, whenever it is free, the first of these that can
-/// start: a B whose gradients have arrived (oldest first), the next F if the rank holds fewer
-/// micro-batches than 1F1B would (P − s on stage s; a micro-batch is held from its F until its
-/// W), else the oldest W. The W passes so fill the time a rank would wait, and a rank short of
-/// room for an F frees it with a W first. With equal F, B and W the step takes
-/// m(F + B + W) + (P − 1)(F + B), against 1F1B's m(F + B + W) + (P − 1)(F + B + W): gradients
-/// travel upstream at B's pace instead of BW's.
+/// Zero-bubble orders on one replica (ZB-H1 with one stage per rank, ZB-V with two in a V):
+/// every rank runs, whenever it is free, the first of these that can start: a B whose
+/// gradients have arrived (oldest first, then the deeper stage), the next F of one of its
+/// stages (the deeper first) if the rank holds fewer micro-batches than 1F1B would (P − r on
+/// rank r for ZB-H1; 2P stage passes, 1F1B's first rank, on every rank for ZB-V; a micro-batch
+/// is held from its F until its W, and a micro-batch entering the rank's first chunk counts
+/// its later chunks there at once, so it can always come back), else the oldest W. The W passes so fill the time a rank
+/// would wait, and a rank short of room for an F frees it with a W first. With equal F, B and
+/// W, ZB-H1's step takes m(F + B + W) + (P − 1)(F + B), against 1F1B's
+/// m(F + B + W) + (P − 1)(F + B + W): gradients travel upstream at B's pace instead of BW's.
 fn zero_bubble(scheme: &Scheme, costs: &StageCosts) -> Result<Timeline> {
     if scheme.replicas != 1 {
-        return Err(Error::Config(
-            "the zbh1 order runs one replica per step (mp, dp or single)".into(),
-        ));
+        return Err(Error::Config(format!(
+            "the {} order runs one replica per step (mp, dp or single)",
+            scheme.order
+        )));
     }
-    let (p, m) = (scheme.stages, scheme.parts);
+    let (p, m, stages) = (scheme.stages, scheme.parts, scheme.model_stages());
+    let mine: Vec<Vec<usize>> = (0..p)
+        .map(|r| scheme.stages_at(0, r).into_iter().rev().collect())
+        .collect();
+    let bound = |r: usize| match scheme.chunks() {
+        1 => p - r,
+        _ => 2 * p,
+    };
     let mut free_at = vec![0.0f64; p];
-    let mut next_f = vec![0usize; p];
+    let (mut next_f, mut next_b) = (vec![0usize; stages], vec![0usize; stages]);
     let mut held = vec![0usize; p];
+    let mut ws: Vec<std::collections::VecDeque<Task>> = vec![Default::default(); p];
     let mut done: HashMap<Task, f64> = HashMap::new();
-    let mut ws: Vec<Vec<usize>> = vec![Vec::new(); p];
     let mut out: Vec<Vec<Timed>> = vec![Vec::new(); p];
-    let mut next_b = vec![0usize; p];
-    for _ in 0..3 * p * m {
+    for _ in 0..3 * stages * m {
         // Each rank's choice at the earliest time it could start something.
         let mut best: Option<(f64, usize, Task)> = None;
-        for s in 0..p {
+        for r in 0..p {
             let ready_at = |t: &Task| -> Option<f64> {
-                depends(t, p).try_fold(free_at[s], |acc, d| {
+                depends(t, stages).try_fold(free_at[r], |acc, d| {
                     let e = finished(&done, &d)?;
-                    Some(acc.max(if d.stage == s {
-                        e
-                    } else {
-                        e + costs.transfer[s.min(d.stage)]
-                    }))
+                    let hop = match scheme.place(0, d.stage) == r {
+                        true => 0.0,
+                        false => costs.transfer[t.stage.min(d.stage)],
+                    };
+                    Some(acc.max(e + hop))
                 })
             };
             let mut options: Vec<(f64, u8, Task)> = Vec::new();
-            if next_b[s] < m {
-                let b = Task::input(s, next_b[s]);
-                if let Some(at) = ready_at(&b) {
-                    options.push((at, 0, b));
+            for &s in &mine[r] {
+                if next_b[s] < m {
+                    let b = Task::input(s, next_b[s]);
+                    if let Some(at) = ready_at(&b) {
+                        options.push((at, 0, b));
+                    }
                 }
             }
-            if next_f[s] < m && held[s] < p - s {
-                let f = Task::forward(s, next_f[s]);
-                if let Some(at) = ready_at(&f) {
-                    options.push((at, 1, f));
+            options.sort_by(|a, b| {
+                (a.0, a.2.micro)
+                    .partial_cmp(&(b.0, b.2.micro))
+                    .expect("finite")
+            });
+            // Room kept for the later chunks of micro-batches the rank's first chunk started,
+            // so that every started micro-batch can come back through this rank.
+            let first = *mine[r].last().expect("a rank holds a stage");
+            let reserved: usize = mine[r].iter().map(|&s| next_f[first] - next_f[s]).sum();
+            for &s in &mine[r] {
+                let room = match s == first {
+                    true => held[r] + reserved + mine[r].len() <= bound(r),
+                    false => next_f[s] < next_f[first],
+                };
+                if next_f[s] < m && room {
+                    let f = Task::forward(s, next_f[s]);
+                    if let Some(at) = ready_at(&f) {
+                        options.push((at, 1, f));
+                    }
                 }
             }
-            if let Some(&k) = ws[s].first() {
-                options.push((free_at[s], 2, Task::weight(s, k)));
+            if let Some(&w) = ws[r].front() {
+                options.push((free_at[r], 2, w));
             }
             // What can start soonest; at the same time, B before F before W.
             let choice = options
@@ -669,31 +747,34 @@ fn zero_bubble(scheme: &Scheme, costs: &StageCosts) -> Result<Timeline> {
                 .min_by(|a, b| (a.0, a.1).partial_cmp(&(b.0, b.1)).expect("finite times"));
             if let Some((at, _, t)) = choice {
                 if best.is_none_or(|b| at < b.0) {
-                    best = Some((at, s, t));
+                    best = Some((at, r, t));
                 }
             }
         }
-        let Some((start, s, t)) = best else {
+        let Some((start, r, t)) = best else {
             break;
         };
         match t.pass {
             Pass::Forward => {
-                next_f[s] += 1;
-                held[s] += 1;
+                next_f[t.stage] += 1;
+                held[r] += 1;
             }
             Pass::Input => {
-                next_b[s] += 1;
-                ws[s].push(t.micro);
+                next_b[t.stage] += 1;
+                ws[r].push_back(Task {
+                    pass: Pass::Weight,
+                    ..t
+                });
             }
             _ => {
-                ws[s].remove(0);
-                held[s] -= 1;
+                ws[r].pop_front();
+                held[r] -= 1;
             }
         }
         let end = start + costs.of(&t);
-        free_at[s] = end;
+        free_at[r] = end;
         done.insert(t, end);
-        out[s].push(Timed {
+        out[r].push(Timed {
             task: t,
             start,
             end,
@@ -704,6 +785,35 @@ fn zero_bubble(scheme: &Scheme, costs: &StageCosts) -> Result<Timeline> {
     Ok(timeline)
 }
 
+/// Interleaved 1F1B's order (Megatron-LM's): rank r's k-th forward is chunk (k / P) mod V of
+/// micro-batch (k / PV)·P + k mod P, its backwards the same with the chunks reversed; a
+/// warm-up of 2(P − r − 1) + (V − 1)P forwards, then one forward and one backward in turn.
+fn interleaved(scheme: &Scheme) -> Schedule {
+    let (p, v, m) = (scheme.stages, scheme.chunks(), scheme.parts);
+    let total = m * v;
+    let chunk = |k: usize| (k / p) % v;
+    let micro = |k: usize| (k / (p * v)) * p + k % p;
+    let mut s = Timeline { ranks: vec![] }.schedule(scheme);
+    s.ranks = vec![Vec::new(); p];
+    for r in 0..p {
+        let warm = match v {
+            1 => p - r - 1,
+            _ => 2 * (p - r - 1) + (v - 1) * p,
+        }
+        .min(total);
+        let f = |k: usize| Task::forward(chunk(k) * p + r, micro(k));
+        let b = |k: usize| Task::backward((v - 1 - chunk(k)) * p + r, micro(k));
+        let list = &mut s.ranks[r];
+        list.extend((0..warm).map(f));
+        for i in 0..total - warm {
+            list.push(f(warm + i));
+            list.push(b(i));
+        }
+        list.extend((total - warm..total).map(b));
+    }
+    s
+}
+
 /// [`build`], or with `forward_only` its forward tasks alone.
 fn replay(
     scheme: &Scheme,
@@ -711,15 +821,21 @@ fn replay(
     max_in_flight: Option<usize>,
     forward_only: bool,
 ) -> Result<Timeline> {
-    let p = scheme.stages;
+    let (p, stages) = (scheme.stages, scheme.model_stages());
+    // An evaluation's forwards run in GPipe's order whatever the training's.
+    let order = if forward_only {
+        Order::GPipe
+    } else {
+        scheme.order
+    };
     // Per rank, its copies' sequences: a copy is one orientation (even or odd replicas) of one
     // stage; its replicas run one after another on it.
     let mut seqs: Vec<Vec<Vec<Task>>> = vec![Vec::new(); p];
     for orientation in 0..scheme.replicas.min(2) {
-        for stage in 0..p {
+        for stage in 0..stages {
             let mut seq = Vec::new();
             for replica in (orientation..scheme.replicas).step_by(2) {
-                for (pass, micro) in stage_sequence(scheme.order, p, stage, scheme.parts) {
+                for (pass, micro) in stage_sequence(order, stages, stage, scheme.parts) {
                     if forward_only && pass == Pass::Backward {
                         continue;
                     }
@@ -735,7 +851,7 @@ fn replay(
         }
     }
     let total: usize = seqs.iter().flatten().map(Vec::len).sum();
-    let mut next = vec![vec![0usize; 2]; p];
+    let mut next: Vec<Vec<usize>> = seqs.iter().map(|r| vec![0; r.len()]).collect();
     let mut free_at = vec![0.0f64; p];
     let mut in_flight = vec![0usize; p];
     // Forward passes not yet scheduled, per rank and replica.
@@ -754,7 +870,7 @@ fn replay(
                         stage: t.stage - 1,
                         ..t
                     }),
-                    Pass::Backward if t.stage + 1 < p => Some(Task {
+                    Pass::Backward if t.stage + 1 < stages => Some(Task {
                         stage: t.stage + 1,
                         ..t
                     }),
@@ -1012,6 +1128,47 @@ mod tests {
             // Every task once, in an order the ranks can run.
             let s = zb.schedule(&scheme(Kind::Mp, p, m, 1, Order::ZbH1));
             s.validate(&scheme(Kind::Mp, p, m, 1, Order::ZbH1)).unwrap();
+        }
+    }
+
+    #[test]
+    fn interleaved_and_zbv_shrink_the_bubble() {
+        for (p, m) in [(2, 4), (4, 8), (4, 16)] {
+            let one_f = build(
+                &scheme(Kind::Mp, p, m, 1, Order::OneFOneB),
+                &StageCosts::uniform(p, 2.0, 4.0),
+                None,
+            )
+            .unwrap();
+            for (order, v) in [
+                (Order::Interleaved, 2),
+                (Order::Interleaved, 4),
+                (Order::ZbV, 2),
+            ] {
+                let sch = scheme(Kind::Mp, p, m, 1, order).with_virtual_stages(v);
+                // Each chunk costs its share of a 1F1B stage.
+                let chunk = StageCosts::uniform(p * v, 2.0 / v as f64, 4.0 / v as f64);
+                let t = build(&sch, &chunk, None).unwrap();
+                t.schedule(&sch).validate(&sch).unwrap();
+                assert!(
+                    t.makespan() < one_f.makespan(),
+                    "{order:?} V {v} P {p} m {m}: {} against 1F1B's {}",
+                    t.makespan(),
+                    one_f.makespan()
+                );
+                // Chunk c of rank r is stage c·P + r (interleaved), or in a V.
+                for (r, tasks) in t.ranks.iter().enumerate() {
+                    assert!(tasks.iter().all(|t| sch.place(0, t.task.stage) == r));
+                }
+            }
+            // ZB-V holds at most 2P chunk passes on any rank: 1F1B's first rank.
+            let sch = scheme(Kind::Mp, p, m, 1, Order::ZbV);
+            let t = build(&sch, &StageCosts::uniform(2 * p, 1.0, 2.0), None).unwrap();
+            assert!(
+                most_held(&t).iter().all(|&h| h <= 2 * p),
+                "{:?}",
+                most_held(&t)
+            );
         }
     }
 

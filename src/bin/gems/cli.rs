@@ -739,10 +739,14 @@ pub struct SchemeArgs {
     /// R·C for each stage position that runs on tiles).
     #[arg(long)]
     pub ranks: Option<usize>,
-    /// Pipeline order: gpipe, 1f1b or zbh1 (zero-bubble: backward split into B and W, 1F1B's
-    /// memory); `all` (plan only) compares every order that fits the scheme.
+    /// Pipeline order: gpipe, 1f1b, interleaved (V model chunks per rank, Megatron's order),
+    /// zbh1 (zero-bubble: backward split into B and W, 1F1B's memory) or zbv (zero-bubble, two
+    /// chunks per rank in a V); `all` (plan only) compares every order that fits the scheme.
     #[arg(long, default_value = "gpipe")]
     pub order: OrderChoice,
+    /// V: model chunks per rank under --order interleaved (the model is split into P·V stages).
+    #[arg(long, default_value_t = 2, value_name = "V")]
+    pub virtual_stages: usize,
     /// Run the tasks a schedule file lists (JSON, as `gems schedule export` writes it) instead
     /// of the order's; P, m and η come from the file unless given.
     #[arg(long, value_name = "FILE.json")]
@@ -808,17 +812,19 @@ impl SchemeArgs {
             Some(f) if self.parts == 1 => f.micro_batches,
             _ => self.parts,
         };
-        let order = match self.order {
-            OrderChoice::One(o) => o,
-            OrderChoice::All => Order::GPipe,
+        // A schedule file places its stages as its order does, unless --order says otherwise.
+        let (order, virtual_stages) = match (self.order, &file) {
+            (OrderChoice::One(Order::GPipe), Some(f)) => (f.placement, f.virtual_stages),
+            (OrderChoice::One(o), _) => (o, self.virtual_stages),
+            (OrderChoice::All, _) => (Order::GPipe, self.virtual_stages),
         };
-        let s = Scheme::new(self.scheme, stages, parts, replicas, self.dp, order).with_spatial(
-            match self.spatial {
+        let s = Scheme::new(self.scheme, stages, parts, replicas, self.dp, order)
+            .with_virtual_stages(virtual_stages)
+            .with_spatial(match self.spatial {
                 Tiling::Grid(grid) => grid,
                 // Resolved against memory later, from no split up.
                 Tiling::Auto => gems::ops::tiles::Grid::ONE,
-            },
-        );
+            });
         if let Some(n) = self.ranks {
             if n != s.world() && !s.spatial.is_split() {
                 anyhow::bail!(

@@ -48,14 +48,14 @@ fn compare_orders(a: &TrainArgs) -> anyhow::Result<()> {
         }
     );
     println!(
-        "{:<6} {:>7} {:>16} {:>15}  peak per rank (metered)",
-        "order", "bubble", "predicted step", "measured step"
+        "{:<12} {:>7} {:>22} {:>22} {:>15}  peak per rank (metered)",
+        "order", "bubble", "step, a device a rank", "step, ranks on this CPU", "measured step"
     );
     for order in Order::ALL {
         let mut c = c.clone();
         c.scheme.order = order;
         if let Err(e) = c.scheme.validate(c.train.batch_size) {
-            println!("{order:<6} not for this scheme: {e}");
+            println!("{order:<12} not for this scheme: {e}");
             continue;
         }
         let layout = Layout::new(&graph, &c)?;
@@ -75,9 +75,10 @@ fn compare_orders(a: &TrainArgs) -> anyhow::Result<()> {
             None => "-".into(),
         };
         println!(
-            "{:<6} {:>6.1}% {:>14.3} s {:>15}  {}",
+            "{:<12} {:>6.1}% {:>20.3} s {:>21.3} s {:>15}  {}",
             order.to_string(),
             100.0 * layout.schedule.bubble(),
+            layout.predicted_step(false),
             layout.predicted_step(true),
             measured,
             peaks
