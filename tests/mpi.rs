@@ -143,6 +143,64 @@ fn mp_and_mast_over_mpi() {
     );
 }
 
+fn refs(v: &[String]) -> Vec<&str> {
+    v.iter().map(String::as_str).collect()
+}
+
+#[test]
+fn pipeline_orders_and_schedule_files_over_mpi() {
+    // The same micro-batches of one image on one device.
+    let single =
+        |m: &str| ["--scheme", "single", "--parts", m, "--batch-size", m].map(String::from);
+    let mp = |extra: &[&str]| -> Vec<String> {
+        [
+            "--scheme",
+            "mp",
+            "--split",
+            "2",
+            "--parts",
+            "4",
+            "--batch-size",
+            "4",
+        ]
+        .iter()
+        .chain(extra)
+        .map(|s| s.to_string())
+        .collect()
+    };
+    for order in ["zbh1", "zbv", "interleaved"] {
+        let args = mp(&["--order", order]);
+        check(order, 2, &refs(&args), &refs(&single("4")));
+    }
+    let hybrid = mp(&["--order", "zbv", "--dp", "2"]);
+    check("zbv-dp", 4, &refs(&hybrid), &refs(&single("8")));
+    // A schedule file, as `gems schedule export` writes it, read back by every rank.
+    let dir = std::env::temp_dir().join(format!("gems-mpi-schedule-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("zbv.json");
+    let out = Command::new(gems())
+        .args(["schedule", "export", "--dtype", "f64", "--classes", "4"])
+        .args(mp(&["--order", "zbv"]))
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    std::fs::write(&file, &out.stdout).unwrap();
+    let args = vec![
+        "--scheme".to_string(),
+        "mp".into(),
+        "--batch-size".into(),
+        "4".into(),
+        "--schedule-file".into(),
+        file.to_str().unwrap().into(),
+    ];
+    check("schedule-file", 2, &refs(&args), &refs(&single("4")));
+    std::fs::remove_dir_all(dir).ok();
+}
+
 #[test]
 fn spatial_over_mpi() {
     // Halo exchange and BN's sums over the tiles between processes: each sample in 2x2 tiles,

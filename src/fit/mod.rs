@@ -304,8 +304,13 @@ fn check_device(g: &Graph, c: &RunConfig, cap: u64) -> Result<u64> {
 /// What fits `cap` where `c` does not: the largest batch with these stages, else the fewest
 /// stages with this batch.
 fn what_fits(g: &Graph, c: &RunConfig, cap: u64) -> Result<WhatFits> {
+    // More stages take other tasks: their order's, not a schedule written for these.
+    let own_order = RunConfig {
+        schedule: None,
+        ..c.clone()
+    };
     Ok(match largest_batch(g, c, cap, c.train.batch_size)? {
-        0 => match fewest_stages(g, c, cap, c.scheme.stages + 1..most_stages(g) + 1)? {
+        0 => match fewest_stages(g, &own_order, cap, c.scheme.stages + 1..most_stages(g) + 1)? {
             Some(t) => WhatFits::Stages(t.scheme.stages),
             None => WhatFits::Nothing,
         },

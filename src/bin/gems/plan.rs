@@ -269,6 +269,11 @@ pub fn calibrate(a: CalibrateArgs) -> anyhow::Result<()> {
 
 pub fn simulate(a: SimulateArgs) -> anyhow::Result<()> {
     use gems::plan::simulate;
+    if a.train.spread.order == OrderChoice::All {
+        anyhow::bail!(
+            "--order all: simulate one order at a time (`gems plan --order all` compares them)"
+        );
+    }
     let (g, c) = setup(&a.train)?;
     let s = &c.scheme;
     println!(
