@@ -2,11 +2,11 @@
 //! f32 forward against its f64 forward.
 
 use gems::data::UNLABELLED;
+use gems::ops::activation::Nonlinearity;
 use gems::ops::conv::{Conv2d, ConvTranspose2d};
+use gems::ops::groupnorm::GroupNorm;
 use gems::ops::pool::AdaptiveAvgPool;
 use gems::ops::pool::{AvgPool, GlobalAvgPool, MaxPool, Window};
-use gems::ops::activation::Nonlinearity;
-use gems::ops::groupnorm::GroupNorm;
 use gems::ops::{
     activation, dropout, elementwise, linear, loss, norm, resize, shape, Backward, Ctx, Op, Saved,
 };
@@ -380,7 +380,10 @@ fn group_norm(groups: usize) -> Op {
 fn group_norm_gradients() {
     check_gradients("groupnorm 2 groups", one(group_norm(2), &[4, 3, 3], 3));
     check_gradients("layernorm", one(group_norm(1), &[3, 4, 5], 2));
-    check_gradients("groupnorm a channel a group", one(group_norm(3), &[3, 2, 3], 2));
+    check_gradients(
+        "groupnorm a channel a group",
+        one(group_norm(3), &[3, 2, 3], 2),
+    );
     check_gradients("groupnorm batch 1", one(group_norm(2), &[6, 2, 2], 1));
     check_gradients("groupnorm of vectors", one(group_norm(2), &[6], 3));
 }
@@ -417,7 +420,10 @@ fn group_norm_follows_pytorch() {
 fn group_norm_refuses_channels_that_do_not_divide() {
     let (mut b, x) = gems::graph::GraphBuilder::new("m", "M", Shape::new([30, 4, 4]));
     let e = b.group_norm("gn", x, 32).unwrap_err().to_string();
-    assert!(e.contains("30 channels do not divide into 32 groups"), "{e}");
+    assert!(
+        e.contains("30 channels do not divide into 32 groups"),
+        "{e}"
+    );
     let e = b.group_norm("gn", x, 0).unwrap_err().to_string();
     assert!(e.contains("0 groups"), "{e}");
     assert!(b.group_norm("gn", x, 3).is_ok());
@@ -426,7 +432,10 @@ fn group_norm_refuses_channels_that_do_not_divide() {
 #[test]
 fn smooth_activation_gradients() {
     for f in Nonlinearity::ALL {
-        check_gradients(f.name(), one(Op::Smooth(activation::Smooth(f)), &[3, 4, 4], 2));
+        check_gradients(
+            f.name(),
+            one(Op::Smooth(activation::Smooth(f)), &[3, 4, 4], 2),
+        );
     }
 }
 

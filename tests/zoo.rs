@@ -137,7 +137,12 @@ fn resnet50_gn_logits_do_not_depend_on_the_batch() {
         let mut params = gems::graph::Params::init(&g, &d, DType::F64, 3).unwrap();
         let n = x.len() / per;
         let xt = d
-            .upload(batched(n, g.input_shape()), x, DType::F64, Category::Activations)
+            .upload(
+                batched(n, g.input_shape()),
+                x,
+                DType::F64,
+                Category::Activations,
+            )
             .unwrap();
         let out = g.outputs[0].value;
         let (ys, _) = gems::graph::forward(

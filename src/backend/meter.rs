@@ -6,8 +6,8 @@
 use std::sync::{Arc, OnceLock};
 
 use super::{
-    Backend, ChannelGeom, ConvGeom, DeviceKind, Event, GroupGeom, LossGeom, Nonlinearity,
-    PoolGeom, ResizeGeom, SgdStep,
+    Backend, ChannelGeom, ConvGeom, DeviceKind, Event, GroupGeom, LossGeom, Nonlinearity, PoolGeom,
+    ResizeGeom, SgdStep,
 };
 use crate::backend::host::HostPool;
 use crate::backend::Storage;

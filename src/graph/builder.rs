@@ -1,9 +1,9 @@
 //! Building a graph from nested blocks.
 
 use super::{Block, BlockId, Graph, Node, Output, Param, Value, ValueId};
+use crate::ops::activation::Nonlinearity;
 use crate::ops::conv::{Conv2d, ConvTranspose2d};
 use crate::ops::Init;
-use crate::ops::activation::Nonlinearity;
 use crate::ops::{
     activation, dropout, elementwise, groupnorm, linear, norm, pool, resize, shape, Op,
 };

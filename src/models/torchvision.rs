@@ -244,7 +244,13 @@ impl Norm {
 
     /// The norm layer `name` of `x` and a ReLU: fused into batch norm, a node `relu` after a
     /// group norm.
-    fn with_relu(self, b: &mut GraphBuilder, name: &str, relu: &str, x: ValueId) -> Result<ValueId> {
+    fn with_relu(
+        self,
+        b: &mut GraphBuilder,
+        name: &str,
+        relu: &str,
+        x: ValueId,
+    ) -> Result<ValueId> {
         match self {
             Norm::Batch => b.batchnorm_relu(name, x),
             Norm::Group => {

@@ -61,7 +61,10 @@ impl Operator for GroupNorm {
             ));
         }
         if !(self.eps.is_finite() && self.eps > 0.0) {
-            return Err(format!("group norm's eps must be positive, got {}", self.eps));
+            return Err(format!(
+                "group norm's eps must be positive, got {}",
+                self.eps
+            ));
         }
         Ok(s.clone())
     }

@@ -34,8 +34,8 @@ use rayon::prelude::*;
 use std::sync::Arc;
 
 use super::{
-    Backend, ChannelGeom, ConvGeom, Event, GroupGeom, LossGeom, Nonlinearity, PoolGeom,
-    ResizeGeom, SgdStep, POISON,
+    Backend, ChannelGeom, ConvGeom, Event, GroupGeom, LossGeom, Nonlinearity, PoolGeom, ResizeGeom,
+    SgdStep, POISON,
 };
 use crate::backend::host::{Block, HostPool};
 use crate::backend::Storage;

@@ -40,8 +40,8 @@ use cudarc::driver::{
 };
 
 use super::{
-    Backend, ChannelGeom, ConvGeom, Event, GroupGeom, LossGeom, Nonlinearity, PoolGeom,
-    ResizeGeom, SgdStep, POISON,
+    Backend, ChannelGeom, ConvGeom, Event, GroupGeom, LossGeom, Nonlinearity, PoolGeom, ResizeGeom,
+    SgdStep, POISON,
 };
 use crate::backend::host::{Block, HostPool};
 use crate::backend::Storage;
