@@ -54,7 +54,7 @@ impl Operator for GroupNorm {
             return Err(format!("group norm of an empty input {s}"));
         }
         let c = s.dim(0);
-        if self.groups == 0 || c % self.groups != 0 {
+        if self.groups == 0 || !c.is_multiple_of(self.groups) {
             return Err(format!(
                 "{c} channels do not divide into {} groups",
                 self.groups
