@@ -85,6 +85,17 @@ typedef struct GemsBnRunning {
     double momentum;
 } GemsBnRunning;
 
+/* Group normalization (the backend's GroupGeom): n samples of c channels in `groups` groups
+ * of c / groups consecutive channels, hw values per plane; eps is added to each (sample,
+ * group)'s biased variance. */
+typedef struct GemsGroupNorm {
+    int32_t n;
+    int32_t c;
+    int32_t groups;
+    int32_t hw;
+    double eps;
+} GemsGroupNorm;
+
 /* One SGD step as PyTorch defines it:
  *   g = grad_scale grad + weight_decay w
  *   buf = g                                        on the first step (first_step != 0)

@@ -42,6 +42,7 @@ GEMS_PARAMS = {
     "resnet56v2": (590_426, 256),
     "resnet110v2": (1_146_842, 256),
     "resnet50": (23_528_522, 2048),
+    "resnet50_gn": (23_528_522, 2048),
     "vgg19": (139_611_210, 4096),
     "alexnet": (57_044_810, 4096),
     "inception_v3_noaux": (21_806_058, 2048),
@@ -57,8 +58,8 @@ SEGMENTATION = {"unet", "unet_resnet34"}
 # (gems calls that model inception_v3_noaux).
 GEMS_NAME = {"inception_v3": "inception_v3_noaux"}
 
-MODELS = ["resnet20v2", "resnet56v2", "resnet110v2", "resnet50", "vgg19", "alexnet", "inception_v3",
-          "unet", "unet_resnet34"]
+MODELS = ["resnet20v2", "resnet56v2", "resnet110v2", "resnet50", "resnet50_gn", "vgg19", "alexnet",
+          "inception_v3", "unet", "unet_resnet34"]
 OFFLOAD_MODELS = ["vgg19", "alexnet", "resnet50", "inception_v3"]
 
 # Seconds for 20 epochs of the GPU baseline on a V100 in the GEMS follow-up poster's offload
@@ -213,6 +214,11 @@ def build_model(name, classes):
         model = smp.Unet("resnet34", encoder_weights=None, classes=classes)
     elif name.endswith("v2"):
         model = ResNetV2(int(name[len("resnet"):-len("v2")]), classes)
+    elif name == "resnet50_gn":
+        # torchvision's resnet50 with every BatchNorm2d a GroupNorm of 32 groups.
+        model = torchvision.models.resnet50(
+            weights=None, num_classes=classes, norm_layer=lambda c: nn.GroupNorm(32, c)
+        )
     elif name == "inception_v3":
         model = torchvision.models.inception_v3(
             weights=None, aux_logits=False, init_weights=True, num_classes=classes

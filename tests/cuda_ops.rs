@@ -34,7 +34,8 @@ use std::cell::RefCell;
 
 use gems::backend::cuda::{self, ConvImpl};
 use gems::backend::{
-    ChannelGeom, ConvGeom, CopyMode, DeviceKind, LossGeom, PoolGeom, ResizeGeom, SgdStep,
+    ChannelGeom, ConvGeom, CopyMode, DeviceKind, GroupGeom, LossGeom, Nonlinearity, PoolGeom,
+    ResizeGeom, SgdStep,
 };
 use gems::graph::policy::SavePolicy;
 use gems::ops::conv::ConvTranspose2d;
@@ -92,6 +93,14 @@ per_precision! {
         batchnorm_fp32_matches_cpu = Fp32,
         batchnorm_bf16_matches_cpu = Bf16,
         batchnorm_f16_matches_cpu = Fp16;
+    groupnorm_matches():
+        groupnorm_fp32_matches_cpu = Fp32,
+        groupnorm_bf16_matches_cpu = Bf16,
+        groupnorm_f16_matches_cpu = Fp16;
+    smooth_activations_match():
+        smooth_activations_fp32_match_cpu = Fp32,
+        smooth_activations_bf16_match_cpu = Bf16,
+        smooth_activations_f16_match_cpu = Fp16;
     elementwise_matches():
         elementwise_fp32_matches_cpu = Fp32,
         elementwise_bf16_matches_cpu = Bf16,
@@ -467,6 +476,126 @@ fn batchnorm_matches(precision: Precision, conv: ConvImpl) {
     let report = p.gpu.backend().conv_algorithms();
     let through_cudnn = report.iter().any(|l| l.starts_with("batch norm: cuDNN"));
     assert_eq!(through_cudnn, conv == ConvImpl::Cudnn, "{report:?}");
+}
+
+/// Group normalization (layer norm, groups of several channels, a group per channel pair on
+/// 1×1 planes): statistics to [`sum_tol`], outputs to [`tol`], dx as batch norm's.
+fn groupnorm_matches(precision: Precision) {
+    let p = Pair::new(precision);
+    let (dtype, tol, sum_tol) = (p.dtype, tol(precision), sum_tol(precision));
+    let dx_tol = tol.max(1e-4);
+    for g in [
+        GroupGeom {
+            n: 1,
+            c: 3,
+            groups: 1,
+            hw: 7,
+        },
+        GroupGeom {
+            n: 4,
+            c: 32,
+            groups: 8,
+            hw: 33 * 31,
+        },
+        GroupGeom {
+            n: 2,
+            c: 64,
+            groups: 32,
+            hw: 1,
+        },
+        GroupGeom {
+            n: 3,
+            c: 64,
+            groups: 32,
+            hw: 28 * 28,
+        },
+    ] {
+        let (cpu, gpu) = (p.cpu.backend(), p.gpu.backend());
+        let numel = g.n * g.c * g.hw;
+        let stats = g.n * g.groups;
+        let name = format!("{precision} groupnorm {g:?}");
+        // An offset and a scale per channel, so a group's statistics are not N(0, 1/3)'s.
+        let xs: Vec<f64> = p
+            .values(numel)
+            .iter()
+            .enumerate()
+            .map(|(i, v)| 3.0 + v * (1.0 + (i / g.hw % g.c) as f64 * 0.1))
+            .collect();
+        let (x, xg) = p.both_as(&xs, dtype);
+        let (gamma, gammag) = p.input(g.c);
+        let (beta, betag) = p.input(g.c);
+        let (mut y, mut yg) = p.output_as(numel, dtype);
+        let (mut mean, mut meang) = p.output(stats);
+        let (mut var, mut varg) = p.output(stats);
+        cpu.groupnorm_forward(&x, &gamma, &beta, &mut y, &mut mean, &mut var, 1e-5, &g)
+            .unwrap();
+        gpu.groupnorm_forward(
+            &xg, &gammag, &betag, &mut yg, &mut meang, &mut varg, 1e-5, &g,
+        )
+        .unwrap();
+        p.check(&format!("{name} mean"), &mean, &meang, sum_tol);
+        p.check(&format!("{name} var"), &var, &varg, sum_tol);
+        p.check(&format!("{name} forward"), &y, &yg, tol);
+
+        let (dy, dyg) = p.input_as(numel, dtype);
+        let (mut dx, mut dxg) = p.output_as(numel, dtype);
+        let (mut dgamma, mut dgammag) = p.input(g.c);
+        let (mut dbeta, mut dbetag) = p.input(g.c);
+        cpu.groupnorm_backward(
+            &x,
+            &dy,
+            &gamma,
+            &mean,
+            &var,
+            &mut dx,
+            &mut dgamma,
+            &mut dbeta,
+            1e-5,
+            &g,
+        )
+        .unwrap();
+        gpu.groupnorm_backward(
+            &xg,
+            &dyg,
+            &gammag,
+            &meang,
+            &varg,
+            &mut dxg,
+            &mut dgammag,
+            &mut dbetag,
+            1e-5,
+            &g,
+        )
+        .unwrap();
+        p.check(&format!("{name} dx"), &dx, &dxg, dx_tol);
+        p.check(&format!("{name} dgamma"), &dgamma, &dgammag, sum_tol);
+        p.check(&format!("{name} dbeta"), &dbeta, &dbetag, sum_tol);
+    }
+}
+
+/// SiLU, both GELUs and sigmoid, forward and backward, on inputs in ±[0.2, 4]: the same f32
+/// formulas on both sides, with the device's and the host's exp, erf and tanh (an ulp or two
+/// apart), to [`tol`].
+fn smooth_activations_match(precision: Precision) {
+    let p = Pair::new(precision);
+    let (dtype, tol) = (p.dtype, tol(precision));
+    for n in [1, 255, 4097, 1 << 16] {
+        let (cpu, gpu) = (p.cpu.backend(), p.gpu.backend());
+        let xs: Vec<f64> = p.values(n).iter().map(|v| 4.0 * v).collect();
+        let (x, xg) = p.both_as(&xs, dtype);
+        let (dy, dyg) = p.input_as(n, dtype);
+        for f in Nonlinearity::ALL {
+            let name = format!("{precision} {} {n}", f.name());
+            let (mut y, mut yg) = p.output_as(n, dtype);
+            cpu.nonlinearity_forward(f, &x, &mut y).unwrap();
+            gpu.nonlinearity_forward(f, &xg, &mut yg).unwrap();
+            p.check(&format!("{name} forward"), &y, &yg, tol);
+            let (mut dx, mut dxg) = p.output_as(n, dtype);
+            cpu.nonlinearity_backward(f, &x, &dy, &mut dx).unwrap();
+            gpu.nonlinearity_backward(f, &xg, &dyg, &mut dxg).unwrap();
+            p.check(&format!("{name} backward"), &dx, &dxg, tol);
+        }
+    }
 }
 
 /// The element-wise ops: one f32 operation rounded once, or bits moved, so the same bits as

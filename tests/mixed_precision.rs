@@ -4,7 +4,7 @@
 //! every rank together.
 
 use gems::backend::cpu::Cpu;
-use gems::backend::{Backend, ChannelGeom, ConvGeom, LossGeom, PoolGeom};
+use gems::backend::{Backend, ChannelGeom, ConvGeom, GroupGeom, LossGeom, Nonlinearity, PoolGeom};
 use gems::optim::schedule::{Decay, LrSchedule};
 use gems::optim::SgdConfig;
 use gems::runtime::Checkpoint;
@@ -200,6 +200,50 @@ fn every_op_in_16_bits_is_the_f32_op_rounded_once() {
             rounded_once("batch norm backward", &dx16, &dx32);
             same("batch norm dgamma", &dg16, &dg32);
             same("batch norm dbeta", &db16, &db32);
+        }
+
+        // Group norm over x (n × c × hw in 3 groups): its statistics f32, as batch norm's.
+        let gg = GroupGeom {
+            n: 2,
+            c: 6,
+            groups: 3,
+            hw: 63,
+        };
+        let stats = || (zeros(6, DType::F32), zeros(6, DType::F32));
+        let ((mut m16, mut v16), (mut m32, mut v32)) = (stats(), stats());
+        let (mut y16, mut y32) = (zeros(xn, dtype), zeros(xn, DType::F32));
+        be.groupnorm_forward(&x16, &gamma, &beta, &mut y16, &mut m16, &mut v16, 1e-5, &gg)
+            .unwrap();
+        be.groupnorm_forward(&x32, &gamma, &beta, &mut y32, &mut m32, &mut v32, 1e-5, &gg)
+            .unwrap();
+        rounded_once("group norm forward", &y16, &y32);
+        same("group norm mean", &m16, &m32);
+        same("group norm variance", &v16, &v32);
+        let (mut dx16, mut dx32) = (zeros(xn, dtype), zeros(xn, DType::F32));
+        let grads = || (zeros(6, DType::F32), zeros(6, DType::F32));
+        let ((mut dg16, mut db16), (mut dg32, mut db32)) = (grads(), grads());
+        be.groupnorm_backward(
+            &x16, &dy16, &gamma, &m16, &v16, &mut dx16, &mut dg16, &mut db16, 1e-5, &gg,
+        )
+        .unwrap();
+        be.groupnorm_backward(
+            &x32, &dy32, &gamma, &m32, &v32, &mut dx32, &mut dg32, &mut db32, 1e-5, &gg,
+        )
+        .unwrap();
+        rounded_once("group norm backward", &dx16, &dx32);
+        same("group norm dgamma", &dg16, &dg32);
+        same("group norm dbeta", &db16, &db32);
+
+        // The smooth activations, forward and backward.
+        for f in Nonlinearity::ALL {
+            let (mut a, mut b) = (zeros(xn, dtype), zeros(xn, DType::F32));
+            be.nonlinearity_forward(f, &x16, &mut a).unwrap();
+            be.nonlinearity_forward(f, &x32, &mut b).unwrap();
+            rounded_once(&format!("{} forward", f.name()), &a, &b);
+            let (mut a, mut b) = (zeros(xn, dtype), zeros(xn, DType::F32));
+            be.nonlinearity_backward(f, &x16, &dy16, &mut a).unwrap();
+            be.nonlinearity_backward(f, &x32, &dy32, &mut b).unwrap();
+            rounded_once(&format!("{} backward", f.name()), &a, &b);
         }
 
         // Elementwise ops, a pool, a linear layer and the loss.

@@ -2,7 +2,9 @@
 //! f32 forward against its f64 forward.
 
 use gems::data::UNLABELLED;
+use gems::ops::activation::Nonlinearity;
 use gems::ops::conv::{Conv2d, ConvTranspose2d};
+use gems::ops::groupnorm::GroupNorm;
 use gems::ops::pool::AdaptiveAvgPool;
 use gems::ops::pool::{AvgPool, GlobalAvgPool, MaxPool, Window};
 use gems::ops::{
@@ -368,6 +370,138 @@ fn batchnorm_training() {
         ..Default::default()
     };
     check_gradients("batchnorm+relu", one(Op::BatchNorm(fused), &[3, 4, 5], 4));
+}
+
+fn group_norm(groups: usize) -> Op {
+    Op::GroupNorm(GroupNorm::new(groups))
+}
+
+#[test]
+fn group_norm_gradients() {
+    check_gradients("groupnorm 2 groups", one(group_norm(2), &[4, 3, 3], 3));
+    check_gradients("layernorm", one(group_norm(1), &[3, 4, 5], 2));
+    check_gradients(
+        "groupnorm a channel a group",
+        one(group_norm(3), &[3, 2, 3], 2),
+    );
+    check_gradients("groupnorm batch 1", one(group_norm(2), &[6, 2, 2], 1));
+    check_gradients("groupnorm of vectors", one(group_norm(2), &[6], 3));
+}
+
+/// y = (x − mean)/√(var + eps)·γ[c] + β[c] with each (sample, group)'s mean and biased
+/// variance, PyTorch's definition computed here in f64, in training and evaluation alike.
+#[test]
+fn group_norm_follows_pytorch() {
+    let (c, hw, groups, batch) = (6, 5, 3, 2);
+    let case = one(group_norm(groups), &[c, 1, hw], batch);
+    let s = setup(&case, 7);
+    let [gamma, beta] = &s.params[..] else {
+        panic!("group norm has a weight and a bias")
+    };
+    let x = &s.inputs[0];
+    let len = c / groups * hw;
+    for training in [true, false] {
+        let (y, _, _) = run_forward(&case, &s, &s.inputs, &s.params, DType::F64, training);
+        let y = y.to_f64_vec().unwrap();
+        for (k, run) in x.chunks(len).enumerate() {
+            let mean = run.iter().sum::<f64>() / len as f64;
+            let var = run.iter().map(|v| (v - mean).powi(2)).sum::<f64>() / len as f64;
+            for (j, &v) in run.iter().enumerate() {
+                let ch = k % groups * (c / groups) + j / hw;
+                let want = (v - mean) / (var + 1e-5).sqrt() * gamma[ch] + beta[ch];
+                let got = y[k * len + j];
+                assert!((want - got).abs() < 1e-12, "{want} vs {got}");
+            }
+        }
+    }
+}
+
+#[test]
+fn group_norm_refuses_channels_that_do_not_divide() {
+    let (mut b, x) = gems::graph::GraphBuilder::new("m", "M", Shape::new([30, 4, 4]));
+    let e = b.group_norm("gn", x, 32).unwrap_err().to_string();
+    assert!(
+        e.contains("30 channels do not divide into 32 groups"),
+        "{e}"
+    );
+    let e = b.group_norm("gn", x, 0).unwrap_err().to_string();
+    assert!(e.contains("0 groups"), "{e}");
+    assert!(b.group_norm("gn", x, 3).is_ok());
+}
+
+#[test]
+fn smooth_activation_gradients() {
+    for f in Nonlinearity::ALL {
+        check_gradients(
+            f.name(),
+            one(Op::Smooth(activation::Smooth(f)), &[3, 4, 4], 2),
+        );
+    }
+}
+
+/// Each activation at a few points against PyTorch's definitions evaluated independently
+/// (Python's math.erf and math.tanh in f64): x·Φ(x), the tanh approximation, x·σ(x), σ(x).
+#[test]
+fn smooth_activations_follow_pytorch() {
+    let x = [1.0, -0.5, 2.0, -3.0];
+    let want: [(Nonlinearity, [f64; 4]); 4] = [
+        (
+            Nonlinearity::Gelu,
+            [
+                0.8413447460685429,
+                -0.15426876936299344,
+                1.9544997361036416,
+                -0.00404969409489031,
+            ],
+        ),
+        (
+            Nonlinearity::GeluTanh,
+            [
+                0.8411919906082768,
+                -0.15428599017485606,
+                1.954597694087775,
+                -0.0036373920817729943,
+            ],
+        ),
+        (
+            Nonlinearity::Silu,
+            [
+                0.7310585786300049,
+                -0.1887703343990727,
+                1.7615941559557646,
+                -0.14227761953270035,
+            ],
+        ),
+        (
+            Nonlinearity::Sigmoid,
+            [
+                0.7310585786300049,
+                0.3775406687981454,
+                0.8807970779778823,
+                0.04742587317756678,
+            ],
+        ),
+    ];
+    let d = device();
+    let ctx = Ctx {
+        device: &d,
+        training: true,
+        seed: 0,
+        tiles: None,
+    };
+    for (f, want) in want {
+        let xs = upload(&d, &Shape::new([1, 4]), &x, DType::F64);
+        let op = Op::Smooth(activation::Smooth(f));
+        let (y, _) = op.get().forward(&ctx, &[&xs], &mut []).unwrap();
+        let y = y.to_f64_vec().unwrap();
+        for (got, want) in y.iter().zip(want) {
+            assert!(
+                (got - want).abs() <= 1e-15 * want.abs().max(1.0),
+                "{}: {got} against {want}",
+                f.name()
+            );
+        }
+    }
 }
 
 #[test]

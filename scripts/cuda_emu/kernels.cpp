@@ -19,6 +19,8 @@
 #undef STAMP
 #include "elementwise.cu"
 #undef STAMP
+#include "groupnorm.cu"
+#undef STAMP
 #include "loss.cu"
 #undef STAMP
 #include "optim.cu"

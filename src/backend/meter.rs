@@ -6,7 +6,8 @@
 use std::sync::{Arc, OnceLock};
 
 use super::{
-    Backend, ChannelGeom, ConvGeom, DeviceKind, Event, LossGeom, PoolGeom, ResizeGeom, SgdStep,
+    Backend, ChannelGeom, ConvGeom, DeviceKind, Event, GroupGeom, LossGeom, Nonlinearity, PoolGeom,
+    ResizeGeom, SgdStep,
 };
 use crate::backend::host::HostPool;
 use crate::backend::Storage;
@@ -266,6 +267,50 @@ impl Backend for Meter {
         _var: &Storage,
         _momentum: f64,
         _count: usize,
+    ) -> Result<()> {
+        Ok(())
+    }
+
+    fn groupnorm_forward(
+        &self,
+        _x: &Storage,
+        _gamma: &Storage,
+        _beta: &Storage,
+        _y: &mut Storage,
+        _mean: &mut Storage,
+        _var: &mut Storage,
+        _eps: f64,
+        _g: &GroupGeom,
+    ) -> Result<()> {
+        Ok(())
+    }
+
+    fn groupnorm_backward(
+        &self,
+        _x: &Storage,
+        _dy: &Storage,
+        _gamma: &Storage,
+        _mean: &Storage,
+        _var: &Storage,
+        _dx: &mut Storage,
+        _dgamma: &mut Storage,
+        _dbeta: &mut Storage,
+        _eps: f64,
+        _g: &GroupGeom,
+    ) -> Result<()> {
+        Ok(())
+    }
+
+    fn nonlinearity_forward(&self, _f: Nonlinearity, _x: &Storage, _y: &mut Storage) -> Result<()> {
+        Ok(())
+    }
+
+    fn nonlinearity_backward(
+        &self,
+        _f: Nonlinearity,
+        _x: &Storage,
+        _dy: &Storage,
+        _dx: &mut Storage,
     ) -> Result<()> {
         Ok(())
     }

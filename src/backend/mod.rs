@@ -127,6 +127,61 @@ pub struct ChannelGeom {
     pub hw: usize,
 }
 
+/// A batch seen per group of channels (group normalization): n samples of c channels in
+/// `groups` groups of c / groups consecutive channels, hw values per plane. A sample's group
+/// is one contiguous run of (c / groups)·hw values.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct GroupGeom {
+    /// Images.
+    pub n: usize,
+    /// Channels (a multiple of `groups`).
+    pub c: usize,
+    /// Groups of channels normalized together.
+    pub groups: usize,
+    /// Values per channel plane (height × width).
+    pub hw: usize,
+}
+
+impl GroupGeom {
+    /// Values one (sample, group) pair normalizes over: (c / groups)·hw.
+    pub fn group_len(&self) -> usize {
+        self.c / self.groups * self.hw
+    }
+}
+
+/// A smooth element-wise activation (its gradient computed from its input).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Nonlinearity {
+    /// x·σ(x) (PyTorch's `SiLU`, swish).
+    Silu,
+    /// x·Φ(x) with the exact normal CDF, ½x(1 + erf(x/√2)) (PyTorch's `GELU()`).
+    Gelu,
+    /// ½x(1 + tanh(√(2/π)(x + 0.044715x³))) (PyTorch's `GELU(approximate='tanh')`).
+    GeluTanh,
+    /// σ(x) = 1/(1 + e^(−x)).
+    Sigmoid,
+}
+
+impl Nonlinearity {
+    /// Every one.
+    pub const ALL: [Nonlinearity; 4] = [
+        Nonlinearity::Silu,
+        Nonlinearity::Gelu,
+        Nonlinearity::GeluTanh,
+        Nonlinearity::Sigmoid,
+    ];
+
+    /// Its name, also the stem of its kernels (`gelu_tanh_forward_f32`).
+    pub fn name(self) -> &'static str {
+        match self {
+            Nonlinearity::Silu => "silu",
+            Nonlinearity::Gelu => "gelu",
+            Nonlinearity::GeluTanh => "gelu_tanh",
+            Nonlinearity::Sigmoid => "sigmoid",
+        }
+    }
+}
+
 /// n samples of k classes scored at `positions` places each: 1 for a classifier's N×K logits,
 /// H·W for per-pixel N×K×H×W logits. Logits, probabilities and their gradient are laid out
 /// n × k × positions (class stride `positions`); labels and weights n × positions.
@@ -371,6 +426,49 @@ pub trait Backend: Send + Sync {
         var: &Storage,
         momentum: f64,
         count: usize,
+    ) -> Result<()>;
+
+    /// Group normalization's forward (training and evaluation alike: the statistics are each
+    /// sample's own): per (sample, group) the mean and biased variance over the group's values
+    /// (written to `mean` and `var`, n × groups), and y = (x − mean)/√(var + eps)·γ[c] + β[c].
+    #[allow(clippy::too_many_arguments)]
+    fn groupnorm_forward(
+        &self,
+        x: &Storage,
+        gamma: &Storage,
+        beta: &Storage,
+        y: &mut Storage,
+        mean: &mut Storage,
+        var: &mut Storage,
+        eps: f64,
+        g: &GroupGeom,
+    ) -> Result<()>;
+    /// Group normalization's backward from its forward's statistics: dx overwritten, dγ and
+    /// dβ accumulated.
+    #[allow(clippy::too_many_arguments)]
+    fn groupnorm_backward(
+        &self,
+        x: &Storage,
+        dy: &Storage,
+        gamma: &Storage,
+        mean: &Storage,
+        var: &Storage,
+        dx: &mut Storage,
+        dgamma: &mut Storage,
+        dbeta: &mut Storage,
+        eps: f64,
+        g: &GroupGeom,
+    ) -> Result<()>;
+
+    /// y = f(x), element by element.
+    fn nonlinearity_forward(&self, f: Nonlinearity, x: &Storage, y: &mut Storage) -> Result<()>;
+    /// dx = f′(x)·dy, from the input x.
+    fn nonlinearity_backward(
+        &self,
+        f: Nonlinearity,
+        x: &Storage,
+        dy: &Storage,
+        dx: &mut Storage,
     ) -> Result<()>;
 
     /// y = max(x, 0).

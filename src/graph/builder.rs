@@ -1,9 +1,12 @@
 //! Building a graph from nested blocks.
 
 use super::{Block, BlockId, Graph, Node, Output, Param, Value, ValueId};
+use crate::ops::activation::Nonlinearity;
 use crate::ops::conv::{Conv2d, ConvTranspose2d};
 use crate::ops::Init;
-use crate::ops::{activation, dropout, elementwise, linear, norm, pool, resize, shape, Op};
+use crate::ops::{
+    activation, dropout, elementwise, groupnorm, linear, norm, pool, resize, shape, Op,
+};
 use crate::tensor::Shape;
 use crate::{Error, Result};
 
@@ -189,6 +192,37 @@ impl GraphBuilder {
     /// max(x, 0).
     pub fn relu(&mut self, name: &str, x: ValueId) -> Result<ValueId> {
         self.op(name, Op::Relu(activation::Relu), &[x])
+    }
+    /// x·σ(x) (PyTorch's `nn.SiLU`).
+    pub fn silu(&mut self, name: &str, x: ValueId) -> Result<ValueId> {
+        self.smooth(name, x, Nonlinearity::Silu)
+    }
+    /// GELU (PyTorch's `nn.GELU(approximate=...)`): exact, x·Φ(x), or with `tanh` its tanh
+    /// approximation.
+    pub fn gelu(&mut self, name: &str, x: ValueId, tanh: bool) -> Result<ValueId> {
+        let f = match tanh {
+            true => Nonlinearity::GeluTanh,
+            false => Nonlinearity::Gelu,
+        };
+        self.smooth(name, x, f)
+    }
+    /// 1/(1 + e^(−x)) (PyTorch's `nn.Sigmoid`).
+    pub fn sigmoid(&mut self, name: &str, x: ValueId) -> Result<ValueId> {
+        self.smooth(name, x, Nonlinearity::Sigmoid)
+    }
+    /// The smooth activation `f` of `x`.
+    pub fn smooth(&mut self, name: &str, x: ValueId, f: Nonlinearity) -> Result<ValueId> {
+        self.op(name, Op::Smooth(activation::Smooth(f)), &[x])
+    }
+    /// Group normalization of `x` in `groups` groups of channels (PyTorch's
+    /// `nn.GroupNorm(groups, C)`, eps 1e-5); an error unless the channels divide into them.
+    pub fn group_norm(&mut self, name: &str, x: ValueId, groups: usize) -> Result<ValueId> {
+        self.op(name, Op::GroupNorm(groupnorm::GroupNorm::new(groups)), &[x])
+    }
+    /// Layer normalization of each sample's C×H×W with a scale and shift per channel:
+    /// PyTorch's `nn.GroupNorm(1, C)` (see [`groupnorm::GroupNorm`]).
+    pub fn layer_norm(&mut self, name: &str, x: ValueId) -> Result<ValueId> {
+        self.group_norm(name, x, 1)
     }
     /// a + b (a residual connection).
     pub fn add(&mut self, name: &str, a: ValueId, b: ValueId) -> Result<ValueId> {

@@ -264,7 +264,7 @@ impl Graph {
 /// once), not counting per-batch statistics.
 pub fn saved_bytes(g: &Graph, nodes: std::ops::Range<usize>, dtype: DType) -> u64 {
     let mut saved = vec![false; g.values.len()];
-    let mut own = 0;
+    let (mut own, mut stats) = (0, 0);
     for n in &g.nodes[nodes] {
         let ins: Vec<&Shape> = n.inputs.iter().map(|&v| &g.values[v].shape).collect();
         let s = n.op.get().saves(&ins);
@@ -275,6 +275,7 @@ pub fn saved_bytes(g: &Graph, nodes: std::ops::Range<usize>, dtype: DType) -> u6
             saved[n.output] = true;
         }
         own += s.per_sample;
+        stats += s.stats_per_sample;
     }
     let elems: usize = g
         .values
@@ -283,7 +284,7 @@ pub fn saved_bytes(g: &Graph, nodes: std::ops::Range<usize>, dtype: DType) -> u6
         .filter(|(_, &s)| s)
         .map(|(v, _)| v.shape.numel())
         .sum();
-    ((elems + own) * dtype.size()) as u64
+    ((elems + own) * dtype.size() + stats * dtype.compute().size()) as u64
 }
 
 #[cfg(test)]

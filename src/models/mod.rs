@@ -25,6 +25,7 @@ pub const LISTED: &[&str] = &[
     "vgg19",
     "alexnet",
     "resnet50",
+    "resnet50_gn",
     "inception_v3",
     "amoebanet_d",
     "unet",

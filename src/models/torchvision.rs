@@ -13,6 +13,9 @@
 //! - `resnet50`: ResNet v1.5 (He et al. 2015 with the stride on the bottleneck's 3×3 conv):
 //!   7×7/2 stem, 3×3/2 max pool, bottleneck stages of 3, 4, 6, 3 blocks, no conv bias, a
 //!   1×1 projection with BN (`downsample`) where a block changes shape.
+//! - `resnet50_gn`: `resnet50` with every batch norm a group norm of 32 groups
+//!   (`resnet50(norm_layer=lambda c: nn.GroupNorm(32, c))`): the same names and trainable
+//!   parameters, no running statistics, nothing that depends on the batch.
 //!
 //! The smallest accepted image is the smallest side every layer still has an output for,
 //! found by building the graph (shape inference only, no tensors).
@@ -33,11 +36,13 @@ pub enum Arch {
     AlexNet,
     /// ResNet-50 (bottleneck blocks, 7×7 stem).
     ResNet50,
+    /// ResNet-50 with group norm (32 groups) for batch norm.
+    ResNet50Gn,
 }
 
 impl Arch {
     /// Every architecture.
-    pub const ALL: [Arch; 3] = [Arch::Vgg19, Arch::AlexNet, Arch::ResNet50];
+    pub const ALL: [Arch; 4] = [Arch::Vgg19, Arch::AlexNet, Arch::ResNet50, Arch::ResNet50Gn];
 
     /// torchvision's name of the model.
     pub fn name(self) -> &'static str {
@@ -45,6 +50,7 @@ impl Arch {
             Arch::Vgg19 => "vgg19",
             Arch::AlexNet => "alexnet",
             Arch::ResNet50 => "resnet50",
+            Arch::ResNet50Gn => "resnet50_gn",
         }
     }
 
@@ -54,7 +60,7 @@ impl Arch {
     }
 
     /// The smallest image side for which every feature map is non-empty (VGG-19 32,
-    /// AlexNet 63, ResNet-50 1).
+    /// AlexNet 63, the ResNet-50s 1).
     pub fn min_image_size(self) -> usize {
         (1..=4096)
             .find(|&s| self.graph(s, 2).is_ok())
@@ -65,7 +71,8 @@ impl Arch {
         match self {
             Arch::Vgg19 => vgg19(image_size, classes),
             Arch::AlexNet => alexnet(image_size, classes),
-            Arch::ResNet50 => resnet50(image_size, classes),
+            Arch::ResNet50 => resnet50(Arch::ResNet50, image_size, classes),
+            Arch::ResNet50Gn => resnet50(Arch::ResNet50Gn, image_size, classes),
         }
     }
 }
@@ -184,10 +191,11 @@ fn alexnet(image_size: usize, classes: usize) -> Result<Graph> {
     finish(b, logits)
 }
 
-fn resnet50(image_size: usize, classes: usize) -> Result<Graph> {
-    let (mut b, x) = input(Arch::ResNet50, "ResNet", image_size);
+fn resnet50(arch: Arch, image_size: usize, classes: usize) -> Result<Graph> {
+    let (mut b, x) = input(arch, "ResNet", image_size);
+    let norm = Norm::of(arch);
     let x = b.conv("conv1", x, Conv2d::new(64, 7, 2, 3))?;
-    let x = b.batchnorm_relu("bn1", x)?;
+    let x = norm.with_relu(&mut b, "bn1", "relu", x)?;
     let mut x = b.max_pool("maxpool", x, Window::square(3, 2, 1))?;
     for (stage, blocks) in [3, 4, 6, 3].into_iter().enumerate() {
         let planes = 64 << stage;
@@ -196,7 +204,7 @@ fn resnet50(image_size: usize, classes: usize) -> Result<Graph> {
             for i in 0..blocks {
                 let stride = if stage > 0 && i == 0 { 2 } else { 1 };
                 x = b.block(i.to_string(), "Bottleneck", |b| {
-                    bottleneck(b, x, planes, stride)
+                    bottleneck(b, norm, x, planes, stride)
                 })?;
             }
             Ok(x)
@@ -208,21 +216,72 @@ fn resnet50(image_size: usize, classes: usize) -> Result<Graph> {
     finish(b, logits)
 }
 
-/// torchvision's `Bottleneck` (expansion 4): conv1×1-BN-ReLU, conv3×3(stride)-BN-ReLU,
-/// conv1×1(4·planes)-BN, plus the input or its projection (`downsample`: strided 1×1 conv and
-/// BN, built after `bn3` as torchvision registers it), then ReLU.
-fn bottleneck(b: &mut GraphBuilder, x: ValueId, planes: usize, stride: usize) -> Result<ValueId> {
+/// ResNet-50's norm layers: batch norm, or group norm of [`GROUPS`] groups.
+#[derive(Clone, Copy)]
+enum Norm {
+    Batch,
+    Group,
+}
+
+/// The groups of `resnet50_gn`'s group norms (every channel count of ResNet-50 divides).
+const GROUPS: usize = 32;
+
+impl Norm {
+    fn of(arch: Arch) -> Norm {
+        match arch {
+            Arch::ResNet50Gn => Norm::Group,
+            _ => Norm::Batch,
+        }
+    }
+
+    /// The norm layer `name` of `x`.
+    fn apply(self, b: &mut GraphBuilder, name: &str, x: ValueId) -> Result<ValueId> {
+        match self {
+            Norm::Batch => b.batchnorm(name, x),
+            Norm::Group => b.group_norm(name, x, GROUPS),
+        }
+    }
+
+    /// The norm layer `name` of `x` and a ReLU: fused into batch norm, a node `relu` after a
+    /// group norm.
+    fn with_relu(
+        self,
+        b: &mut GraphBuilder,
+        name: &str,
+        relu: &str,
+        x: ValueId,
+    ) -> Result<ValueId> {
+        match self {
+            Norm::Batch => b.batchnorm_relu(name, x),
+            Norm::Group => {
+                let y = b.group_norm(name, x, GROUPS)?;
+                b.relu(relu, y)
+            }
+        }
+    }
+}
+
+/// torchvision's `Bottleneck` (expansion 4): conv1×1-norm-ReLU, conv3×3(stride)-norm-ReLU,
+/// conv1×1(4·planes)-norm, plus the input or its projection (`downsample`: strided 1×1 conv and
+/// norm, built after `bn3` as torchvision registers it), then ReLU.
+fn bottleneck(
+    b: &mut GraphBuilder,
+    norm: Norm,
+    x: ValueId,
+    planes: usize,
+    stride: usize,
+) -> Result<ValueId> {
     let out = 4 * planes;
     let h = b.conv("conv1", x, Conv2d::new(planes, 1, 1, 0))?;
-    let h = b.batchnorm_relu("bn1", h)?;
+    let h = norm.with_relu(b, "bn1", "relu1", h)?;
     let h = b.conv("conv2", h, Conv2d::new(planes, 3, stride, 1))?;
-    let h = b.batchnorm_relu("bn2", h)?;
+    let h = norm.with_relu(b, "bn2", "relu2", h)?;
     let h = b.conv("conv3", h, Conv2d::new(out, 1, 1, 0))?;
-    let h = b.batchnorm("bn3", h)?;
+    let h = norm.apply(b, "bn3", h)?;
     let shortcut = if stride != 1 || b.shape(x).dim(0) != out {
         b.block("downsample", "Sequential", |b| {
             let s = b.conv("0", x, Conv2d::new(out, 1, stride, 0))?;
-            b.batchnorm("1", s)
+            norm.apply(b, "1", s)
         })?
     } else {
         x

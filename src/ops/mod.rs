@@ -6,6 +6,7 @@ pub mod activation;
 pub mod conv;
 pub mod dropout;
 pub mod elementwise;
+pub mod groupnorm;
 pub mod linear;
 pub mod loss;
 pub mod norm;
@@ -61,6 +62,9 @@ pub struct SavesFor {
     pub per_sample: usize,
     /// Elements of its own per batch (batch statistics).
     pub per_batch: usize,
+    /// Statistics of its own per sample, in the compute type (group norm's mean and variance
+    /// of each sample's groups).
+    pub stats_per_sample: usize,
 }
 
 /// What backward starts from.
@@ -164,6 +168,10 @@ pub enum Op {
     BatchNorm(norm::BatchNorm),
     /// max(x, 0).
     Relu(activation::Relu),
+    /// SiLU, GELU (exact or tanh) or sigmoid.
+    Smooth(activation::Smooth),
+    /// Group normalization (one group: layer normalization over each sample's C×H×W).
+    GroupNorm(groupnorm::GroupNorm),
     /// Elementwise sum of two values (residual connections), optionally fused with the
     /// following ReLU.
     Add(elementwise::Add),
@@ -199,6 +207,8 @@ impl Op {
             Op::ConvTranspose2d(o) => o,
             Op::BatchNorm(o) => o,
             Op::Relu(o) => o,
+            Op::Smooth(o) => o,
+            Op::GroupNorm(o) => o,
             Op::Add(o) => o,
             Op::MaxPool(o) => o,
             Op::AvgPool(o) => o,
@@ -222,6 +232,9 @@ impl Op {
             Op::BatchNorm(b) if b.relu => "batchnorm+relu".into(),
             Op::BatchNorm(_) => "batchnorm".into(),
             Op::Relu(_) => "relu".into(),
+            Op::Smooth(s) => s.0.name().replace('_', "-"),
+            Op::GroupNorm(g) if g.groups == 1 => "layernorm".into(),
+            Op::GroupNorm(g) => format!("groupnorm {}", g.groups),
             Op::Add(a) if a.relu => "add+relu".into(),
             Op::Add(_) => "add".into(),
             Op::MaxPool(p) => format!("maxpool {}", p.0),

@@ -157,7 +157,8 @@ impl Footprint {
             if s.output {
                 savers[node.output].push(i);
             }
-            own[i] = (s.per_sample * micro) as u64 * dt;
+            own[i] = (s.per_sample * micro) as u64 * dt
+                + (s.stats_per_sample * micro * activations.compute().size()) as u64;
             stats[i] = (s.per_batch * activations.compute().size()) as u64;
         }
         // A loss output's gradient seed waits for backward like a saved tensor.

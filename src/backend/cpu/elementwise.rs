@@ -3,7 +3,7 @@
 use rayon::prelude::*;
 
 use super::Float;
-use crate::backend::{ChannelGeom, LossGeom, SgdStep};
+use crate::backend::{ChannelGeom, LossGeom, Nonlinearity, SgdStep};
 use crate::core::rng::uniform;
 
 /// Below this many elements a parallel loop costs more than it saves.
@@ -53,6 +53,64 @@ pub fn relu_backward<T: Float>(y: &[T], dy: &[T], dx: &mut [T]) {
         dx,
         |y, dy| if y > T::zero() { dy } else { T::zero() },
     );
+}
+
+/// σ(x) = 1/(1 + e^(−x)): 0 (not NaN) where e^(−x) overflows.
+#[inline(always)]
+fn sigmoid_of<T: Float>(x: T) -> T {
+    T::one() / (T::one() + (-x).exp())
+}
+
+/// √(2/π), the tanh GELU's scale (PyTorch's kBeta).
+const SQRT_2_OVER_PI: f64 = 0.797_884_560_802_865_4;
+/// The tanh GELU's cubic coefficient (PyTorch's kKappa).
+const GELU_CUBIC: f64 = 0.044715;
+/// 1/√(2π), the normal density's factor (the exact GELU's gradient).
+const FRAC_1_SQRT_2PI: f64 = 0.398_942_280_401_432_7;
+
+/// y = f(x) as PyTorch defines each (see [`Nonlinearity`]).
+pub fn nonlinearity<T: Float>(f: Nonlinearity, x: &[T], y: &mut [T]) {
+    let (one, half) = (T::one(), T::of(0.5));
+    let (k, c) = (T::of(SQRT_2_OVER_PI), T::of(GELU_CUBIC));
+    let r2 = T::of(std::f64::consts::FRAC_1_SQRT_2);
+    match f {
+        Nonlinearity::Silu => zip(x, x, y, |x, _| x * sigmoid_of(x)),
+        Nonlinearity::Gelu => zip(x, x, y, move |x, _| half * x * (one + (x * r2).erf())),
+        Nonlinearity::GeluTanh => zip(x, x, y, move |x, _| {
+            half * x * (one + (k * (x + c * x * x * x)).tanh())
+        }),
+        Nonlinearity::Sigmoid => zip(x, x, y, |x, _| sigmoid_of(x)),
+    }
+}
+
+/// dx = dy·f′(x), the derivatives PyTorch's backward computes (in the CUDA kernels' order).
+pub fn nonlinearity_backward<T: Float>(f: Nonlinearity, x: &[T], dy: &[T], dx: &mut [T]) {
+    let (one, half) = (T::one(), T::of(0.5));
+    let (k, c) = (T::of(SQRT_2_OVER_PI), T::of(GELU_CUBIC));
+    let (r2, density) = (
+        T::of(std::f64::consts::FRAC_1_SQRT_2),
+        T::of(FRAC_1_SQRT_2PI),
+    );
+    match f {
+        Nonlinearity::Silu => zip(x, dy, dx, move |x, d| {
+            let s = sigmoid_of(x);
+            d * (s * (one + x * (one - s)))
+        }),
+        // Φ(x) + x·φ(x).
+        Nonlinearity::Gelu => zip(x, dy, dx, move |x, d| {
+            let cdf = half * (one + (x * r2).erf());
+            d * (cdf + x * density * (-half * x * x).exp())
+        }),
+        Nonlinearity::GeluTanh => zip(x, dy, dx, move |x, d| {
+            let t = (k * (x + c * x * x * x)).tanh();
+            let inner = k * (one + T::of(3.0) * c * x * x);
+            d * (half * (one + t) + half * x * (one - t * t) * inner)
+        }),
+        Nonlinearity::Sigmoid => zip(x, dy, dx, move |x, d| {
+            let s = sigmoid_of(x);
+            d * (s * (one - s))
+        }),
+    }
 }
 
 pub fn add_assign<T: Float>(y: &mut [T], x: &[T]) {

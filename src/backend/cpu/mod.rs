@@ -19,6 +19,7 @@ macro_rules! simd {
 
 mod conv;
 mod elementwise;
+mod groupnorm;
 pub use crate::core::rng::{splitmix64, uniform};
 mod norm;
 mod pool;
@@ -33,7 +34,8 @@ use rayon::prelude::*;
 use std::sync::Arc;
 
 use super::{
-    Backend, ChannelGeom, ConvGeom, Event, LossGeom, PoolGeom, ResizeGeom, SgdStep, POISON,
+    Backend, ChannelGeom, ConvGeom, Event, GroupGeom, LossGeom, Nonlinearity, PoolGeom, ResizeGeom,
+    SgdStep, POISON,
 };
 use crate::backend::host::{Block, HostPool};
 use crate::backend::Storage;
@@ -61,10 +63,12 @@ pub trait Float:
     fn of(x: f64) -> Self;
     /// The value as f64.
     fn f64(self) -> f64;
+    /// The error function (GELU's), correctly rounded to within an ulp or so (libm's).
+    fn erf(self) -> Self;
 }
 
 macro_rules! impl_float {
-    ($t:ty, $variant:ident) => {
+    ($t:ty, $variant:ident, $erf:path) => {
         impl Float for $t {
             fn view(s: &Storage) -> Result<&[Self]> {
                 match s {
@@ -84,11 +88,14 @@ macro_rules! impl_float {
             fn f64(self) -> f64 {
                 self as f64
             }
+            fn erf(self) -> Self {
+                $erf(self)
+            }
         }
     };
 }
-impl_float!(f32, F32);
-impl_float!(f64, F64);
+impl_float!(f32, F32, libm::erff);
+impl_float!(f64, F64, libm::erf);
 
 fn dtype_mismatch(want: &str, got: DType) -> Error {
     Error::Internal(format!(
@@ -670,6 +677,54 @@ impl Backend for Cpu {
         count: usize,
     ) -> Result<()> {
         compute!(mean.dtype(), T, [mean, var], [running_mean, running_var] => norm::update_running::<T>(running_mean, running_var, mean, var, momentum, count));
+        Ok(())
+    }
+
+    fn groupnorm_forward(
+        &self,
+        x: &Storage,
+        gamma: &Storage,
+        beta: &Storage,
+        y: &mut Storage,
+        mean: &mut Storage,
+        var: &mut Storage,
+        eps: f64,
+        g: &GroupGeom,
+    ) -> Result<()> {
+        compute!(x.dtype(), T, [x, gamma, beta], [y, mean, var] => groupnorm::forward::<T>(x, gamma, beta, y, mean, var, eps, g));
+        Ok(())
+    }
+
+    fn groupnorm_backward(
+        &self,
+        x: &Storage,
+        dy: &Storage,
+        gamma: &Storage,
+        mean: &Storage,
+        var: &Storage,
+        dx: &mut Storage,
+        dgamma: &mut Storage,
+        dbeta: &mut Storage,
+        eps: f64,
+        g: &GroupGeom,
+    ) -> Result<()> {
+        compute!(x.dtype(), T, [x, dy, gamma, mean, var], [dx, dgamma, dbeta] => groupnorm::backward::<T>(x, dy, gamma, mean, var, dx, dgamma, dbeta, eps, g));
+        Ok(())
+    }
+
+    fn nonlinearity_forward(&self, f: Nonlinearity, x: &Storage, y: &mut Storage) -> Result<()> {
+        compute!(x.dtype(), T, [x], [y] => elementwise::nonlinearity::<T>(f, x, y));
+        Ok(())
+    }
+
+    fn nonlinearity_backward(
+        &self,
+        f: Nonlinearity,
+        x: &Storage,
+        dy: &Storage,
+        dx: &mut Storage,
+    ) -> Result<()> {
+        compute!(x.dtype(), T, [x, dy], [dx] => elementwise::nonlinearity_backward::<T>(f, x, dy, dx));
         Ok(())
     }
 

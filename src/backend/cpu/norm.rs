@@ -16,7 +16,11 @@ const LANES: usize = 32;
 /// Σ f(a[i], b[i]) over i, each of the K terms accumulated in f64 in [`LANES`] partial sums.
 /// f32 terms are first summed up to [`F32_ROWS`] to a lane in f32: a conversion to f64 per
 /// element made the statistics compute-bound (one element per cycle); f64 terms go straight in.
-fn lane_sums<T: Float, const K: usize>(a: &[T], b: &[T], f: impl Fn(T, T) -> [T; K]) -> [f64; K] {
+pub(super) fn lane_sums<T: Float, const K: usize>(
+    a: &[T],
+    b: &[T],
+    f: impl Fn(T, T) -> [T; K],
+) -> [f64; K] {
     let rows = if std::mem::size_of::<T>() < 8 {
         F32_ROWS
     } else {

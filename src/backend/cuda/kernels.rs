@@ -20,6 +20,7 @@ use cudarc::nvrtc::{result, sys};
 pub const SOURCES: &[(&str, &str)] = &[
     ("conv", include_str!("../../../cuda/conv.cu")),
     ("batchnorm", include_str!("../../../cuda/batchnorm.cu")),
+    ("groupnorm", include_str!("../../../cuda/groupnorm.cu")),
     ("activation", include_str!("../../../cuda/activation.cu")),
     ("pool", include_str!("../../../cuda/pool.cu")),
     ("resize", include_str!("../../../cuda/resize.cu")),

@@ -40,7 +40,8 @@ use cudarc::driver::{
 };
 
 use super::{
-    Backend, ChannelGeom, ConvGeom, Event, LossGeom, PoolGeom, ResizeGeom, SgdStep, POISON,
+    Backend, ChannelGeom, ConvGeom, Event, GroupGeom, LossGeom, Nonlinearity, PoolGeom, ResizeGeom,
+    SgdStep, POISON,
 };
 use crate::backend::host::{Block, HostPool};
 use crate::backend::Storage;
@@ -55,6 +56,7 @@ unsafe impl DeviceRepr for params::GemsPoolGeom {}
 unsafe impl DeviceRepr for params::GemsChannelGeom {}
 unsafe impl DeviceRepr for params::GemsBatchNorm {}
 unsafe impl DeviceRepr for params::GemsBnRunning {}
+unsafe impl DeviceRepr for params::GemsGroupNorm {}
 unsafe impl DeviceRepr for params::GemsSgdStep {}
 unsafe impl DeviceRepr for params::GemsDropout {}
 unsafe impl DeviceRepr for params::GemsLoss {}
@@ -649,6 +651,16 @@ fn bn_params(eps: f64, g: &ChannelGeom) -> Result<params::GemsBatchNorm> {
     })
 }
 
+fn group_params(eps: f64, g: &GroupGeom) -> Result<params::GemsGroupNorm> {
+    Ok(params::GemsGroupNorm {
+        n: dim32(g.n, "batch")?,
+        c: dim32(g.c, "channels")?,
+        groups: dim32(g.groups, "groups")?,
+        hw: dim32(g.hw, "plane")?,
+        eps,
+    })
+}
+
 fn channel_params(g: &ChannelGeom) -> Result<params::GemsChannelGeom> {
     Ok(params::GemsChannelGeom {
         n: dim32(g.n, "batch")?,
@@ -1146,6 +1158,65 @@ impl Backend for Cuda {
         };
         launch!(self, "batchnorm_update_running_f32", cfg;
             dev_mut(running_mean)?, dev_mut(running_var)?, dev(mean)?, dev(var)?, &r)
+    }
+
+    fn groupnorm_forward(
+        &self,
+        x: &Storage,
+        gamma: &Storage,
+        beta: &Storage,
+        y: &mut Storage,
+        mean: &mut Storage,
+        var: &mut Storage,
+        eps: f64,
+        g: &GroupGeom,
+    ) -> Result<()> {
+        let (t, p) = (Ty::of(x)?, group_params(eps, g)?);
+        launch!(self, t.kernel("groupnorm_stats"), Self::per_item(g.n * g.groups, 512)?;
+            t.arg(x)?, dev_mut(mean)?, dev_mut(var)?, &p)?;
+        launch!(self, t.kernel("groupnorm_apply"), self.grid_1d(g.n * g.c * g.hw);
+            t.arg(x)?, dev(gamma)?, dev(beta)?, dev(mean)?, dev(var)?, t.arg_mut(y)?, &p)
+    }
+
+    fn groupnorm_backward(
+        &self,
+        x: &Storage,
+        dy: &Storage,
+        gamma: &Storage,
+        mean: &Storage,
+        var: &Storage,
+        dx: &mut Storage,
+        dgamma: &mut Storage,
+        dbeta: &mut Storage,
+        eps: f64,
+        g: &GroupGeom,
+    ) -> Result<()> {
+        let (t, p) = (Ty::of(x)?, group_params(eps, g)?);
+        let (mut sums, _lease) = self.scratch::<f32>(2 * g.n * g.groups)?;
+        launch!(self, t.kernel("groupnorm_backward_reduce"), Self::per_item(g.n * g.groups, 512)?;
+            t.arg(x)?, t.arg(dy)?, dev(gamma)?, dev(mean)?, dev(var)?, &mut sums, &p)?;
+        launch!(self, t.kernel("groupnorm_param_grads"), Self::per_item(g.c, 512)?;
+            t.arg(x)?, t.arg(dy)?, dev(mean)?, dev(var)?, dev_mut(dgamma)?, dev_mut(dbeta)?, &p)?;
+        launch!(self, t.kernel("groupnorm_backward_dx"), self.grid_1d(g.n * g.c * g.hw);
+            t.arg(x)?, t.arg(dy)?, dev(gamma)?, dev(mean)?, dev(var)?, &sums, t.arg_mut(dx)?, &p)
+    }
+
+    fn nonlinearity_forward(&self, f: Nonlinearity, x: &Storage, y: &mut Storage) -> Result<()> {
+        let (t, n) = (Ty::of(x)?, x.len() as i64);
+        let name = t.kernel(&format!("{}_forward", f.name()));
+        launch!(self, name, self.grid_1d(x.len()); t.arg(x)?, t.arg_mut(y)?, &n)
+    }
+
+    fn nonlinearity_backward(
+        &self,
+        f: Nonlinearity,
+        x: &Storage,
+        dy: &Storage,
+        dx: &mut Storage,
+    ) -> Result<()> {
+        let (t, n) = (Ty::of(x)?, x.len() as i64);
+        let name = t.kernel(&format!("{}_backward", f.name()));
+        launch!(self, name, self.grid_1d(x.len()); t.arg(x)?, t.arg(dy)?, t.arg_mut(dx)?, &n)
     }
 
     fn relu_forward(&self, x: &Storage, y: &mut Storage) -> Result<()> {

@@ -194,6 +194,35 @@ const _: () = {
 };
 #[repr(C)]
 #[derive(Debug, Default, Copy, Clone, PartialEq)]
+pub struct GemsGroupNorm {
+    pub n: i32,
+    pub c: i32,
+    pub groups: i32,
+    pub hw: i32,
+    pub eps: f64,
+}
+#[allow(clippy::unnecessary_operation, clippy::identity_op)]
+const _: () = {
+    ["Size of GemsGroupNorm"][::std::mem::size_of::<GemsGroupNorm>() - 24usize];
+    ["Alignment of GemsGroupNorm"][::std::mem::align_of::<GemsGroupNorm>() - 8usize];
+    [
+        "Offset of field: GemsGroupNorm::n",
+    ][::std::mem::offset_of!(GemsGroupNorm, n) - 0usize];
+    [
+        "Offset of field: GemsGroupNorm::c",
+    ][::std::mem::offset_of!(GemsGroupNorm, c) - 4usize];
+    [
+        "Offset of field: GemsGroupNorm::groups",
+    ][::std::mem::offset_of!(GemsGroupNorm, groups) - 8usize];
+    [
+        "Offset of field: GemsGroupNorm::hw",
+    ][::std::mem::offset_of!(GemsGroupNorm, hw) - 12usize];
+    [
+        "Offset of field: GemsGroupNorm::eps",
+    ][::std::mem::offset_of!(GemsGroupNorm, eps) - 16usize];
+};
+#[repr(C)]
+#[derive(Debug, Default, Copy, Clone, PartialEq)]
 pub struct GemsSgdStep {
     pub numel: i64,
     pub lr: f64,
