@@ -740,26 +740,18 @@ pub struct SchemeArgs {
 
 impl SchemeArgs {
     pub fn scheme(&self) -> anyhow::Result<Scheme> {
-        let replicas = match self.replicas {
-            Some(Choice::Fixed(n)) => n,
-            _ if self.scheme == Kind::Mast => 2,
-            _ if self.scheme == Kind::Master => 4,
-            _ => 1,
-        };
+        let mut s = Scheme::of(self.scheme)
+            .micro_batches(self.parts)
+            .groups(self.dp)
+            .order(self.order);
+        if let Some(Choice::Fixed(n)) = self.replicas {
+            s = s.replicas(n);
+        }
         // `auto` is resolved against memory later, from one stage up.
-        let stages = match self.split {
-            Choice::Fixed(p) => p,
-            Choice::Auto => 1,
-        };
-        let s = Scheme::new(
-            self.scheme,
-            stages,
-            self.parts,
-            replicas,
-            self.dp,
-            self.order,
-        )
-        .with_spatial(match self.spatial {
+        if let Choice::Fixed(p) = self.split {
+            s = s.stages(p);
+        }
+        let s = s.with_spatial(match self.spatial {
             Tiling::Grid(grid) => grid,
             // Resolved against memory later, from no split up.
             Tiling::Auto => gems::ops::tiles::Grid::ONE,
