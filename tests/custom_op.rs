@@ -1,6 +1,6 @@
 //! An op defined outside the crate (examples/common/scaled_swish.rs) is a first-class op: the
 //! exported gradient check passes it and catches a wrong backward, it trains under a pipeline
-//! exactly as on one device (f64: 1e-9), and the planner counts what it saves: the analytic
+//! exactly as on one device (f64: 1e-9), on tiles of each sample too, and the planner counts what it saves: the analytic
 //! memory model equals the metered run, which equals the real run.
 
 #[path = "../examples/common/scaled_swish.rs"]
@@ -141,6 +141,29 @@ fn trains_under_mp_exactly_as_on_one_device() {
         assert!((a - b).abs() <= 1e-9 * b.abs(), "loss {a} vs {b}");
     }
     assert_eq!(got.len(), want.len(), "every parameter on some rank");
+    for (id, v) in &got {
+        let w = &want.iter().find(|(i, _)| i == id).unwrap().1;
+        let scale = w.iter().map(|x| x.abs()).fold(0.0, f64::max);
+        for (a, b) in v.iter().zip(w) {
+            assert!(
+                (a - b).abs() <= 1e-9 * scale,
+                "{}: {a} vs {b}",
+                g.params[*id].name
+            );
+        }
+    }
+}
+
+#[test]
+fn runs_on_tiles_exactly_as_on_one_device() {
+    // Pointwise on tiles of each sample: β's gradient is each tile's share, summed over them.
+    let g = model(swish());
+    let (want_losses, want) = train(&g, Scheme::single(1));
+    let grid = gems::ops::tiles::Grid { rows: 2, cols: 1 };
+    let (losses, got) = train(&g, Scheme::single(1).with_spatial(grid));
+    for (a, b) in losses.iter().zip(&want_losses) {
+        assert!((a - b).abs() <= 1e-9 * b.abs(), "loss {a} vs {b}");
+    }
     for (id, v) in &got {
         let w = &want.iter().find(|(i, _)| i == id).unwrap().1;
         let scale = w.iter().map(|x| x.abs()).fold(0.0, f64::max);
