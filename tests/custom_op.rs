@@ -13,7 +13,7 @@ use gems::ops::{check_gradients, Backward, Ctx, Custom, Operator, ParamSpec, Sav
 use gems::plan::footprint::{self, Footprint, StageMemory};
 use gems::plan::Layout;
 use gems::{fit, Dataset, Graph, GraphBuilder, Order, RunConfig, Scheme, Session, TrainConfig};
-use gems::{DType, Shape, Tensor};
+use gems::{DType, Precision, Shape, Tensor};
 use scaled_swish::ScaledSwish;
 
 /// conv → scaled Swish → conv → scaled Swish → pooled classifier: each Swish's input is saved
@@ -175,6 +175,30 @@ fn runs_on_tiles_exactly_as_on_one_device() {
             );
         }
     }
+}
+
+#[test]
+fn trains_in_mixed_precision_and_is_metered_exactly() {
+    // bf16 activations (the op's outputs take its input's dtype), f32 parameters and gradients.
+    let g = model(swish());
+    let t = TrainConfig {
+        precision: Precision::Bf16,
+        ..TrainConfig::new(4, 3)
+    };
+    let c = RunConfig::new(t, Scheme::single(2));
+    let metered = fit::per_rank(&g, &c).unwrap();
+    let mut s = Session::new(&g, c, Dataset::synthetic(12, 3, 0)).unwrap();
+    for _ in 0..3 {
+        let r = s.step().unwrap();
+        assert!(r.loss.is_finite() && !r.skipped, "{}", r.loss);
+    }
+    let real = &s.memory().unwrap()[0];
+    assert_eq!(
+        metered[0].peak, real.peak,
+        "{} vs {}",
+        metered[0].at_peak, real.at_peak
+    );
+    assert_eq!(metered[0].at_peak, real.at_peak);
 }
 
 /// The analytic model (from each op's `saves`) against the metered run, and the metered run
