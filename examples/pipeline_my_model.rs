@@ -1,6 +1,7 @@
 //! A model of your own under MAST (two replicas over two pipeline stages, ranks as threads),
-//! reading your own data source, stepped one step at a time by your loop, checkpointed, and
-//! resumed as single-device training from the same file.
+//! reading your own data source with a tenth held out, stepped one step at a time by your loop,
+//! checkpointed, resumed as single-device training from the same file, and evaluated on the
+//! held-out samples.
 //!
 //! Run: `cargo run --release --example pipeline_my_model`
 
@@ -10,7 +11,7 @@ mod my_model;
 use std::sync::Arc;
 
 use gems::data::Image;
-use gems::{Dataset, Kind, Order, RunConfig, Scheme, Session, Source, TrainConfig};
+use gems::{Dataset, RunConfig, Scheme, Session, Source, TrainConfig};
 
 /// Images of stripes: class 0 horizontal, 1 vertical, 2 diagonal, with a phase and contrast
 /// drawn from the index. Any type implementing `Source` can feed any scheme.
@@ -64,13 +65,14 @@ fn main() -> gems::Result<()> {
             .map(String::from)
             .to_vec(),
     });
-    let data = || Dataset::from_source(source.clone(), image, 0);
+    // A tenth of the samples held out, the same tenth every time.
+    let data = || Dataset::from_source(source.clone(), image, 0.1, 0);
     let mut train = TrainConfig::new(batch, steps);
     train.schedule.base = 0.02;
 
     // MAST: replica A flows rank 0 → 1, replica B rank 1 → 0; 2·B images a step.
-    let mast = Scheme::new(Kind::Mast, 2, 2, 2, 1, Order::GPipe);
-    let mut session = Session::new(&graph, RunConfig::new(train.clone(), mast), data())?;
+    let mast = Scheme::mast().stages(2).micro_batches(2);
+    let mut session = Session::new(&graph, RunConfig::new(train.clone(), mast), data()?)?;
     for _ in 0..steps / 2 {
         let r = session.step()?;
         let busy: Vec<String> = r
@@ -96,7 +98,7 @@ fn main() -> gems::Result<()> {
     // The same micro-batches on one device: M = η·m = 4 micro-batches of B/m images a step.
     let mut single = train.clone();
     single.batch_size = 4 * batch / 2;
-    let mut session = Session::new(&graph, RunConfig::new(single, Scheme::single(4)), data())?;
+    let mut session = Session::new(&graph, RunConfig::new(single, Scheme::single(4)), data()?)?;
     session.restore(&file)?;
     println!("resumed as single at step {}", session.steps_done());
     let mut last = f64::NAN;
@@ -107,5 +109,11 @@ fn main() -> gems::Result<()> {
     }
     std::fs::remove_file(&file).ok();
     println!("final loss {last:.4}");
+    let held_out = session.evaluate_held_out(None)?;
+    println!(
+        "held out: {} samples, accuracy {:.1}%",
+        held_out.samples,
+        100.0 * held_out.accuracy
+    );
     Ok(())
 }

@@ -9,7 +9,7 @@ mod my_model;
 
 use gems::memory::human_bytes;
 use gems::plan::simulate::{self, Profile};
-use gems::{fit, Dataset, Kind, Order, RunConfig, Scheme, Session, TrainConfig};
+use gems::{fit, Dataset, Order, RunConfig, Scheme, Session, TrainConfig};
 
 fn main() -> gems::Result<()> {
     let (image, classes) = (128, 4);
@@ -17,7 +17,10 @@ fn main() -> gems::Result<()> {
     let single = RunConfig::new(TrainConfig::new(8, 10), Scheme::single(1));
     let pipeline = RunConfig::new(
         TrainConfig::new(8, 10),
-        Scheme::new(Kind::Mp, 2, 2, 1, 1, Order::OneFOneB),
+        Scheme::mp()
+            .stages(2)
+            .micro_batches(2)
+            .order(Order::OneFOneB),
     );
     for (name, c) in [
         ("single", &single),

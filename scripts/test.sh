@@ -279,7 +279,7 @@ GEMS_EMU_CHAOS="${GEMS_EMU_CHAOS:-1}" cargo test --release "${features[@]}" "$@"
 
 if [ "$#" -eq 0 ]; then
     # Each example asserts what it prints (a cap held, a plan equal to the run it predicts).
-    for example in custom_model plan_my_model pipeline_my_model my_schedule; do
+    for example in custom_model plan_my_model pipeline_my_model custom_op my_schedule; do
         log "== example $example"
         cargo run --release --quiet "${features[@]}" --example "$example"
     done

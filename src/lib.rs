@@ -9,11 +9,11 @@
 //! [`fit::choose_split`], [`plan::simulate`]).
 //!
 //! ```
-//! use gems::{models, Dataset, Kind, Order, RunConfig, Scheme, Session, TrainConfig};
+//! use gems::{models, Dataset, RunConfig, Scheme, Session, TrainConfig};
 //! # fn main() -> gems::Result<()> {
 //! let graph = models::build("resnet20v2", 32, 4)?;
 //! // MAST: two replicas over two pipeline stages, ranks as threads of this process.
-//! let scheme = Scheme::new(Kind::Mast, 2, 1, 2, 1, Order::GPipe);
+//! let scheme = Scheme::mast().stages(2);
 //! let config = RunConfig::new(TrainConfig::new(2, 10), scheme);
 //! // Exactly what each rank will hold, from a metered run of the same tasks.
 //! let peaks = gems::fit::per_rank(&graph, &config)?;

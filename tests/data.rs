@@ -727,3 +727,54 @@ fn synthetic_scenes_segment() {
     let e = gems::data::open(&c, 32, 1, 5).err().unwrap().to_string();
     assert!(e.contains("at least 2 classes"), "{e}");
 }
+
+/// Numbered samples of a caller's own, each image filled with its index.
+struct Numbered(usize, Vec<String>);
+
+impl Source for Numbered {
+    fn samples(&self) -> Option<usize> {
+        Some(self.0)
+    }
+    fn classes(&self) -> &[String] {
+        &self.1
+    }
+    fn label(&self, index: usize) -> gems::Result<u32> {
+        Ok((index % 2) as u32)
+    }
+    fn read(&self, index: usize) -> gems::Result<Image> {
+        Ok(Image {
+            height: 2,
+            width: 2,
+            pixels: vec![index as f32; 12],
+        })
+    }
+    fn describe(&self, index: usize) -> String {
+        format!("numbered {index}")
+    }
+}
+
+#[test]
+fn a_users_source_holds_out_the_same_fraction_every_time() {
+    let source = Arc::new(Numbered(400, vec!["even".into(), "odd".into()]));
+    let open = |held_out| gems::Dataset::from_source(source.clone(), 2, held_out, 9);
+    let all = open(0.0).unwrap();
+    assert_eq!(all.train.samples(), Some(400));
+    assert!(all.val.is_none());
+    let d = open(0.25).unwrap();
+    let val = d.val.as_ref().expect("a held-out split");
+    let indices = |p: &Pipeline| -> Vec<usize> {
+        let n = p.samples().unwrap() as u64;
+        let mut v: Vec<usize> = (0..n).map(|pos| p.index(pos)).collect();
+        v.sort();
+        v
+    };
+    let (train, held) = (indices(&d.train), indices(val));
+    // About a quarter held out, disjoint from training, together every sample once.
+    assert!((70..130).contains(&held.len()), "{} held out", held.len());
+    let mut both = [train.clone(), held.clone()].concat();
+    both.sort();
+    assert_eq!(both, (0..400).collect::<Vec<_>>());
+    // The same split from the same seed.
+    assert_eq!(indices(open(0.25).unwrap().val.as_ref().unwrap()), held);
+    assert!(open(1.0).is_err());
+}

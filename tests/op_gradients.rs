@@ -1,5 +1,6 @@
 //! Every op's backward against central finite differences in f64 on random inputs, and its
-//! f32 forward against its f64 forward.
+//! f32 forward against its f64 forward, by the check the crate exports
+//! ([`gems::ops::check_gradients`]); and each op's forward against a direct definition.
 
 use gems::data::UNLABELLED;
 use gems::ops::activation::Nonlinearity;
@@ -8,7 +9,7 @@ use gems::ops::groupnorm::GroupNorm;
 use gems::ops::pool::AdaptiveAvgPool;
 use gems::ops::pool::{AvgPool, GlobalAvgPool, MaxPool, Window};
 use gems::ops::{
-    activation, dropout, elementwise, linear, loss, norm, resize, shape, Backward, Ctx, Op, Saved,
+    activation, dropout, elementwise, linear, loss, norm, resize, shape, Ctx, Op, Saved,
 };
 use gems::tensor::Device;
 use gems::{Category, DType, Shape, Tensor};
@@ -17,8 +18,6 @@ use rand_chacha::ChaCha8Rng;
 
 /// Finite-difference step: truncation error ~h², rounding ~1e-16/h, both far below 1e-6.
 const H: f64 = 1e-5;
-/// Elements per tensor compared (all of them when smaller).
-const PROBES: usize = 48;
 
 struct Case {
     op: Op,
@@ -59,11 +58,8 @@ struct Setup {
     in_shapes: Vec<Shape>,
     inputs: Vec<Vec<f64>>,
     param_shapes: Vec<Shape>,
-    trainable: usize,
     params: Vec<Vec<f64>>,
     out_shape: Shape,
-    /// The projection r of the scalar L = Σ r·y.
-    r: Vec<f64>,
 }
 
 fn setup(case: &Case, seed: u64) -> Setup {
@@ -96,17 +92,12 @@ fn setup(case: &Case, seed: u64) -> Setup {
         })
         .collect();
     let out_shape = gems::ops::batched(case.batch, &out);
-    let r = (0..out_shape.numel())
-        .map(|_| rng.random_range(-1.0..1.0))
-        .collect();
     Setup {
         in_shapes,
         inputs,
         param_shapes: specs.iter().map(|p| p.shape.clone()).collect(),
-        trainable: specs.iter().filter(|p| p.trainable).count(),
         params,
         out_shape,
-        r,
     }
 }
 
@@ -143,16 +134,6 @@ fn run_forward(
     (y, saved, ps)
 }
 
-fn objective(case: &Case, s: &Setup, inputs: &[Vec<f64>], params: &[Vec<f64>]) -> f64 {
-    let (y, _, _) = run_forward(case, s, inputs, params, DType::F64, true);
-    y.to_f64_vec()
-        .unwrap()
-        .iter()
-        .zip(&s.r)
-        .map(|(a, b)| a * b)
-        .sum()
-}
-
 /// ‖a − n‖ / max(‖a‖, ‖n‖) over the probed entries.
 fn rel_error(a: &[f64], n: &[f64]) -> f64 {
     let diff: f64 = a
@@ -174,97 +155,12 @@ fn rel_error(a: &[f64], n: &[f64]) -> f64 {
     }
 }
 
-fn probes(n: usize, rng: &mut ChaCha8Rng) -> Vec<usize> {
-    if n <= PROBES {
-        (0..n).collect()
-    } else {
-        (0..PROBES).map(|_| rng.random_range(0..n)).collect()
-    }
-}
-
+/// The exported check: every input's and trainable parameter's gradient against finite
+/// differences, and the f32 forward against the f64 one.
 fn check_gradients(name: &str, case: Case) {
-    let s = setup(&case, 1);
-    let d = device();
-    // Analytic gradients.
-    let (y, saved, ps) = run_forward(&case, &s, &s.inputs, &s.params, DType::F64, true);
-    drop(y);
-    let dy = upload(&d, &s.out_shape, &s.r, DType::F64);
-    let mut grads: Vec<Tensor> = s.param_shapes[..s.trainable]
-        .iter()
-        .map(|sh| {
-            d.zeros(sh.clone(), DType::F64, Category::Gradients)
-                .unwrap()
-        })
-        .collect();
-    let need = vec![true; s.inputs.len()];
-    let ctx = Ctx {
-        device: &d,
-        training: true,
-        seed: 42,
-        tiles: None,
-    };
-    let b = Backward {
-        saved,
-        dy,
-        inputs: &s.in_shapes,
-        need: &need,
-    };
-    let dxs = case.op.get().backward(&ctx, b, &ps, &mut grads).unwrap();
-
-    let mut rng = ChaCha8Rng::seed_from_u64(2);
-    let mut check =
-        |what: String, analytic: Vec<f64>, perturb: &mut dyn FnMut(usize, f64) -> f64| {
-            let idx = probes(analytic.len(), &mut rng);
-            let a: Vec<f64> = idx.iter().map(|&i| analytic[i]).collect();
-            let n: Vec<f64> = idx
-                .iter()
-                .map(|&i| (perturb(i, H) - perturb(i, -H)) / (2.0 * H))
-                .collect();
-            let e = rel_error(&a, &n);
-            assert!(
-            e <= 1e-6,
-            "{name}: gradient of {what}: relative error {e:e}\n analytic {a:?}\n numeric  {n:?}"
-        );
-            assert!(
-                a.iter().any(|v| v.abs() > 1e-8),
-                "{name}: gradient of {what} is zero on every probe"
-            );
-        };
-    for (k, dx) in dxs.iter().enumerate() {
-        let dx = dx.as_ref().expect("input gradient").to_f64_vec().unwrap();
-        check(format!("input {k}"), dx, &mut |i, h| {
-            let mut xs = s.inputs.clone();
-            xs[k][i] += h;
-            objective(&case, &s, &xs, &s.params)
-        });
-    }
-    for (k, g) in grads.iter().enumerate() {
-        check(
-            format!("parameter {k}"),
-            g.to_f64_vec().unwrap(),
-            &mut |i, h| {
-                let mut ps = s.params.clone();
-                ps[k][i] += h;
-                objective(&case, &s, &s.inputs, &ps)
-            },
-        );
-    }
-    // f32 forward agrees with f64.
-    for training in [true, false] {
-        let y64 = run_forward(&case, &s, &s.inputs, &s.params, DType::F64, training)
-            .0
-            .to_f64_vec()
-            .unwrap();
-        let y32 = run_forward(&case, &s, &s.inputs, &s.params, DType::F32, training)
-            .0
-            .to_f64_vec()
-            .unwrap();
-        let e = rel_error(&y32, &y64);
-        assert!(
-            e <= 1e-5,
-            "{name}: f32 forward differs from f64 by {e:e} (training {training})"
-        );
-    }
+    let shapes: Vec<Shape> = case.inputs.iter().map(|s| Shape::new(s.clone())).collect();
+    let check = gems::ops::check_gradients(case.op.get(), &shapes, case.batch, 1).unwrap();
+    assert!(check.passed(), "{name}:\n{check}");
 }
 
 fn conv(

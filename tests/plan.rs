@@ -324,7 +324,11 @@ fn split_auto_picks_the_fewest_stages_that_fit() {
         "{:?}",
         chosen.scheme
     );
+    // The split the capacity chose, as a balance list the run takes as it is.
+    let balance = chosen.balance.clone().expect("the chosen split");
+    assert_eq!(balance.len(), p, "{balance:?}");
     let mut fewer = chosen.clone();
+    fewer.balance = None;
     fewer.scheme.stages = p - 1;
     if p - 1 == 1 {
         fewer.scheme.kind = Kind::Single;

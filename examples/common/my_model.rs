@@ -22,9 +22,5 @@ pub fn my_model(image_size: usize, classes: usize) -> gems::Result<Graph> {
     let x = b.global_avg_pool("avgpool", x)?;
     let x = b.flatten("flatten", x)?;
     let logits = b.linear("fc", x, classes, true)?;
-    b.finish(vec![Output {
-        value: logits,
-        weight: 1.0,
-        training_only: false,
-    }])
+    b.finish(vec![Output::new(logits)])
 }

@@ -561,7 +561,7 @@ pub trait Backend: Send + Sync {
         hw: usize,
     ) -> Result<()>;
 
-    /// Σ over the n·positions places q of weights[q] · (−log softmax(logits)[labels[q]]),
+    /// Σ over the n·positions places q of `weights[q] · (−log softmax(logits)[labels[q]])`,
     /// summed in f64 whatever the logits' dtype; writes the probabilities. Every label is < k
     /// (the host gives unlabelled places label 0 and weight 0). Weights are f64 because the host
     /// folds each sample's normalisation into them and the f64 reference must stay exact.
@@ -573,7 +573,7 @@ pub trait Backend: Send + Sync {
         probs: &mut Storage,
         g: &LossGeom,
     ) -> Result<f64>;
-    /// dlogits = scale · weights[q] · (probs − onehot(labels[q])) at every class of place q.
+    /// `dlogits = scale · weights[q] · (probs − onehot(labels[q]))` at every class of place q.
     fn softmax_cross_entropy_backward(
         &self,
         probs: &Storage,

@@ -180,33 +180,100 @@ impl Dataset {
         }
     }
 
-    /// All of a caller's `source` for training, as `image_size`² inputs in shuffled epochs
-    /// drawn from `seed`, normalized per channel, nothing held out.
-    pub fn from_source(source: Arc<dyn Source>, image_size: usize, seed: u64) -> Dataset {
-        let transform = Transform {
+    /// A caller's `source` as `image_size`² inputs normalized per channel, the fraction
+    /// `held_out` of its samples (chosen by a hash of `seed` and the index, as folders' are)
+    /// held out for evaluation and the rest in shuffled epochs drawn from `seed`; with
+    /// `held_out` 0, all of it for training (an unbounded source has no fraction to hold out).
+    pub fn from_source(
+        source: Arc<dyn Source>,
+        image_size: usize,
+        held_out: f64,
+        seed: u64,
+    ) -> Result<Dataset> {
+        let split = Split {
+            image_size,
+            held_out,
+            seed,
+            skip_bad: false,
             augment: false,
-            normalize: true,
         };
-        Dataset {
-            classes: source.classes().to_vec(),
-            train: Arc::new(Pipeline::new(
-                source, image_size, transform, seed, false, true,
-            )),
-            val: None,
-            skipped: vec![],
+        split.dataset(source, vec![])
+    }
+}
+
+/// How [`open`] and [`Dataset::from_source`] divide a finite source.
+struct Split {
+    image_size: usize,
+    held_out: f64,
+    seed: u64,
+    skip_bad: bool,
+    augment: bool,
+}
+
+impl Split {
+    /// `source` divided into training and held-out samples; `skipped` is what opening it
+    /// left out.
+    fn dataset(&self, source: Arc<dyn Source>, skipped: Vec<(String, String)>) -> Result<Dataset> {
+        let val = self.held_out;
+        check_held_out(val)?;
+        // Training shuffles each epoch and may augment; held-out samples go in order, as they
+        // are.
+        let pipeline = |source: Arc<dyn Source>, subset, training: bool| {
+            let transform = Transform {
+                augment: training && self.augment,
+                normalize: true,
+            };
+            let p = Pipeline::new(
+                source,
+                self.image_size,
+                transform,
+                self.seed,
+                self.skip_bad,
+                training,
+            );
+            Ok::<_, Error>(Arc::new(match subset {
+                Some(s) => p.subset(s)?,
+                None => p,
+            }))
+        };
+        let classes = source.classes().to_vec();
+        let Some(n) = source.samples() else {
+            if val > 0.0 {
+                return Err(Error::Config(
+                    "an unbounded source has no fraction to hold out".into(),
+                ));
+            }
+            return Ok(Dataset {
+                classes,
+                train: pipeline(source, None, true)?,
+                val: None,
+                skipped,
+            });
+        };
+        let (train, held) = split(n, val, self.seed);
+        if train.is_empty() || (val > 0.0 && held.is_empty()) {
+            return Err(Error::Config(format!(
+                "holding out {val} of {n} samples leaves {} for training and {} held out: both need some",
+                train.len(),
+                held.len()
+            )));
         }
+        Ok(Dataset {
+            classes,
+            train: pipeline(source.clone(), Some(train), true)?,
+            val: match val > 0.0 {
+                true => Some(pipeline(source, Some(held), false)?),
+                false => None,
+            },
+            skipped,
+        })
     }
 }
 
 /// Opens `c`'s source for a model of `image_size`² inputs. Synthetic data has `classes`
 /// classes; other sources name theirs.
 pub fn open(c: &DataConfig, image_size: usize, classes: usize, seed: u64) -> Result<Dataset> {
-    if !(0.0..1.0).contains(&c.val) {
-        return Err(Error::Config(format!(
-            "the fraction held out is in [0, 1), not {}",
-            c.val
-        )));
-    }
+    check_held_out(c.val)?;
     if c.val > 0.0 && c.source == SourceSpec::Synthetic {
         return Err(Error::Config(
             "only a finite data set (a folder or slides) has a fraction to hold out; \
@@ -226,18 +293,6 @@ pub fn open(c: &DataConfig, image_size: usize, classes: usize, seed: u64) -> Res
             c.workers
         )));
     }
-    // Training shuffles each epoch and may augment; held-out samples go in order, as they are.
-    let pipeline = |source: Arc<dyn Source>, subset, normalize, training: bool| {
-        let transform = Transform {
-            augment: training && c.augment,
-            normalize,
-        };
-        let p = Pipeline::new(source, image_size, transform, seed, c.skip_bad, training);
-        Ok::<_, Error>(Arc::new(match subset {
-            Some(s) => p.subset(s)?,
-            None => p,
-        }))
-    };
     let (source, skipped): (Arc<dyn Source>, Vec<(String, String)>) = match &c.source {
         SourceSpec::Synthetic => {
             return Dataset::synthetic_with(c.task, image_size, classes, seed, c.augment)
@@ -258,27 +313,24 @@ pub fn open(c: &DataConfig, image_size: usize, classes: usize, seed: u64) -> Res
             (Arc::new(s), skipped)
         }
     };
-    let n = source
-        .samples()
-        .ok_or_else(|| Error::Internal("a file source without a sample count".into()))?;
-    let (train, val) = split(n, c.val, seed);
-    if train.is_empty() || (c.val > 0.0 && val.is_empty()) {
-        return Err(Error::Config(format!(
-            "holding out {} of {n} samples leaves {} for training and {} held out: both need some",
-            c.val,
-            train.len(),
-            val.len()
-        )));
+    let split = Split {
+        image_size,
+        held_out: c.val,
+        seed,
+        skip_bad: c.skip_bad,
+        augment: c.augment,
+    };
+    split.dataset(source, skipped)
+}
+
+/// Refuses a fraction to hold out outside [0, 1).
+fn check_held_out(val: f64) -> Result<()> {
+    if (0.0..1.0).contains(&val) {
+        return Ok(());
     }
-    Ok(Dataset {
-        classes: source.classes().to_vec(),
-        train: pipeline(source.clone(), Some(train), true, true)?,
-        val: match c.val > 0.0 {
-            true => Some(pipeline(source, Some(val), true, false)?),
-            false => None,
-        },
-        skipped,
-    })
+    Err(Error::Config(format!(
+        "the fraction held out is in [0, 1), not {val}"
+    )))
 }
 
 /// Files left out at opening, as (where, why) for messages.

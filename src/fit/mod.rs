@@ -89,15 +89,24 @@ pub fn choose_replicas(g: &Graph, c: &RunConfig, cap: u64) -> Result<RunConfig> 
 }
 
 /// The fewest pipeline stages whose plan fits `cap`, the scheme becoming MP-Basic where it was
-/// single; an error naming the closest miss when even the most cut points allow do not fit.
+/// single, with the split the capacity chose given as its balance; an error naming the closest
+/// miss when even the most cut points allow do not fit.
 pub fn choose_split(g: &Graph, c: &RunConfig, cap: u64) -> Result<RunConfig> {
     let most = most_stages(g);
-    if let Some(t) = fewest_stages(g, c, cap, 1..most + 1)? {
-        return Ok(t);
-    }
-    let mut t = with_stages(c, most);
-    t.train.device_memory = Some(cap);
-    check_fits(g, &t).map(|_| t)
+    let mut t = match fewest_stages(g, c, cap, 1..most + 1)? {
+        Some(t) => t,
+        None => {
+            let mut t = with_stages(c, most);
+            t.train.device_memory = Some(cap);
+            check_fits(g, &t)?;
+            t
+        }
+    };
+    let mut capped = t.clone();
+    capped.train.device_memory = Some(cap);
+    let layout = Layout::new(g, &capped)?;
+    t.balance = Some(layout.partition.balance(&layout.graph));
+    Ok(t)
 }
 
 /// Grids tried by [`choose_spatial`], fewest tiles first: for each tile count the squarest grid

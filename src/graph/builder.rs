@@ -3,10 +3,10 @@
 use super::{Block, BlockId, Graph, Node, Output, Param, Value, ValueId};
 use crate::ops::activation::Nonlinearity;
 use crate::ops::conv::{Conv2d, ConvTranspose2d};
-use crate::ops::Init;
 use crate::ops::{
     activation, dropout, elementwise, groupnorm, linear, norm, pool, resize, shape, Op,
 };
+use crate::ops::{Custom, Init};
 use crate::tensor::Shape;
 use crate::{Error, Result};
 
@@ -240,7 +240,8 @@ impl GraphBuilder {
     pub fn avg_pool(&mut self, name: &str, x: ValueId, w: pool::Window) -> Result<ValueId> {
         self.op(name, Op::AvgPool(pool::AvgPool(w)), &[x])
     }
-    /// The mean of each channel's plane: `[C, H, W]` to `[C]`.
+    /// The mean of each channel's plane: `[C, H, W]` to `[C, 1, 1]` (which [`GraphBuilder::linear`]
+    /// reads as a vector).
     pub fn global_avg_pool(&mut self, name: &str, x: ValueId) -> Result<ValueId> {
         self.op(name, Op::GlobalAvgPool(pool::GlobalAvgPool), &[x])
     }
@@ -269,7 +270,14 @@ impl GraphBuilder {
     pub fn dropout(&mut self, name: &str, x: ValueId, p: f64) -> Result<ValueId> {
         self.op(name, Op::Dropout(dropout::Dropout { p }), &[x])
     }
-    /// A fully connected layer from a flat input.
+    /// An op defined outside the crate (see [`crate::ops::Operator`]) applied to `inputs`;
+    /// metered, planned and checkpointed (its parameters named `name.suffix`) as a built-in
+    /// is.
+    pub fn custom(&mut self, name: &str, op: Custom, inputs: &[ValueId]) -> Result<ValueId> {
+        self.op(name, Op::Custom(op), inputs)
+    }
+    /// A fully connected layer of `x` seen as one vector (a `[C, 1, 1]` pool's output, or
+    /// already flat).
     pub fn linear(&mut self, name: &str, x: ValueId, d_out: usize, bias: bool) -> Result<ValueId> {
         let d_in = self.shape(x).numel();
         self.op(name, Op::Linear(linear::Linear { d_in, d_out, bias }), &[x])

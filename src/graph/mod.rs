@@ -89,6 +89,25 @@ pub struct Output {
     pub training_only: bool,
 }
 
+impl Output {
+    /// The model's output `value`, scored with weight 1 in training and evaluation.
+    pub fn new(value: ValueId) -> Output {
+        Output {
+            value,
+            weight: 1.0,
+            training_only: false,
+        }
+    }
+    /// An auxiliary classifier's `value`, scored with `weight` in training only.
+    pub fn auxiliary(value: ValueId, weight: f64) -> Output {
+        Output {
+            value,
+            weight,
+            training_only: true,
+        }
+    }
+}
+
 #[derive(Clone, Debug)]
 /// A model: a DAG of nodes over values, in topological order, with its parameters and blocks.
 pub struct Graph {
@@ -299,13 +318,7 @@ mod tests {
         let early = b.relu("early", x).unwrap();
         let conv = b.conv("conv", early, Conv2d::new(4, 3, 1, 1)).unwrap();
         let late = b.relu("late", conv).unwrap();
-        let g = b
-            .finish(vec![Output {
-                value: late,
-                weight: 1.0,
-                training_only: false,
-            }])
-            .unwrap();
+        let g = b.finish(vec![Output::new(late)]).unwrap();
         let mut wants = vec![false; g.values.len()];
         g.mark_requires_grad(0..g.nodes.len(), &mut wants);
         assert_eq!(

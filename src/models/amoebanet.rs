@@ -202,11 +202,7 @@ fn build_unchecked(
         let x = b.flatten("flat", x)?;
         b.linear("fc", x, classes, true)
     })?;
-    b.finish(vec![Output {
-        value: logits,
-        weight: 1.0,
-        training_only: false,
-    }])
+    b.finish(vec![Output::new(logits)])
 }
 
 /// A conv without bias, with PyTorch's default init U(±1/√fan_in).

@@ -98,17 +98,9 @@ fn build_unchecked(
     let logits = b.linear("fc", x, classes, true)?;
     // torchvision: truncated normal, std 0.1, for every conv and linear without its own.
     b.set_init("weight", Init::Normal(0.1))?;
-    let mut outputs = vec![Output {
-        value: logits,
-        weight: 1.0,
-        training_only: false,
-    }];
+    let mut outputs = vec![Output::new(logits)];
     if let Some(aux) = aux {
-        outputs.push(Output {
-            value: aux,
-            weight: 0.4,
-            training_only: true,
-        });
+        outputs.push(Output::auxiliary(aux, 0.4));
     }
     b.finish(outputs)
 }

@@ -105,11 +105,7 @@ pub fn build(name: &str, spec: &ResNetSpec, image_size: usize, classes: usize) -
     let x = b.global_avg_pool("avgpool", x)?;
     let x = b.flatten("flatten", x)?;
     let logits = b.linear("fc", x, classes, true)?;
-    b.finish(vec![Output {
-        value: logits,
-        weight: 1.0,
-        training_only: false,
-    }])
+    b.finish(vec![Output::new(logits)])
 }
 
 /// BN-ReLU-conv1×1 → BN-ReLU-conv3×3(stride) → BN-ReLU-conv1×1(4·width), plus the shortcut:

@@ -96,19 +96,12 @@ fn input(arch: Arch, kind: &str, image_size: usize) -> (GraphBuilder, ValueId) {
 }
 
 fn finish(b: GraphBuilder, logits: ValueId) -> Result<Graph> {
-    b.finish(vec![Output {
-        value: logits,
-        weight: 1.0,
-        training_only: false,
-    }])
+    b.finish(vec![Output::new(logits)])
 }
 
 /// A square convolution with bias.
 fn conv_bias(c_out: usize, k: usize, stride: usize, pad: usize) -> Conv2d {
-    Conv2d {
-        bias: true,
-        ..Conv2d::new(c_out, k, stride, pad)
-    }
+    Conv2d::new(c_out, k, stride, pad).with_bias()
 }
 
 /// torchvision's configuration E of VGG's `features`: conv output channels, [`M`] a max pool.

@@ -139,11 +139,7 @@ pub fn build(name: &str, spec: Spec, image_size: usize, classes: usize) -> Resul
             (b, logits)
         }
     };
-    b.finish(vec![Output {
-        value: logits,
-        weight: 1.0,
-        training_only: false,
-    }])
+    b.finish(vec![Output::new(logits)])
 }
 
 /// milesial's UNet: `inc`, `down1..depth`, `up1..depth`, `outc`.
@@ -174,15 +170,7 @@ fn plain(
         })?;
     }
     b.block("outc", "OutConv", |b| {
-        torch_default_conv(
-            b,
-            "conv",
-            x,
-            Conv2d {
-                bias: true,
-                ..Conv2d::new(classes, 1, 1, 0)
-            },
-        )
+        torch_default_conv(b, "conv", x, Conv2d::new(classes, 1, 1, 0).with_bias())
     })
 }
 
@@ -265,14 +253,7 @@ fn resnet_unet(
     })?;
     b.block("segmentation_head", "SegmentationHead", |b| {
         let c_in = b.shape(x).dim(0);
-        let y = b.conv(
-            "0",
-            x,
-            Conv2d {
-                bias: true,
-                ..Conv2d::new(classes, 3, 1, 1)
-            },
-        )?;
+        let y = b.conv("0", x, Conv2d::new(classes, 3, 1, 1).with_bias())?;
         // Xavier uniform: √(6 / (fan_in + fan_out)).
         let bound = (6.0 / (9 * (c_in + classes)) as f64).sqrt();
         b.set_init("weight", Init::Uniform(bound))?;

@@ -40,6 +40,22 @@ impl Conv2d {
             bias: false,
         }
     }
+    /// The same convolution with its kernel's taps `d` pixels apart (PyTorch's `dilation`).
+    pub fn dilation(self, d: usize) -> Self {
+        Conv2d {
+            dilation: (d, d),
+            ..self
+        }
+    }
+    /// The same convolution over `groups` channel groups (PyTorch's `groups`; as many as input
+    /// channels: depthwise).
+    pub fn groups(self, groups: usize) -> Self {
+        Conv2d { groups, ..self }
+    }
+    /// The same convolution adding a per-channel bias.
+    pub fn with_bias(self) -> Self {
+        Conv2d { bias: true, ..self }
+    }
 
     /// Its geometry on an NCHW input of shape `x`; refuses an input it does not fit.
     pub fn geom(&self, x: &Shape) -> Result<ConvGeom> {

@@ -6,7 +6,8 @@ use crate::tensor::{Shape, Tensor};
 use crate::Result;
 
 #[derive(Clone, Debug, PartialEq)]
-/// A fully connected layer, y = x·Wᵀ + b (weights `[d_out, d_in]`).
+/// A fully connected layer, y = x·Wᵀ + b (weights `[d_out, d_in]`), of each sample's
+/// elements as one vector.
 pub struct Linear {
     /// Input features.
     pub d_in: usize,
@@ -18,12 +19,15 @@ pub struct Linear {
 
 impl Operator for Linear {
     fn infer(&self, inputs: &[&Shape]) -> std::result::Result<Shape, String> {
-        match inputs[0].dims() {
-            [d] if *d == self.d_in => Ok(Shape::new([self.d_out])),
-            _ => Err(format!(
-                "linear expects [{}] per sample, got {}",
+        // Row-major elements are the flattened vector: any shape of d_in elements is read as
+        // one ([C, 1, 1] after a global pool).
+        if inputs[0].numel() == self.d_in {
+            Ok(Shape::new([self.d_out]))
+        } else {
+            Err(format!(
+                "linear expects {} elements per sample, got {}",
                 self.d_in, inputs[0]
-            )),
+            ))
         }
     }
 

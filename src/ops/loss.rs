@@ -5,7 +5,7 @@
 //! The loss is the mean over the N samples of each sample's weighted mean over its labelled
 //! places, so it is the same however a batch is cut into micro-batches. The host folds that
 //! normalisation into one weight per place (class weight / (N · the sample's total weight), 0
-//! where unlabelled), and the backend sums weight · (−log p[label]) over the places.
+//! where unlabelled), and the backend sums weight · `(−log p[label])` over the places.
 
 use crate::backend::LossGeom;
 use crate::data::UNLABELLED;

@@ -1,11 +1,14 @@
 //! One file per op family: shape inference, parameters, forward, backward and cost. Ops decide
 //! shapes and allocate through the device; the backend computes. Shapes in the graph are per
-//! sample (no batch dimension); tensors carry the batch as their first dimension.
+//! sample (no batch dimension); tensors carry the batch as their first dimension. An op
+//! defined outside the crate implements the same [`Operator`] trait, goes into a graph as
+//! [`Op::Custom`], and is checked as the built-in ones are, with [`check_gradients`].
 
 pub mod activation;
 pub mod conv;
 pub mod dropout;
 pub mod elementwise;
+mod gradcheck;
 pub mod groupnorm;
 pub mod linear;
 pub mod loss;
@@ -15,10 +18,16 @@ pub mod resize;
 pub mod shape;
 pub mod tiles;
 
+use std::sync::Arc;
+
 use crate::memory::Category;
 use crate::tensor::Device;
-use crate::tensor::{DType, Shape, Tensor};
+use crate::tensor::{DType, Shape, Storage, Tensor};
 use crate::Result;
+
+pub use gradcheck::{
+    check_gradients, GradientCheck, GradientError, F32_TOLERANCE, GRADIENT_TOLERANCE,
+};
 
 /// How a parameter starts.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -121,10 +130,42 @@ impl Ctx<'_> {
         self.device
             .empty(Shape::new([elements]), dtype, Category::Workspace)
     }
+    /// A fresh activation of `shape` and `like`'s dtype whose elements `fill` computes on the
+    /// host, in f64 (an op without kernels of its own: read inputs with
+    /// [`Tensor::to_f64_vec`] inside `fill`). On a metering device, which holds no elements,
+    /// the tensor is only allocated and `fill` does not run, so planning costs no host work.
+    pub fn host_output(
+        &self,
+        shape: Shape,
+        like: &Tensor,
+        fill: impl FnOnce(&mut [f64]) -> Result<()>,
+    ) -> Result<Tensor> {
+        if matches!(like.storage(), Storage::Virtual(..)) {
+            return self.output(shape, like);
+        }
+        let mut values = vec![0.0; shape.numel()];
+        fill(&mut values)?;
+        self.device
+            .upload(shape, &values, like.dtype(), Category::Activations)
+    }
+    /// Adds host `values` into `t` (a parameter gradient: backward adds, so micro-batches
+    /// and shared weights sum up).
+    pub fn accumulate(&self, t: &mut Tensor, values: &[f64]) -> Result<()> {
+        let add = self
+            .device
+            .upload(t.shape().clone(), values, t.dtype(), Category::Workspace)?;
+        self.device
+            .backend()
+            .add_assign(t.storage_mut()?, add.storage())
+    }
 }
 
-/// The interface of every op.
-pub trait Operator {
+/// The interface of every op, built in or defined outside the crate (wrapped in [`Custom`]).
+/// Tensors carry the batch as their first dimension; shapes given to `infer`, `params`,
+/// `flops` and `saves` are per sample. The planner meters an op by running it on a device
+/// that allocates and computes nothing, so what forward allocates and keeps (through
+/// [`Ctx`]) is what the plan counts, and [`Operator::saves`] must say the same.
+pub trait Operator: Send + Sync {
     /// Output shape (per sample) from input shapes, or why they are not accepted.
     fn infer(&self, inputs: &[&Shape]) -> std::result::Result<Shape, String>;
     /// The parameters the op owns for inputs of these shapes (none by default).
@@ -197,6 +238,42 @@ pub enum Op {
     Pad2d(shape::Pad2d),
     /// Bilinear resizing to a given size (PyTorch's `F.interpolate(mode="bilinear")`).
     ResizeBilinear(resize::ResizeBilinear),
+    /// An op defined outside the crate.
+    Custom(Custom),
+}
+
+/// An op defined outside the crate: any [`Operator`], with a label for descriptions. Clones
+/// share the implementation; two are equal when they share it.
+#[derive(Clone)]
+pub struct Custom {
+    label: String,
+    op: Arc<dyn Operator>,
+}
+
+impl Custom {
+    /// `op` labelled `label` (`scaled-swish`) in descriptions of the graph.
+    pub fn new(label: impl Into<String>, op: impl Operator + 'static) -> Custom {
+        Custom {
+            label: label.into(),
+            op: Arc::new(op),
+        }
+    }
+    /// Its label.
+    pub fn label(&self) -> &str {
+        &self.label
+    }
+}
+
+impl std::fmt::Debug for Custom {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Custom({})", self.label)
+    }
+}
+
+impl PartialEq for Custom {
+    fn eq(&self, other: &Custom) -> bool {
+        self.label == other.label && Arc::ptr_eq(&self.op, &other.op)
+    }
 }
 
 impl Op {
@@ -221,6 +298,7 @@ impl Op {
             Op::AvgPoolExcludePad(o) => o,
             Op::Pad2d(o) => o,
             Op::ResizeBilinear(o) => o,
+            Op::Custom(c) => &*c.op,
         }
     }
 
@@ -257,6 +335,7 @@ impl Op {
                     ""
                 }
             ),
+            Op::Custom(c) => c.label.clone(),
         }
     }
 }

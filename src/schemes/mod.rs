@@ -144,7 +144,8 @@ pub struct Scheme {
 }
 
 impl Scheme {
-    /// A scheme of `kind` with P `stages`, m `parts`, η `replicas` and D `dp` groups; checked when a run lays it out.
+    /// A scheme of `kind` with P `stages`, m `parts`, η `replicas` and D `dp` groups; checked
+    /// when a run lays it out. [`Scheme::of`] and its named settings say the same by name.
     pub fn new(
         kind: Kind,
         stages: usize,
@@ -183,6 +184,53 @@ impl Scheme {
         self.stages * self.chunks()
     }
 
+    /// A scheme of `kind` with the replicas it runs (2 for mast, 4 for master, else 1), one
+    /// stage, one micro-batch, one group, in GPipe order, untiled: the named settings below
+    /// change the rest (`Scheme::mast().stages(2).micro_batches(4)`).
+    pub fn of(kind: Kind) -> Scheme {
+        let replicas = match kind {
+            Kind::Mast => 2,
+            Kind::Master => 4,
+            _ => 1,
+        };
+        Scheme::new(kind, 1, 1, replicas, 1, Order::GPipe)
+    }
+    /// MP-Basic (see [`Scheme::of`]).
+    pub fn mp() -> Scheme {
+        Scheme::of(Kind::Mp)
+    }
+    /// MAST: two replicas flowing opposite ways (see [`Scheme::of`]).
+    pub fn mast() -> Scheme {
+        Scheme::of(Kind::Mast)
+    }
+    /// MASTER: four replicas, two MAST rounds (see [`Scheme::of`]).
+    pub fn master() -> Scheme {
+        Scheme::of(Kind::Master)
+    }
+    /// Data parallelism: one stage per rank (see [`Scheme::of`]).
+    pub fn dp() -> Scheme {
+        Scheme::of(Kind::Dp)
+    }
+    /// The same scheme with P = `stages` pipeline stages.
+    pub fn stages(self, stages: usize) -> Scheme {
+        Scheme { stages, ..self }
+    }
+    /// The same scheme with m = `parts` micro-batches per replica pass.
+    pub fn micro_batches(self, parts: usize) -> Scheme {
+        Scheme { parts, ..self }
+    }
+    /// The same scheme with η = `replicas` replicas per step.
+    pub fn replicas(self, replicas: usize) -> Scheme {
+        Scheme { replicas, ..self }
+    }
+    /// The same scheme with D = `dp` data-parallel groups.
+    pub fn groups(self, dp: usize) -> Scheme {
+        Scheme { dp, ..self }
+    }
+    /// The same scheme with its pipeline in `order`.
+    pub fn order(self, order: Order) -> Scheme {
+        Scheme { order, ..self }
+    }
     /// The same scheme with its first stage's samples split into `grid` tiles.
     pub fn with_spatial(self, grid: Grid) -> Scheme {
         Scheme {
