@@ -208,12 +208,12 @@ pub fn adam<T: Float>(w: &mut [T], grad: &[T], m: &mut [T], v: &mut [T], s: &Ada
         .for_each(|(w, (&g, (m, v)))| {
             // l2 is 0 for AdamW and decay 1 for Adam: adding 0·w and multiplying by 1 are exact.
             let g = unscale * g + l2 * *w;
-            *w = *w * decay;
+            *w *= decay;
             // torch's lerp(m, g, 1-β1) for a weight below ½; addcmul's (value·g)·g.
-            *m = *m + one_b1 * (g - *m);
+            *m += one_b1 * (g - *m);
             *v = b2 * *v + one_b2 * g * g;
             let denom = v.sqrt() / bc2_sqrt + eps;
-            *w = *w - step_size * (*m / denom);
+            *w -= step_size * (*m / denom);
         });
 }
 
