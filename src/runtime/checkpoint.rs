@@ -476,22 +476,7 @@ impl Checkpoint {
                 weight_decay: self.get("weight_decay")?,
                 nesterov: self.get("nesterov")?,
             },
-            // Checkpoints from before other optimizers are SGD's.
-            optimizer: match self.get_or("optimizer", "sgd".to_string())?.as_str() {
-                "sgd" => OptimizerKind::Sgd,
-                name @ ("adam" | "adamw") => OptimizerKind::Adam(AdamConfig {
-                    betas: (self.get("beta1")?, self.get("beta2")?),
-                    eps: self.get("eps")?,
-                    weight_decay: self.get("weight_decay")?,
-                    decoupled: name == "adamw",
-                }),
-                other => {
-                    return Err(Error::Config(format!(
-                        "{}: unknown optimizer '{other}'",
-                        self.path.display()
-                    )))
-                }
-            },
+            optimizer: self.optimizer()?,
             clip_grad_norm: match self.meta.contains_key("clip_grad_norm") {
                 true => Some(self.get("clip_grad_norm")?),
                 false => None,
@@ -526,6 +511,27 @@ impl Checkpoint {
                 None => None,
             },
         })
+    }
+
+    /// The optimizer the checkpoint was written with (SGD for checkpoints from before others).
+    fn optimizer(&self) -> Result<OptimizerKind> {
+        Ok(
+            match self.get_or("optimizer", "sgd".to_string())?.as_str() {
+                "sgd" => OptimizerKind::Sgd,
+                name @ ("adam" | "adamw") => OptimizerKind::Adam(AdamConfig {
+                    betas: (self.get("beta1")?, self.get("beta2")?),
+                    eps: self.get("eps")?,
+                    weight_decay: self.get("weight_decay")?,
+                    decoupled: name == "adamw",
+                }),
+                other => {
+                    return Err(Error::Config(format!(
+                        "{}: unknown optimizer '{other}'",
+                        self.path.display()
+                    )))
+                }
+            },
+        )
     }
 
     /// The state for a run of `g` with `dtype` parameters; refuses, by name, a checkpoint of
@@ -568,14 +574,14 @@ impl Checkpoint {
         let mut expected = std::collections::HashSet::new();
         let mut values = Vec::with_capacity(g.params.len());
         let step = self.step()?;
-        let c = self.config()?;
-        let names = c
-            .optimizer
-            .optimizer(c.sgd)
-            .state_names()
-            .iter()
-            .map(|n| n.to_string())
-            .collect::<Vec<_>>();
+        // The names of its state: SGD's do not depend on its hyper-parameters.
+        let sgd = SgdConfig {
+            momentum: 0.0,
+            weight_decay: 0.0,
+            nesterov: false,
+        };
+        let rule = self.optimizer()?.optimizer(sgd);
+        let names: Vec<String> = rule.state_names().iter().map(|n| n.to_string()).collect();
         let mut optimizer = Vec::with_capacity(g.params.len());
         for p in &g.params {
             let shape = p.spec.shape.dims();
