@@ -15,6 +15,11 @@
  *             mixed precision, 1 otherwise) is rounded to float and multiplies grad first;
  *             1 * grad is grad exactly, so without loss scaling the bits do not change.
  *             w, grad, buf are the f32 master copies in every precision.
+ *   adam_f32(float* w, const float* grad, float* m, float* v, GemsAdamStep s)
+ *             one Adam or AdamW step of w from grad and its moments m and v, PyTorch's formula
+ *             (see GemsAdamStep in gems_kernels.h), operation for operation the CPU
+ *             backend's update, likewise with explicitly rounded intrinsics (the square root
+ *             and the divisions too: __fsqrt_rn, __fdiv_rn), so it gives the same bits.
  *   nonfinite_f32(const float* x, int64_t numel, uint32_t* found)
  *             *found = 1 when any x[i] is inf or NaN (the check of the unscaled gradients
  *             before a step under dynamic loss scaling). Never writes 0: the host zeroes
@@ -24,9 +29,9 @@
  *             would be a data race in CUDA's memory model (and the emulator's race check
  *             reports them).
  *
- * Launch (both): 1-d grid-stride, blockDim.x = 256,
+ * Launch (all): 1-d grid-stride, blockDim.x = 256,
  * gridDim.x = min(ceil(numel / 256), 32 x SMs); w, grad and buf (and nonfinite's x) are read
- * and written at the same index by consecutive threads (coalesced).
+ * and written at the same index by consecutive threads (coalesced), as are adam's m and v.
  */
 #include "gems_device.h"
 
@@ -46,6 +51,26 @@ extern "C" __global__ void sgd_f32(float* w, const float* grad, float* buf, Gems
         buf[i] = b;
         float step = s.nesterov ? __fadd_rn(g, __fmul_rn(mom, b)) : b;
         w[i] = __fsub_rn(wi, __fmul_rn(lr, step));
+    }
+}
+
+extern "C" __global__ void adam_f32(float* w, const float* grad, float* m, float* v,
+                                    GemsAdamStep s) {
+    const float gs = (float)s.grad_scale, l2 = (float)s.weight_decay, decay = (float)s.decay;
+    const float one_b1 = (float)(1.0 - s.beta1), b2 = (float)s.beta2;
+    const float one_b2 = (float)(1.0 - s.beta2), eps = (float)s.eps;
+    const float step_size = (float)s.step_size, bc2_sqrt = (float)s.bc2_sqrt;
+    GEMS_FOR(i, s.numel) {
+        float wi = w[i];
+        /* l2 is 0 for AdamW and decay 1 for Adam: both exact no-ops there. */
+        float g = __fadd_rn(__fmul_rn(gs, grad[i]), __fmul_rn(l2, wi));
+        wi = __fmul_rn(wi, decay);
+        float mi = __fadd_rn(m[i], __fmul_rn(one_b1, __fsub_rn(g, m[i])));
+        float vi = __fadd_rn(__fmul_rn(b2, v[i]), __fmul_rn(__fmul_rn(one_b2, g), g));
+        float denom = __fadd_rn(__fdiv_rn(__fsqrt_rn(vi), bc2_sqrt), eps);
+        m[i] = mi;
+        v[i] = vi;
+        w[i] = __fsub_rn(wi, __fmul_rn(step_size, __fdiv_rn(mi, denom)));
     }
 }
 

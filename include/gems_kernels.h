@@ -116,6 +116,28 @@ typedef struct GemsSgdStep {
     int32_t first_step;
 } GemsSgdStep;
 
+/* One Adam or AdamW step as PyTorch's torch.optim.Adam/AdamW (single-tensor path) computes
+ * it, step t counted from 1:
+ *   g = grad_scale grad; g += weight_decay w   (Adam's L2 term, when weight_decay != 0)
+ *   w *= decay                                (AdamW's decoupled decay, 1 - lr wd; 1 for Adam)
+ *   m += (1 - beta1) (g - m)                  (torch's lerp, weight < 0.5)
+ *   v = beta2 v + (1 - beta2) g g
+ *   w -= step_size (m / (sqrt(v) / bc2_sqrt + eps))
+ * with step_size = lr / (1 - beta1^t) and bc2_sqrt = sqrt(1 - beta2^t) computed on the host
+ * in double, as PyTorch does in Python floats: eps is added after the square root of the
+ * bias-corrected second moment. */
+typedef struct GemsAdamStep {
+    int64_t numel;
+    double beta1;
+    double beta2;
+    double eps;
+    double weight_decay;
+    double decay;
+    double step_size;
+    double bc2_sqrt;
+    double grad_scale;
+} GemsAdamStep;
+
 /* Dropout: mask[i] = 0 with probability p, else 1 / (1 - p); element i's draw is
  * uniform(seed, i), the CPU backend's counter-based splitmix64 generator. */
 typedef struct GemsDropout {

@@ -312,3 +312,49 @@ fn conv_cudnn_runs_or_says_why_not() {
         }
     }
 }
+
+/// `--optimizer adamw` with clipping: the checkpoint records the settings and holds Adam's
+/// state by PyTorch's names, and a run resumed from it takes them up.
+#[test]
+fn adamw_checkpoints_its_settings_and_state_and_resumes() {
+    let dir = std::env::temp_dir().join(format!("gems-cli-adamw-{}", std::process::id()));
+    std::fs::remove_dir_all(&dir).ok();
+    let ckpt = dir.join("run");
+    let (ok, _, err) = gems(&[
+        "train",
+        "--steps",
+        "2",
+        "--batch-size",
+        "2",
+        "--optimizer",
+        "adamw",
+        "--betas",
+        "0.8,0.99",
+        "--clip-grad-norm",
+        "1",
+        "--no-decay-norm-bias",
+        "--checkpoint",
+        ckpt.to_str().unwrap(),
+    ]);
+    assert!(ok, "{err}");
+    let file = ckpt.join("step-000002.safetensors");
+    let bytes = std::fs::read(&file).unwrap();
+    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let header: serde_json::Value = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
+    let meta = &header["__metadata__"];
+    assert_eq!(meta["optimizer"], "adamw");
+    assert_eq!(meta["beta1"], "0.8");
+    assert_eq!(meta["clip_grad_norm"], "1");
+    assert_eq!(meta["no_decay_norm_bias"], "true");
+    for name in ["exp_avg", "exp_avg_sq", "step"] {
+        let key = format!("optimizer.conv1.weight.{name}");
+        assert!(header.get(&key).is_some(), "{key} missing");
+    }
+    assert!(header
+        .get("optimizer.conv1.weight.momentum_buffer")
+        .is_none());
+    let (ok, out, err) = gems(&["train", "--resume", file.to_str().unwrap(), "--steps", "3"]);
+    assert!(ok, "{err}");
+    assert!(out.contains("images/s"), "{out}");
+    std::fs::remove_dir_all(dir).ok();
+}

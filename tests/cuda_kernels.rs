@@ -169,7 +169,7 @@ const ENTRIES: &[(&str, &[&str])] = &[
             "softmax_cross_entropy_backward_f16",
         ],
     ),
-    ("optim", &["sgd_f32", "nonfinite_f32"]),
+    ("optim", &["sgd_f32", "adam_f32", "nonfinite_f32"]),
     (
         "elementwise",
         &[

@@ -34,8 +34,8 @@ use std::cell::RefCell;
 
 use gems::backend::cuda::{self, ConvImpl};
 use gems::backend::{
-    ChannelGeom, ConvGeom, CopyMode, DeviceKind, GroupGeom, LossGeom, Nonlinearity, PoolGeom,
-    ResizeGeom, SgdStep,
+    AdamStep, ChannelGeom, ConvGeom, CopyMode, DeviceKind, GroupGeom, LossGeom, Nonlinearity,
+    PoolGeom, ResizeGeom, SgdStep,
 };
 use gems::graph::policy::SavePolicy;
 use gems::ops::conv::ConvTranspose2d;
@@ -1027,6 +1027,41 @@ fn sgd_matches_cpu_bit_for_bit() {
             &bufg,
             0.0,
         );
+    }
+}
+
+#[test]
+#[cfg_attr(not(feature = "cuda-emu"), ignore = "needs a CUDA device")]
+fn adam_matches_cpu_bit_for_bit() {
+    let p = Pair::new(Precision::Fp32);
+    // Adam with L2 decay, AdamW, and AdamW on loss-scaled, clipped gradients.
+    for (decoupled, grad_scale) in [(false, 1.0), (true, 1.0), (true, 0.37 / 1024.0)] {
+        let (cpu, gpu) = (p.cpu.backend(), p.gpu.backend());
+        let n = 10_007;
+        let (mut w, mut wg) = p.input(n);
+        let (grad, gradg) = p.input(n);
+        let (mut m, mut mg) = p.input(n);
+        // A second moment is never negative.
+        let squares: Vec<f64> = p.values(n).iter().map(|v| v * v).collect();
+        let (mut v, mut vg) = p.both(&squares);
+        for step in 1..=3 {
+            let s = AdamStep {
+                lr: 0.01,
+                betas: (0.9, 0.999),
+                eps: 1e-8,
+                weight_decay: 0.05,
+                decoupled,
+                step,
+                grad_scale,
+            };
+            cpu.adam_update(&mut w, &grad, &mut m, &mut v, &s).unwrap();
+            gpu.adam_update(&mut wg, &gradg, &mut mg, &mut vg, &s)
+                .unwrap();
+        }
+        let what = format!("adam (decoupled {decoupled}, grad scale {grad_scale})");
+        p.check(&format!("{what} weights"), &w, &wg, 0.0);
+        p.check(&format!("{what} exp_avg"), &m, &mg, 0.0);
+        p.check(&format!("{what} exp_avg_sq"), &v, &vg, 0.0);
     }
 }
 

@@ -90,6 +90,22 @@ fn hyper_parameters_no_run_can_train_with_are_refused_before_work() {
         (&["--lr", "inf"], "the learning rate is inf"),
         (&["--momentum", "1.5"], "the momentum is 1.5"),
         (&["--weight-decay", "-0.1"], "the weight decay is -0.1"),
+        (
+            &["--optimizer", "adamw", "--eps", "0"],
+            "the epsilon (--eps) is 0",
+        ),
+        (
+            &["--optimizer", "adam", "--betas", "0.9,1"],
+            "the beta (--betas) is 1",
+        ),
+        (
+            &["--optimizer", "adam", "--betas", "-0.1,0.9"],
+            "the beta (--betas) is -0.1",
+        ),
+        (
+            &["--clip-grad-norm", "-1"],
+            "the clipping norm (--clip-grad-norm) is -1",
+        ),
         (&["--schedule", "step:5:nan"], "factor is NaN"),
         (
             &["--loss-scale", "0", "--precision", "fp16"],

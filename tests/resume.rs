@@ -8,7 +8,7 @@ use std::collections::HashMap;
 use std::path::PathBuf;
 
 use gems::optim::schedule::{Decay, LrSchedule};
-use gems::optim::SgdConfig;
+use gems::optim::{AdamConfig, OptimizerKind, SgdConfig};
 use gems::{models, DType, Dataset, Graph, Kind, Order, RunConfig, Scheme, Session, TrainConfig};
 
 const STEPS: usize = 4;
@@ -40,8 +40,13 @@ fn config(scheme: Scheme, batch: usize) -> RunConfig {
 }
 
 fn session(g: &Graph, scheme: Scheme, batch: usize) -> Session {
+    session_of(g, config(scheme, batch))
+}
+
+fn session_of(g: &Graph, c: RunConfig) -> Session {
     let data = Dataset::synthetic(IMAGE, CLASSES, 5);
-    Session::new(g, config(scheme, batch), data).unwrap_or_else(|e| panic!("{scheme:?}: {e}"))
+    let scheme = c.scheme;
+    Session::new(g, c, data).unwrap_or_else(|e| panic!("{scheme:?}: {e}"))
 }
 
 /// The whole model's values by parameter id, from the orientation-0 copies (each stage's
@@ -102,8 +107,15 @@ fn assert_identical(what: &str, got: &HashMap<usize, Vec<f64>>, want: &HashMap<u
 /// `scheme` (B images per replica pass) for STEPS steps, against STEPS/2 steps, a checkpoint,
 /// and STEPS/2 more steps as the same scheme, as single and as mp over `other_p` stages.
 fn check(scheme: Scheme, batch: usize, other_p: usize) {
+    check_with(scheme, batch, other_p, |c| c)
+}
+
+/// [`check`] for runs configured by `tweak` of the usual configuration.
+fn check_with(scheme: Scheme, batch: usize, other_p: usize, tweak: fn(RunConfig) -> RunConfig) {
     let g = graph();
     let name = format!("{scheme:?}");
+    let session =
+        |g: &Graph, scheme: Scheme, batch: usize| session_of(g, tweak(config(scheme, batch)));
     let mut whole = session(&g, scheme, batch);
     steps(&mut whole, STEPS);
     let want = parameters(&mut whole);
@@ -162,6 +174,27 @@ fn mp_gpipe_and_1f1b_resume_under_any_scheme() {
 fn mast_and_master_resume_under_any_scheme() {
     check(Scheme::new(Kind::Mast, 2, 2, 2, 1, Order::GPipe), 4, 3);
     check(Scheme::new(Kind::Master, 2, 1, 4, 1, Order::GPipe), 2, 3);
+}
+
+/// AdamW's state (moments and each parameter's steps) and clipping resume bit for bit.
+#[test]
+fn adamw_with_clipping_resumes_under_mast_bit_for_bit() {
+    let adamw = |mut c: RunConfig| {
+        c.train.optimizer = OptimizerKind::Adam(AdamConfig {
+            weight_decay: 0.05,
+            ..AdamConfig::new(true)
+        });
+        c.train.schedule.base = 1e-3;
+        c.train.clip_grad_norm = Some(0.5);
+        c.train.no_decay_norm_bias = true;
+        c
+    };
+    check_with(
+        Scheme::new(Kind::Mast, 2, 2, 2, 1, Order::GPipe),
+        4,
+        3,
+        adamw,
+    );
 }
 
 #[test]

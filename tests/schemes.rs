@@ -9,7 +9,7 @@ use gems::data::{DataConfig, SourceSpec, Task};
 use gems::graph::{self, Graph, Params};
 use gems::ops::{batched, loss};
 use gems::optim::schedule::{Decay, LrSchedule};
-use gems::optim::{Sgd, SgdConfig};
+use gems::optim::{AdamConfig, OptimizerKind, Sgd, SgdConfig};
 use gems::plan::{RunConfig, TrainConfig};
 use gems::schemes::schedule::{self, Pass};
 use gems::schemes::{Kind, Order, Scheme};
@@ -99,9 +99,26 @@ fn reference(
     dtype: DType,
     lr: f64,
 ) -> (HashMap<usize, Vec<f64>>, Vec<f64>) {
+    reference_with(g, s, train(batch, dtype, lr))
+}
+
+/// [`reference`] for a run of `config`.
+fn reference_with(
+    g: &Graph,
+    s: &Scheme,
+    config: TrainConfig,
+) -> (HashMap<usize, Vec<f64>>, Vec<f64>) {
     let m = s.micro_batches_per_step();
     let single = Scheme::single(m);
-    let r = run(g, single, m * batch / s.parts, dtype, lr);
+    let batch = m * config.batch_size / s.parts;
+    let r = run_with(
+        g,
+        single,
+        TrainConfig {
+            batch_size: batch,
+            ..config
+        },
+    );
     let params = r.params[0]
         .iter()
         .map(|(_, id, v)| (*id, v.clone()))
@@ -115,14 +132,19 @@ fn check(model: &Graph, s: Scheme, batch: usize) {
 
 /// [`check`] with base learning rate `lr`.
 fn check_at(model: &Graph, s: Scheme, batch: usize, lr: f64) {
-    check_run(model, RunConfig::new(train(batch, DType::F64, lr), s), lr)
+    check_run(model, RunConfig::new(train(batch, DType::F64, lr), s))
 }
 
-/// [`check`] of the run `c` (f64, base learning rate `lr`), whose tasks may be the caller's.
-fn check_run(model: &Graph, c: RunConfig, lr: f64) {
-    let (s, batch) = (c.scheme, c.train.batch_size);
+/// [`check`] for a run of `config` (f64).
+fn check_with(model: &Graph, s: Scheme, config: TrainConfig) {
+    check_run(model, RunConfig::new(config, s))
+}
+
+/// [`check`] of the run `c` (f64), whose tasks may be the caller's.
+fn check_run(model: &Graph, c: RunConfig) {
+    let s = c.scheme;
     let name = &model.name;
-    let (want, want_losses) = reference(model, &s, batch, DType::F64, lr);
+    let (want, want_losses) = reference_with(model, &s, c.train.clone());
     let got = run_config(model, c);
     let mut seen: HashMap<usize, &Vec<f64>> = HashMap::new();
     for (rank, params) in got.params.iter().enumerate() {
@@ -215,7 +237,7 @@ fn split_backward(name: &str, p: usize, m: usize) {
         tasks.extend(ws);
     }
     c.schedule = Some(std::sync::Arc::new(deferred));
-    check_run(model, c, LR);
+    check_run(model, c);
 }
 
 #[test]
@@ -244,6 +266,47 @@ fn every_scheme_matches_single_on_unet() {
 fn every_scheme_matches_single_on_amoebanet_d() {
     // Cells take the two previous cells' outputs: cuts carry two tensors.
     every_scheme("amoebanet_d_3x8");
+}
+
+/// Adam's and AdamW's state and gradient clipping by global norm: the norm is summed over
+/// every stage and counts each parameter once, however many copies of it the scheme holds
+/// (MAST's mirrored replicas, data-parallel groups, spatial tiles), so every scheme clips as
+/// single-device training does. Decay is off on norms and biases. SGD with clipping too, whose
+/// update, unlike Adam's, scales with the gradient, so a wrong norm shows at once.
+#[test]
+fn adamw_and_clipping_match_single() {
+    let model = &model("resnet20v2", 4);
+    let adamw = OptimizerKind::Adam(AdamConfig {
+        betas: (0.9, 0.999),
+        eps: 1e-8,
+        weight_decay: 0.05,
+        decoupled: true,
+    });
+    for (optimizer, lr) in [(adamw, 1e-3), (OptimizerKind::Sgd, LR)] {
+        let config = |batch| TrainConfig {
+            optimizer,
+            clip_grad_norm: Some(0.5),
+            no_decay_norm_bias: true,
+            ..train(batch, DType::F64, lr)
+        };
+        check_with(
+            model,
+            Scheme::new(Kind::Mp, 2, 2, 1, 1, Order::OneFOneB),
+            config(4),
+        );
+        check_with(
+            model,
+            Scheme::new(Kind::Mast, 2, 2, 2, 1, Order::GPipe),
+            config(4),
+        );
+        check_with(
+            model,
+            Scheme::new(Kind::Mast, 2, 1, 2, 2, Order::GPipe),
+            config(2),
+        );
+        let tiled = Scheme::new(Kind::Mp, 2, 1, 1, 1, Order::GPipe).with_spatial(tiles(1, 2));
+        check_with(model, tiled, config(2));
+    }
 }
 
 /// Spatial parallelism: `model` at `image`² (sides that are not powers of two and that no

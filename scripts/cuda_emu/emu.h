@@ -77,6 +77,8 @@ inline float __int_as_float(int u) { float f; memcpy(&f, &u, 4); return f; }
 inline float __fadd_rn(float a, float b) { return a + b; }
 inline float __fsub_rn(float a, float b) { return a - b; }
 inline float __fmul_rn(float a, float b) { return a * b; }
+inline float __fdiv_rn(float a, float b) { return a / b; }
+inline float __fsqrt_rn(float a) { return sqrtf(a); }
 // Not a plain write for the race check.
 EMU_INTERNAL inline float atomicAdd(float* p, float v) { static std::mutex m; std::lock_guard<std::mutex> g(m); float o = *p; *p = o + v; return o; }
 EMU_INTERNAL inline uint32_t atomicOr(uint32_t* p, uint32_t v) { static std::mutex m; std::lock_guard<std::mutex> g(m); uint32_t o = *p; *p = o | v; return o; }

@@ -6,8 +6,8 @@
 use std::sync::{Arc, OnceLock};
 
 use super::{
-    Backend, ChannelGeom, ConvGeom, DeviceKind, Event, GroupGeom, LossGeom, Nonlinearity, PoolGeom,
-    ResizeGeom, SgdStep,
+    AdamStep, Backend, ChannelGeom, ConvGeom, DeviceKind, Event, GroupGeom, LossGeom, Nonlinearity,
+    PoolGeom, ResizeGeom, SgdStep,
 };
 use crate::backend::host::HostPool;
 use crate::backend::Storage;
@@ -469,6 +469,17 @@ impl Backend for Meter {
         _grad: &Storage,
         _momentum_buf: &mut Storage,
         _step: &SgdStep,
+    ) -> Result<()> {
+        Ok(())
+    }
+
+    fn adam_update(
+        &self,
+        _w: &mut Storage,
+        _grad: &Storage,
+        _exp_avg: &mut Storage,
+        _exp_avg_sq: &mut Storage,
+        _step: &AdamStep,
     ) -> Result<()> {
         Ok(())
     }

@@ -217,6 +217,46 @@ pub struct SgdStep {
     pub grad_scale: f64,
 }
 
+/// Adam or AdamW hyper-parameters for one update of one parameter.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct AdamStep {
+    /// Learning rate.
+    pub lr: f64,
+    /// Decay rates of the first and second moment estimates.
+    pub betas: (f64, f64),
+    /// Added to the bias-corrected second moment's square root.
+    pub eps: f64,
+    /// Weight decay: an L2 term added to the gradient (Adam), or the weights shrunk by
+    /// `1 - lr·weight_decay` before the update (AdamW, `decoupled`).
+    pub weight_decay: f64,
+    /// AdamW's decoupled weight decay instead of Adam's L2 term.
+    pub decoupled: bool,
+    /// The parameter's step, counted from 1: the bias corrections' exponent.
+    pub step: u64,
+    /// Multiplies the gradient before anything else: 1 / the loss scale times the clipping
+    /// factor (1 without either).
+    pub grad_scale: f64,
+}
+
+impl AdamStep {
+    /// `lr / (1 - beta1^step)` and `sqrt(1 - beta2^step)`, in f64 as PyTorch computes them
+    /// (in Python floats).
+    pub fn bias_corrections(&self) -> (f64, f64) {
+        let t = self.step as f64;
+        let step_size = self.lr / (1.0 - self.betas.0.powf(t));
+        (step_size, (1.0 - self.betas.1.powf(t)).sqrt())
+    }
+
+    /// Adam's L2 term on the gradient and the factor AdamW multiplies the weights by (0 and 1
+    /// where they do not apply).
+    pub fn decay_terms(&self) -> (f64, f64) {
+        match self.decoupled {
+            true => (0.0, 1.0 - self.lr * self.weight_decay),
+            false => (self.weight_decay, 1.0),
+        }
+    }
+}
+
 /// The kernels a device runs. Inputs and outputs are storages of one dtype; gradients of
 /// parameters are accumulated (`+=`) so micro-batches and shared weights add up.
 /// `ws` is workspace leased by the caller with the size the backend asked for.
@@ -591,6 +631,15 @@ pub trait Backend: Send + Sync {
         grad: &Storage,
         momentum_buf: &mut Storage,
         step: &SgdStep,
+    ) -> Result<()>;
+    /// One Adam or AdamW update of `w` from `grad`, with its first and second moments.
+    fn adam_update(
+        &self,
+        w: &mut Storage,
+        grad: &Storage,
+        exp_avg: &mut Storage,
+        exp_avg_sq: &mut Storage,
+        step: &AdamStep,
     ) -> Result<()>;
     /// Sets every element to `value`.
     fn fill(&self, s: &mut Storage, value: f64) -> Result<()>;

@@ -1,14 +1,71 @@
-//! SGD with momentum, weight decay and Nesterov, as PyTorch defines it, and the dynamic loss
-//! scale that fp16 training steps it with.
+//! Optimizers: the [`Optimizer`] trait (an update rule whose state is named tensors per
+//! parameter, so checkpoints store it by name and any optimizer resumes under any scheme),
+//! SGD, Adam and AdamW as PyTorch defines them, the [`Stepper`] that holds an optimizer's state
+//! over a range of parameters and steps them, gradient clipping by global norm, and the dynamic
+//! loss scale that fp16 training steps with.
 
 pub mod schedule;
 
-use crate::backend::SgdStep;
-use crate::graph::Params;
+use crate::backend::{AdamStep, SgdStep};
+use crate::graph::{Graph, Params};
 use crate::memory::Category;
 use crate::tensor::Device;
 use crate::tensor::{Storage, Tensor};
-use crate::Result;
+use crate::{Error, Result};
+
+/// What one parameter's update is given besides its tensors.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Update {
+    /// Learning rate.
+    pub lr: f64,
+    /// This parameter's weight decay: the optimizer's, or 0 where its group exempts it.
+    pub weight_decay: f64,
+    /// Multiplies the gradient before anything else: 1 / the loss scale the gradients carry,
+    /// times the clipping factor (1 without either).
+    pub grad_scale: f64,
+    /// The parameter's step, counted from 1 (steps skipped under fp16 do not count).
+    pub step: u64,
+}
+
+/// An update rule. Its state is a list of named tensors per parameter, each shaped like the
+/// parameter and zero before the first step (PyTorch's `state[p]` names: `momentum_buffer`,
+/// `exp_avg`, `exp_avg_sq`), plus the step count the [`Stepper`] keeps; checkpoints store them
+/// as `optimizer.<parameter>.<name>`.
+pub trait Optimizer: Send + Sync {
+    /// The names of the state tensors it keeps per parameter, in the order
+    /// [`Optimizer::update`] receives them.
+    fn state_names(&self) -> &[&str];
+    /// Its weight decay, for the parameters that decay.
+    fn weight_decay(&self) -> f64;
+    /// Updates `w` from `grad` and its state tensors (in [`Optimizer::state_names`] order).
+    fn update(
+        &self,
+        device: &Device,
+        w: &mut Tensor,
+        grad: &Tensor,
+        state: &mut [Tensor],
+        u: &Update,
+    ) -> Result<()>;
+}
+
+impl<O: Optimizer + ?Sized> Optimizer for Box<O> {
+    fn state_names(&self) -> &[&str] {
+        (**self).state_names()
+    }
+    fn weight_decay(&self) -> f64 {
+        (**self).weight_decay()
+    }
+    fn update(
+        &self,
+        device: &Device,
+        w: &mut Tensor,
+        grad: &Tensor,
+        state: &mut [Tensor],
+        u: &Update,
+    ) -> Result<()> {
+        (**self).update(device, w, grad, state, u)
+    }
+}
 
 #[derive(Clone, Copy, Debug, PartialEq)]
 /// SGD as PyTorch defines it (no dampening).
@@ -21,48 +78,234 @@ pub struct SgdConfig {
     pub nesterov: bool,
 }
 
-/// The optimizer and its state: one momentum buffer per trainable parameter (optimizer
-/// state in the accounting; allocated up front so the first step's peak is the steady one).
-pub struct Sgd {
-    /// Its hyper-parameters.
-    pub config: SgdConfig,
-    buffers: Vec<Option<Tensor>>,
+impl Optimizer for SgdConfig {
+    fn state_names(&self) -> &[&str] {
+        &["momentum_buffer"]
+    }
+    fn weight_decay(&self) -> f64 {
+        self.weight_decay
+    }
+    fn update(
+        &self,
+        device: &Device,
+        w: &mut Tensor,
+        grad: &Tensor,
+        state: &mut [Tensor],
+        u: &Update,
+    ) -> Result<()> {
+        let step = SgdStep {
+            lr: u.lr,
+            momentum: self.momentum,
+            weight_decay: u.weight_decay,
+            nesterov: self.nesterov,
+            grad_scale: u.grad_scale,
+        };
+        let [buf] = state else {
+            return Err(Error::Internal("SGD keeps one state tensor".into()));
+        };
+        let b = device.backend();
+        b.sgd_update(w.storage_mut()?, grad.storage(), buf.storage_mut()?, &step)
+    }
 }
 
-impl Sgd {
-    /// An optimizer for `params` with zeroed momentum buffers on `device`.
-    pub fn new(params: &Params, device: &Device, config: SgdConfig) -> Result<Sgd> {
-        let buffers = params
+/// Adam, or AdamW with `decoupled`, as `torch.optim.Adam` / `torch.optim.AdamW` define them
+/// (no amsgrad, no maximize).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct AdamConfig {
+    /// Decay rates of the first and second moment estimates (PyTorch: 0.9, 0.999).
+    pub betas: (f64, f64),
+    /// Added to the bias-corrected second moment's square root (PyTorch: 1e-8).
+    pub eps: f64,
+    /// Adam: an L2 term added to the gradient; AdamW: the weights shrink by `1 - lr·wd`.
+    pub weight_decay: f64,
+    /// AdamW's decoupled weight decay.
+    pub decoupled: bool,
+}
+
+impl AdamConfig {
+    /// PyTorch's defaults for Adam (`decoupled` false; weight decay 0) or AdamW (weight decay
+    /// 0.01).
+    pub fn new(decoupled: bool) -> AdamConfig {
+        AdamConfig {
+            betas: (0.9, 0.999),
+            eps: 1e-8,
+            weight_decay: if decoupled { 0.01 } else { 0.0 },
+            decoupled,
+        }
+    }
+}
+
+impl Optimizer for AdamConfig {
+    fn state_names(&self) -> &[&str] {
+        &["exp_avg", "exp_avg_sq"]
+    }
+    fn weight_decay(&self) -> f64 {
+        self.weight_decay
+    }
+    fn update(
+        &self,
+        device: &Device,
+        w: &mut Tensor,
+        grad: &Tensor,
+        state: &mut [Tensor],
+        u: &Update,
+    ) -> Result<()> {
+        let step = AdamStep {
+            lr: u.lr,
+            betas: self.betas,
+            eps: self.eps,
+            weight_decay: u.weight_decay,
+            decoupled: self.decoupled,
+            step: u.step,
+            grad_scale: u.grad_scale,
+        };
+        let [m, v] = state else {
+            return Err(Error::Internal("Adam keeps two state tensors".into()));
+        };
+        let b = device.backend();
+        b.adam_update(
+            w.storage_mut()?,
+            grad.storage(),
+            m.storage_mut()?,
+            v.storage_mut()?,
+            &step,
+        )
+    }
+}
+
+/// Which optimizer a run steps with.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum OptimizerKind {
+    /// SGD, with the training configuration's [`SgdConfig`].
+    Sgd,
+    /// Adam or AdamW.
+    Adam(AdamConfig),
+}
+
+impl OptimizerKind {
+    /// The update rule, taking SGD's hyper-parameters from `sgd`.
+    pub fn optimizer(&self, sgd: SgdConfig) -> Box<dyn Optimizer> {
+        match *self {
+            OptimizerKind::Sgd => Box::new(sgd),
+            OptimizerKind::Adam(adam) => Box::new(adam),
+        }
+    }
+
+    /// Its name on the command line and in checkpoints: `sgd`, `adam` or `adamw`.
+    pub fn name(&self) -> &'static str {
+        match self {
+            OptimizerKind::Sgd => "sgd",
+            OptimizerKind::Adam(a) if a.decoupled => "adamw",
+            OptimizerKind::Adam(_) => "adam",
+        }
+    }
+}
+
+/// Whether a parameter is exempt from weight decay when norms and biases are (the usual two
+/// PyTorch parameter groups): a norm's scale and shift and every bias are the parameters with
+/// at most one dimension.
+pub fn is_norm_or_bias(graph: &Graph, id: usize) -> bool {
+    graph.params[id].spec.shape.dims().len() <= 1
+}
+
+/// One parameter's optimizer state: its named tensors and the steps it has taken.
+pub struct ParamState {
+    /// Steps taken (the next update is step `steps + 1`).
+    pub steps: u64,
+    /// The state tensors, in the optimizer's [`Optimizer::state_names`] order.
+    pub tensors: Vec<Tensor>,
+}
+
+/// An optimizer with its state over a range of parameters (a copy of a stage, or a whole
+/// model): state tensors are allocated up front as optimizer state in the accounting, so the
+/// first step's peak is the steady one.
+pub struct Stepper<O> {
+    /// The update rule.
+    pub optimizer: O,
+    states: Vec<Option<ParamState>>,
+    /// Per parameter, whether it decays (all do unless exempted).
+    decays: Vec<bool>,
+}
+
+/// SGD over a range of parameters.
+pub type Sgd = Stepper<SgdConfig>;
+
+impl<O: Optimizer> Stepper<O> {
+    /// `optimizer` for the trainable parameters of `params`, with zeroed state on `device`;
+    /// every parameter decays.
+    pub fn new(params: &Params, device: &Device, optimizer: O) -> Result<Stepper<O>> {
+        let n = optimizer.state_names().len();
+        let states = params
             .grads
             .iter()
             .map(|g| {
                 g.as_ref()
-                    .map(|g| device.zeros(g.shape().clone(), g.dtype(), Category::OptimizerState))
+                    .map(|g| {
+                        let tensors = (0..n)
+                            .map(|_| {
+                                device.zeros(g.shape().clone(), g.dtype(), Category::OptimizerState)
+                            })
+                            .collect::<Result<_>>()?;
+                        Ok(ParamState { steps: 0, tensors })
+                    })
                     .transpose()
             })
-            .collect::<Result<_>>()?;
-        Ok(Sgd { config, buffers })
+            .collect::<Result<Vec<_>>>()?;
+        let decays = vec![true; states.len()];
+        Ok(Stepper {
+            optimizer,
+            states,
+            decays,
+        })
     }
 
-    /// The momentum buffers, indexed like the graph's parameters.
-    pub fn buffers(&self) -> &[Option<Tensor>] {
-        &self.buffers
+    /// The same with no weight decay on the parameters `exempt` names (by index in the range):
+    /// a second parameter group with `weight_decay` 0, as PyTorch users make for norms and
+    /// biases ([`is_norm_or_bias`]).
+    pub fn exempt_from_decay(mut self, exempt: impl Fn(usize) -> bool) -> Self {
+        for (i, d) in self.decays.iter_mut().enumerate() {
+            *d = !exempt(i);
+        }
+        self
     }
 
-    /// Replaces the momentum buffers (one per trainable parameter, in order).
-    pub fn load_buffers(&mut self, device: &Device, values: Vec<Storage>) -> Result<()> {
-        let mut values = values.into_iter();
-        for b in self.buffers.iter_mut().flatten() {
-            let v = values
+    /// The state of each parameter (`None` for those not trained), indexed like the
+    /// parameters.
+    pub fn states(&self) -> &[Option<ParamState>] {
+        &self.states
+    }
+
+    /// Replaces the state of each trainable parameter, in order: its steps and its tensors by
+    /// name; refuses a state that lacks a tensor the optimizer keeps, naming it.
+    pub fn load_states(
+        &mut self,
+        device: &Device,
+        states: Vec<(u64, Vec<(String, Storage)>)>,
+    ) -> Result<()> {
+        let mut states = states.into_iter();
+        let names = self.optimizer.state_names();
+        for (i, mine) in self.states.iter_mut().enumerate() {
+            let Some(mine) = mine else { continue };
+            let (steps, mut tensors) = states
                 .next()
-                .ok_or_else(|| crate::Error::Internal("too few momentum buffers".into()))?;
-            *b = device.adopt(b.shape().clone(), v, Category::OptimizerState)?;
+                .ok_or_else(|| Error::Internal("too few optimizer states".into()))?;
+            for (name, t) in names.iter().zip(&mut mine.tensors) {
+                let at = tensors.iter().position(|(n, _)| n == name).ok_or_else(|| {
+                    Error::Config(format!(
+                        "the optimizer keeps '{name}' for each parameter, but the state of \
+                         parameter {i} of this range lacks it (written by another optimizer?)"
+                    ))
+                })?;
+                let (_, data) = tensors.swap_remove(at);
+                *t = device.adopt(t.shape().clone(), data, Category::OptimizerState)?;
+            }
+            mine.steps = steps;
         }
         Ok(())
     }
 
     /// Updates every trainable parameter from its gradient times `grad_scale` (1 / the loss
-    /// scale the gradients carry) with learning rate `lr`.
+    /// scale the gradients carry, times a clipping factor) with learning rate `lr`.
     pub fn step(
         &mut self,
         params: &mut Params,
@@ -70,30 +313,50 @@ impl Sgd {
         lr: f64,
         grad_scale: f64,
     ) -> Result<()> {
-        let step = SgdStep {
-            lr,
-            momentum: self.config.momentum,
-            weight_decay: self.config.weight_decay,
-            nesterov: self.config.nesterov,
-            grad_scale,
-        };
-        for ((w, g), buf) in params
+        let weight_decay = self.optimizer.weight_decay();
+        for (((w, g), state), &decays) in params
             .values
             .iter_mut()
             .zip(&params.grads)
-            .zip(&mut self.buffers)
+            .zip(&mut self.states)
+            .zip(&self.decays)
         {
-            if let (Some(g), Some(buf)) = (g, buf) {
-                device.backend().sgd_update(
-                    w.storage_mut()?,
-                    g.storage(),
-                    buf.storage_mut()?,
-                    &step,
-                )?;
+            if let (Some(g), Some(state)) = (g, state) {
+                state.steps += 1;
+                let u = Update {
+                    lr,
+                    weight_decay: if decays { weight_decay } else { 0.0 },
+                    grad_scale,
+                    step: state.steps,
+                };
+                self.optimizer
+                    .update(device, w, g, &mut state.tensors, &u)?;
             }
         }
         Ok(())
     }
+}
+
+/// The squared L2 norm of each trainable parameter's gradient in `params` (0 for the others),
+/// summed in f64 on the host in element order, so every scheme computes the same numbers
+/// from the same gradients.
+pub fn squared_norms(params: &Params) -> Result<Vec<f64>> {
+    params
+        .grads
+        .iter()
+        .map(|g| match g {
+            Some(g) => Ok(g.to_f64_vec()?.iter().map(|x| x * x).sum()),
+            None => Ok(0.0),
+        })
+        .collect()
+}
+
+/// `torch.nn.utils.clip_grad_norm_`'s factor for gradients whose parameters' squared norms
+/// are `squared` (the whole model's, in parameter order) and carry `grad_scale` (1 / the loss
+/// scale): min(1, max_norm / (total norm + 1e-6)).
+pub fn clip_factor(squared: &[f64], grad_scale: f64, max_norm: f64) -> f64 {
+    let norm = squared.iter().sum::<f64>().sqrt() * grad_scale;
+    (max_norm / (norm + 1e-6)).min(1.0)
 }
 
 /// Dynamic loss scaling, as PyTorch's `GradScaler`: the loss gradient is multiplied by the

@@ -9,7 +9,7 @@ use crate::backend::{CopyMode, DeviceKind};
 use crate::data::DataConfig;
 use crate::graph::policy::SavePolicy;
 use crate::optim::schedule::{Decay, LrSchedule};
-use crate::optim::{LossScale, SgdConfig};
+use crate::optim::{LossScale, OptimizerKind, SgdConfig};
 use crate::plan::calibrate::Calibration;
 use crate::schemes::schedule::{self, Schedule, StageCosts, Timeline};
 use crate::schemes::Scheme;
@@ -27,6 +27,13 @@ pub struct TrainConfig {
     pub schedule: LrSchedule,
     /// SGD's hyper-parameters.
     pub sgd: SgdConfig,
+    /// The optimizer: SGD (with `sgd`), Adam or AdamW.
+    pub optimizer: OptimizerKind,
+    /// Gradients clipped to this global L2 norm over the whole model, as
+    /// `torch.nn.utils.clip_grad_norm_` (`None`: not clipped).
+    pub clip_grad_norm: Option<f64>,
+    /// No weight decay on the norms' and biases' parameters (every optimizer).
+    pub no_decay_norm_bias: bool,
     /// Seeds the weights, the data order and dropout.
     pub seed: u64,
     /// The parameters' dtype (f32 or f64); `precision` sets the activations'.
@@ -55,7 +62,7 @@ pub struct TrainConfig {
 
 impl TrainConfig {
     /// `batch_size` images per step for `steps` steps; SGD with momentum 0.9 and weight decay
-    /// 5e-4 at a constant 0.05; seed 0, f32 on the CPU, no capacity, synthetic data. Change
+    /// 5e-4 at a constant 0.05, no clipping; seed 0, f32 on the CPU, no capacity, synthetic data. Change
     /// the fields for anything else.
     pub fn new(batch_size: usize, steps: usize) -> TrainConfig {
         TrainConfig {
@@ -72,6 +79,9 @@ impl TrainConfig {
                 weight_decay: 5e-4,
                 nesterov: false,
             },
+            optimizer: OptimizerKind::Sgd,
+            clip_grad_norm: None,
+            no_decay_norm_bias: false,
             seed: 0,
             dtype: DType::F32,
             device_memory: None,
@@ -107,6 +117,23 @@ impl TrainConfig {
         }
         if !(self.sgd.weight_decay.is_finite() && self.sgd.weight_decay >= 0.0) {
             return bad("weight decay", self.sgd.weight_decay, "a finite number ≥ 0");
+        }
+        if let OptimizerKind::Adam(a) = self.optimizer {
+            let (b1, b2) = a.betas;
+            if let Some(b) = [b1, b2].into_iter().find(|b| !(0.0..1.0).contains(b)) {
+                return bad("beta (--betas)", b, "in [0, 1)");
+            }
+            if !(a.eps.is_finite() && a.eps > 0.0) {
+                return bad("epsilon (--eps)", a.eps, "a finite number > 0");
+            }
+            if !(a.weight_decay.is_finite() && a.weight_decay >= 0.0) {
+                return bad("weight decay", a.weight_decay, "a finite number ≥ 0");
+            }
+        }
+        if let Some(n) = self.clip_grad_norm {
+            if !(n.is_finite() && n > 0.0) {
+                return bad("clipping norm (--clip-grad-norm)", n, "a finite number > 0");
+            }
         }
         if let Decay::Step { gamma, .. } = s.decay {
             if !(gamma.is_finite() && gamma > 0.0) {

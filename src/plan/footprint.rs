@@ -112,8 +112,10 @@ impl SparseMax {
 
 /// The model of one graph at one micro-batch size and precision.
 pub struct Footprint {
-    /// Prefix sums over nodes.
+    /// Prefix sums over nodes: bytes of parameters with their gradients and one optimizer state
+    /// tensor each, and of the trainable parameters alone.
     params: Vec<u64>,
+    trainable: Vec<u64>,
     stats: Vec<u64>,
     /// Bytes of the tensors first saved before node i, and of the nodes' own saved tensors.
     saved: Vec<u64>,
@@ -129,6 +131,15 @@ pub struct Footprint {
 }
 
 impl Footprint {
+    /// The same with `tensors` optimizer state tensors per trainable parameter (SGD keeps
+    /// one, Adam two) instead of one.
+    pub fn with_optimizer_state(mut self, tensors: usize) -> Footprint {
+        for (p, t) in self.params.iter_mut().zip(&self.trainable) {
+            *p = *p - t + tensors as u64 * t;
+        }
+        self
+    }
+
     /// Scans `g` for micro-batches of `micro` samples with parameters in `dtype` and
     /// activations in `activations`, metering each op alone as the metered runs do (with
     /// `workspace`'s convolution workspace).
@@ -234,21 +245,20 @@ impl Footprint {
             }
             p
         };
-        let params = prefix(
-            g.nodes
-                .iter()
-                .map(|node| {
-                    node.params
-                        .clone()
-                        .map(|p| {
-                            let spec = &g.params[p].spec;
-                            let copies = if spec.trainable { 3 } else { 1 };
-                            (copies * spec.shape.numel() * dtype.size()) as u64
-                        })
-                        .sum()
-                })
-                .collect(),
-        );
+        let param_bytes = |copies: fn(bool) -> usize| {
+            let per_node = g.nodes.iter().map(|node| {
+                node.params
+                    .clone()
+                    .map(|p| {
+                        let spec = &g.params[p].spec;
+                        (copies(spec.trainable) * spec.shape.numel() * dtype.size()) as u64
+                    })
+                    .sum()
+            });
+            prefix(per_node.collect())
+        };
+        let params = param_bytes(|trainable| if trainable { 3 } else { 1 });
+        let trainable = param_bytes(|trainable| trainable as usize);
         let crossing = crate::plan::partition::carried(g);
         // Of the values crossing a boundary whose gradients the model shares (the same last
         // consumer, one that hands on `dy`), all but the earliest produced arrive as buffers
@@ -294,6 +304,7 @@ impl Footprint {
             .collect();
         Ok(Footprint {
             params,
+            trainable,
             stats: prefix(stats),
             saved,
             forward: SparseMax::new(forward),

@@ -115,7 +115,8 @@ impl Model {
             c.train.dtype,
             c.train.activations(),
             ConvWorkspace::of(c.train.device),
-        )?;
+        )?
+        .with_optimizer_state(c.train.optimizer.optimizer(c.train.sgd).state_names().len());
         Ok(Some(Model { fp, cap }))
     }
 

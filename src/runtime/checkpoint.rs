@@ -1,7 +1,9 @@
 //! Checkpoints in safetensors, independent of the scheme that wrote them. A checkpoint holds
 //! the whole model's parameters and BN running statistics under their dotted
-//! (torchvision-style) names, `<bn>.num_batches_tracked`, the optimizer's momentum buffers
-//! (`optimizer.<name>.momentum_buffer`), and in its metadata the model (name, image side,
+//! (torchvision-style) names, `<bn>.num_batches_tracked`, the optimizer's state of each
+//! trainable parameter under PyTorch's names (`optimizer.<name>.momentum_buffer` for SGD,
+//! `optimizer.<name>.exp_avg` and `.exp_avg_sq` for Adam and AdamW, and the parameter's steps
+//! as `optimizer.<name>.step`), and in its metadata the model (name, image side,
 //! classes), the training configuration, the step, the data position (images consumed in the
 //! data's epoch order) and fp16's loss scale. Data order and dropout masks are counter-based on
 //! (seed, step, position), so those numbers are the whole random state: a run written as
@@ -27,7 +29,7 @@ use crate::core::rng::splitmix64;
 use crate::graph::Graph;
 use crate::ops::Op;
 use crate::optim::schedule::LrSchedule;
-use crate::optim::{LossScale, SgdConfig};
+use crate::optim::{AdamConfig, LossScale, OptimizerKind, SgdConfig};
 use crate::plan::TrainConfig;
 use crate::tensor::{DType, Storage};
 use crate::{Error, Result};
@@ -36,14 +38,37 @@ use crate::{Error, Result};
 pub struct TrainingState {
     /// Every parameter and buffer, in the graph's order.
     pub values: Vec<Storage>,
-    /// The momentum buffer of each trainable parameter.
-    pub momentum: Vec<Option<Storage>>,
+    /// The optimizer's state of each trainable parameter.
+    pub optimizer: Vec<Option<OptimizerState>>,
     /// Optimizer steps done.
     pub step: usize,
     /// Images consumed in the data's epoch order: where the next step's first image is.
     pub position: u64,
     /// fp16's dynamic loss scale (`None` for other precisions).
     pub loss_scale: Option<LossScale>,
+}
+
+/// One parameter's optimizer state on the host.
+pub struct OptimizerState {
+    /// Steps the parameter has taken.
+    pub steps: u64,
+    /// Its state tensors by name, in the optimizer's order.
+    pub tensors: Vec<(String, Storage)>,
+}
+
+impl OptimizerState {
+    /// A copy (host storages are copied; device storages cannot be).
+    pub fn try_clone(&self) -> Result<OptimizerState> {
+        let tensors = self
+            .tensors
+            .iter()
+            .map(|(n, t)| Ok((n.clone(), t.try_clone()?)))
+            .collect::<Result<_>>()?;
+        Ok(OptimizerState {
+            steps: self.steps,
+            tensors,
+        })
+    }
 }
 
 const FORMAT: &str = "gems-checkpoint-1";
@@ -91,7 +116,7 @@ impl Lineage {
 
 /// Metadata keys that define a run's computation (hashed into `config_hash`); the others
 /// record progress or identity.
-const CONFIG_KEYS: [&str; 16] = [
+const CONFIG_KEYS: [&str; 22] = [
     "model",
     "image_size",
     "classes",
@@ -108,6 +133,12 @@ const CONFIG_KEYS: [&str; 16] = [
     "nesterov",
     "data",
     "class_weights",
+    "optimizer",
+    "beta1",
+    "beta2",
+    "eps",
+    "clip_grad_norm",
+    "no_decay_norm_bias",
 ];
 
 /// FNV-1a over the configuration's keys and values, in a fixed order: equal for two runs
@@ -183,6 +214,20 @@ fn metadata(
         let w = serde_json::to_string(w).expect("weights serialize");
         meta.insert("class_weights".into(), w);
     }
+    meta.insert("optimizer".into(), c.optimizer.name().into());
+    if let OptimizerKind::Adam(a) = c.optimizer {
+        // Adam's weight decay is the one `weight_decay` records.
+        meta.insert("weight_decay".into(), a.weight_decay.to_string());
+        meta.insert("beta1".into(), a.betas.0.to_string());
+        meta.insert("beta2".into(), a.betas.1.to_string());
+        meta.insert("eps".into(), a.eps.to_string());
+    }
+    if let Some(n) = c.clip_grad_norm {
+        meta.insert("clip_grad_norm".into(), n.to_string());
+    }
+    if c.no_decay_norm_bias {
+        meta.insert("no_decay_norm_bias".into(), "true".into());
+    }
     if let Some(l) = &state.loss_scale {
         // The whole state, so a resumed run grows and skips as the uninterrupted one would.
         let state = serde_json::to_string(l).expect("a loss scale serializes");
@@ -219,7 +264,7 @@ pub fn save_weights(g: &Graph, dtype: DType, state: &TrainingState, path: &Path)
     write_atomically(path, &serialize(g, dtype, state, false, meta)?)
 }
 
-/// The safetensors bytes of `state` under torchvision's names, with the momentum buffers if
+/// The safetensors bytes of `state` under torchvision's names, with the optimizer's state if
 /// `optimizer`; refuses a state holding a non-finite value.
 fn serialize(
     g: &Graph,
@@ -231,10 +276,11 @@ fn serialize(
     // A checkpoint is what a run falls back to: never one that cannot train.
     let tensors = state.values.iter().zip(&g.params).chain(
         state
-            .momentum
+            .optimizer
             .iter()
             .zip(&g.params)
-            .filter_map(|(m, p)| m.as_ref().map(|m| (m, p))),
+            .filter_map(|(o, p)| o.as_ref().map(|o| (o, p)))
+            .flat_map(|(o, p)| o.tensors.iter().map(move |(_, t)| (t, p))),
     );
     for (v, p) in tensors {
         if v.to_f64_vec()?.iter().any(|x| !x.is_finite()) {
@@ -265,15 +311,24 @@ fn serialize(
             Dtype::I64,
         ));
     }
-    for (p, buf) in g.params.iter().zip(&state.momentum) {
-        if let (Some(b), true) = (buf, optimizer) {
+    for (p, o) in g.params.iter().zip(&state.optimizer) {
+        let Some(o) = o.as_ref().filter(|_| optimizer) else {
+            continue;
+        };
+        for (name, t) in &o.tensors {
             owned.push((
-                format!("optimizer.{}.momentum_buffer", p.name),
+                format!("optimizer.{}.{name}", p.name),
                 p.spec.shape.dims().to_vec(),
-                b.to_le_bytes()?,
+                t.to_le_bytes()?,
                 dtype,
             ));
         }
+        owned.push((
+            format!("optimizer.{}.step", p.name),
+            vec![],
+            (o.steps as i64).to_le_bytes().to_vec(),
+            Dtype::I64,
+        ));
     }
     let views = owned
         .iter()
@@ -421,6 +476,12 @@ impl Checkpoint {
                 weight_decay: self.get("weight_decay")?,
                 nesterov: self.get("nesterov")?,
             },
+            optimizer: self.optimizer()?,
+            clip_grad_norm: match self.meta.contains_key("clip_grad_norm") {
+                true => Some(self.get("clip_grad_norm")?),
+                false => None,
+            },
+            no_decay_norm_bias: self.get_or("no_decay_norm_bias", false)?,
             seed: self.get("seed")?,
             dtype: self
                 .get::<String>("dtype")?
@@ -450,6 +511,27 @@ impl Checkpoint {
                 None => None,
             },
         })
+    }
+
+    /// The optimizer the checkpoint was written with (SGD for checkpoints from before others).
+    fn optimizer(&self) -> Result<OptimizerKind> {
+        Ok(
+            match self.get_or("optimizer", "sgd".to_string())?.as_str() {
+                "sgd" => OptimizerKind::Sgd,
+                name @ ("adam" | "adamw") => OptimizerKind::Adam(AdamConfig {
+                    betas: (self.get("beta1")?, self.get("beta2")?),
+                    eps: self.get("eps")?,
+                    weight_decay: self.get("weight_decay")?,
+                    decoupled: name == "adamw",
+                }),
+                other => {
+                    return Err(Error::Config(format!(
+                        "{}: unknown optimizer '{other}'",
+                        self.path.display()
+                    )))
+                }
+            },
+        )
     }
 
     /// The state for a run of `g` with `dtype` parameters; refuses, by name, a checkpoint of
@@ -491,7 +573,16 @@ impl Checkpoint {
         };
         let mut expected = std::collections::HashSet::new();
         let mut values = Vec::with_capacity(g.params.len());
-        let mut momentum = Vec::with_capacity(g.params.len());
+        let step = self.step()?;
+        // The names of its state: SGD's do not depend on its hyper-parameters.
+        let sgd = SgdConfig {
+            momentum: 0.0,
+            weight_decay: 0.0,
+            nesterov: false,
+        };
+        let rule = self.optimizer()?.optimizer(sgd);
+        let names: Vec<String> = rule.state_names().iter().map(|n| n.to_string()).collect();
+        let mut optimizer = Vec::with_capacity(g.params.len());
         for p in &g.params {
             let shape = p.spec.shape.dims();
             values.push(Storage::from_le_bytes(
@@ -499,15 +590,33 @@ impl Checkpoint {
                 dtype,
             ));
             expected.insert(p.name.clone());
-            momentum.push(match p.spec.trainable {
-                true => {
-                    let name = format!("optimizer.{}.momentum_buffer", p.name);
-                    let data = read(&name, shape, want)?.data();
-                    expected.insert(name);
-                    Some(Storage::from_le_bytes(data, dtype))
+            if !p.spec.trainable {
+                optimizer.push(None);
+                continue;
+            }
+            let mut tensors = Vec::new();
+            for name in &names {
+                let key = format!("optimizer.{}.{name}", p.name);
+                let data = read(&key, shape, want)?.data();
+                expected.insert(key);
+                tensors.push((name.clone(), Storage::from_le_bytes(data, dtype)));
+            }
+            // Checkpoints from before per-parameter steps stepped every parameter every step.
+            let key = format!("optimizer.{}.step", p.name);
+            let steps = match st.tensor(&key) {
+                Ok(_) => {
+                    let bytes = read(&key, &[], Dtype::I64)?.data();
+                    let steps = i64::from_le_bytes(
+                        bytes
+                            .try_into()
+                            .map_err(|_| bad(format!("tensor '{key}' is not one i64")))?,
+                    );
+                    expected.insert(key);
+                    steps as u64
                 }
-                false => None,
-            });
+                Err(_) => step as u64,
+            };
+            optimizer.push(Some(OptimizerState { steps, tensors }));
         }
         for bn in batchnorm_nodes(g) {
             let name = format!("{bn}.num_batches_tracked");
@@ -527,10 +636,9 @@ impl Checkpoint {
             ),
             None => None,
         };
-        let step = self.step()?;
         Ok(TrainingState {
             values,
-            momentum,
+            optimizer,
             step,
             // Checkpoints from before data positions were recorded trained one batch a step.
             position: self.get_or("position", (step * self.get::<usize>("batch_size")?) as u64)?,

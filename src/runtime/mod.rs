@@ -7,7 +7,7 @@ pub mod folder;
 mod rank;
 mod session;
 
-pub use checkpoint::{Checkpoint, Lineage, TrainingState};
+pub use checkpoint::{Checkpoint, Lineage, OptimizerState, TrainingState};
 pub use evaluation::{Evaluation, SampleScore};
 pub use folder::{CheckpointFolder, FolderRules};
 pub use rank::{CopyValues, RankStep};

@@ -24,9 +24,9 @@ use crate::graph::{self, Params, RunningUpdate, Tape, ValueId, WeightWork};
 use crate::memory::{Category, MemoryStats};
 use crate::ops::tiles::{self, Tiles};
 use crate::ops::{batched, loss};
-use crate::optim::{LossScale, Sgd};
+use crate::optim::{self, LossScale, Optimizer, Stepper};
 use crate::plan::{Layout, RunConfig};
-use crate::runtime::checkpoint::TrainingState;
+use crate::runtime::checkpoint::{OptimizerState, TrainingState};
 use crate::runtime::evaluation::{evaluated_output, Evaluation, SampleScore, Tally};
 use crate::schemes::schedule::{self, Pass, Task, Timed};
 use crate::schemes::Scheme;
@@ -39,7 +39,7 @@ struct Copy {
     stage: usize,
     orientation: usize,
     params: Params,
-    sgd: Sgd,
+    optimizer: Stepper<Box<dyn Optimizer>>,
     /// Batch statistics gathered this step, by global micro-batch.
     running: Vec<(usize, RunningUpdate)>,
 }
@@ -215,12 +215,18 @@ impl Rank {
                     c.train.seed,
                     layout.param_ids(stage),
                 )?;
-                let sgd = Sgd::new(&params, &device, c.train.sgd)?;
+                let rule = c.train.optimizer.optimizer(c.train.sgd);
+                let mut optimizer = Stepper::new(&params, &device, rule)?;
+                if c.train.no_decay_norm_bias {
+                    let (g, first) = (&layout.graph, params.first);
+                    optimizer =
+                        optimizer.exempt_from_decay(|i| optim::is_norm_or_bias(g, first + i));
+                }
                 copies.push(Copy {
                     stage,
                     orientation,
                     params,
-                    sgd,
+                    optimizer,
                     running: Vec::new(),
                 });
             }
@@ -396,7 +402,7 @@ impl Rank {
     }
 
     /// The whole model's state at world rank 0 (`None` on the others): each stage's values and
-    /// momentum buffers from the rank of data-parallel group 0 that holds its orientation-0
+    /// optimizer state from the rank of data-parallel group 0 that holds its orientation-0
     /// copy, the progress and the loss scale. Collective.
     pub fn gather_state(&self) -> Result<Option<TrainingState>> {
         let s = self.c.scheme;
@@ -407,20 +413,42 @@ impl Rank {
             })
         };
         let n = self.layout.graph.params.len();
-        let mut values: Vec<Option<Message>> = (0..n).map(|_| None).collect();
-        let mut momentum: Vec<Option<Message>> = (0..n).map(|_| None).collect();
-        let mine = self.copies.iter().filter(|c| c.orientation == 0);
-        for copy in mine.filter(|_| self.group == 0 && self.tile == 0) {
+        let mut values: Vec<Option<Storage>> = (0..n).map(|_| None).collect();
+        let mut optimizer: Vec<Option<OptimizerState>> = (0..n).map(|_| None).collect();
+        let mine: Vec<&Copy> = self.copies.iter().filter(|c| c.orientation == 0).collect();
+        let first = mine
+            .first()
+            .ok_or_else(|| Error::Internal("no orientation-0 copy".into()))?;
+        let names = first.optimizer.optimizer.state_names();
+        for copy in mine.iter().filter(|_| self.group == 0 && self.tile == 0) {
+            // Per parameter: its values, then for a trainable one its steps and state tensors.
             for (i, v) in copy.params.values.iter().enumerate() {
                 let id = copy.params.first + i;
-                let buffer = copy.sgd.buffers()[i].as_ref().map(host).transpose()?;
+                let state = copy.optimizer.states()[i].as_ref();
                 if self.rank() == 0 {
-                    values[id] = Some(host(v)?);
-                    momentum[id] = buffer;
-                } else {
-                    self.comm.send_message(host(v)?, 0, STATE_TAG)?;
-                    if let Some(b) = buffer {
-                        self.comm.send_message(b, 0, STATE_TAG)?;
+                    values[id] = Some(host(v)?.storage);
+                    optimizer[id] = state
+                        .map(|st| -> Result<OptimizerState> {
+                            let tensors = names.iter().zip(&st.tensors);
+                            Ok(OptimizerState {
+                                steps: st.steps,
+                                tensors: tensors
+                                    .map(|(n, t)| Ok((n.to_string(), host(t)?.storage)))
+                                    .collect::<Result<_>>()?,
+                            })
+                        })
+                        .transpose()?;
+                    continue;
+                }
+                self.comm.send_message(host(v)?, 0, STATE_TAG)?;
+                if let Some(st) = state {
+                    let steps = Message {
+                        shape: Shape::new([1]),
+                        storage: Storage::F64(vec![st.steps as f64]),
+                    };
+                    self.comm.send_message(steps, 0, STATE_TAG)?;
+                    for t in &st.tensors {
+                        self.comm.send_message(host(t)?, 0, STATE_TAG)?;
                     }
                 }
             }
@@ -431,27 +459,40 @@ impl Rank {
         for stage in (0..s.model_stages()).filter(|&st| s.place(0, st) != 0) {
             let from = s.first_rank(s.place(0, stage));
             for id in self.layout.param_ids(stage) {
-                values[id] = Some(self.comm.recv_message(from, STATE_TAG)?);
+                values[id] = Some(self.comm.recv_message(from, STATE_TAG)?.storage);
                 if self.layout.graph.params[id].spec.trainable {
-                    momentum[id] = Some(self.comm.recv_message(from, STATE_TAG)?);
+                    let Storage::F64(steps) = self.comm.recv_message(from, STATE_TAG)?.storage
+                    else {
+                        return Err(Error::Internal("optimizer steps".into()));
+                    };
+                    let tensors = names
+                        .iter()
+                        .map(|n| {
+                            let t = self.comm.recv_message(from, STATE_TAG)?.storage;
+                            Ok((n.to_string(), t))
+                        })
+                        .collect::<Result<_>>()?;
+                    optimizer[id] = Some(OptimizerState {
+                        steps: steps[0] as u64,
+                        tensors,
+                    });
                 }
             }
         }
         let values = values
             .into_iter()
-            .map(|m| m.map(|m| m.storage))
             .collect::<Option<Vec<_>>>()
             .ok_or_else(|| Error::Internal("a parameter no rank holds".into()))?;
         Ok(Some(TrainingState {
             values,
-            momentum: momentum.into_iter().map(|m| m.map(|m| m.storage)).collect(),
+            optimizer,
             step: self.step,
             position: self.position,
             loss_scale: self.loss_scale.clone(),
         }))
     }
 
-    /// Takes up `state`: each copy's values and momentum buffers, the progress and the loss
+    /// Takes up `state`: each copy's values and optimizer state, the progress and the loss
     /// scale. Not collective.
     pub fn load_state(&mut self, state: &TrainingState) -> Result<()> {
         let g = &self.layout.graph;
@@ -463,10 +504,11 @@ impl Rank {
                     .device
                     .adopt(g.params[id].spec.shape.clone(), data, Category::Weights)?;
             }
-            let buffers = ids
-                .filter_map(|id| state.momentum[id].as_ref().map(Storage::try_clone))
+            let states = ids
+                .filter_map(|id| state.optimizer[id].as_ref())
+                .map(|o| Ok((o.steps, o.try_clone()?.tensors)))
                 .collect::<Result<Vec<_>>>()?;
-            copy.sgd.load_buffers(&self.device, buffers)?;
+            copy.optimizer.load_states(&self.device, states)?;
         }
         (self.step, self.position) = (state.step, state.position);
         if let (Some(mine), Some(theirs)) = (&mut self.loss_scale, &state.loss_scale) {
@@ -1040,14 +1082,36 @@ impl Rank {
             }
             None => true,
         };
+        let clip = match self.c.train.clip_grad_norm {
+            Some(max_norm) if apply => {
+                optim::clip_factor(&self.squared_norms()?, unscale, max_norm)
+            }
+            _ => 1.0,
+        };
         for copy in &mut self.copies {
             if apply {
-                copy.sgd.step(&mut copy.params, &self.device, lr, unscale)?;
+                let grad_scale = unscale * clip;
+                copy.optimizer
+                    .step(&mut copy.params, &self.device, lr, grad_scale)?;
             }
         }
         self.device.backend().synchronize()?;
         self.current.busy += start.elapsed().as_secs_f64();
         Ok(())
+    }
+
+    /// The squared norm of every parameter's summed gradient, indexed by parameter id, the
+    /// same on every rank. After the sums over copies every holder of a stage has its whole
+    /// gradient: each parameter is counted once, by its orientation-0 copy in data-parallel
+    /// group 0 on tile 0, and the others add zeros (exactly). Collective.
+    fn squared_norms(&self) -> Result<Vec<f64>> {
+        let mut squared = vec![0.0; self.layout.graph.params.len()];
+        let counts = self.group == 0 && self.tile == 0;
+        for copy in self.copies.iter().filter(|c| counts && c.orientation == 0) {
+            let mine = optim::squared_norms(&copy.params)?;
+            squared[copy.params.first..][..mine.len()].copy_from_slice(&mine);
+        }
+        self.comm.sum_f64(squared)
     }
 
     /// On a tile other than the first: zeros the gradients of parameters of nodes that ran on

@@ -29,7 +29,7 @@ use crate::data::{Dataset, Pipeline};
 use crate::graph::Graph;
 use crate::memory::MemoryStats;
 use crate::plan::{Layout, RunConfig};
-use crate::runtime::checkpoint::{self, Checkpoint, Lineage, TrainingState};
+use crate::runtime::checkpoint::{self, Checkpoint, Lineage, OptimizerState, TrainingState};
 use crate::runtime::evaluation::{held_out_samples, Evaluation};
 use crate::runtime::rank::{CopyValues, Rank, RankStep};
 use crate::{Error, Result};
@@ -334,7 +334,7 @@ impl Session {
     }
 
     /// Takes up the state in the checkpoint at `path`, whatever scheme wrote it: weights,
-    /// momentum, BN statistics, the loss scale, the step and the data position; the session
+    /// the optimizer's state, BN statistics, the loss scale, the step and the data position; the session
     /// continues the checkpoint's run ([`Session::lineage`]). Refuses, by name, a checkpoint of
     /// another model, image side or class count, or whose classes have other names than the
     /// session's data.
@@ -364,7 +364,7 @@ impl Session {
 
     /// Starts from the weights of the safetensors state_dict at `path` (torchvision's names;
     /// see [`checkpoint::read_weights`]) instead of the model's initialization: parameters
-    /// and BN running statistics, with no momentum yet. Before the first step only.
+    /// and BN running statistics, with the optimizer's state zero. Before the first step only.
     pub fn load_weights(&mut self, path: impl AsRef<Path>) -> Result<()> {
         if self.step > 0 {
             return Err(Error::Config(
@@ -373,7 +373,15 @@ impl Session {
         }
         let (g, dtype) = (&self.layout.graph, self.config.train.dtype);
         let values = checkpoint::read_weights(path.as_ref(), g, dtype)?;
-        let momentum = g
+        let t = &self.config.train;
+        let names = t
+            .optimizer
+            .optimizer(t.sgd)
+            .state_names()
+            .iter()
+            .map(|n| n.to_string())
+            .collect::<Vec<_>>();
+        let optimizer = g
             .params
             .iter()
             .zip(&values)
@@ -382,14 +390,22 @@ impl Session {
                 p.spec
                     .trainable
                     .then(|| {
-                        crate::backend::Backend::upload(&crate::backend::cpu::Cpu, &zeros, dtype)
+                        let tensors = names
+                            .iter()
+                            .map(|n| {
+                                let cpu = &crate::backend::cpu::Cpu;
+                                let z = crate::backend::Backend::upload(cpu, &zeros, dtype)?;
+                                Ok((n.clone(), z))
+                            })
+                            .collect::<Result<_>>()?;
+                        Ok(OptimizerState { steps: 0, tensors })
                     })
                     .transpose()
             })
             .collect::<Result<Vec<_>>>()?;
         let state = Arc::new(TrainingState {
             values,
-            momentum,
+            optimizer,
             step: 0,
             position: 0,
             loss_scale: None,

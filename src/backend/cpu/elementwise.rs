@@ -3,7 +3,7 @@
 use rayon::prelude::*;
 
 use super::Float;
-use crate::backend::{ChannelGeom, LossGeom, Nonlinearity, SgdStep};
+use crate::backend::{AdamStep, ChannelGeom, LossGeom, Nonlinearity, SgdStep};
 use crate::core::rng::uniform;
 
 /// Below this many elements a parallel loop costs more than it saves.
@@ -245,6 +245,33 @@ pub fn softmax_cross_entropy_backward<T: Float>(
                     *d = T::of(scale * weights[first + q]) * (p[q] - onehot);
                 }
             }
+        });
+}
+
+/// PyTorch's Adam and AdamW (`torch.optim.Adam`'s single-tensor path, operation for
+/// operation; see `GemsAdamStep` in include/gems_kernels.h): g = grad_scale·grad (+ wd·w for
+/// Adam), w ·= 1 - lr·wd (AdamW), m += (1-β1)(g - m), v = β2·v + (1-β2)·g², then
+/// w -= step_size·(m / (√v / √bc2 + eps)).
+pub fn adam<T: Float>(w: &mut [T], grad: &[T], m: &mut [T], v: &mut [T], s: &AdamStep) {
+    let (step_size, bc2_sqrt) = s.bias_corrections();
+    let (l2, decay) = s.decay_terms();
+    let (step_size, bc2_sqrt, l2, decay) =
+        (T::of(step_size), T::of(bc2_sqrt), T::of(l2), T::of(decay));
+    let (b2, eps) = (T::of(s.betas.1), T::of(s.eps));
+    let (one_b1, one_b2) = (T::of(1.0 - s.betas.0), T::of(1.0 - s.betas.1));
+    let unscale = T::of(s.grad_scale);
+    w.par_iter_mut()
+        .with_min_len(PAR_MIN)
+        .zip(grad.par_iter().zip(m.par_iter_mut().zip(v.par_iter_mut())))
+        .for_each(|(w, (&g, (m, v)))| {
+            // l2 is 0 for AdamW and decay 1 for Adam: adding 0·w and multiplying by 1 are exact.
+            let g = unscale * g + l2 * *w;
+            *w *= decay;
+            // torch's lerp(m, g, 1-β1) for a weight below ½; addcmul's (value·g)·g.
+            *m += one_b1 * (g - *m);
+            *v = b2 * *v + one_b2 * g * g;
+            let denom = v.sqrt() / bc2_sqrt + eps;
+            *w -= step_size * (*m / denom);
         });
 }
 

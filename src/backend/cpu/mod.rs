@@ -34,8 +34,8 @@ use rayon::prelude::*;
 use std::sync::Arc;
 
 use super::{
-    Backend, ChannelGeom, ConvGeom, Event, GroupGeom, LossGeom, Nonlinearity, PoolGeom, ResizeGeom,
-    SgdStep, POISON,
+    AdamStep, Backend, ChannelGeom, ConvGeom, Event, GroupGeom, LossGeom, Nonlinearity, PoolGeom,
+    ResizeGeom, SgdStep, POISON,
 };
 use crate::backend::host::{Block, HostPool};
 use crate::backend::Storage;
@@ -897,6 +897,18 @@ impl Backend for Cpu {
         step: &SgdStep,
     ) -> Result<()> {
         compute!(grad.dtype(), T, [grad], [w, momentum_buf] => elementwise::sgd::<T>(w, grad, momentum_buf, step));
+        Ok(())
+    }
+
+    fn adam_update(
+        &self,
+        w: &mut Storage,
+        grad: &Storage,
+        exp_avg: &mut Storage,
+        exp_avg_sq: &mut Storage,
+        step: &AdamStep,
+    ) -> Result<()> {
+        compute!(grad.dtype(), T, [grad], [w, exp_avg, exp_avg_sq] => elementwise::adam::<T>(w, grad, exp_avg, exp_avg_sq, step));
         Ok(())
     }
 

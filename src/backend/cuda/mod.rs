@@ -40,8 +40,8 @@ use cudarc::driver::{
 };
 
 use super::{
-    Backend, ChannelGeom, ConvGeom, Event, GroupGeom, LossGeom, Nonlinearity, PoolGeom, ResizeGeom,
-    SgdStep, POISON,
+    AdamStep, Backend, ChannelGeom, ConvGeom, Event, GroupGeom, LossGeom, Nonlinearity, PoolGeom,
+    ResizeGeom, SgdStep, POISON,
 };
 use crate::backend::host::{Block, HostPool};
 use crate::backend::Storage;
@@ -58,6 +58,7 @@ unsafe impl DeviceRepr for params::GemsBatchNorm {}
 unsafe impl DeviceRepr for params::GemsBnRunning {}
 unsafe impl DeviceRepr for params::GemsGroupNorm {}
 unsafe impl DeviceRepr for params::GemsSgdStep {}
+unsafe impl DeviceRepr for params::GemsAdamStep {}
 unsafe impl DeviceRepr for params::GemsDropout {}
 unsafe impl DeviceRepr for params::GemsLoss {}
 unsafe impl DeviceRepr for params::GemsCopyChannels {}
@@ -1465,6 +1466,32 @@ impl Backend for Cuda {
         };
         let cfg = self.grid_1d(w.len());
         launch!(self, "sgd_f32", cfg; w, dev(grad)?, dev_mut(momentum_buf)?, &s)
+    }
+
+    fn adam_update(
+        &self,
+        w: &mut Storage,
+        grad: &Storage,
+        exp_avg: &mut Storage,
+        exp_avg_sq: &mut Storage,
+        step: &AdamStep,
+    ) -> Result<()> {
+        let w = dev_mut(w)?;
+        let (step_size, bc2_sqrt) = step.bias_corrections();
+        let (weight_decay, decay) = step.decay_terms();
+        let s = params::GemsAdamStep {
+            numel: w.len() as i64,
+            beta1: step.betas.0,
+            beta2: step.betas.1,
+            eps: step.eps,
+            weight_decay,
+            decay,
+            step_size,
+            bc2_sqrt,
+            grad_scale: step.grad_scale,
+        };
+        let cfg = self.grid_1d(w.len());
+        launch!(self, "adam_f32", cfg; w, dev(grad)?, dev_mut(exp_avg)?, dev_mut(exp_avg_sq)?, &s)
     }
 
     fn all_finite(&self, s: &Storage) -> Result<bool> {

@@ -264,6 +264,51 @@ const _: () = {
 };
 #[repr(C)]
 #[derive(Debug, Default, Copy, Clone, PartialEq)]
+pub struct GemsAdamStep {
+    pub numel: i64,
+    pub beta1: f64,
+    pub beta2: f64,
+    pub eps: f64,
+    pub weight_decay: f64,
+    pub decay: f64,
+    pub step_size: f64,
+    pub bc2_sqrt: f64,
+    pub grad_scale: f64,
+}
+#[allow(clippy::unnecessary_operation, clippy::identity_op)]
+const _: () = {
+    ["Size of GemsAdamStep"][::std::mem::size_of::<GemsAdamStep>() - 72usize];
+    ["Alignment of GemsAdamStep"][::std::mem::align_of::<GemsAdamStep>() - 8usize];
+    [
+        "Offset of field: GemsAdamStep::numel",
+    ][::std::mem::offset_of!(GemsAdamStep, numel) - 0usize];
+    [
+        "Offset of field: GemsAdamStep::beta1",
+    ][::std::mem::offset_of!(GemsAdamStep, beta1) - 8usize];
+    [
+        "Offset of field: GemsAdamStep::beta2",
+    ][::std::mem::offset_of!(GemsAdamStep, beta2) - 16usize];
+    [
+        "Offset of field: GemsAdamStep::eps",
+    ][::std::mem::offset_of!(GemsAdamStep, eps) - 24usize];
+    [
+        "Offset of field: GemsAdamStep::weight_decay",
+    ][::std::mem::offset_of!(GemsAdamStep, weight_decay) - 32usize];
+    [
+        "Offset of field: GemsAdamStep::decay",
+    ][::std::mem::offset_of!(GemsAdamStep, decay) - 40usize];
+    [
+        "Offset of field: GemsAdamStep::step_size",
+    ][::std::mem::offset_of!(GemsAdamStep, step_size) - 48usize];
+    [
+        "Offset of field: GemsAdamStep::bc2_sqrt",
+    ][::std::mem::offset_of!(GemsAdamStep, bc2_sqrt) - 56usize];
+    [
+        "Offset of field: GemsAdamStep::grad_scale",
+    ][::std::mem::offset_of!(GemsAdamStep, grad_scale) - 64usize];
+};
+#[repr(C)]
+#[derive(Debug, Default, Copy, Clone, PartialEq)]
 pub struct GemsDropout {
     pub numel: i64,
     pub p: f64,

@@ -542,6 +542,34 @@ pub struct TrainArgs {
     pub weight_decay: f64,
     #[arg(long, conflicts_with = "resume")]
     pub nesterov: bool,
+    /// sgd (with --momentum, --nesterov), adam, or adamw; all take --weight-decay (Adam's is
+    /// an L2 term on the gradient, AdamW's shrinks the weights by 1 - lr·wd).
+    #[arg(long, default_value = "sgd", value_parser = ["sgd", "adam", "adamw"], conflicts_with = "resume")]
+    pub optimizer: String,
+    /// Adam's and AdamW's decay rates of the moment estimates, BETA1,BETA2.
+    #[arg(
+        long,
+        default_value = "0.9,0.999",
+        value_parser = betas,
+        conflicts_with = "resume",
+        allow_hyphen_values = true
+    )]
+    pub betas: (f64, f64),
+    /// Adam's and AdamW's epsilon, added to the square root of the second moment.
+    #[arg(
+        long,
+        default_value_t = 1e-8,
+        conflicts_with = "resume",
+        allow_negative_numbers = true
+    )]
+    pub eps: f64,
+    /// Clips the gradients to this global L2 norm over the whole model
+    /// (torch.nn.utils.clip_grad_norm_) before each step.
+    #[arg(long, conflicts_with = "resume", allow_negative_numbers = true)]
+    pub clip_grad_norm: Option<f64>,
+    /// No weight decay on norm layers' weights and biases, nor on any bias.
+    #[arg(long, conflicts_with = "resume")]
+    pub no_decay_norm_bias: bool,
     /// constant, cosine, or step:EVERY:GAMMA.
     #[arg(long, default_value = "cosine", conflicts_with = "resume")]
     pub schedule: Decay,
@@ -865,6 +893,17 @@ pub struct ModelsArgs {
     #[arg(long, value_parser = parse_bytes)]
     pub device_memory: Option<u64>,
 }
+/// Adam's betas: two numbers, `BETA1,BETA2` (their range is checked with the other
+/// hyper-parameters).
+pub fn betas(s: &str) -> Result<(f64, f64), String> {
+    let bad = || format!("--betas takes two numbers BETA1,BETA2 such as 0.9,0.999, not '{s}'");
+    let (a, b) = s.split_once(',').ok_or_else(bad)?;
+    Ok((
+        a.trim().parse().map_err(|_| bad())?,
+        b.trim().parse().map_err(|_| bad())?,
+    ))
+}
+
 /// A parameter dtype: f32 or f64 (16-bit types hold activations, chosen by --precision).
 pub fn parameter_dtype(s: &str) -> Result<DType, String> {
     match s.parse()? {

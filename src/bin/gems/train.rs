@@ -11,7 +11,7 @@ use gems::fit::{self, Auto};
 use gems::graph::policy::{Keep, SavePolicy};
 use gems::memory::human_bytes;
 use gems::optim::schedule::LrSchedule;
-use gems::optim::SgdConfig;
+use gems::optim::{AdamConfig, OptimizerKind, SgdConfig};
 use gems::runtime::folder::checkpoint_path;
 use gems::runtime::{Checkpoint, CheckpointFolder, FolderRules};
 use gems::{models, Evaluation, Graph, RunConfig, Session, StepReport, TrainConfig};
@@ -80,6 +80,17 @@ pub fn setup(a: &TrainArgs) -> anyhow::Result<(Graph, RunConfig)> {
                     weight_decay: a.weight_decay,
                     nesterov: a.nesterov,
                 },
+                optimizer: match a.optimizer.as_str() {
+                    "sgd" => OptimizerKind::Sgd,
+                    adam => OptimizerKind::Adam(AdamConfig {
+                        betas: a.betas,
+                        eps: a.eps,
+                        weight_decay: a.weight_decay,
+                        decoupled: adam == "adamw",
+                    }),
+                },
+                clip_grad_norm: a.clip_grad_norm,
+                no_decay_norm_bias: a.no_decay_norm_bias,
                 seed: a.seed,
                 dtype: a.dtype,
                 device_memory: a.device_memory,
