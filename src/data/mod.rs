@@ -4,6 +4,7 @@
 //! augmentation, and a loader that prepares batches ahead on worker threads.
 
 pub mod folder;
+pub mod images;
 pub mod loader;
 pub mod maps;
 pub mod order;

@@ -92,6 +92,21 @@ impl Default for DataConfig {
     }
 }
 
+impl DataConfig {
+    /// How this data's samples become model inputs outside training (evaluation,
+    /// prediction): the centred square, decoded files normalized per channel ([`MEAN`],
+    /// [`STD`]); synthetic images are generated centred and stay as they are.
+    ///
+    /// [`MEAN`]: super::transform::MEAN
+    /// [`STD`]: super::transform::STD
+    pub fn held_out_transform(&self) -> Transform {
+        Transform {
+            augment: false,
+            normalize: self.source != SourceSpec::Synthetic,
+        }
+    }
+}
+
 /// The classes of a source that names its own for `task` (`None` for synthetic data, whose
 /// count the run chooses), without listing its samples.
 pub fn class_names(source: &SourceSpec, task: Task) -> Result<Option<Vec<String>>> {
@@ -227,10 +242,10 @@ pub fn open(c: &DataConfig, image_size: usize, classes: usize, seed: u64) -> Res
         )));
     }
     // Training shuffles each epoch and may augment; held-out samples go in order, as they are.
-    let pipeline = |source: Arc<dyn Source>, subset, normalize, training: bool| {
+    let pipeline = |source: Arc<dyn Source>, subset, training: bool| {
         let transform = Transform {
             augment: training && c.augment,
-            normalize,
+            ..c.held_out_transform()
         };
         let p = Pipeline::new(source, image_size, transform, seed, c.skip_bad, training);
         Ok::<_, Error>(Arc::new(match subset {
@@ -272,9 +287,9 @@ pub fn open(c: &DataConfig, image_size: usize, classes: usize, seed: u64) -> Res
     }
     Ok(Dataset {
         classes: source.classes().to_vec(),
-        train: pipeline(source.clone(), Some(train), true, true)?,
+        train: pipeline(source.clone(), Some(train), true)?,
         val: match c.val > 0.0 {
-            true => Some(pipeline(source, Some(val), true, false)?),
+            true => Some(pipeline(source, Some(val), false)?),
             false => None,
         },
         skipped,
