@@ -236,10 +236,13 @@ fn a_unet_predicts_the_maps_evaluation_finds_and_gems_predict_draws_them() {
     let graph = models::build("unet_d3_w8", 32, 3).unwrap();
     let data = Dataset::scenes(32, 3, 0).unwrap();
     let held_out = data.val.clone().unwrap();
-    let mut train = TrainConfig::new(2, 1);
+    // Trained until its maps tell the scenes' shapes from their background.
+    let mut train = TrainConfig::new(4, 30);
     train.data.task = gems::data::Task::Segment;
     let mut s = Session::new(&graph, RunConfig::new(train, Scheme::single(1)), data).unwrap();
-    s.step().unwrap();
+    for _ in 0..30 {
+        s.step().unwrap();
+    }
     let ckpt = dir.join("unet.safetensors");
     s.save(&ckpt).unwrap();
     drop(s);
@@ -251,6 +254,8 @@ fn a_unet_predicts_the_maps_evaluation_finds_and_gems_predict_draws_them() {
     };
     let want = as_predictions(e);
     assert_eq!(want[0].map.len(), 32 * 32);
+    let varies = |p: &Prediction| p.map.iter().any(|&c| c != p.map[0]);
+    assert!(want.iter().all(varies), "a map of one class");
     // Synthetic scenes are model inputs as they are: the held-out stream's pixels.
     let (pixels, _) = held_out.batch(0, 4).unwrap();
     let values: Vec<f64> = pixels.iter().map(|&v| v as f64).collect();
