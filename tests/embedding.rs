@@ -61,13 +61,13 @@ fn image_folder(dir: &Path) -> PathBuf {
     root
 }
 
-/// resnet20v2 on 32² inputs trained two steps on `images`, saved at `dir`/classifier.
-fn trained_classifier(dir: &Path, images: &Path) -> PathBuf {
+/// resnet20v2 on `side`² inputs trained two steps on `images`, saved at `dir`/classifier.
+fn trained_classifier(dir: &Path, images: &Path, side: usize) -> PathBuf {
     let data_config = folder_data(images);
-    let graph = models::build("resnet20v2", 32, 2).unwrap();
+    let graph = models::build("resnet20v2", side, 2).unwrap();
     let mut train = TrainConfig::new(4, 2);
     train.data = data_config.clone();
-    let data = gems::data::open(&data_config, 32, 2, 0).unwrap();
+    let data = gems::data::open(&data_config, side, 2, 0).unwrap();
     let mut s = Session::new(&graph, RunConfig::new(train, Scheme::single(1)), data).unwrap();
     s.step().unwrap();
     s.step().unwrap();
@@ -120,7 +120,7 @@ fn as_predictions(e: Evaluation) -> Vec<Prediction> {
 fn a_classifier_predicts_what_evaluation_scores_and_gems_predict_writes_it() {
     let dir = temp_dir("classifier");
     let images = image_folder(&dir);
-    let ckpt = trained_classifier(&dir, &images);
+    let ckpt = trained_classifier(&dir, &images, 32);
     let graph = models::build("resnet20v2", 32, 2).unwrap();
     // The folder in its order, prepared as evaluation prepares files.
     let folder = Arc::new(Folder::open(&images, false).unwrap());
@@ -305,7 +305,7 @@ fn a_unet_predicts_the_maps_evaluation_finds_and_gems_predict_draws_them() {
 fn a_batch_that_does_not_fit_the_cap_is_split_and_predicts_the_same() {
     let dir = temp_dir("cap");
     let images = image_folder(&dir);
-    let ckpt = trained_classifier(&dir, &images);
+    let ckpt = trained_classifier(&dir, &images, 32);
     let folder = Folder::open(&images, false).unwrap();
     let decoded: Vec<_> = (0..10).map(|i| folder.read(i).unwrap()).collect();
     // The peaks of one image at a time and of all ten at once, in a session like the model's.
@@ -336,6 +336,49 @@ fn a_batch_that_does_not_fit_the_cap_is_split_and_predicts_the_same() {
         .configure(|c| c.device_memory = Some(one / 2));
     let err = tiny.predict_batch(&tensor(&decoded)).unwrap_err();
     assert!(err.to_string().contains("memory"), "{err}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn an_image_too_large_for_one_device_predicts_tiled_over_two() {
+    let dir = temp_dir("tiled");
+    let images = image_folder(&dir);
+    let ckpt = trained_classifier(&dir, &images, 96);
+    let folder = Folder::open(&images, false).unwrap();
+    let decoded: Vec<_> = (0..10).map(|i| folder.read(i).unwrap()).collect();
+    let model = |cap: Option<u64>| {
+        Model::load(&ckpt).unwrap().configure(|c| {
+            c.batch_size = 1;
+            c.device_memory = cap;
+        })
+    };
+    let tiles = Scheme::single(1).with_spatial(gems::ops::tiles::Grid { rows: 2, cols: 1 });
+    let mut alone = model(None);
+    let want = alone.predict_batch(&tensor(&decoded)).unwrap();
+    let mut tiled = model(None).spread(tiles);
+    tiled.predict_batch(&tensor(&decoded)).unwrap();
+    let peak = |m: &mut Model| {
+        let ranks = m.memory().unwrap();
+        (ranks.len(), ranks.iter().map(|r| r.peak).max().unwrap())
+    };
+    let ((one, alone_peak), (two, tiled_peak)) = (peak(&mut alone), peak(&mut tiled));
+    assert_eq!((one, two), (1, 2));
+    assert!(tiled_peak < alone_peak, "{tiled_peak} {alone_peak}");
+    // A cap one image on one device exceeds, and its halves on two devices meet.
+    let cap = Some((tiled_peak + alone_peak) / 2);
+    let err = model(cap).predict_batch(&tensor(&decoded)).unwrap_err();
+    assert!(err.to_string().contains("out of memory"), "{err}");
+    let got = model(cap)
+        .spread(tiles)
+        .predict_batch(&tensor(&decoded))
+        .unwrap();
+    for (a, b) in got.iter().zip(&want) {
+        assert_eq!(a.class, b.class);
+        for (x, y) in a.scores.iter().zip(&b.scores) {
+            // f32, the tiles' sums in another order than one device's (as in training).
+            assert!((x - y).abs() <= 1e-5, "{a:?} {b:?}");
+        }
+    }
     let _ = std::fs::remove_dir_all(&dir);
 }
 

@@ -25,6 +25,7 @@ use crate::data::images::Images;
 use crate::data::transform::Transform;
 use crate::data::{Dataset, Image, Pipeline, Task, CHANNELS};
 use crate::graph::Graph;
+use crate::memory::MemoryStats;
 use crate::models;
 use crate::plan::{RunConfig, TrainConfig};
 use crate::runtime::checkpoint::Checkpoint;
@@ -47,11 +48,14 @@ enum Weights {
 ///
 /// Predictions run in micro-batches of the configured batch size ([`Model::configure`]);
 /// when a micro-batch does not fit the device's memory cap, the model halves it and tries
-/// again, down to one image.
+/// again, down to one image (an image that does not fit alone can be tiled over several
+/// devices: [`Model::spread`]).
 pub struct Model {
     graph: Graph,
     weights: Weights,
     config: TrainConfig,
+    /// How it runs over devices: one by default.
+    scheme: Scheme,
     transform: Transform,
     /// The class names its checkpoint records.
     names: Option<Vec<String>>,
@@ -99,6 +103,7 @@ impl Model {
             names: ckpt.class_names()?.filter(|n| n.len() == classes),
             steps: ckpt.step()?,
             config,
+            scheme: Scheme::single(1),
             graph,
             weights: Weights::Checkpoint(path.to_path_buf()),
             session: None,
@@ -124,6 +129,7 @@ impl Model {
             names: None,
             steps: 0,
             config: TrainConfig::new(8, 1),
+            scheme: Scheme::single(1),
             graph,
             weights: Weights::StateDict(path.to_path_buf()),
             session: None,
@@ -134,6 +140,15 @@ impl Model {
     /// memory cap (`device_memory`), the micro-batch (`batch_size`), convolutions.
     pub fn configure(mut self, f: impl FnOnce(&mut TrainConfig)) -> Model {
         f(&mut self.config);
+        self.session = None;
+        self
+    }
+
+    /// The same running under `scheme` over ranks that are threads of this process: with
+    /// spatial tiles ([`Scheme::with_spatial`]), an image too large for one device's memory
+    /// predicts over several; a pipeline splits the model's layers.
+    pub fn spread(mut self, scheme: Scheme) -> Model {
+        self.scheme = scheme;
         self.session = None;
         self
     }
@@ -198,7 +213,8 @@ impl Model {
 
     /// [`Session::predict`] of `data` (the first `samples` of its order, default all; each
     /// segmented sample's classes kept at every `map_every`-th pixel) in micro-batches that
-    /// fit: a micro-batch that does not is halved, down to one image.
+    /// fit: a micro-batch that does not is halved, down to one image per micro-batch of the
+    /// scheme.
     pub fn evaluate(
         &mut self,
         data: &Arc<Pipeline>,
@@ -207,12 +223,22 @@ impl Model {
     ) -> Result<Evaluation> {
         loop {
             match self.session()?.predict(data, samples, map_every) {
-                Err(Error::OutOfMemory(_)) if self.config.batch_size > 1 => {
+                Err(Error::OutOfMemory(_)) if self.config.batch_size / 2 >= self.scheme.parts => {
                     self.config.batch_size /= 2;
                     self.session = None;
                 }
                 result => return result,
             }
+        }
+    }
+
+    /// Each rank's memory over the predictions since the session started (after a
+    /// micro-batch did not fit: since the retry): peak, and bytes by category; empty before
+    /// the first prediction.
+    pub fn memory(&mut self) -> Result<Vec<MemoryStats>> {
+        match &mut self.session {
+            Some(s) => s.memory(),
+            None => Ok(Vec::new()),
         }
     }
 
@@ -234,7 +260,7 @@ impl Model {
         let session = match self.session.take() {
             Some(s) => s,
             None => {
-                let config = RunConfig::new(self.config.clone(), Scheme::single(1));
+                let config = RunConfig::new(self.config.clone(), self.scheme);
                 // A session reads its training data only when it steps, which predicting never
                 // does: none, of the model's kind, and no class names to hold checkpoints to.
                 let none = self.pipeline(Vec::new())?;
