@@ -52,7 +52,7 @@ pub use data::{Dataset, Source};
 pub use graph::{Graph, GraphBuilder};
 pub use memory::{Category, MemoryStats, OutOfMemory};
 pub use plan::{RunConfig, TrainConfig};
-pub use runtime::{Evaluation, Session, StepReport};
+pub use runtime::{Evaluation, Model, Prediction, Session, StepReport};
 pub use schemes::{Kind, Order, Scheme};
 pub use tensor::{DType, Device, Precision, Shape, Tensor};
 

@@ -1,9 +1,10 @@
 //! Training data: sources of labelled images addressed by index (synthetic, image folders,
-//! tiled whole-slide images), labelled per image (classification) or per pixel (masks, for
+//! tiled whole-slide images; a caller's unlabelled images to predict), labelled per image (classification) or per pixel (masks, for
 //! segmentation), the epoch order and its sharding across data-parallel groups,
 //! augmentation, and a loader that prepares batches ahead on worker threads.
 
 pub mod folder;
+pub mod images;
 pub mod loader;
 pub mod maps;
 pub mod order;

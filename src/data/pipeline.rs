@@ -92,6 +92,21 @@ impl Default for DataConfig {
     }
 }
 
+impl DataConfig {
+    /// How this data's samples become model inputs outside training (evaluation,
+    /// prediction): the centred square, decoded files normalized per channel ([`MEAN`],
+    /// [`STD`]); synthetic images are generated centred and stay as they are.
+    ///
+    /// [`MEAN`]: super::transform::MEAN
+    /// [`STD`]: super::transform::STD
+    pub fn held_out_transform(&self) -> Transform {
+        Transform {
+            augment: false,
+            normalize: self.source != SourceSpec::Synthetic,
+        }
+    }
+}
+
 /// The classes of a source that names its own for `task` (`None` for synthetic data, whose
 /// count the run chooses), without listing its samples.
 pub fn class_names(source: &SourceSpec, task: Task) -> Result<Option<Vec<String>>> {

@@ -1,17 +1,20 @@
 //! Running training: a [`Session`] holds a model under a scheme on its ranks and runs it one
-//! step at a time for the caller's loop; checkpoints any scheme can resume from; evaluation.
+//! step at a time for the caller's loop; checkpoints any scheme can resume from; evaluation;
+//! a trained [`Model`] predicting.
 
 pub mod checkpoint;
 pub mod evaluation;
 pub mod folder;
+mod model;
 mod rank;
 mod session;
 
 pub use checkpoint::{Checkpoint, Lineage, OptimizerState, TrainingState};
 pub use evaluation::{Evaluation, SampleScore};
 pub use folder::{CheckpointFolder, FolderRules};
+pub use model::{Model, Prediction};
 pub use rank::{CopyValues, RankStep};
-pub use session::{meter, DeviceSummary, Session, StepReport};
+pub use session::{meter, DeviceSummary, Session, StepHook, StepReport};
 
 /// An f64 crossing ranks as its bits: JSON has no NaN or infinity, and an overflowing fp16
 /// step's loss can be either.

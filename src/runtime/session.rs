@@ -110,7 +110,11 @@ pub struct Session {
     lineage: Lineage,
     step: usize,
     broken: Option<String>,
+    hooks: Vec<StepHook>,
 }
+
+/// A caller's function that sees every step's report ([`Session::on_step`]).
+pub type StepHook = Box<dyn FnMut(&StepReport) + Send>;
 
 impl Session {
     /// `config` on `graph`, every rank a thread of this process (a one-rank CPU run works on
@@ -193,6 +197,7 @@ impl Session {
             lineage,
             step: 0,
             broken: None,
+            hooks: Vec::new(),
         })
     }
 
@@ -242,6 +247,14 @@ impl Session {
         out
     }
 
+    /// Calls `hook` with the report of every step from now on, before [`Session::step`]
+    /// returns it (after the hooks given before it): for progress bars, logs and monitors.
+    /// Each report carries every rank's memory and timing ([`StepReport::ranks`]). Under
+    /// MPI, each process calls its own hooks with the same report.
+    pub fn on_step(&mut self, hook: impl FnMut(&StepReport) + Send + 'static) {
+        self.hooks.push(Box::new(hook));
+    }
+
     /// Runs one optimizer step on every rank.
     pub fn step(&mut self) -> Result<StepReport> {
         let ranks = self
@@ -254,7 +267,7 @@ impl Session {
         let step = self.step;
         self.step += 1;
         let sum = |f: fn(&RankStep) -> f64| ranks.iter().map(f).sum::<f64>();
-        Ok(StepReport {
+        let report = StepReport {
             step,
             loss: sum(|r| r.loss),
             correct: ranks.iter().map(|r| r.correct).sum(),
@@ -267,7 +280,11 @@ impl Session {
             loss_scale: ranks[0].loss_scale,
             skipped: ranks[0].skipped,
             ranks,
-        })
+        };
+        for hook in &mut self.hooks {
+            hook(&report);
+        }
+        Ok(report)
     }
 
     /// Loss, accuracy and confusion matrix of the first output used outside training over the

@@ -38,6 +38,10 @@ pub enum Command {
     Models(ModelsArgs),
     /// Loss and accuracy of a checkpoint on held-out images (weights unchanged, BN in eval mode).
     Eval(EvalArgs),
+    /// A checkpoint's predictions for every sample of a data set: DIR/predictions.csv (each
+    /// sample's class and per-class probabilities, or for segmentation the share of its
+    /// pixels per class) and, segmenting, per-pixel class maps.
+    Predict(PredictArgs),
     /// Write a model's weights as a plain safetensors state_dict that PyTorch loads: its
     /// initialization (--model, --image-size, --classes, --seed) or a checkpoint's.
     Export(ExportArgs),
@@ -298,6 +302,43 @@ pub struct EvalArgs {
     pub map_level: Option<usize>,
     #[arg(long, default_value_t = 50)]
     pub batch_size: usize,
+    /// Leave unreadable samples out with a warning instead of stopping.
+    #[arg(long)]
+    pub skip_bad: bool,
+    #[command(flatten)]
+    pub on: DeviceArgs,
+    /// native or cudnn convolutions (GPU).
+    #[arg(long, default_value = "native")]
+    pub conv: ConvImpl,
+}
+
+#[derive(Args)]
+pub struct PredictArgs {
+    /// The checkpoint to predict with.
+    #[arg(long, value_name = "FILE")]
+    pub checkpoint: PathBuf,
+    /// The samples to predict (synthetic, folder:DIR or slides:DIR), in the data's order.
+    #[arg(long)]
+    pub data: DataSource,
+    #[command(flatten)]
+    pub slides: SlideArgs,
+    /// The folder to write predictions.csv (and segmentation maps) into; made if missing.
+    #[arg(long, value_name = "DIR")]
+    pub out: PathBuf,
+    /// At most this many samples [default: all; 1000 of synthetic data].
+    #[arg(long)]
+    pub samples: Option<usize>,
+    /// For slides: the pyramid level the maps are drawn at [default: the finest whose longer
+    /// side is at most 2048 pixels].
+    #[arg(long)]
+    pub map_level: Option<usize>,
+    /// Images per micro-batch, halved while one does not fit --device-memory [default: the
+    /// checkpoint's batch size].
+    #[arg(long)]
+    pub batch_size: Option<usize>,
+    /// Device capacity, e.g. 2GiB (emulated on the CPU; default unlimited / the free memory).
+    #[arg(long, value_parser = parse_bytes)]
+    pub device_memory: Option<u64>,
     /// Leave unreadable samples out with a warning instead of stopping.
     #[arg(long)]
     pub skip_bad: bool,

@@ -5,28 +5,22 @@ use std::io::Write;
 use std::path::Path;
 use std::sync::Arc;
 
+use gems::backend::cuda::ConvImpl;
 use gems::data::maps::{self, ClassMap};
 use gems::data::slide::Slide;
 use gems::data::{DataConfig, Pipeline, SourceSpec};
 use gems::runtime::Checkpoint;
-use gems::{models, RunConfig, Scheme, Session, TrainConfig};
+use gems::{models, Model, RunConfig, Scheme, Session, TrainConfig};
 
-use crate::cli::{EvalArgs, ExportArgs};
+use crate::cli::{DataSource, DeviceArgs, EvalArgs, ExportArgs, SlideArgs};
 use crate::train::report_skipped;
 
 pub fn eval(a: EvalArgs) -> anyhow::Result<()> {
     if a.batch_size == 0 {
         anyhow::bail!("evaluation needs a batch of at least 1");
     }
-    // The model and its configuration, with the class names that number its labels
-    // (checkpoints from before names were recorded, and plain weights, match by position).
-    let (graph, mut c, names) = match (&a.checkpoint, &a.init) {
-        (Some(file), _) => {
-            let ckpt = Checkpoint::read(file)?;
-            let (model, side, classes) = ckpt.model()?;
-            let graph = models::build(&model, side, classes)?;
-            (graph, ckpt.config()?, ckpt.class_names()?)
-        }
+    let model = match (&a.checkpoint, &a.init) {
+        (Some(file), _) => Model::load(file)?,
         (None, _) => {
             let source = a.data.as_ref().expect("clap requires --data with --init");
             let spec = a.slides.spec(source, a.image_size)?;
@@ -35,67 +29,40 @@ pub fn eval(a: EvalArgs) -> anyhow::Result<()> {
                 None => a.classes.unwrap_or(10),
             };
             let graph = models::build(&a.model, a.image_size, classes)?;
-            (graph, TrainConfig::new(a.batch_size, 1), None)
+            let file = a
+                .init
+                .as_ref()
+                .expect("clap requires --checkpoint or --init");
+            Model::from_state_dict(file, graph)?
         }
     };
-    let (model, side, classes) = (graph.name.clone(), graph.image_size(), graph.classes());
-    (a.on.for_checkpoint()?)(&mut c);
-    c.data.task = models::task(&model)?;
-    c.data.skip_bad = a.skip_bad;
-    c.conv = a.conv;
-    c.batch_size = a.batch_size;
-    let run = RunConfig::new(c.clone(), Scheme::single(1));
-    let (data, what) = match &a.data {
+    let mut model = configured(model, &a.on, a.conv, a.skip_bad, Some(a.batch_size))?;
+    let (order, samples, what) = match &a.data {
         Some(source) => {
-            let config = DataConfig {
-                source: a.slides.spec(source, side)?,
-                augment: false,
-                val: 0.0,
-                ..c.data.clone()
-            };
-            let mut data = gems::data::open(&config, side, classes, c.seed)?;
-            report_skipped(&data.skipped);
-            if let Some(names) = names.filter(|n| *n != data.classes) {
-                if data.train.samples().is_some() {
-                    let renamed = data.train.by_class_names(&names);
-                    let renamed = renamed.map_err(|e| anyhow::anyhow!("{}: {e}", config.source))?;
-                    data.train = Arc::new(renamed);
-                    data.classes = names;
-                }
-            }
-            (data, "samples")
+            let (order, samples) = samples_of(&model, source, &a.slides, a.samples)?;
+            (order, samples, "samples")
         }
-        None => (
-            gems::data::open(&c.data, side, classes, c.seed)?,
-            "held-out samples",
-        ),
+        None => {
+            let c = model.config();
+            let (side, classes) = (model.graph().image_size(), model.graph().classes());
+            let held_out = gems::data::open(&c.data, side, classes, c.seed)?.val;
+            let order = held_out.ok_or_else(|| {
+                anyhow::anyhow!(
+                    "nothing is held out: give --data to evaluate on, or train with --val"
+                )
+            })?;
+            let samples = match c.data.source {
+                SourceSpec::Synthetic => Some(a.samples.unwrap_or(1000)),
+                _ => a.samples,
+            };
+            (order, samples, "held-out samples")
+        }
     };
-    let (finite, train) = (data.train.samples().is_some(), data.train.clone());
-    let held_out = data.val.clone();
-    let mut t = Session::new(&graph, run, data)?;
-    match (&a.checkpoint, &a.init) {
-        (Some(file), _) => t.restore(file)?,
-        (None, Some(file)) => t.load_weights(file)?,
-        (None, None) => unreachable!("clap requires --checkpoint or --init"),
-    }
-    // What is scored, in which order: the data given (the first epoch of its shuffled order
-    // holds every sample once), else the held-out split or stream.
-    let (order, samples) = match (&a.data, finite) {
-        (Some(_), true) => (Some(train), a.samples),
-        (Some(_), false) => (held_out, Some(a.samples.unwrap_or(1000))),
-        (None, _) => match c.data.source {
-            SourceSpec::Synthetic => (held_out, Some(a.samples.unwrap_or(1000))),
-            _ => (held_out, a.samples),
-        },
-    };
-    let order = order.ok_or_else(|| {
-        anyhow::anyhow!("nothing is held out: give --data to evaluate on, or train with --val")
-    })?;
     let map_every = match &a.predictions {
         Some(_) => map_every(&order, a.map_level)?,
         None => 0,
     };
-    let e = t.predict(&order, samples, map_every)?;
+    let e = model.evaluate(&order, samples, map_every)?;
     if let Some(path) = &a.per_sample {
         write_per_sample(path, &e, &order)?;
     }
@@ -105,8 +72,8 @@ pub fn eval(a: EvalArgs) -> anyhow::Result<()> {
     let pixels = e.per_pixel;
     println!(
         "{} at step {}: loss {:.4}, {}accuracy {:.1}% on {} {what}",
-        model,
-        t.steps_done(),
+        model.graph().name,
+        model.steps(),
         e.loss,
         if pixels { "pixel " } else { "" },
         100.0 * e.accuracy,
@@ -165,6 +132,60 @@ pub fn eval(a: EvalArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// `model` computing where `on` says, with `conv` convolutions, in micro-batches of `batch`
+/// (default: the checkpoint's), leaving unreadable samples out with `skip_bad`.
+pub fn configured(
+    model: Model,
+    on: &DeviceArgs,
+    conv: ConvImpl,
+    skip_bad: bool,
+    batch: Option<usize>,
+) -> anyhow::Result<Model> {
+    let on = on.for_checkpoint()?;
+    let task = models::task(&model.graph().name)?;
+    Ok(model.configure(|c| {
+        on(c);
+        c.data.task = task;
+        c.data.skip_bad = skip_bad;
+        c.conv = conv;
+        c.batch_size = batch.unwrap_or(c.batch_size);
+    }))
+}
+
+/// The samples of `source` to score with `model`, in order, and how many: every sample of a
+/// finite data set (the first epoch of its order holds each once), at most `samples`; of an
+/// endless stream, `samples` (default 1000) of its held-out stream. A data set's classes are
+/// matched to the checkpoint's by name (plain weights, and checkpoints from before names were
+/// recorded, match by position).
+pub fn samples_of(
+    model: &Model,
+    source: &DataSource,
+    slides: &SlideArgs,
+    samples: Option<usize>,
+) -> anyhow::Result<(Arc<Pipeline>, Option<usize>)> {
+    let c = model.config();
+    let (side, classes) = (model.graph().image_size(), model.graph().classes());
+    let config = DataConfig {
+        source: slides.spec(source, side)?,
+        augment: false,
+        val: 0.0,
+        ..c.data.clone()
+    };
+    let mut data = gems::data::open(&config, side, classes, c.seed)?;
+    report_skipped(&data.skipped);
+    if data.train.samples().is_none() {
+        let held_out = data
+            .val
+            .ok_or_else(|| anyhow::anyhow!("{source:?} holds nothing out"))?;
+        return Ok((held_out, Some(samples.unwrap_or(1000))));
+    }
+    if let Some(names) = model.class_names().filter(|n| *n != data.classes) {
+        let renamed = data.train.by_class_names(names);
+        data.train = Arc::new(renamed.map_err(|e| anyhow::anyhow!("{}: {e}", config.source))?);
+    }
+    Ok((data.train, samples))
+}
+
 pub fn export(a: ExportArgs) -> anyhow::Result<()> {
     let what = match &a.checkpoint {
         Some(file) => {
@@ -193,7 +214,7 @@ pub fn export(a: ExportArgs) -> anyhow::Result<()> {
 }
 
 /// A CSV field, quoted when it must be.
-fn quoted(s: &str) -> String {
+pub fn quoted(s: &str) -> String {
     match s.contains([',', '"', '\n']) {
         true => format!("\"{}\"", s.replace('"', "\"\"")),
         false => s.to_string(),
@@ -201,13 +222,13 @@ fn quoted(s: &str) -> String {
 }
 
 /// A class's name, or `unlabelled`.
-fn class_name(e: &gems::Evaluation, c: u32) -> &str {
+pub fn class_name(e: &gems::Evaluation, c: u32) -> &str {
     e.classes
         .get(c as usize)
         .map_or("unlabelled", String::as_str)
 }
 
-fn create(path: &Path) -> anyhow::Result<std::io::BufWriter<std::fs::File>> {
+pub fn create(path: &Path) -> anyhow::Result<std::io::BufWriter<std::fs::File>> {
     let file = std::fs::File::create(path)
         .map_err(|err| anyhow::anyhow!("cannot write {}: {err}", path.display()))?;
     Ok(std::io::BufWriter::new(file))
@@ -246,7 +267,7 @@ fn map_level(slide: &Slide, chosen: Option<usize>) -> anyhow::Result<usize> {
 
 /// Model-input pixels between the kept predictions of a segmented tile: about one map pixel
 /// (from the first sample's slide; every tile of a run is cut alike).
-fn map_every(order: &Pipeline, chosen: Option<usize>) -> anyhow::Result<usize> {
+pub fn map_every(order: &Pipeline, chosen: Option<usize>) -> anyhow::Result<usize> {
     let place = order.place(0).ok_or_else(|| not_a_slide(order))?;
     let (tile, map) = (
         maps::downsample(place.slide, place.level)?.0,
@@ -266,7 +287,7 @@ fn not_a_slide(order: &Pipeline) -> anyhow::Error {
 }
 
 /// Every slide's map (PNG overlay and tiled TIFF) and tiles.csv into `dir`.
-fn write_predictions(
+pub fn write_predictions(
     dir: &Path,
     e: &gems::Evaluation,
     order: &Pipeline,

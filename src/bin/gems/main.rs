@@ -7,6 +7,7 @@ mod data;
 mod eval;
 mod models;
 mod plan;
+mod predict;
 mod train;
 
 use std::process::ExitCode;
@@ -38,6 +39,7 @@ fn main() -> ExitCode {
         Command::Train(a) => train::train(*a),
         Command::Models(a) => models::list(a),
         Command::Eval(a) => eval::eval(a),
+        Command::Predict(a) => predict::predict(a),
         Command::Export(a) => eval::export(a),
         Command::Plan(a) => plan::plan(*a),
         Command::Simulate(a) => plan::simulate(*a),

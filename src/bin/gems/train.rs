@@ -2,6 +2,7 @@
 
 use std::io::{IsTerminal, Write};
 use std::path::Path;
+use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use indicatif::{ProgressBar, ProgressStyle};
@@ -112,9 +113,7 @@ pub fn setup(a: &TrainArgs) -> anyhow::Result<(Graph, RunConfig)> {
     c.max_in_flight = a.spread.max_in_flight;
     c.schedule = a.spread.schedule()?.map(std::sync::Arc::new);
     if let Some(p) = &a.calibration {
-        c.calibration = Some(std::sync::Arc::new(
-            gems::plan::calibrate::Calibration::load(p)?,
-        ));
+        c.calibration = Some(Arc::new(gems::plan::calibrate::Calibration::load(p)?));
     }
     let nodes = graph.nodes.len();
     c.train.saves = match &a.offload {
@@ -315,7 +314,8 @@ fn run(a: &TrainArgs, mut session: Session, data: &Pipeline, speaks: bool) -> an
         None => {}
     };
     let started = Instant::now();
-    let mut totals = Totals::default();
+    let totals = Arc::new(Mutex::new(Totals::default()));
+    session.on_step(progress(bar.clone(), totals.clone(), speaks, total));
     let validates = c.train.data.val > 0.0;
     for _ in first..total {
         let r = session.step()?;
@@ -349,29 +349,11 @@ fn run(a: &TrainArgs, mut session: Session, data: &Pipeline, speaks: bool) -> an
             // Flushed every step: a run that stops keeps what it measured.
             m.flush()?;
         }
-        totals.add(r);
-        let r = totals.recent.back().expect("the step just added");
-        let (loss, acc) = window_stats(totals.recent.iter());
-        let msg = format!(
-            "loss {loss:.4}  acc {:.1}%  {:.1} img/s  lr {:.4}",
-            100.0 * acc,
-            r.images_per_second(),
-            r.lr
-        );
-        match &bar {
-            Some(b) => {
-                b.set_message(msg);
-                b.inc(1);
-            }
-            None if speaks && (r.step + 1) % (total / 10).max(1) == 0 => {
-                println!("step {:>5}/{total}  {msg}", r.step + 1)
-            }
-            None => {}
-        }
     }
     if let Some(b) = bar {
         b.finish_and_clear();
     }
+    let totals = std::mem::take(&mut *lock(&totals));
     let secs = started.elapsed().as_secs_f64();
     let validation = match validates {
         true => Some(session.evaluate_held_out(None)?),
@@ -482,6 +464,42 @@ fn run(a: &TrainArgs, mut session: Session, data: &Pipeline, speaks: bool) -> an
         timeline(&session, last, path)?;
     }
     Ok(())
+}
+
+/// The step hook that keeps the summary's totals and shows progress: the bar's message, or
+/// where there is no bar and `speaks`, a line every tenth of the run's `total` steps.
+fn progress(
+    bar: Option<ProgressBar>,
+    totals: Arc<Mutex<Totals>>,
+    speaks: bool,
+    total: usize,
+) -> impl FnMut(&StepReport) + Send + 'static {
+    move |r| {
+        let mut totals = lock(&totals);
+        totals.add(r.clone());
+        let (loss, acc) = window_stats(totals.recent.iter());
+        let msg = format!(
+            "loss {loss:.4}  acc {:.1}%  {:.1} img/s  lr {:.4}",
+            100.0 * acc,
+            r.images_per_second(),
+            r.lr
+        );
+        match &bar {
+            Some(b) => {
+                b.set_message(msg);
+                b.inc(1);
+            }
+            None if speaks && (r.step + 1) % (total / 10).max(1) == 0 => {
+                println!("step {:>5}/{total}  {msg}", r.step + 1)
+            }
+            None => {}
+        }
+    }
+}
+
+/// The totals, even after a hook panicked holding them (what they hold stays whole).
+fn lock(totals: &Mutex<Totals>) -> std::sync::MutexGuard<'_, Totals> {
+    totals.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 /// What is trained, how, and where.
