@@ -110,6 +110,8 @@ pub struct Point {
     pub groups: usize,
     /// Seconds: the pipeline of one group, then the slowest stage's all-reduce.
     pub pipeline: f64,
+    /// The share of the group's ranks' pipeline time spent idle (the schedule's bubble).
+    pub bubble: f64,
     /// Seconds of the slowest stage's gradient all-reduce.
     pub all_reduce: f64,
     /// Seconds per micro-batch a rank of a tile group spends in halo exchanges, forward and
@@ -161,6 +163,7 @@ pub fn step(c: &RunConfig, layout: &Layout, profile: &Profile, groups: usize) ->
         gpus,
         groups,
         pipeline,
+        bubble: schedule.bubble(),
         all_reduce,
         halo,
         sums,

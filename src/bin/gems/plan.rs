@@ -297,16 +297,24 @@ pub fn simulate(a: SimulateArgs) -> anyhow::Result<()> {
         )
     })?;
     println!(
-        "{:>6} {:>7} {:>12} {:>13} {:>11} {:>11} {:>13}",
-        "gpus", "groups", "pipeline s", "all-reduce s", "images/s", "efficiency", "halo+sums ms"
+        "{:>6} {:>7} {:>12} {:>7} {:>13} {:>11} {:>11} {:>13}",
+        "gpus",
+        "groups",
+        "pipeline s",
+        "bubble",
+        "all-reduce s",
+        "images/s",
+        "efficiency",
+        "halo+sums ms"
     );
     for p in &points {
         let eff = p.images_per_s / (base.images_per_s * p.groups as f64);
         println!(
-            "{:>6} {:>7} {:>12.4} {:>13.4} {:>11.2} {:>10.2}% {:>13.3}",
+            "{:>6} {:>7} {:>12.4} {:>6.1}% {:>13.4} {:>11.2} {:>10.2}% {:>13.3}",
             p.gpus,
             p.groups,
             p.pipeline,
+            100.0 * p.bubble,
             p.all_reduce,
             p.images_per_s,
             100.0 * eff,
