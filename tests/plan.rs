@@ -292,6 +292,30 @@ fn timeline_svg_is_valid_and_shows_every_task() {
     assert_eq!(boxes, 3 * 2 * 2 * 2); // stages · replicas · micro-batches · (F, B)
     let curves = doc.descendants().filter(|n| n.has_tag_name("path")).count();
     assert_eq!(curves, 3, "one memory curve per rank");
+    assert!(["F forward", "B/BW backward", "W weight gradients"]
+        .iter()
+        .all(|l| svg.contains(l)));
+    // A zero-bubble schedule draws its W passes apart from its B passes.
+    let zb = layout_of(&config(
+        "resnet20v2",
+        32,
+        4,
+        Scheme::new(Kind::Mp, 3, 4, 1, 1, Order::ZbH1),
+        None,
+    ));
+    let svg = timeline::svg(
+        "zbh1",
+        &zb.schedule.ranks,
+        &timeline::held(&zb.schedule.ranks, &bytes),
+    );
+    let faded = roxmltree::Document::parse(&svg)
+        .unwrap()
+        .descendants()
+        .filter(|n| {
+            n.attribute("class") == Some("task") && n.attribute("fill-opacity") == Some("0.45")
+        })
+        .count();
+    assert_eq!(faded, 3 * 4, "a W per stage and micro-batch");
     // The measured timeline of a real run draws the same way.
     let reports = run_local(&c).unwrap();
     let measured: Vec<_> = reports.iter().map(|r| r.timeline.clone()).collect();

@@ -41,6 +41,23 @@ pub fn svg(title: &str, tasks: &[Vec<Timed>], held: &[Vec<(f64, u64)>]) -> Strin
         r#"<text x="{left}" y="20" font-size="14">{}</text>"#,
         escape(title)
     );
+    // The legend: what each box is (replica 0's colours; others are shaded alike).
+    let (f, b) = COLOURS[0];
+    for (i, (label, fill, opacity)) in [
+        ("F forward", f, 1.0),
+        ("B/BW backward", b, 1.0),
+        ("W weight gradients", b, 0.45),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let lx = left + 420.0 + i as f64 * 160.0;
+        let _ = writeln!(
+            s,
+            r#"<rect x="{lx}" y="10" width="12" height="12" fill="{fill}" fill-opacity="{opacity}"/><text x="{}" y="20">{label}</text>"#,
+            lx + 16.0
+        );
+    }
     for (r, list) in tasks.iter().enumerate() {
         let y = 40.0 + r as f64 * (row + gap);
         let _ = writeln!(s, r#"<text x="4" y="{}">rank {r}</text>"#, y + row * 0.65);
