@@ -283,4 +283,7 @@ if [ "$#" -eq 0 ]; then
         log "== example $example"
         cargo run --release --quiet "${features[@]}" --example "$example"
     done
+    # Every public item's documentation builds, its links resolve.
+    log "== cargo doc"
+    RUSTDOCFLAGS="-D warnings" cargo doc --no-deps --quiet "${features[@]}"
 fi

@@ -470,7 +470,7 @@ pub trait Backend: Send + Sync {
 
     /// Group normalization's forward (training and evaluation alike: the statistics are each
     /// sample's own): per (sample, group) the mean and biased variance over the group's values
-    /// (written to `mean` and `var`, n × groups), and y = (x − mean)/√(var + eps)·γ[c] + β[c].
+    /// (written to `mean` and `var`, n × groups), and `y = (x − mean)/√(var + eps)·γ[c] + β[c]`.
     #[allow(clippy::too_many_arguments)]
     fn groupnorm_forward(
         &self,

@@ -12,6 +12,8 @@
 //! statistics would need sums over the tiles, as batch norm's do; the op does not implement
 //! them: it ends a tiled region ([`TileRule::Whole`], the default), and the samples are whole
 //! from it on.
+//!
+//! [`TileRule::Whole`]: crate::ops::tiles::TileRule::Whole
 
 use super::{Backward, Ctx, Init, Operator, ParamSpec, Saved, SavesFor};
 use crate::backend::GroupGeom;
