@@ -7,8 +7,10 @@
 use std::collections::HashMap;
 use std::path::PathBuf;
 
+mod common;
+
 use gems::optim::schedule::{Decay, LrSchedule};
-use gems::optim::{AdamConfig, OptimizerKind, SgdConfig};
+use gems::optim::{AdamConfig, CustomOptimizer, OptimizerKind, SgdConfig};
 use gems::{models, DType, Dataset, Graph, Kind, Order, RunConfig, Scheme, Session, TrainConfig};
 
 const STEPS: usize = 4;
@@ -120,9 +122,15 @@ fn check_with(scheme: Scheme, batch: usize, other_p: usize, tweak: fn(RunConfig)
     steps(&mut whole, STEPS);
     let want = parameters(&mut whole);
 
+    // One file per scheme and optimizer: tests run at once.
+    let optimizer = tweak(config(scheme, batch)).train.optimizer;
     let file = temp(&format!(
-        "{}-{}-{}-{}.safetensors",
-        scheme.kind, scheme.stages, scheme.replicas, scheme.dp
+        "{}-{}-{}-{}-{}.safetensors",
+        scheme.kind,
+        scheme.stages,
+        scheme.replicas,
+        scheme.dp,
+        optimizer.name()
     ));
     let mut first = session(&g, scheme, batch);
     steps(&mut first, STEPS / 2);
@@ -195,6 +203,17 @@ fn adamw_with_clipping_resumes_under_mast_bit_for_bit() {
         3,
         adamw,
     );
+}
+
+#[test]
+fn a_custom_optimizer_resumes_under_mast_bit_for_bit() {
+    // Its state goes to the checkpoint under its own names and comes back by them.
+    let own = |mut c: RunConfig| {
+        c.train.optimizer =
+            OptimizerKind::Custom(CustomOptimizer::new("heavy-ball", common::HeavyBall));
+        c
+    };
+    check_with(Scheme::new(Kind::Mast, 2, 2, 2, 1, Order::GPipe), 4, 3, own);
 }
 
 #[test]

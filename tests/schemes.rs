@@ -5,11 +5,14 @@
 
 use std::collections::HashMap;
 
+mod common;
+use common::HeavyBall;
+
 use gems::data::{DataConfig, SourceSpec, Task};
 use gems::graph::{self, Graph, Params};
 use gems::ops::{batched, loss};
 use gems::optim::schedule::{Decay, LrSchedule};
-use gems::optim::{AdamConfig, OptimizerKind, Sgd, SgdConfig};
+use gems::optim::{AdamConfig, CustomOptimizer, OptimizerKind, Sgd, SgdConfig};
 use gems::plan::{RunConfig, TrainConfig};
 use gems::schemes::schedule::{self, Pass};
 use gems::schemes::{Kind, Order, Scheme};
@@ -282,9 +285,10 @@ fn adamw_and_clipping_match_single() {
         weight_decay: 0.05,
         decoupled: true,
     });
-    for (optimizer, lr) in [(adamw, 1e-3), (OptimizerKind::Sgd, LR)] {
+    let own = OptimizerKind::Custom(CustomOptimizer::new("heavy-ball", HeavyBall));
+    for (optimizer, lr) in [(adamw, 1e-3), (OptimizerKind::Sgd, LR), (own, LR)] {
         let config = |batch| TrainConfig {
-            optimizer,
+            optimizer: optimizer.clone(),
             clip_grad_norm: Some(0.5),
             no_decay_norm_bias: true,
             ..train(batch, DType::F64, lr)

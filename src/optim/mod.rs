@@ -173,30 +173,85 @@ impl Optimizer for AdamConfig {
     }
 }
 
+impl<O: Optimizer + ?Sized> Optimizer for std::sync::Arc<O> {
+    fn state_names(&self) -> &[&str] {
+        (**self).state_names()
+    }
+    fn weight_decay(&self) -> f64 {
+        (**self).weight_decay()
+    }
+    fn update(
+        &self,
+        device: &Device,
+        w: &mut Tensor,
+        grad: &Tensor,
+        state: &mut [Tensor],
+        u: &Update,
+    ) -> Result<()> {
+        (**self).update(device, w, grad, state, u)
+    }
+}
+
+/// An update rule of the caller's own for a run: stepped on every rank like the built-in
+/// ones, its state checkpointed under its names (and restored by them), its `name` recorded
+/// in checkpoints.
+#[derive(Clone)]
+pub struct CustomOptimizer {
+    name: String,
+    rule: std::sync::Arc<dyn Optimizer>,
+}
+
+impl CustomOptimizer {
+    /// `rule`, named `name` in checkpoints.
+    pub fn new(name: impl Into<String>, rule: impl Optimizer + 'static) -> CustomOptimizer {
+        CustomOptimizer {
+            name: name.into(),
+            rule: std::sync::Arc::new(rule),
+        }
+    }
+}
+
+impl std::fmt::Debug for CustomOptimizer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "CustomOptimizer({})", self.name)
+    }
+}
+
+impl PartialEq for CustomOptimizer {
+    fn eq(&self, other: &Self) -> bool {
+        self.name == other.name && std::sync::Arc::ptr_eq(&self.rule, &other.rule)
+    }
+}
+
 /// Which optimizer a run steps with.
-#[derive(Clone, Copy, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq)]
 pub enum OptimizerKind {
     /// SGD, with the training configuration's [`SgdConfig`].
     Sgd,
     /// Adam or AdamW.
     Adam(AdamConfig),
+    /// The caller's own.
+    Custom(CustomOptimizer),
 }
 
 impl OptimizerKind {
     /// The update rule, taking SGD's hyper-parameters from `sgd`.
     pub fn optimizer(&self, sgd: SgdConfig) -> Box<dyn Optimizer> {
-        match *self {
+        match self {
             OptimizerKind::Sgd => Box::new(sgd),
-            OptimizerKind::Adam(adam) => Box::new(adam),
+            OptimizerKind::Adam(adam) => Box::new(*adam),
+            OptimizerKind::Custom(c) => Box::new(c.rule.clone()),
         }
     }
 
-    /// Its name on the command line and in checkpoints: `sgd`, `adam` or `adamw`.
-    pub fn name(&self) -> &'static str {
+    /// Its name on the command line and in checkpoints: `sgd`, `adam`, `adamw`, or a custom
+    /// optimizer's.
+    pub fn name(&self) -> &str {
         match self {
             OptimizerKind::Sgd => "sgd",
             OptimizerKind::Adam(a) if a.decoupled => "adamw",
             OptimizerKind::Adam(_) => "adam",
+            OptimizerKind::Custom(c) => &c.name,
         }
     }
 }

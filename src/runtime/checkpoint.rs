@@ -163,6 +163,22 @@ fn safetensors_dtype(d: DType) -> Dtype {
     }
 }
 
+/// The state names a caller's own optimizer wrote: those of the first trainable parameter's
+/// `optimizer.<name>.<state>` tensors (its step count aside), in the file's order.
+fn custom_state_names(st: &SafeTensors, g: &Graph) -> Vec<String> {
+    let Some(p) = g.params.iter().find(|p| p.spec.trainable) else {
+        return Vec::new();
+    };
+    let prefix = format!("optimizer.{}.", p.name);
+    let mut names: Vec<String> = (st.names().into_iter())
+        .filter_map(|n| n.strip_prefix(&prefix))
+        .filter(|n| *n != "step")
+        .map(String::from)
+        .collect();
+    names.sort();
+    names
+}
+
 /// Names of the BN nodes, whose `num_batches_tracked` the checkpoint carries.
 fn batchnorm_nodes(g: &Graph) -> impl Iterator<Item = &str> {
     g.nodes
@@ -580,8 +596,13 @@ impl Checkpoint {
             weight_decay: 0.0,
             nesterov: false,
         };
-        let rule = self.optimizer()?.optimizer(sgd);
-        let names: Vec<String> = rule.state_names().iter().map(|n| n.to_string()).collect();
+        let names: Vec<String> = match self.optimizer() {
+            Ok(kind) => (kind.optimizer(sgd).state_names().iter())
+                .map(|n| n.to_string())
+                .collect(),
+            // A caller's own optimizer: the names its state was written under.
+            Err(_) => custom_state_names(&st, g),
+        };
         let mut optimizer = Vec::with_capacity(g.params.len());
         for p in &g.params {
             let shape = p.spec.shape.dims();

@@ -5,8 +5,9 @@
 
 use gems::graph::{self, Graph, Params};
 use gems::ops::{batched, loss};
+use gems::optim::{Optimizer, Update};
 use gems::tensor::Device;
-use gems::{models, Category, DType};
+use gems::{models, Category, DType, Tensor};
 
 /// Which elements of a parameter to probe.
 #[derive(Clone, Copy, Debug)]
@@ -191,4 +192,36 @@ pub fn state_dict(model: &str) -> Vec<(String, Vec<usize>)> {
             (name.to_string(), dims)
         })
         .collect()
+}
+
+/// An optimizer written outside the crate, on the host: v ← v/2 + g, w ← w − lr·v.
+pub struct HeavyBall;
+
+impl Optimizer for HeavyBall {
+    fn state_names(&self) -> &[&str] {
+        &["velocity"]
+    }
+    fn weight_decay(&self) -> f64 {
+        0.0
+    }
+    fn update(
+        &self,
+        device: &Device,
+        w: &mut Tensor,
+        grad: &Tensor,
+        state: &mut [Tensor],
+        u: &Update,
+    ) -> gems::Result<()> {
+        let (g, v) = (grad.to_f64_vec()?, state[0].to_f64_vec()?);
+        let v: Vec<f64> = (v.iter().zip(&g))
+            .map(|(v, g)| 0.5 * v + g * u.grad_scale)
+            .collect();
+        let new: Vec<f64> = (w.to_f64_vec()?.iter().zip(&v))
+            .map(|(w, v)| w - u.lr * v)
+            .collect();
+        *w = device.upload(w.shape().clone(), &new, w.dtype(), Category::Weights)?;
+        let (shape, dtype) = (state[0].shape().clone(), state[0].dtype());
+        state[0] = device.upload(shape, &v, dtype, Category::OptimizerState)?;
+        Ok(())
+    }
 }
