@@ -6,7 +6,9 @@
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
-use gems::schemes::schedule::{Pass, Schedule, Task};
+use gems::schemes::schedule::{Schedule, Task};
+
+mod common;
 
 fn gems(args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_gems"))
@@ -157,17 +159,7 @@ fn deferring_every_w_holds_more_memory_than_1f1b_and_plans_say_so() {
     // convolution inputs and output gradients until then. The metered peak says how much.
     let dir = tempfile::tempdir().unwrap();
     let good = exported(dir.path());
-    let mut late = good.clone();
-    for tasks in &mut late.ranks {
-        let ws: Vec<Task> = (tasks.iter())
-            .filter(|t| t.pass == Pass::Backward)
-            .map(|t| Task::weight(t.stage, t.micro))
-            .collect();
-        for t in tasks.iter_mut().filter(|t| t.pass == Pass::Backward) {
-            t.pass = Pass::Input;
-        }
-        tasks.extend(ws);
-    }
+    let late = common::defer_weights(&good);
     let peak = |path: &Path| -> f64 {
         let mut args = vec!["plan", "--schedule-file", path.to_str().unwrap()];
         args.extend(RUN);

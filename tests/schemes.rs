@@ -14,7 +14,6 @@ use gems::ops::{batched, loss};
 use gems::optim::schedule::{Decay, LrSchedule};
 use gems::optim::{AdamConfig, CustomOptimizer, OptimizerKind, Sgd, SgdConfig};
 use gems::plan::{RunConfig, TrainConfig};
-use gems::schemes::schedule::{self, Pass};
 use gems::schemes::{Kind, Order, Scheme};
 use gems::{models, DType, Device, Evaluation, Session};
 
@@ -228,18 +227,7 @@ fn split_backward(name: &str, p: usize, m: usize) {
         .unwrap()
         .schedule
         .schedule(&scheme);
-    let mut deferred = one_f;
-    for tasks in &mut deferred.ranks {
-        let ws: Vec<schedule::Task> = (tasks.iter())
-            .filter(|t| t.pass == Pass::Backward)
-            .map(|t| schedule::Task::weight(t.stage, t.micro))
-            .collect();
-        for t in tasks.iter_mut().filter(|t| t.pass == Pass::Backward) {
-            t.pass = Pass::Input;
-        }
-        tasks.extend(ws);
-    }
-    c.schedule = Some(std::sync::Arc::new(deferred));
+    c.schedule = Some(std::sync::Arc::new(common::defer_weights(&one_f)));
     check_run(model, c);
 }
 

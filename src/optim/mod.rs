@@ -48,25 +48,6 @@ pub trait Optimizer: Send + Sync {
     ) -> Result<()>;
 }
 
-impl<O: Optimizer + ?Sized> Optimizer for Box<O> {
-    fn state_names(&self) -> &[&str] {
-        (**self).state_names()
-    }
-    fn weight_decay(&self) -> f64 {
-        (**self).weight_decay()
-    }
-    fn update(
-        &self,
-        device: &Device,
-        w: &mut Tensor,
-        grad: &Tensor,
-        state: &mut [Tensor],
-        u: &Update,
-    ) -> Result<()> {
-        (**self).update(device, w, grad, state, u)
-    }
-}
-
 #[derive(Clone, Copy, Debug, PartialEq)]
 /// SGD as PyTorch defines it (no dampening).
 pub struct SgdConfig {
@@ -236,11 +217,11 @@ pub enum OptimizerKind {
 
 impl OptimizerKind {
     /// The update rule, taking SGD's hyper-parameters from `sgd`.
-    pub fn optimizer(&self, sgd: SgdConfig) -> Box<dyn Optimizer> {
+    pub fn optimizer(&self, sgd: SgdConfig) -> std::sync::Arc<dyn Optimizer> {
         match self {
-            OptimizerKind::Sgd => Box::new(sgd),
-            OptimizerKind::Adam(adam) => Box::new(*adam),
-            OptimizerKind::Custom(c) => Box::new(c.rule.clone()),
+            OptimizerKind::Sgd => std::sync::Arc::new(sgd),
+            OptimizerKind::Adam(adam) => std::sync::Arc::new(*adam),
+            OptimizerKind::Custom(c) => c.rule.clone(),
         }
     }
 

@@ -39,7 +39,7 @@ struct Copy {
     stage: usize,
     orientation: usize,
     params: Params,
-    optimizer: Stepper<Box<dyn Optimizer>>,
+    optimizer: Stepper<Arc<dyn Optimizer>>,
     /// Batch statistics gathered this step, by global micro-batch.
     running: Vec<(usize, RunningUpdate)>,
 }

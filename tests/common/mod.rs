@@ -6,6 +6,7 @@
 use gems::graph::{self, Graph, Params};
 use gems::ops::{batched, loss};
 use gems::optim::{Optimizer, Update};
+use gems::schemes::schedule::{Pass, Schedule, Task};
 use gems::tensor::Device;
 use gems::{models, Category, DType, Tensor};
 
@@ -224,4 +225,21 @@ impl Optimizer for HeavyBall {
         state[0] = device.upload(shape, &v, dtype, Category::OptimizerState)?;
         Ok(())
     }
+}
+
+/// `schedule` with each BW split into its B, in place, and its W, at the end of the rank's
+/// list: 1F1B with every weight gradient deferred to the end of the step.
+pub fn defer_weights(schedule: &Schedule) -> Schedule {
+    let mut late = schedule.clone();
+    for tasks in &mut late.ranks {
+        let ws: Vec<Task> = (tasks.iter())
+            .filter(|t| t.pass == Pass::Backward)
+            .map(|t| Task::weight(t.stage, t.micro))
+            .collect();
+        for t in tasks.iter_mut().filter(|t| t.pass == Pass::Backward) {
+            t.pass = Pass::Input;
+        }
+        tasks.extend(ws);
+    }
+    late
 }
