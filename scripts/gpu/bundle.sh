@@ -1,17 +1,33 @@
 #!/usr/bin/env bash
-# Here (with the Rust toolchain): builds what a GPU session runs on the device machine, which
-# has no Rust, into device/ (ignored by git; pass it in the device tool's `carry`):
-#   device/gems       the binary (stripped)
-#   device/cuda_ops   the GPU suite (tests/cuda_ops.rs, stripped)
-# Stripped, both fit the tool's 64 MiB carry limit with room to spare.
+# Here (with the Rust toolchain): builds what scripts/gpu/run.sh runs on the device machine,
+# which has no Rust, into device/ (ignored by git; name it in the device tool's `carry`):
+#   device/gems       the binary (release, default features: no emulator, no poisoned storage)
+#   device/cuda_ops   the GPU suite (tests/cuda_ops.rs)
+# Both are located from cargo's own report (so CARGO_TARGET_DIR and friends are honoured) and
+# stripped: about 15 MiB together, well under the tool's 64 MiB for the whole working tree.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
-cargo build --release
-suite=$(cargo test --release --test cuda_ops --no-run 2>&1 |
-    sed -n 's/.*Executable tests\/cuda_ops.rs (\(.*\))/\1/p' | tail -1)
-[ -x "$suite" ] || { echo "ERROR: no cuda_ops test binary" >&2; exit 1; }
+
+# The path of the executable cargo built for target $1 (cargo's JSON messages on stdin).
+executable() {
+    python3 -c '
+import json, sys
+name = sys.argv[1]
+paths = [m["executable"] for m in map(json.loads, sys.stdin)
+         if m.get("reason") == "compiler-artifact" and m.get("executable")
+         and m["target"]["name"] == name]
+print(paths[-1] if paths else "")' "$1"
+}
+
 mkdir -p device
-cp target/release/gems device/gems
+# The binary first: the test build below turns on the test features (cuda-emu, poison) for
+# the crate, and cargo's target/release/gems is then that build.
+gems=$(cargo build --release --bin gems --message-format=json-render-diagnostics | executable gems)
+[ -x "$gems" ] || { echo "ERROR: cargo reported no gems binary" >&2; exit 1; }
+cp "$gems" device/gems
+suite=$(cargo test --release --test cuda_ops --no-run --message-format=json-render-diagnostics |
+    executable cuda_ops)
+[ -x "$suite" ] || { echo "ERROR: cargo reported no cuda_ops test binary" >&2; exit 1; }
 cp "$suite" device/cuda_ops
 strip device/gems device/cuda_ops
 ls -la device
