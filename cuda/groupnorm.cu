@@ -13,8 +13,10 @@
  *                                and sum of squares in double, as batchnorm_stats). One block
  *                                per (sample, group) (gridDim.x = n groups, blockDim.x = 512);
  *                                threads stride its contiguous run: coalesced reads.
- *   groupnorm_apply_SUF          y = x scale + shift, scale = gamma[c] / sqrt(var + eps),
- *                                shift = beta[c] - mean scale.
+ *   groupnorm_apply_SUF          y = (x - mean) scale + beta[c], scale = gamma[c] /
+ *                                sqrt(var + eps). Centred first: a group of few values can
+ *                                have a mean far larger than its spread, where x scale + shift
+ *                                would cancel (and then differ with FMA contraction).
  *   groupnorm_backward_reduce_SUF  per (sample, group) a = sum dy gamma[c] and
  *                                b = sum dy gamma[c] xhat into sums[2k], sums[2k + 1]; blocks
  *                                as stats.
@@ -65,7 +67,7 @@ __device__ void gn_apply(const T* x, const float* gamma, const float* beta, cons
         const int c = (int)((i / p.hw) % p.c);
         const int64_t k = i / m;
         const float scale = gamma[c] / sqrtf(var[k] + eps);
-        st(y, i, fmaf(ld(x, i), scale, beta[c] - mean[k] * scale));
+        st(y, i, fmaf(ld(x, i) - mean[k], scale, beta[c]));
     }
 }
 

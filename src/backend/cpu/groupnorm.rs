@@ -43,11 +43,11 @@ pub fn forward<T: Float>(
             let is = invstd(v, eps);
             let first = k % g.groups * per;
             for (j, (yp, xp)) in yk.chunks_mut(g.hw).zip(xk.chunks(g.hw)).enumerate() {
-                // The affine map of channel first + j: x·scale + shift.
-                let scale = gamma[first + j] * is;
-                let shift = beta[first + j] - m * scale;
+                // Centred first, (x - m)·scale + β: a group of few values can have a mean far
+                // larger than its spread, where x·scale + (β - m·scale) would cancel.
+                let (scale, b) = (gamma[first + j] * is, beta[first + j]);
                 for (y, &x) in yp.iter_mut().zip(xp) {
-                    *y = x * scale + shift;
+                    *y = (x - m) * scale + b;
                 }
             }
             (m, v)
