@@ -237,11 +237,22 @@ impl Device {
         alloc: impl FnOnce(&dyn Backend, usize) -> Result<Storage>,
     ) -> Result<Tensor> {
         let n = shape.numel();
-        let lease = self
-            .inner
-            .allocator
-            .lease((n * dtype.size()) as u64, category)?;
+        let lease = self.lease((n * dtype.size()) as u64, category)?;
         Ok(Tensor::from_buffer(shape, alloc(self.backend(), n)?, lease))
+    }
+
+    /// `bytes` of this device's memory as `category`. Where they do not fit while copies to
+    /// the host tier are in flight, waits for those copies (each holds its device tensor until
+    /// it has read it) and tries again: a copy stream slower than the compute then holds the
+    /// compute back instead of failing it.
+    fn lease(&self, bytes: u64, category: Category) -> Result<crate::memory::Lease> {
+        match self.inner.allocator.lease(bytes, category) {
+            Err(_) if !self.in_flight().is_empty() => {
+                self.reap(true)?;
+                Ok(self.inner.allocator.lease(bytes, category)?)
+            }
+            lease => Ok(lease?),
+        }
     }
 
     /// A tensor over `storage` (host elements, or this device's), leased as `category`.
@@ -252,10 +263,7 @@ impl Device {
                 storage.len()
             )));
         }
-        let lease = self
-            .inner
-            .allocator
-            .lease((storage.len() * storage.dtype().size()) as u64, category)?;
+        let lease = self.lease((storage.len() * storage.dtype().size()) as u64, category)?;
         Ok(Tensor::from_buffer(
             shape,
             self.backend().adopt(storage)?,
@@ -291,10 +299,7 @@ impl Device {
                 data.len()
             )));
         }
-        let lease = self
-            .inner
-            .allocator
-            .lease((data.len() * dtype.size()) as u64, category)?;
+        let lease = self.lease((data.len() * dtype.size()) as u64, category)?;
         Ok(Tensor::from_buffer(
             shape,
             self.backend().upload(data, dtype)?,
