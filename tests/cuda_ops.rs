@@ -1494,18 +1494,19 @@ fn offload_and_recompute_on_gpu_are_bit_identical_in_every_copy_mode() {
     offload_and_recompute_are_bit_identical(ConvImpl::Native);
 }
 
-/// cuDNN's choices are shared within the process and deterministic where that costs little,
-/// so offloaded and recomputed runs match the reference bit for bit on this path too; where
-/// cuDNN kept a non-deterministic algorithm (more than 5% faster), to f32 rounding.
+/// With `cudnn-deterministic`, cuDNN's algorithms are deterministic (and its choices shared
+/// within the process), so offloaded and recomputed runs match the reference bit for bit on
+/// this path too. (Plain `cudnn` may keep a faster algorithm with atomic adds, whose sums differ
+/// run to run.)
 #[test]
 #[ignore = "needs a CUDA device and cuDNN (or minutes on the emulator)"]
 fn offload_and_recompute_with_cudnn_are_bit_identical_in_every_copy_mode() {
-    offload_and_recompute_are_bit_identical(ConvImpl::Cudnn);
+    offload_and_recompute_are_bit_identical(ConvImpl::CudnnDeterministic);
 }
 
 fn offload_and_recompute_are_bit_identical(conv: ConvImpl) {
-    // The weights after three steps, the device and host peaks, the host pool, and whether
-    // every algorithm that ran is deterministic.
+    // The weights after three steps, the device and host peaks and the host pool; every
+    // algorithm that ran must be deterministic.
     let run = |saves: SavePolicy, offload_copy: CopyMode| {
         let c = TrainConfig {
             saves,
@@ -1520,43 +1521,34 @@ fn offload_and_recompute_are_bit_identical(conv: ConvImpl) {
         }
         let device = t.device_summary().unwrap();
         let chosen = device.conv_algorithms;
-        let deterministic = !chosen.iter().any(|l| l.contains("non-deterministic"));
-        if !deterministic {
-            println!("non-deterministic algorithms ran:\n{}", chosen.join("\n"));
-        }
+        assert!(
+            !chosen.iter().any(|l| l.contains("non-deterministic")),
+            "non-deterministic algorithms ran:\n{}",
+            chosen.join("\n")
+        );
         (
             values(&mut t),
             t.memory().unwrap()[0].peak,
             device.host.peak,
             device.pool,
-            deterministic,
         )
     };
-    let same = |a: &[Vec<f64>], b: &[Vec<f64>], exact: bool| {
-        a.iter().zip(b).all(|(a, b)| {
-            a.iter().zip(b).all(|(x, y)| {
-                if exact {
-                    x.to_bits() == y.to_bits()
-                } else {
-                    (x - y).abs() <= 1e-5 * x.abs().max(1e-3)
-                }
-            })
-        })
+    let same = |a: &[Vec<f64>], b: &[Vec<f64>]| {
+        a.iter()
+            .zip(b)
+            .all(|(a, b)| a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits()))
     };
     let nodes = gems::models::build("resnet20v2", 32, 10)
         .unwrap()
         .nodes
         .len();
-    if conv == ConvImpl::Cudnn {
+    if conv.is_cudnn() {
         // The first run times cuDNN's algorithms on scratch, which its peak would include.
         run(SavePolicy::keep_all(), CopyMode::Naive);
     }
-    let (base, base_peak, _, _, exact) = run(SavePolicy::keep_all(), CopyMode::Naive);
-    let (rec, rec_peak, _, _, _) = run(SavePolicy::checkpointed(nodes), CopyMode::Naive);
-    assert!(
-        same(&base, &rec, exact),
-        "recomputation changed the weights"
-    );
+    let (base, base_peak, _, _) = run(SavePolicy::keep_all(), CopyMode::Naive);
+    let (rec, rec_peak, _, _) = run(SavePolicy::checkpointed(nodes), CopyMode::Naive);
+    assert!(same(&base, &rec), "recomputation changed the weights");
     assert!(rec_peak < base_peak, "peaks {base_peak} {rec_peak}");
     for mode in [
         CopyMode::Naive,
@@ -1565,9 +1557,9 @@ fn offload_and_recompute_are_bit_identical(conv: ConvImpl) {
         CopyMode::PinnedAsync,
     ] {
         let all = SavePolicy::all(nodes, gems::graph::policy::Keep::Host, 2);
-        let (weights, peak, host_peak, pool, _) = run(all, mode);
+        let (weights, peak, host_peak, pool) = run(all, mode);
         assert!(
-            same(&base, &weights, exact),
+            same(&base, &weights),
             "{mode}: offloading every activation changed the weights"
         );
         assert!(
@@ -1631,16 +1623,17 @@ fn spatial_step_on_one_gpu_matches_the_cpu() {
 #[ignore = "needs a CUDA device (or minutes on the emulator)"]
 fn schemes_on_one_gpu_match_the_cpu() {
     use gems::schemes::{Kind, Order};
-    let config = |device, dtype| TrainConfig {
+    let config = |device, dtype, seed| TrainConfig {
         device,
         dtype,
+        seed,
         ..TrainConfig::new(4, 3)
     };
-    let run = |device: DeviceKind, dtype, scheme: Scheme| {
+    let run = |device: DeviceKind, dtype, scheme: Scheme, seed| {
         let failed = |e: gems::Error| -> Vec<Vec<(usize, usize, Vec<f64>)>> {
             panic!("{scheme:?} on {device}: {e}")
         };
-        let mut s = session("resnet20v2", 32, config(device, dtype), scheme)
+        let mut s = session("resnet20v2", 32, config(device, dtype, seed), scheme)
             .unwrap_or_else(|e| panic!("{scheme:?} on {device}: {e}"));
         for _ in 0..3 {
             s.step()
@@ -1656,15 +1649,6 @@ fn schemes_on_one_gpu_match_the_cpu() {
         params.dedup_by_key(|(id, _)| *id);
         params.into_iter().map(|(_, v)| v).collect::<Vec<_>>()
     };
-    let before = values(
-        &mut session(
-            "resnet20v2",
-            32,
-            config(DeviceKind::Cpu, DType::F64),
-            Scheme::single(1),
-        )
-        .unwrap(),
-    );
     let tiles = gems::ops::tiles::Grid { rows: 2, cols: 1 };
     for scheme in [
         Scheme::new(Kind::Mp, 2, 2, 1, 1, Order::GPipe),
@@ -1672,21 +1656,27 @@ fn schemes_on_one_gpu_match_the_cpu() {
         Scheme::new(Kind::Dp, 1, 1, 1, 2, Order::GPipe),
         Scheme::new(Kind::Mp, 2, 2, 1, 1, Order::GPipe).with_spatial(tiles),
     ] {
-        let exact = run(DeviceKind::Cpu, DType::F64, scheme);
-        let cpu = run(DeviceKind::Cpu, DType::F32, scheme);
-        let gpu = run(DeviceKind::Cuda { ordinal: 0 }, DType::F32, scheme);
-        assert_eq!(
-            (cpu.len(), gpu.len(), exact.len()),
-            (before.len(), before.len(), before.len())
-        );
+        // Three draws: one ReLU flip in one run moves every earlier parameter's update by
+        // more than f32 rounding (see `no_further_than_cpu`), on either device; a single
+        // draw's CPU distance can land low by chance (3.8e-6 against 3.5e-1 for the tiled
+        // scheme, seen on the GPU and the emulator alike).
+        let draws: Vec<_> = (1..=3)
+            .map(|seed| {
+                let single = Scheme::single(1);
+                let cpu64 = config(DeviceKind::Cpu, DType::F64, seed);
+                let before = values(&mut session("resnet20v2", 32, cpu64, single).unwrap());
+                let exact = run(DeviceKind::Cpu, DType::F64, scheme, seed);
+                let cpu = run(DeviceKind::Cpu, DType::F32, scheme, seed);
+                let gpu = run(DeviceKind::Cuda { ordinal: 0 }, DType::F32, scheme, seed);
+                assert_eq!(
+                    (cpu.len(), gpu.len(), exact.len()),
+                    (before.len(), before.len(), before.len())
+                );
+                distances(&before, &exact, (&cpu, &gpu))
+            })
+            .collect();
         // Three steps with BN over 4 images: as noisy as one step of a deeper model.
-        no_further_than_cpu(
-            &format!("{scheme:?}"),
-            &before,
-            &exact,
-            (&cpu, &gpu),
-            tol(Precision::Fp32),
-        );
+        no_further_over_draws(&format!("{scheme:?}"), &draws, tol(Precision::Fp32));
     }
 }
 
@@ -1800,6 +1790,13 @@ fn the_cudnn_path_opens_or_says_why_not() {
     assert_eq!("cudnn".parse::<ConvImpl>(), Ok(ConvImpl::Cudnn));
     assert_eq!("native".parse::<ConvImpl>(), Ok(ConvImpl::Native));
     assert_eq!(ConvImpl::Cudnn.to_string(), "cudnn");
+    for c in [
+        ConvImpl::Native,
+        ConvImpl::Cudnn,
+        ConvImpl::CudnnDeterministic,
+    ] {
+        assert_eq!(c.to_string().parse::<ConvImpl>(), Ok(c));
+    }
     assert!("cuddn".parse::<ConvImpl>().is_err());
 }
 

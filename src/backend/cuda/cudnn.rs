@@ -5,13 +5,14 @@
 //! workspace the convolution needs ([`Cudnn::workspace`], before its first forward): cuDNN times
 //! every algorithm on zero-filled scratch operands leased from the device's allocator
 //! (`cudnnFind*AlgorithmEx`) and the fastest usable one is kept. Where the scratch does not fit
-//! beside what is live, cuDNN's heuristics choose without timing. The workspace the engine then
+//! beside what is live, or none of a pass's timed algorithms is usable (cuDNN can report them
+//! all failing to run in its search), cuDNN's heuristics choose without timing. The workspace the engine then
 //! leases for each pass is the most any of the three chosen algorithms needs. Choices are shared
 //! by every instance on the same GPU in the process, so that two runs of one configuration (a
 //! reference and an offloaded run, say) compute with the same algorithms.
 //!
-//! Usable means: cuDNN ran it, its workspace fits [`WORKSPACE_LIMIT`], and its math is the
-//! precision's. FP32 allows only `CUDNN_FMA_MATH` (cuDNN's default math may use TF32 tensor
+//! Usable means: cuDNN ran it, its workspace fits [`WORKSPACE_LIMIT`], its math is the
+//! precision's, and with `--conv cudnn-deterministic` it is deterministic. FP32 allows only `CUDNN_FMA_MATH` (cuDNN's default math may use TF32 tensor
 //! cores on Ampere and newer); TF32 allows tensor-op (and default or FMA) math but not
 //! `CUDNN_TENSOR_OP_MATH_ALLOW_CONVERSION`, which may round inputs to FP16.
 //!
@@ -275,8 +276,9 @@ impl Choice {
     }
 }
 
-/// Choices by (GPU, precision, geometry), shared by every instance in the process.
-type Key = (usize, Precision, ConvGeom);
+/// Choices by (GPU, precision, deterministic only, geometry), shared by every instance in the
+/// process.
+type Key = (usize, Precision, bool, ConvGeom);
 static CHOSEN: LazyLock<Mutex<HashMap<Key, [Choice; 3]>>> = LazyLock::new(Default::default);
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -522,6 +524,8 @@ pub struct Cudnn {
     /// The device's allocator, which the scratch of algorithm searches is leased from.
     allocator: Arc<Allocator>,
     precision: Precision,
+    /// Deterministic algorithms only (`--conv cudnn-deterministic`).
+    deterministic: bool,
     version: usize,
     state: Mutex<State>,
 }
@@ -532,6 +536,7 @@ impl Cudnn {
     pub fn new(
         stream: Arc<CudaStream>,
         precision: Precision,
+        deterministic: bool,
         allocator: Arc<Allocator>,
     ) -> Result<Cudnn> {
         let version = load()?;
@@ -544,6 +549,7 @@ impl Cudnn {
             stream,
             allocator,
             precision,
+            deterministic,
             version,
             state: Mutex::new(State {
                 handle,
@@ -879,7 +885,12 @@ impl Cudnn {
     fn plan(&self, h: &Handle, g: &ConvGeom) -> Result<(Descriptors, [Choice; 3])> {
         self.bind()?;
         let d = Descriptors::new(g)?;
-        let key = (self.stream.context().ordinal(), self.precision, *g);
+        let key = (
+            self.stream.context().ordinal(),
+            self.precision,
+            self.deterministic,
+            *g,
+        );
         let known = lock(&CHOSEN).get(&key).copied();
         let choices = match known {
             Some(c) => c,
@@ -897,29 +908,41 @@ impl Cudnn {
     fn choose(&self, h: &Handle, d: &Descriptors, g: &ConvGeom) -> Result<[Choice; 3]> {
         // SAFETY: the descriptor is live.
         unsafe { dnn::set_convolution_math_type(d.conv, self.base_math()) }?;
-        let (perfs, measured, limit) = match self.measure(h, d, g)? {
-            Some((perfs, limit)) => (perfs, true, limit),
-            None => {
-                let mut perfs: [Vec<Perf>; 3] = Default::default();
-                for (pass, p) in Pass::ALL.into_iter().zip(&mut perfs) {
-                    *p = heuristics(h, d, pass)?;
-                }
-                (perfs, false, WORKSPACE_LIMIT)
-            }
-        };
+        let timed = self.measure(h, d, g)?;
         let mut choices = [Choice::default(); 3];
-        for ((pass, perfs), c) in Pass::ALL.into_iter().zip(perfs).zip(&mut choices) {
-            *c = self
-                .pick(h, d, pass, perfs, measured, limit)?
-                .ok_or_else(|| {
+        for (i, (pass, c)) in Pass::ALL.into_iter().zip(&mut choices).enumerate() {
+            let mut why = Vec::new();
+            // Timed first; where no timed algorithm is usable (cuDNN reports some failing to
+            // run in its search), cuDNN's heuristics.
+            let tries = timed
+                .as_ref()
+                .map(|(perfs, limit)| (perfs[i].clone(), true, *limit))
+                .into_iter()
+                .chain([(heuristics(h, d, pass)?, false, WORKSPACE_LIMIT)]);
+            let mut found = None;
+            for (perfs, measured, limit) in tries {
+                why.push(format!(
+                    "{}: {}",
+                    if measured { "timed" } else { "by heuristics" },
+                    self.offered(pass, &perfs, measured, limit)
+                ));
+                found = self.pick(h, d, pass, perfs, measured, limit)?;
+                if found.is_some() {
+                    break;
+                }
+            }
+            *c =
+                found.ok_or_else(|| {
                     Error::Device(format!(
-                        "cuDNN has no {} algorithm in {} math within {} of workspace for {}; \
+                    "cuDNN has no {} algorithm in {} math{} within {} of workspace for {} ({}); \
                      use the native kernels",
-                        pass.name(),
-                        self.precision,
-                        human_bytes(limit as u64),
-                        shape(g)
-                    ))
+                    pass.name(),
+                    self.precision,
+                    if self.deterministic { ", deterministic," } else { "" },
+                    human_bytes(WORKSPACE_LIMIT as u64),
+                    shape(g),
+                    why.join("; "),
+                ))
                 })?;
         }
         Ok(choices)
@@ -1038,6 +1061,42 @@ impl Cudnn {
         Ok(Some((perfs, limit)))
     }
 
+    /// What cuDNN offered for `pass` and why each was refused (or `none`), for the error that
+    /// says no algorithm is usable: `ALGO_0 status 3; ALGO_1 tensor-op math; ...`.
+    fn offered(&self, pass: Pass, perfs: &[Perf], measured: bool, limit: usize) -> String {
+        let list: Vec<String> = perfs
+            .iter()
+            .map(|p| {
+                let choice = Choice {
+                    algo: p.algo,
+                    math: p.math,
+                    workspace: p.memory,
+                    ms: measured.then_some(p.time),
+                    deterministic: p.determinism == DETERMINISTIC,
+                };
+                let why = if p.status != SUCCESS {
+                    format!("status {}", p.status)
+                } else if p.memory > limit {
+                    "workspace".into()
+                } else if !self.allows(p.math) {
+                    "math".into()
+                } else if measured && p.time < 0.0 {
+                    "untimed".into()
+                } else if self.deterministic && p.determinism != DETERMINISTIC {
+                    "non-deterministic".into()
+                } else {
+                    "workspace in this math".into()
+                };
+                format!("{} refused: {why}", choice.describe(pass))
+            })
+            .collect();
+        if list.is_empty() {
+            "none offered".into()
+        } else {
+            list.join("; ")
+        }
+    }
+
     /// The first usable algorithm of `perfs` in order of preference: fastest first (or in
     /// cuDNN's ranking, for heuristics), with the best deterministic one moved to the front
     /// when it is within [`DETERMINISM_SLACK`] of the fastest (heuristics: always).
@@ -1057,6 +1116,7 @@ impl Cudnn {
                     && p.memory <= limit
                     && self.allows(p.math)
                     && (!measured || p.time >= 0.0)
+                    && (!self.deterministic || p.determinism == DETERMINISTIC)
             })
             .collect();
         if measured {

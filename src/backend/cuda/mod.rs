@@ -72,6 +72,16 @@ pub enum ConvImpl {
     Native,
     /// cuDNN 9, its algorithms chosen by timing them once per shape.
     Cudnn,
+    /// cuDNN 9 with deterministic algorithms only (no atomic adds): results bit-identical run
+    /// after run, as PyTorch's `cudnn.deterministic`, at some speed on small shapes.
+    CudnnDeterministic,
+}
+
+impl ConvImpl {
+    /// Whether convolutions go through cuDNN.
+    pub fn is_cudnn(self) -> bool {
+        self != ConvImpl::Native
+    }
 }
 
 impl std::str::FromStr for ConvImpl {
@@ -80,7 +90,10 @@ impl std::str::FromStr for ConvImpl {
         match s {
             "native" => Ok(ConvImpl::Native),
             "cudnn" => Ok(ConvImpl::Cudnn),
-            _ => Err(format!("unknown convolution path '{s}' (native, cudnn)")),
+            "cudnn-deterministic" => Ok(ConvImpl::CudnnDeterministic),
+            _ => Err(format!(
+                "unknown convolution path '{s}' (native, cudnn, cudnn-deterministic)"
+            )),
         }
     }
 }
@@ -90,6 +103,7 @@ impl std::fmt::Display for ConvImpl {
         f.write_str(match self {
             ConvImpl::Native => "native",
             ConvImpl::Cudnn => "cudnn",
+            ConvImpl::CudnnDeterministic => "cudnn-deterministic",
         })
     }
 }
@@ -178,7 +192,7 @@ pub const CUDNN_16BIT: &str =
 /// activations (`--precision bf16|fp16`). Needs no GPU, so a run can check it first.
 pub fn check_conv(precision: Precision, conv: ConvImpl) -> Result<()> {
     match (conv, precision) {
-        (ConvImpl::Cudnn, Precision::Bf16 | Precision::Fp16) => {
+        (ConvImpl::Cudnn | ConvImpl::CudnnDeterministic, Precision::Bf16 | Precision::Fp16) => {
             Err(Error::Config(CUDNN_16BIT.into()))
         }
         _ => Ok(()),
@@ -278,9 +292,10 @@ impl Cuda {
             .map_err(driver_error)? as u32;
         let cudnn = match conv {
             ConvImpl::Native => None,
-            ConvImpl::Cudnn => Some(cudnn::Cudnn::new(
+            ConvImpl::Cudnn | ConvImpl::CudnnDeterministic => Some(cudnn::Cudnn::new(
                 stream.clone(),
                 precision,
+                conv == ConvImpl::CudnnDeterministic,
                 Arc::clone(&allocator),
             )?),
         };

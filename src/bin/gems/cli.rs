@@ -159,7 +159,8 @@ pub struct BenchKernelsArgs {
     pub batch: usize,
     #[command(flatten)]
     pub on: DeviceArgs,
-    /// Convolutions on a GPU: native, cudnn, or both (side by side, with their ratio).
+    /// Convolutions on a GPU: native, cudnn, cudnn-deterministic, or both (native and cudnn side
+    /// by side, with their ratio).
     #[arg(long, default_value = "native")]
     pub conv: BenchConv,
     /// Timed runs per measurement (the median is reported).
@@ -182,10 +183,9 @@ impl std::str::FromStr for BenchConv {
     fn from_str(s: &str) -> Result<Self, String> {
         match s {
             "both" => Ok(BenchConv::Both),
-            _ => s
-                .parse()
-                .map(BenchConv::One)
-                .map_err(|_| format!("unknown convolution path '{s}' (native, cudnn, both)")),
+            _ => s.parse().map(BenchConv::One).map_err(|_| {
+                format!("unknown convolution path '{s}' (native, cudnn, cudnn-deterministic, both)")
+            }),
         }
     }
 }
@@ -307,7 +307,7 @@ pub struct EvalArgs {
     pub skip_bad: bool,
     #[command(flatten)]
     pub on: DeviceArgs,
-    /// native or cudnn convolutions (GPU).
+    /// native, cudnn or cudnn-deterministic convolutions (GPU).
     #[arg(long, default_value = "native")]
     pub conv: ConvImpl,
 }
@@ -344,7 +344,7 @@ pub struct PredictArgs {
     pub skip_bad: bool,
     #[command(flatten)]
     pub on: DeviceArgs,
-    /// native or cudnn convolutions (GPU).
+    /// native, cudnn or cudnn-deterministic convolutions (GPU).
     #[arg(long, default_value = "native")]
     pub conv: ConvImpl,
 }
@@ -641,8 +641,9 @@ pub struct TrainArgs {
     pub device_memory: Option<u64>,
     #[command(flatten)]
     pub on: DeviceArgs,
-    /// Convolutions on a GPU: native (the handwritten kernels) or cudnn (cuDNN 9, each
-    /// shape's algorithms timed once and reported at the end).
+    /// Convolutions on a GPU: native (the handwritten kernels), cudnn (cuDNN 9, each shape's
+    /// algorithms timed once and reported at the end) or cudnn-deterministic (its
+    /// deterministic algorithms only: bit-identical results run after run).
     #[arg(long, default_value = "native")]
     pub conv: ConvImpl,
     /// Write one JSON line per step to this file.
