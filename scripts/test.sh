@@ -286,4 +286,7 @@ if [ "$#" -eq 0 ]; then
     # Every public item's documentation builds, its links resolve.
     log "== cargo doc"
     RUSTDOCFLAGS="-D warnings" cargo doc --no-deps --quiet "${features[@]}"
+    # The GPU script's dry run: every step starts, and says "no GPU" where it needs one.
+    log "== scripts/gpu/run.sh (dry run)"
+    scripts/gpu/dry_run.sh
 fi

@@ -123,6 +123,30 @@ pub struct GpuInfo {
     pub total_memory: u64,
     /// Device memory free when asked, in bytes.
     pub free_memory: u64,
+    /// The SM clock's peak in kHz, the memory clock's peak in kHz and the memory bus's width
+    /// in bits, as the driver reports them (`None` where it reports none).
+    pub clocks: Option<(i32, i32, i32)>,
+}
+
+impl GpuInfo {
+    /// The card's peak f32 arithmetic (FMA on the CUDA cores, not the tensor cores) in FLOP/s:
+    /// multiprocessors × f32 lanes per multiprocessor × 2 × the SM clock.
+    pub fn peak_fp32_flops(&self) -> Option<f64> {
+        let lanes = match self.compute_capability {
+            (6, 0) | (7, _) | (8, 0) => 64.0,
+            (6, _) | (8, _) | (9, _) | (10.., _) => 128.0,
+            _ => return None,
+        };
+        let (sm_khz, _, _) = self.clocks?;
+        Some(f64::from(self.multiprocessors) * lanes * 2.0 * f64::from(sm_khz) * 1e3)
+    }
+
+    /// The card's peak memory bandwidth in bytes/s: two transfers per memory clock over the
+    /// bus.
+    pub fn peak_bandwidth(&self) -> Option<f64> {
+        let (_, mem_khz, bus_bits) = self.clocks?;
+        Some(2.0 * f64::from(mem_khz) * 1e3 * f64::from(bus_bits) / 8.0)
+    }
 }
 
 fn driver_error(e: driver::DriverError) -> Error {
@@ -172,6 +196,14 @@ pub fn devices() -> Result<Vec<GpuInfo>> {
                     .map_err(driver_error)?,
                 total_memory: total as u64,
                 free_memory: free as u64,
+                clocks: {
+                    use sys::CUdevice_attribute::*;
+                    let a = |which| ctx.attribute(which).ok().filter(|&v| v > 0);
+                    a(CU_DEVICE_ATTRIBUTE_CLOCK_RATE)
+                        .zip(a(CU_DEVICE_ATTRIBUTE_MEMORY_CLOCK_RATE))
+                        .zip(a(CU_DEVICE_ATTRIBUTE_GLOBAL_MEMORY_BUS_WIDTH))
+                        .map(|((sm, mem), bus)| (sm, mem, bus))
+                },
             })
         })
         .collect()

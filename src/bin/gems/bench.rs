@@ -109,14 +109,28 @@ pub fn kernels(a: BenchKernelsArgs) -> anyhow::Result<()> {
         }
         rows.push(row);
     }
+    // The card's peaks, for a GPU whose driver reports its clocks.
+    let gpu = match kind {
+        DeviceKind::Cuda { ordinal } => cuda::devices()?.into_iter().nth(ordinal),
+        DeviceKind::Cpu => None,
+    };
+    let peak_flops = gpu.as_ref().and_then(|g| g.peak_fp32_flops());
+    let peak_bw = gpu.as_ref().and_then(|g| g.peak_bandwidth());
     for (conv, total) in convs.iter().zip(&total) {
         println!(
-            "all {} convolutions{}: forward {:.2}, backward-data {:.2}, backward-filter {:.2} TFLOP/s",
+            "all {} convolutions{}: forward {:.2}, backward-data {:.2}, backward-filter {:.2} TFLOP/s{}",
             shapes.iter().map(|s| s.count).sum::<usize>(),
             if both { format!(" ({conv})") } else { String::new() },
             flops / total[0] / 1e12,
             flops / total[1] / 1e12,
-            flops / total[2] / 1e12
+            flops / total[2] / 1e12,
+            peak_flops.map_or(String::new(), |p| format!(
+                " ({:.0}%, {:.0}%, {:.0}% of the card's {:.1} TFLOP/s f32 FMA peak)",
+                100.0 * flops / total[0] / p,
+                100.0 * flops / total[1] / p,
+                100.0 * flops / total[2] / p,
+                p / 1e12
+            ))
         );
     }
     let device = &devices[0];
@@ -141,12 +155,19 @@ pub fn kernels(a: BenchKernelsArgs) -> anyhow::Result<()> {
         a.batch,
         dtype.name()
     );
+    if let Some(p) = peak_bw {
+        println!("  (the card's peak: {:.1} GB/s)", p / 1e9);
+    }
     for b in &bw {
         println!(
-            "  {:<24} {:>8.1} GB/s  {:>5.1}% of copy",
+            "  {:<24} {:>8.1} GB/s  {:>5.1}% of copy{}",
             b.kernel,
             b.gb_per_s(),
-            100.0 * b.gb_per_s() / copy
+            100.0 * b.gb_per_s() / copy,
+            peak_bw.map_or(String::new(), |p| format!(
+                "  {:>5.1}% of peak",
+                100.0 * b.gb_per_s() * 1e9 / p
+            ))
         );
     }
     if let Some(path) = &a.json {
@@ -154,6 +175,7 @@ pub fn kernels(a: BenchKernelsArgs) -> anyhow::Result<()> {
             "model": a.model, "image_size": a.image_size, "batch": a.batch,
             "device": device.backend().name(), "repeats": a.repeats, "conv": a.conv.to_string(),
             "convolutions": rows, "memory_bound": bw,
+            "peak_fp32_flops": peak_flops, "peak_bytes_per_s": peak_bw,
             "cudnn_algorithms": devices.iter().flat_map(|d| d.backend().conv_algorithms()).collect::<Vec<_>>(),
         });
         std::fs::write(path, serde_json::to_string_pretty(&doc)?)
@@ -281,14 +303,22 @@ pub fn info() -> anyhow::Result<()> {
         Ok(gpus) => {
             for g in gpus {
                 println!(
-                    "cuda:{} {}: compute capability {}.{}, {} SMs, {} total, {} free",
+                    "cuda:{} {}: compute capability {}.{}, {} SMs, {} total, {} free{}",
                     g.ordinal,
                     g.name,
                     g.compute_capability.0,
                     g.compute_capability.1,
                     g.multiprocessors,
                     human_bytes(g.total_memory),
-                    human_bytes(g.free_memory)
+                    human_bytes(g.free_memory),
+                    g.peak_fp32_flops().zip(g.peak_bandwidth()).map_or(
+                        String::new(),
+                        |(f, b)| format!(
+                            "; peaks {:.1} TFLOP/s f32 FMA, {:.0} GB/s",
+                            f / 1e12,
+                            b / 1e9
+                        )
+                    )
                 );
             }
         }
