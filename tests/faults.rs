@@ -196,11 +196,12 @@ fn scratch(name: &str) -> PathBuf {
     d
 }
 
-/// Every file of `dir` by name, with its bytes.
+/// Every file of `dir` by name, with its bytes (the folder's lock file left out).
 fn files(dir: &Path) -> BTreeMap<String, Vec<u8>> {
     std::fs::read_dir(dir)
         .unwrap()
         .map(|e| e.unwrap().path())
+        .filter(|p| p.file_name().is_some_and(|n| n != ".gems-lock"))
         .map(|p| {
             (
                 p.file_name().unwrap().to_string_lossy().into_owned(),
@@ -327,7 +328,11 @@ fn a_checkpoint_folder_belongs_to_one_run() {
     assert_eq!(files(&ck), before);
     // An interrupted write's temporary file goes when the run resumes there; --keep-last 2
     // prunes the oldest.
-    std::fs::write(ck.join(".step-000003.safetensors.tmp"), vec![0u8; 1000]).unwrap();
+    std::fs::write(
+        ck.join(".step-000003.safetensors.4242.tmp"),
+        vec![0u8; 1000],
+    )
+    .unwrap();
     let step2 = ck.join("step-000002.safetensors");
     let resume = [
         "train",
@@ -654,5 +659,235 @@ fn a_run_extended_by_resuming_spans_its_schedule_over_the_new_total() {
         rates.windows(2).all(|w| w[1] < w[0]),
         "a cosine falls: {rates:?}"
     );
+    std::fs::remove_dir_all(&d).ok();
+}
+
+#[test]
+fn a_checkpoint_folder_belongs_to_one_live_run() {
+    let d = scratch("lock");
+    let ck = d.join("ck");
+    let ck_s = ck.to_str().unwrap();
+    let long = [
+        "train",
+        "--steps",
+        "100000",
+        "--checkpoint-every",
+        "1000",
+        "--checkpoint",
+        ck_s,
+    ];
+    let mut first = Command::new(env!("CARGO_BIN_EXE_gems"))
+        .args(long)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    // The first run holds the folder once its lock names it.
+    let lock = ck.join(".gems-lock");
+    let started = Instant::now();
+    while std::fs::read_to_string(&lock).map_or(true, |s| s.is_empty()) {
+        assert!(
+            started.elapsed() < Duration::from_secs(60),
+            "the first run never locked"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let holder = format!("pid {}", first.id());
+    // A second run into it is refused, naming the first, and writes nothing.
+    let before = files(&ck);
+    let err = refused(
+        &["train", "--steps", "2", "--checkpoint", ck_s],
+        "in use by another run",
+    );
+    assert!(err.contains(&holder), "{err}");
+    assert_eq!(files(&ck), before);
+    // Killed, the first leaves its name in the lock; the next run takes the folder over and
+    // says whose lock it was.
+    first.kill().unwrap();
+    first.wait().unwrap();
+    let r = run(
+        &["train", "--steps", "2", "--checkpoint", ck_s, "--overwrite"],
+        120,
+    );
+    assert!(r.ok, "{}", r.err);
+    assert!(
+        r.out.contains("took over") && r.out.contains(&holder),
+        "{}",
+        r.out
+    );
+    // A run that ended cleanly leaves the lock empty: no note for the next one.
+    let r = run(
+        &["train", "--steps", "2", "--checkpoint", ck_s, "--overwrite"],
+        120,
+    );
+    assert!(r.ok && !r.out.contains("took over"), "{}", r.out);
+    std::fs::remove_dir_all(&d).ok();
+}
+
+#[test]
+fn outputs_replace_neither_devices_nor_the_run_inputs() {
+    let d = scratch("outputs");
+    let fifo = d.join("pipe");
+    assert!(Command::new("mkfifo")
+        .arg(&fifo)
+        .status()
+        .unwrap()
+        .success());
+    let f = fifo.to_str().unwrap();
+    let is_fifo = |p: &Path| {
+        use std::os::unix::fs::FileTypeExt;
+        std::fs::symlink_metadata(p).unwrap().file_type().is_fifo()
+    };
+    let ck = d.join("ck");
+    assert!(
+        run(
+            &[
+                "train",
+                "--steps",
+                "1",
+                "--checkpoint",
+                ck.to_str().unwrap()
+            ],
+            120
+        )
+        .ok
+    );
+    let step1 = ck.join("step-000001.safetensors");
+    let step1_s = step1.to_str().unwrap();
+    for args in [
+        &["export", "--out", f][..],
+        &["export", "--checkpoint", step1_s, "--out", f],
+        &["train", "--steps", "1", "--metrics", f],
+        &["train", "--steps", "1", "--timeline", f],
+        &["plan", "--timeline", f],
+        &[
+            "train",
+            "--steps",
+            "1",
+            "--checkpoint",
+            d.to_str().unwrap(),
+            "--timeline",
+            d.to_str().unwrap(),
+        ],
+    ] {
+        refused(args, "not a file gems may write");
+        assert!(is_fifo(&fifo), "{args:?} replaced the pipe");
+    }
+    // An export over the checkpoint it reads is refused, the checkpoint unchanged.
+    let before = std::fs::read(&step1).unwrap();
+    refused(
+        &["export", "--checkpoint", step1_s, "--out", step1_s],
+        "which this run reads",
+    );
+    assert_eq!(std::fs::read(&step1).unwrap(), before);
+    std::fs::remove_dir_all(&d).ok();
+}
+
+/// `path`'s safetensors rewritten by `change` (tensor name, its little-endian bytes), without
+/// gems's metadata (so without checksums: what another tool would write).
+fn rewrite_tensors(path: &Path, out: &Path, change: impl Fn(&str, &mut Vec<u8>)) {
+    let bytes = std::fs::read(path).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let owned: Vec<(String, safetensors::Dtype, Vec<usize>, Vec<u8>)> = st
+        .tensors()
+        .into_iter()
+        .map(|(n, t)| {
+            let mut data = t.data().to_vec();
+            change(&n, &mut data);
+            (n, t.dtype(), t.shape().to_vec(), data)
+        })
+        .collect();
+    let views: Vec<(&str, safetensors::tensor::TensorView<'_>)> = owned
+        .iter()
+        .map(|(n, dt, shape, data)| {
+            (
+                n.as_str(),
+                safetensors::tensor::TensorView::new(*dt, shape.clone(), data).unwrap(),
+            )
+        })
+        .collect();
+    std::fs::write(out, safetensors::serialize(views, None).unwrap()).unwrap();
+}
+
+#[test]
+fn damaged_or_unusable_weights_are_refused_by_tensor_name() {
+    let d = scratch("integrity");
+    let ck = d.join("ck");
+    assert!(
+        run(
+            &[
+                "train",
+                "--steps",
+                "2",
+                "--checkpoint-every",
+                "1",
+                "--checkpoint",
+                ck.to_str().unwrap()
+            ],
+            120
+        )
+        .ok
+    );
+    let step2 = ck.join("step-000002.safetensors");
+    // One bit flipped in a weight's exponent, as a failing disk would: every load names it.
+    let bytes = std::fs::read(&step2).unwrap();
+    let header = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let mut flipped = bytes.clone();
+    flipped[8 + header + 3] ^= 0x40;
+    let damaged = d.join("damaged.safetensors");
+    std::fs::write(&damaged, &flipped).unwrap();
+    let dm = damaged.to_str().unwrap();
+    for args in [
+        &["train", "--resume", dm, "--steps", "3"][..],
+        &["eval", "--checkpoint", dm],
+        &[
+            "export",
+            "--checkpoint",
+            dm,
+            "--out",
+            d.join("w.safetensors").to_str().unwrap(),
+        ],
+        &["train", "--init", dm, "--steps", "1"],
+    ] {
+        let err = refused(args, "is damaged");
+        assert!(err.contains("tensor '"), "{args:?}: {err}");
+    }
+    // Weights from elsewhere (no checksums): a NaN, a negative running variance.
+    let nan = d.join("nan.safetensors");
+    rewrite_tensors(&step2, &nan, |n, data| {
+        if n == "conv1.weight" {
+            data[..4].copy_from_slice(&f32::NAN.to_le_bytes());
+        }
+    });
+    let err = refused(
+        &["train", "--init", nan.to_str().unwrap(), "--steps", "1"],
+        "must be finite",
+    );
+    assert!(err.contains("'conv1.weight'"), "{err}");
+    let negative = d.join("negative.safetensors");
+    rewrite_tensors(&step2, &negative, |n, data| {
+        if n.ends_with("running_var") {
+            data[..4].copy_from_slice(&(-1.0f32).to_le_bytes());
+        }
+    });
+    refused(
+        &[
+            "train",
+            "--init",
+            negative.to_str().unwrap(),
+            "--steps",
+            "1",
+        ],
+        "a running variance cannot be negative",
+    );
+    // A PyTorch file (torch.save writes a zip) is refused with how to convert it.
+    let pth = d.join("model.pth");
+    std::fs::write(&pth, b"PK\x03\x04 not really a zip").unwrap();
+    for args in [
+        &["train", "--init", pth.to_str().unwrap(), "--steps", "1"][..],
+        &["eval", "--checkpoint", pth.to_str().unwrap()],
+    ] {
+        refused(args, "is a PyTorch file");
+    }
     std::fs::remove_dir_all(&d).ok();
 }

@@ -72,6 +72,14 @@ pub enum Error {
         /// The last of them by name.
         last: String,
     },
+    /// A checkpoint folder another live run is writing into.
+    #[error("{} is in use by another run ({holder}): wait for it to end, or choose another folder", dir.display())]
+    FolderLocked {
+        /// The folder.
+        dir: std::path::PathBuf,
+        /// Who holds it, as its lock file says: pid, host and start time.
+        holder: String,
+    },
     /// A broken invariant of gems itself: a bug to report.
     #[error("internal error: {0}")]
     Internal(String),

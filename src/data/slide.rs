@@ -243,8 +243,7 @@ pub fn write_tiled(
     bigtiff: bool,
     paint: impl Fn(usize, u32, u32) -> Vec<u8> + Sync,
 ) -> Result<u64> {
-    let file = File::create(path)
-        .map_err(|e| Error::Data(format!("cannot create {}: {e}", path.display())))?;
+    let file = crate::core::files::create_output(path)?;
     let mut out = BufWriter::with_capacity(1 << 20, file);
     let written = if bigtiff {
         TiffEncoder::new_big(&mut out).and_then(|t| write_levels(t, levels, description, &paint))

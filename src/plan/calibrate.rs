@@ -82,8 +82,7 @@ impl Calibration {
     pub fn save(&self, path: &Path) -> Result<()> {
         let text =
             serde_json::to_string_pretty(self).map_err(|e| Error::Internal(e.to_string()))?;
-        std::fs::write(path, text)
-            .map_err(|e| Error::Config(format!("cannot write {}: {e}", path.display())))
+        crate::core::files::write_atomically(path, text.as_bytes())
     }
 
     /// Reads a profile written by [`Calibration::save`].

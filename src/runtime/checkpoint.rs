@@ -19,7 +19,6 @@
 //! names what differs.
 
 use std::collections::HashMap;
-use std::io::Write;
 use std::path::{Path, PathBuf};
 
 use safetensors::tensor::{Dtype, TensorView};
@@ -269,7 +268,7 @@ pub fn save(
     path: &Path,
 ) -> Result<()> {
     let meta = metadata(g, c, state, lineage);
-    write_atomically(path, &serialize(g, c.dtype, state, true, meta)?)
+    crate::core::files::write_atomically(path, &serialize(g, c.dtype, state, true, meta)?)
 }
 
 /// Writes the weights and BN statistics of `state` as a plain state_dict at `path` (what
@@ -277,7 +276,7 @@ pub fn save(
 /// optimizer state, and metadata saying only that it is PyTorch's layout.
 pub fn save_weights(g: &Graph, dtype: DType, state: &TrainingState, path: &Path) -> Result<()> {
     let meta = HashMap::from([("format".to_string(), "pt".to_string())]);
-    write_atomically(path, &serialize(g, dtype, state, false, meta)?)
+    crate::core::files::write_atomically(path, &serialize(g, dtype, state, false, meta)?)
 }
 
 /// The safetensors bytes of `state` under torchvision's names, with the optimizer's state if
@@ -346,6 +345,16 @@ fn serialize(
             Dtype::I64,
         ));
     }
+    // A checksum per tensor, checked on every load: a bit flipped on disk names its tensor.
+    let mut meta = meta;
+    let sums: std::collections::BTreeMap<&str, String> = owned
+        .iter()
+        .map(|(n, _, data, _)| (n.as_str(), format!("{:08x}", crc32fast::hash(data))))
+        .collect();
+    meta.insert(
+        CHECKSUMS.into(),
+        serde_json::to_string(&sums).map_err(|e| Error::Internal(e.to_string()))?,
+    );
     let views = owned
         .iter()
         .map(|(n, shape, data, dt)| {
@@ -358,32 +367,6 @@ fn serialize(
         .collect::<Result<Vec<_>>>()?;
     safetensors::serialize(views, Some(meta))
         .map_err(|e| Error::Internal(format!("serializing a checkpoint: {e}")))
-}
-
-/// Writes `bytes` to a temporary file beside `path` (`.<name>.tmp`), syncs it, and renames it
-/// over `path`, so a reader sees the old file or the new one, never a mix.
-pub(crate) fn write_atomically(path: &Path, bytes: &[u8]) -> Result<()> {
-    let dir = path
-        .parent()
-        .filter(|d| !d.as_os_str().is_empty())
-        .unwrap_or(Path::new("."));
-    let name = path
-        .file_name()
-        .ok_or_else(|| Error::Config(format!("{} is not a file path", path.display())))?;
-    let tmp: PathBuf = dir.join(format!(".{}.tmp", name.to_string_lossy()));
-    let io = |e: std::io::Error, what: &str| {
-        Error::Config(format!("cannot {what} {}: {e}", path.display()))
-    };
-    let mut f = std::fs::File::create(&tmp).map_err(|e| io(e, "write checkpoint"))?;
-    f.write_all(bytes).map_err(|e| io(e, "write checkpoint"))?;
-    f.sync_all().map_err(|e| io(e, "sync checkpoint"))?;
-    drop(f);
-    std::fs::rename(&tmp, path).map_err(|e| io(e, "rename checkpoint into"))?;
-    if let Ok(d) = std::fs::File::open(dir) {
-        // Make the rename itself durable; not every file system supports syncing a folder.
-        let _ = d.sync_all();
-    }
-    Ok(())
 }
 
 /// A checkpoint read into memory: its metadata and raw bytes.
@@ -417,6 +400,7 @@ impl Checkpoint {
                 path.display()
             )));
         }
+        verify_checksums(path, &bytes, &meta)?;
         Ok(Checkpoint {
             path: path.to_path_buf(),
             bytes,
@@ -606,10 +590,9 @@ impl Checkpoint {
         let mut optimizer = Vec::with_capacity(g.params.len());
         for p in &g.params {
             let shape = p.spec.shape.dims();
-            values.push(Storage::from_le_bytes(
-                read(&p.name, shape, want)?.data(),
-                dtype,
-            ));
+            let v = Storage::from_le_bytes(read(&p.name, shape, want)?.data(), dtype);
+            check_values(&self.path, &p.name, &v)?;
+            values.push(v);
             expected.insert(p.name.clone());
             if !p.spec.trainable {
                 optimizer.push(None);
@@ -686,13 +669,28 @@ pub fn read_weights(path: &Path, g: &Graph, dtype: DType) -> Result<Vec<Storage>
             .map_err(|e| bad(format!("cannot read it: {e}")))?;
         b
     };
+    if let Some(why) = pytorch_file(&bytes) {
+        return Err(bad(why));
+    }
     let st = SafeTensors::deserialize(&bytes)
         .map_err(|e| bad(format!("is not a safetensors file: {e}")))?;
+    if let Ok((_, m)) = SafeTensors::read_metadata(&bytes) {
+        verify_checksums(path, &bytes, &m.metadata().clone().unwrap_or_default())?;
+    }
     let mut values = Vec::with_capacity(g.params.len());
     for p in &g.params {
-        let t = st
-            .tensor(&p.name)
-            .map_err(|_| bad(format!("has no tensor '{}'", p.name)))?;
+        let t = st.tensor(&p.name).map_err(|_| {
+            let wrapped = format!("module.{}", p.name);
+            bad(match st.tensor(&wrapped) {
+                Ok(_) => format!(
+                    "has no tensor '{}' but has '{wrapped}': a state_dict saved from a wrapped \
+                     model (DataParallel); save `model.module.state_dict()`, or strip the \
+                     'module.' prefix from its names",
+                    p.name
+                ),
+                Err(_) => format!("has no tensor '{}'", p.name),
+            })
+        })?;
         if t.shape() != p.spec.shape.dims() {
             return Err(bad(format!(
                 "tensor '{}' has shape {:?}, the model's {:?}",
@@ -713,7 +711,9 @@ pub fn read_weights(path: &Path, g: &Graph, dtype: DType) -> Result<Vec<Storage>
                 )))
             }
         };
-        let read = Storage::from_le_bytes(t.data(), theirs).to_f64_vec()?;
+        let theirs = Storage::from_le_bytes(t.data(), theirs);
+        check_values(path, &p.name, &theirs)?;
+        let read = theirs.to_f64_vec()?;
         values.push(crate::backend::Backend::upload(
             &crate::backend::cpu::Cpu,
             &read,
@@ -731,6 +731,75 @@ pub fn read_weights(path: &Path, g: &Graph, dtype: DType) -> Result<Vec<Storage>
         )));
     }
     Ok(values)
+}
+
+/// The metadata key of the per-tensor checksums: a JSON object of name → CRC-32 (hex).
+const CHECKSUMS: &str = "checksums";
+
+/// Checks each tensor of the safetensors file `bytes` against the checksums its metadata
+/// records (files without them, from before checksums, pass), naming the first that differs.
+fn verify_checksums(path: &Path, bytes: &[u8], meta: &HashMap<String, String>) -> Result<()> {
+    let Some(json) = meta.get(CHECKSUMS) else {
+        return Ok(());
+    };
+    let bad = |why: String| Error::BadInput {
+        path: path.to_path_buf(),
+        why,
+    };
+    let sums: HashMap<String, String> = serde_json::from_str(json)
+        .map_err(|e| bad(format!("its checksums are unreadable: {e}")))?;
+    let st = SafeTensors::deserialize(bytes).map_err(|e| bad(e.to_string()))?;
+    let mut names: Vec<&String> = sums.keys().collect();
+    names.sort();
+    for name in names {
+        let t = st.tensor(name).map_err(|_| {
+            bad(format!(
+                "tensor '{name}' is listed in its checksums but missing"
+            ))
+        })?;
+        let got = format!("{:08x}", crc32fast::hash(t.data()));
+        if got != sums[name] {
+            return Err(bad(format!(
+                "tensor '{name}' is damaged: its checksum is {got}, {} when written; the file \
+                 changed on disk (restore it, or resume from an earlier checkpoint)",
+                sums[name]
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// Refuses weights a run cannot start from: a non-finite value anywhere, a negative running
+/// variance (batch norm would take its square root), each named with its tensor.
+fn check_values(path: &Path, name: &str, v: &Storage) -> Result<()> {
+    let values = v.to_f64_vec()?;
+    let bad = |i: usize, what: &str| Error::BadInput {
+        path: path.to_path_buf(),
+        why: format!("tensor '{name}' holds {} at element {i}: {what}", values[i]),
+    };
+    if let Some(i) = values.iter().position(|x| !x.is_finite()) {
+        return Err(bad(i, "weights must be finite"));
+    }
+    if name.ends_with("running_var") {
+        if let Some(i) = values.iter().position(|&x| x < 0.0) {
+            return Err(bad(i, "a running variance cannot be negative"));
+        }
+    }
+    Ok(())
+}
+
+/// Why `bytes` are a PyTorch file rather than safetensors (`torch.save` writes a zip archive,
+/// or a pickle in its older format), with how to convert it; `None` otherwise.
+fn pytorch_file(bytes: &[u8]) -> Option<String> {
+    let zip = bytes.starts_with(b"PK\x03\x04");
+    let pickle = bytes.first() == Some(&0x80) && bytes.get(1).is_some_and(|p| (2..=5).contains(p));
+    (zip || pickle).then(|| {
+        "is a PyTorch file (torch.save's format), not safetensors: convert it with `python3 -c \
+         \"import torch, safetensors.torch as s; s.save_file(torch.load('IN.pth', \
+         map_location='cpu'), 'OUT.safetensors')\"` (a checkpoint dict: save its \
+         'state_dict' or 'model' entry)"
+            .to_string()
+    })
 }
 
 /// Headers longer than this are not a checkpoint's (safetensors itself allows 100 MB).
@@ -755,6 +824,9 @@ fn read_checkpoint_file(path: &Path) -> Result<Vec<u8>> {
         .len();
     let mut head = [0u8; 8];
     file.read_exact(&mut head).map_err(|_| not_ours())?;
+    if let Some(why) = pytorch_file(&head) {
+        return Err(bad(why));
+    }
     let n = u64::from_le_bytes(head);
     if n > MAX_HEADER || 8 + n > len {
         return Err(not_ours());

@@ -1,9 +1,13 @@
 //! A folder of one run's checkpoints: `step-NNNNNN.safetensors` files and a manifest,
 //! `gems-run.json`, naming the run they belong to and the checkpoints it wrote.
 //!
-//! A folder is never silently shared: a run refuses one that holds another run's checkpoints
-//! unless it resumes from a checkpoint in it (then it is the same run continued) or the caller
-//! allows overwriting (then the other run's checkpoints are removed first). Temporary files
+//! A folder is never silently shared. It belongs to one live run: opening it takes an advisory
+//! lock (`flock` on `.gems-lock`, which records the holder's pid, host and start time) before
+//! anything is written, and a second run into it is refused naming the holder; the kernel
+//! releases the lock of a process that died, and the next run notes whose it was. A run also
+//! refuses a folder that holds another run's checkpoints unless it resumes from a checkpoint in
+//! it (then it is the same run continued) or the caller allows overwriting (then the other
+//! run's checkpoints are removed first). Temporary files
 //! that an interrupted write left behind are removed on opening, and the oldest checkpoints
 //! may be pruned to keep the last few.
 
@@ -11,10 +15,11 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
-use super::checkpoint::write_atomically;
+use crate::core::files::{temporary_target, write_atomically};
 use crate::{Error, Result};
 
 const MANIFEST: &str = "gems-run.json";
+const LOCK: &str = ".gems-lock";
 const FORMAT: &str = "gems-run-1";
 
 /// The manifest: whose folder this is, and the checkpoints written into it, oldest first.
@@ -53,6 +58,22 @@ pub struct CheckpointFolder {
     /// What opening removed: stale temporary files, and with `overwrite` another run's
     /// checkpoints.
     pub removed: Vec<PathBuf>,
+    /// The holder of a lock left by a run that ended without releasing it (killed), which
+    /// opening took over: `pid 123 on host, since …`.
+    pub recovered_lock: Option<String>,
+    /// The folder's lock, held while this value lives.
+    _lock: FolderLock,
+}
+
+/// A folder's lock file, locked; emptied when let go (an empty lock file tells the next run
+/// this one ended cleanly; a killed run leaves its name there, which the next run reports).
+#[derive(Debug)]
+struct FolderLock(std::fs::File);
+
+impl Drop for FolderLock {
+    fn drop(&mut self) {
+        let _ = self.0.set_len(0);
+    }
 }
 
 /// The file of the checkpoint after `step` steps in `dir`.
@@ -64,11 +85,10 @@ fn is_checkpoint(name: &str) -> bool {
     name.starts_with("step-") && name.ends_with(".safetensors")
 }
 
-/// A temporary file of an interrupted atomic write (see `write_atomically`).
+/// A temporary file of an interrupted atomic write of a checkpoint or the manifest (see
+/// `write_atomically`).
 fn is_stale(name: &str) -> bool {
-    name.starts_with('.')
-        && name.ends_with(".tmp")
-        && (is_checkpoint(&name[1..name.len() - 4]) || &name[1..name.len() - 4] == MANIFEST)
+    temporary_target(name).is_some_and(|t| is_checkpoint(t) || t == MANIFEST)
 }
 
 impl CheckpointFolder {
@@ -86,6 +106,7 @@ impl CheckpointFolder {
             why: format!("cannot {what}: {e}"),
         };
         std::fs::create_dir_all(dir).map_err(|e| io("create the folder", dir, e))?;
+        let (lock, recovered_lock) = lock(dir)?;
         let mut removed = Vec::new();
         let mut found = Vec::new();
         for entry in std::fs::read_dir(dir).map_err(|e| io("list the folder", dir, e))? {
@@ -149,6 +170,8 @@ impl CheckpointFolder {
             },
             keep_last: rules.keep_last,
             removed,
+            recovered_lock,
+            _lock: lock,
         };
         folder.write_manifest()?;
         Ok(folder)
@@ -193,6 +216,57 @@ impl CheckpointFolder {
     }
 }
 
+/// Takes `dir`'s lock for this process, or refuses the folder naming the live run that holds
+/// it. Returns the lock file (the lock lasts as long as it is open) and the holder a previous,
+/// dead run left recorded in it, if any.
+fn lock(dir: &Path) -> Result<(FolderLock, Option<String>)> {
+    use std::io::{Read, Seek, Write};
+    let path = dir.join(LOCK);
+    crate::core::files::check_output(&path)?;
+    let io = |what: &str, e: std::io::Error| Error::BadInput {
+        path: path.clone(),
+        why: format!("cannot {what} the folder's lock: {e}"),
+    };
+    let mut file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .open(&path)
+        .map_err(|e| io("open", e))?;
+    let mut before = String::new();
+    let _ = file.read_to_string(&mut before);
+    let before = before.trim().to_string();
+    match file.try_lock() {
+        Ok(()) => {}
+        Err(std::fs::TryLockError::WouldBlock) => {
+            return Err(Error::FolderLocked {
+                dir: dir.to_path_buf(),
+                holder: if before.is_empty() {
+                    "a process that has not written its name yet".into()
+                } else {
+                    before
+                },
+            })
+        }
+        Err(std::fs::TryLockError::Error(e)) => return Err(io("take", e)),
+    }
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|h| h.trim().to_string())
+        .unwrap_or_else(|_| "this host".into());
+    let since = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
+    let me = format!(
+        "pid {} on {host}, since {since} (seconds since 1970)",
+        std::process::id()
+    );
+    file.set_len(0).map_err(|e| io("write", e))?;
+    file.rewind().map_err(|e| io("write", e))?;
+    file.write_all(me.as_bytes()).map_err(|e| io("write", e))?;
+    Ok((FolderLock(file), (!before.is_empty()).then_some(before)))
+}
+
 /// Whether `file` lies directly in `dir` (both resolved, so `./ck` and `ck/` agree).
 fn same_folder(file: &Path, dir: &Path) -> bool {
     let parent = file
@@ -220,12 +294,21 @@ mod tests {
             CheckpointFolder::open(dir.path(), "aaaa", "m", &FolderRules::default()).unwrap();
         touch(dir.path(), "step-000001.safetensors");
         a.written(1).unwrap();
+        // While the first is open, the folder is its run's alone, even for the same run.
+        let e =
+            CheckpointFolder::open(dir.path(), "aaaa", "m", &FolderRules::default()).unwrap_err();
+        assert!(e.to_string().contains("in use by another run (pid"), "{e}");
+        drop(a);
         let e =
             CheckpointFolder::open(dir.path(), "bbbb", "m", &FolderRules::default()).unwrap_err();
-        assert!(e.to_string().contains("another run"), "{e}");
+        assert!(e.to_string().contains("of another run"), "{e}");
         assert!(dir.path().join("step-000001.safetensors").is_file());
         // The same run continues; resuming from a file in the folder adopts it.
-        CheckpointFolder::open(dir.path(), "aaaa", "m", &FolderRules::default()).unwrap();
+        let again = CheckpointFolder::open(dir.path(), "aaaa", "m", &FolderRules::default());
+        assert!(
+            again.unwrap().recovered_lock.is_none(),
+            "a clean end leaves no note"
+        );
         let resumed = FolderRules {
             resumed_from: Some(dir.path().join("step-000001.safetensors")),
             ..FolderRules::default()
@@ -238,7 +321,7 @@ mod tests {
     fn overwrite_removes_the_other_run_and_stale_files() {
         let dir = tempfile::tempdir().unwrap();
         touch(dir.path(), "step-000004.safetensors");
-        touch(dir.path(), ".step-000005.safetensors.tmp");
+        touch(dir.path(), ".step-000005.safetensors.4242.tmp");
         touch(dir.path(), "notes.txt");
         let rules = FolderRules {
             overwrite: true,

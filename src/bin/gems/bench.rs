@@ -178,8 +178,7 @@ pub fn kernels(a: BenchKernelsArgs) -> anyhow::Result<()> {
             "peak_fp32_flops": peak_flops, "peak_bytes_per_s": peak_bw,
             "cudnn_algorithms": devices.iter().flat_map(|d| d.backend().conv_algorithms()).collect::<Vec<_>>(),
         });
-        std::fs::write(path, serde_json::to_string_pretty(&doc)?)
-            .map_err(|e| anyhow::anyhow!("cannot write {}: {e}", path.display()))?;
+        gems::core::files::write_output(path, serde_json::to_string_pretty(&doc)?.as_bytes())?;
     }
     for d in &devices {
         let lines = d.backend().conv_algorithms();
@@ -250,8 +249,7 @@ pub fn offload(a: BenchOffloadArgs) -> anyhow::Result<()> {
     }
     if let Some(path) = &a.json {
         let doc = serde_json::json!({ "link": link, "runs": runs });
-        std::fs::write(path, serde_json::to_string_pretty(&doc)?)
-            .map_err(|e| anyhow::anyhow!("cannot write {}: {e}", path.display()))?;
+        gems::core::files::write_output(path, serde_json::to_string_pretty(&doc)?.as_bytes())?;
     }
     Ok(())
 }

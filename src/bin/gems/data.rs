@@ -42,8 +42,7 @@ pub fn make_slide(a: MakeSlideArgs) -> anyhow::Result<()> {
             .collect(),
         Err(_) => "slide,x,y,w,h,label\n".to_string(),
     };
-    std::fs::write(&labels, kept + &made.label_rows(&name))
-        .map_err(|e| anyhow::anyhow!("cannot write {}: {e}", labels.display()))?;
+    gems::core::files::write_atomically(&labels, (kept + &made.label_rows(&name)).as_bytes())?;
     println!(
         "wrote {} ({}, {}) in {:.1} s: {} levels ({}), {} tissue regions of {} classes; labels in {}",
         a.out.display(),

@@ -2,7 +2,7 @@
 //! `gems export`: weights out as a plain state_dict.
 
 use std::io::Write;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use gems::backend::cuda::ConvImpl;
@@ -58,6 +58,7 @@ pub fn eval(a: EvalArgs) -> anyhow::Result<()> {
             (order, samples, "held-out samples")
         }
     };
+    refuse_overwriting_inputs(&a, &order)?;
     let map_every = match &a.predictions {
         Some(_) => map_every(&order, a.map_level)?,
         None => 0,
@@ -187,6 +188,7 @@ pub fn samples_of(
 }
 
 pub fn export(a: ExportArgs) -> anyhow::Result<()> {
+    gems::core::files::refuse_overwriting(std::slice::from_ref(&a.out), a.checkpoint.as_slice())?;
     let what = match &a.checkpoint {
         Some(file) => {
             let ckpt = Checkpoint::read(file)?;
@@ -213,6 +215,33 @@ pub fn export(a: ExportArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Refuses, before any work, a `--predictions` folder or `--per-sample` file whose outputs
+/// (`tiles.csv`, each slide's `<stem>.png` and `<stem>.tiff`) would replace what the run reads:
+/// a slide, the labels, the checkpoint or the initial weights.
+fn refuse_overwriting_inputs(a: &EvalArgs, order: &Pipeline) -> anyhow::Result<()> {
+    let mut inputs: Vec<PathBuf> = [&a.checkpoint, &a.init, &a.slides.labels]
+        .into_iter()
+        .flatten()
+        .cloned()
+        .collect();
+    let mut slides: Vec<PathBuf> = (0..order.positions() as u64)
+        .filter_map(|pos| order.place(pos).map(|p| p.slide.path().to_path_buf()))
+        .collect();
+    slides.sort();
+    slides.dedup();
+    inputs.extend(slides.iter().cloned());
+    let mut outputs: Vec<PathBuf> = a.per_sample.iter().cloned().collect();
+    if let Some(dir) = &a.predictions {
+        outputs.push(dir.join("tiles.csv"));
+        for slide in &slides {
+            let stem = slide.file_stem().unwrap_or_default().to_string_lossy();
+            outputs.push(dir.join(format!("{stem}.png")));
+            outputs.push(dir.join(format!("{stem}.tiff")));
+        }
+    }
+    Ok(gems::core::files::refuse_overwriting(&outputs, &inputs)?)
+}
+
 /// A CSV field, quoted when it must be.
 pub fn quoted(s: &str) -> String {
     match s.contains([',', '"', '\n']) {
@@ -229,9 +258,9 @@ pub fn class_name(e: &gems::Evaluation, c: u32) -> &str {
 }
 
 pub fn create(path: &Path) -> anyhow::Result<std::io::BufWriter<std::fs::File>> {
-    let file = std::fs::File::create(path)
-        .map_err(|err| anyhow::anyhow!("cannot write {}: {err}", path.display()))?;
-    Ok(std::io::BufWriter::new(file))
+    Ok(std::io::BufWriter::new(gems::core::files::create_output(
+        path,
+    )?))
 }
 
 /// Each sample's result as CSV rows: where it comes from, its true and predicted classes (for

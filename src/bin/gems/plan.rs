@@ -216,8 +216,7 @@ pub fn plan(a: TrainArgs) -> anyhow::Result<()> {
             &layout.schedule.ranks,
             &gems::plan::timeline::held(&layout.schedule.ranks, &bytes),
         );
-        std::fs::write(path, svg)
-            .map_err(|e| anyhow::anyhow!("cannot write {}: {e}", path.display()))?;
+        gems::core::files::write_output(path, svg.as_bytes())?;
         println!("timeline: {}", path.display());
     }
     let mem = fit::per_rank(&graph, &c)?;

@@ -255,6 +255,12 @@ fn open_folder(a: &TrainArgs, dir: &Path, session: &Session) -> anyhow::Result<C
     };
     let run = &session.lineage().run;
     let f = CheckpointFolder::open(dir, run, &session.graph().name, &rules)?;
+    if let Some(holder) = &f.recovered_lock {
+        println!(
+            "note: took over {}'s lock, left by a run that ended without releasing it ({holder})",
+            dir.display()
+        );
+    }
     for path in &f.removed {
         println!("removed {}", path.display());
     }
@@ -291,10 +297,9 @@ fn run(a: &TrainArgs, mut session: Session, data: &Pipeline, speaks: bool) -> an
         anyhow::bail!("the checkpoint is at step {first}; ask for more --steps than that");
     }
     let mut metrics = match (&a.metrics, speaks) {
-        (Some(p), true) => Some(std::io::BufWriter::new(
-            std::fs::File::create(p)
-                .map_err(|e| anyhow::anyhow!("cannot write metrics to {}: {e}", p.display()))?,
-        )),
+        (Some(p), true) => Some(std::io::BufWriter::new(gems::core::files::create_output(
+            p,
+        )?)),
         _ => None,
     };
     let device = session.device_summary()?;
@@ -552,8 +557,7 @@ fn timeline(session: &Session, last: &StepReport, path: &Path) -> anyhow::Result
     );
     let svg =
         gems::plan::timeline::svg(&title, &tasks, &gems::plan::timeline::held(&tasks, &bytes));
-    std::fs::write(path, svg)
-        .map_err(|e| anyhow::anyhow!("cannot write {}: {e}", path.display()))?;
+    gems::core::files::write_output(path, svg.as_bytes())?;
     println!("  timeline: {}", path.display());
     Ok(())
 }
