@@ -415,3 +415,89 @@ fn fp16_over_mpi_equals_local() {
     assert_eq!(bits(&m), bits(&l));
     std::fs::remove_dir_all(dir).ok();
 }
+
+/// `gems` on the GPU: the emulated CUDA driver (scripts/cuda_emu, built by build.rs in every
+/// `cargo test`) where there is one, else the machine's.
+fn on_gpu(mut c: Command) -> Command {
+    if let Some(dir) = option_env!("GEMS_CUDA_EMU_DIR") {
+        c.env("GEMS_CUDA_LIB_DIRS", dir);
+    }
+    c
+}
+
+/// Device buffers between 2 MPI processes on the GPU, both ways they go: the same losses, bit
+/// for bit, as the same run over threads. Staged (what this OpenMPI, built without CUDA,
+/// gets): through pinned buffers in 1000-byte pieces, so each tensor is many pieces and the
+/// copy stream overlaps MPI, under the emulator's chaos (random delays per stream), which
+/// shows a piece sent before its copy's event. Direct (CUDA-awareness forced): the device
+/// pointers themselves go to MPI_Isend and MPI_Recv; the emulator's device memory is host
+/// memory, so the library really reads and writes it, and the losses check the bytes.
+#[test]
+fn device_buffers_over_mpi_staged_and_handed_over() {
+    let dir = std::env::temp_dir().join(format!("gems-mpi-gpu-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let args = [
+        "train",
+        "--model",
+        "resnet8v1",
+        "--device",
+        "cuda",
+        "--steps",
+        "2",
+        "--classes",
+        "4",
+        "--seed=3",
+        "--scheme",
+        "mp",
+        "--split",
+        "2",
+        "--parts",
+        "2",
+        "--batch-size",
+        "2",
+    ];
+    let run = |c: Command, name: &str, env: &[(&str, &str)]| -> (String, Vec<u64>) {
+        let metrics = dir.join(format!("{name}.jsonl"));
+        let mut c = on_gpu(c);
+        let mpi = c.get_program() == "mpirun";
+        if mpi {
+            c.arg(gems());
+        }
+        let out = c
+            .args(args)
+            .args(mpi.then_some(["--transport", "mpi"]).into_iter().flatten())
+            .args(["--metrics", metrics.to_str().unwrap()])
+            .envs(env.iter().copied())
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{name}: {}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let bits = losses(&metrics).iter().map(|x| x.to_bits()).collect();
+        (String::from_utf8_lossy(&out.stdout).into_owned(), bits)
+    };
+    let (_, local) = run(Command::new(gems()), "local", &[]);
+    assert_eq!(local.len(), 2);
+    let mpi = || mpirun(2);
+    let (text, staged) = run(
+        mpi(),
+        "staged",
+        &[
+            ("GEMS_MPI_CUDA_AWARE", "0"),
+            ("GEMS_MPI_CHUNK_BYTES", "1000"),
+            ("GEMS_EMU_CHAOS", "5,300"),
+        ],
+    );
+    assert!(
+        text.contains("MPI: staged through pinned host buffers"),
+        "{text}"
+    );
+    assert_eq!(staged, local, "staged through pinned buffers");
+    let (text, direct) = run(mpi(), "direct", &[("GEMS_MPI_CUDA_AWARE", "1")]);
+    assert!(text.contains("MPI: CUDA-aware"), "{text}");
+    assert_eq!(direct, local, "device pointers handed to MPI");
+    std::fs::remove_dir_all(dir).ok();
+}

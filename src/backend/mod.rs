@@ -298,6 +298,30 @@ pub trait Backend: Send + Sync {
         dst: &mut Storage,
         on_copy_stream: bool,
     ) -> Result<Option<Event>>;
+    /// Copies `dst.len()` bytes of this backend's device storage `src`, from byte `offset`,
+    /// into host memory `dst` on the copy stream, after the work queued so far, and returns the
+    /// event that ends the copy: a piece of a tensor staged through a pinned buffer (MPI
+    /// without CUDA support). The caller keeps `src` and `dst` alive, and reads `dst` only
+    /// after the event. Backends whose storage is host memory refuse (nothing to stage).
+    fn copy_out_bytes(&self, src: &Storage, offset: usize, dst: &mut [u8]) -> Result<Event> {
+        let _ = (offset, dst);
+        Err(crate::Error::Internal(format!(
+            "{} has no device memory to copy {} elements out of",
+            self.name(),
+            src.len()
+        )))
+    }
+    /// Copies host bytes `src` into this backend's device storage `dst` from byte `offset`, on
+    /// the copy stream after the work queued so far, and returns the event that ends it (see
+    /// [`Backend::copy_out_bytes`]); work that reads `dst` must first [`Backend::wait`] for it.
+    fn copy_in_bytes(&self, src: &[u8], dst: &mut Storage, offset: usize) -> Result<Event> {
+        let _ = (src, offset);
+        Err(crate::Error::Internal(format!(
+            "{} has no device memory to copy {} elements into",
+            self.name(),
+            dst.len()
+        )))
+    }
     /// Orders the work queued after this call behind `event`.
     fn wait(&self, event: &Event) -> Result<()>;
     /// dst = src (same length).

@@ -76,6 +76,17 @@ impl Storage {
             Storage::Host(h) => h.to_storage()?,
         })
     }
+    /// The device address of the first element of device storage (`None` for host memory):
+    /// what a CUDA-aware MPI is handed. Whatever reads or writes it must first wait for the
+    /// work queued on the storage's stream.
+    pub fn device_address(&self) -> Option<u64> {
+        use cudarc::driver::DevicePtr;
+        match self {
+            Storage::CudaF32(s) => Some(s.device_ptr(s.stream()).0),
+            Storage::Cuda16(_, s) => Some(s.device_ptr(s.stream()).0),
+            _ => None,
+        }
+    }
     /// The bytes of elements in host memory (an error for device memory).
     pub fn host_bytes(&self) -> crate::Result<&[u8]> {
         match self {

@@ -43,6 +43,13 @@ pub trait Comm: Send {
     /// Every member of this group must call it.
     fn split(&self, color: usize, key: usize) -> Result<Box<dyn Comm>>;
 
+    /// Tells the transport the device this rank computes on (and its sub-groups made after
+    /// this call): where MPI stages device buffers, or receives into. Threads need nothing.
+    fn attach(&mut self, device: &Device) -> Result<()> {
+        let _ = device;
+        Ok(())
+    }
+
     /// Sends tensor `t` to rank `to` under `tag` (see [`Comm::send_message`]).
     fn send(&self, t: &Tensor, to: usize, tag: u64) -> Result<()> {
         self.send_message(

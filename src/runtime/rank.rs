@@ -195,6 +195,8 @@ impl Rank {
             )?
         }
         .with_host_tier(c.train.host_memory, c.train.offload_copy)?;
+        let mut comm = comm;
+        comm.attach(&device)?;
         let color = if s.replicas >= 2 {
             slot.min(s.stages - 1 - slot)
         } else {

@@ -152,6 +152,14 @@ impl Device {
         self.inner.pool.stats()
     }
 
+    /// A host buffer of `numel` elements of `dtype` from the host tier's pool (pinned where
+    /// the backend has DMA), not leased: a message staged between the device and the wire.
+    /// It goes back to the pool when dropped.
+    pub fn pinned(&self, numel: usize, dtype: DType) -> Result<Storage> {
+        self.backend()
+            .host_zeros(numel, dtype, Some(&self.inner.pool))
+    }
+
     /// A copy of `t` in the host tier, counted as activations there. With a copy stream it may
     /// still be on its way: the copy back ([`Device::from_host`]) is ordered after it.
     pub fn to_host(&self, t: &Tensor) -> Result<Tensor> {

@@ -496,6 +496,20 @@ pub fn duplicate<T: DeviceRepr>(s: &CudaSlice<T>) -> Result<CudaSlice<T>> {
     s.stream().clone_dtod(s).map_err(driver_error)
 }
 
+/// The device address of bytes `offset..offset + len` of device storage `s`, and `len`
+/// (an error for host storage or a range outside it).
+fn device_range(s: &Storage, offset: usize, len: usize) -> Result<(sys::CUdeviceptr, usize)> {
+    let base = s.device_address().ok_or_else(|| not_on_device(s))?;
+    let size = s.len() * s.dtype().size();
+    if offset.checked_add(len).is_none_or(|end| end > size) {
+        return Err(Error::Internal(format!(
+            "bytes {offset}..{} of a device buffer of {size}",
+            offset.saturating_add(len)
+        )));
+    }
+    Ok((base + offset as u64, len))
+}
+
 fn dev(s: &Storage) -> Result<&CudaSlice<f32>> {
     match s {
         Storage::CudaF32(v) => Ok(v),
@@ -862,6 +876,29 @@ impl Backend for Cuda {
             Storage::Cuda16(_, d) => self.upload_into(src, d, on_copy_stream),
             other => Err(not_on_device(other)),
         }
+    }
+
+    fn copy_out_bytes(&self, src: &Storage, offset: usize, dst: &mut [u8]) -> Result<Event> {
+        let (ptr, bytes) = device_range(src, offset, dst.len())?;
+        let stream = self.copy_stream_for(true)?;
+        if bytes > 0 {
+            // SAFETY: the range lies inside `src` (device_range); the caller keeps `src` and
+            // `dst` alive until the returned event.
+            unsafe { driver::result::memcpy_dtoh_async(dst, ptr, stream.cu_stream()) }
+                .map_err(driver_error)?;
+        }
+        Ok(self.copy_done(true)?.expect("an event on the copy stream"))
+    }
+
+    fn copy_in_bytes(&self, src: &[u8], dst: &mut Storage, offset: usize) -> Result<Event> {
+        let (ptr, bytes) = device_range(dst, offset, src.len())?;
+        let stream = self.copy_stream_for(true)?;
+        if bytes > 0 {
+            // SAFETY: as in copy_out_bytes, the other way.
+            unsafe { driver::result::memcpy_htod_async(ptr, src, stream.cu_stream()) }
+                .map_err(driver_error)?;
+        }
+        Ok(self.copy_done(true)?.expect("an event on the copy stream"))
     }
 
     fn wait(&self, event: &Event) -> Result<()> {

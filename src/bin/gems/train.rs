@@ -234,6 +234,9 @@ fn run_mpi(a: &TrainArgs, graph: &Graph, c: RunConfig) -> anyhow::Result<()> {
         eprintln!("error: rank {rank}: {}", crate::cli::explain(&e));
         gems::comm::mpi::MpiComm::world(&universe).abort(1)
     };
+    if rank == 0 && matches!(c.train.device, gems::backend::DeviceKind::Cuda { .. }) {
+        println!("{}", gems::comm::mpi::DevicePath::describe());
+    }
     let data = open_data(graph, &c, rank == 0).unwrap_or_else(|e| abort(e));
     let train = data.train.clone();
     let session = Session::on(graph, c, data, Box::new(comm)).unwrap_or_else(|e| abort(e.into()));
