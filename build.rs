@@ -4,10 +4,12 @@
 //!
 //! - `libcuda.so.1` (driver.cpp), `libcublas.so.13` (cublas.cpp) and `libcudnn.so.9`
 //!   (cudnn.cpp), the stand-ins cudarc loads;
-//! - `libgems_emu_kernels.so` and `libgems_emu_kernels_race.so` (kernels.cpp: every kernel of
-//!   `cuda/*.cu` under emu.h, plainly and with the race check), which the driver loads;
-//! - `race_test` and `race_test_planted` (race_test.cpp on `cuda/conv.cu`, and on a copy whose
-//!   tile loop lacks a `__syncthreads`: the planted bug the race check must report);
+//! - `libgems_emu_kernels.so` (kernels.cpp: every kernel of `cuda/*.cu` under emu.h, with the
+//!   memory check and the race check of racecheck.cpp compiled in), which the driver loads;
+//! - `race_test` and `race_test_planted` (race_test.cpp on kernels of `cuda/*.cu`, and on
+//!   planted copies: conv.cu's tile loop and gems_device.h's block_sum each without a
+//!   `__syncthreads`, elementwise.cu's fill writing one element past its output: the bugs the
+//!   checks must report);
 //! - `libnvrtc.so`, a link to the system's NVRTC (which cudarc opens by that name), when found.
 //!
 //! The folder reaches the tests as `GEMS_CUDA_EMU_DIR`, and the test binaries get it as a
@@ -46,6 +48,20 @@ fn main() {
         conv.replace(end_of_tile, "            }\n        }\n    }\n"),
     )
     .unwrap();
+    // block_sum without the barrier between the warps' writes of scratch and its reads.
+    plant(
+        &include.join("gems_device.h"),
+        &planted,
+        "    if (lane == 0) scratch[warp] = v;\n    __syncthreads();\n",
+        "    if (lane == 0) scratch[warp] = v;\n",
+    );
+    // fill writing one element past its output.
+    plant(
+        &cuda.join("elementwise.cu"),
+        &planted,
+        "GEMS_FOR(i, numel) st(s, i, value);",
+        "GEMS_FOR(i, numel + 1) st(s, i, value);",
+    );
 
     std::fs::write(out.join("kernels.inc"), kernel_table(&cuda, &include, &emu)).unwrap();
 
@@ -54,9 +70,9 @@ fn main() {
         c.args(["-std=c++20", opt, "-ffp-contract=off", "-fPIC", "-pthread"]);
         c
     };
-    // Kernels under emu.h, compiled to an object; the race check adds GCC's access
-    // instrumentation (see racecheck.h), linked without ThreadSanitizer's runtime.
-    let kernels = |race: bool, dirs: &[&Path], src: &str, obj: &str| {
+    // Kernels under emu.h, compiled to an object with GCC's access instrumentation, which the
+    // checks of racecheck.cpp answer (linked without ThreadSanitizer's runtime).
+    let kernels = |dirs: &[&Path], src: &str, obj: &str| {
         let mut c = base("-O2");
         for d in dirs {
             c.arg("-I").arg(d);
@@ -68,13 +84,10 @@ fn main() {
             .arg("-I")
             .arg(&out);
         c.arg("-include").arg(emu.join("emu.h"));
-        if race {
-            c.args([
-                "-DGEMS_EMU_RACECHECK",
-                "-fsanitize=thread",
-                "--param=tsan-instrument-func-entry-exit=0",
-            ]);
-        }
+        c.args([
+            "-fsanitize=thread",
+            "--param=tsan-instrument-func-entry-exit=0",
+        ]);
         c.args(["-fvisibility=hidden", "-c", "-o"])
             .arg(out.join(obj))
             .arg(emu.join(src));
@@ -105,10 +118,9 @@ fn main() {
         .arg(emu.join("racecheck.cpp"));
     run_all(vec![
         racecheck,
-        kernels(false, &plain, "kernels.cpp", "kernels.o"),
-        kernels(true, &plain, "kernels.cpp", "kernels_race.o"),
-        kernels(true, &plain, "race_test.cpp", "race_test.o"),
-        kernels(true, &with_plant, "race_test.cpp", "race_test_planted.o"),
+        kernels(&plain, "kernels.cpp", "kernels.o"),
+        kernels(&plain, "race_test.cpp", "race_test.o"),
+        kernels(&with_plant, "race_test.cpp", "race_test_planted.o"),
     ]);
     let mut driver = link(&["driver.cpp"], "libcuda.so.1", true);
     driver.arg("-ldl");
@@ -124,10 +136,9 @@ fn main() {
     run_all(vec![
         on_driver("cublas.cpp", "libcublas.so.13"),
         on_driver("cudnn.cpp", "libcudnn.so.9"),
-        link(&["kernels.o"], "libgems_emu_kernels.so", true),
         link(
-            &["kernels_race.o", "racecheck.o"],
-            "libgems_emu_kernels_race.so",
+            &["kernels.o", "racecheck.o"],
+            "libgems_emu_kernels.so",
             true,
         ),
         link(&["race_test.o", "racecheck.o"], "race_test", false),
@@ -141,6 +152,18 @@ fn main() {
     link_nvrtc(&out);
     println!("cargo::rustc-env=GEMS_CUDA_EMU_DIR={}", out.display());
     println!("cargo::rustc-link-arg-tests=-Wl,-rpath,{}", out.display());
+}
+
+/// A copy of `src` in `dir` with `from` (found once) replaced by `to`.
+fn plant(src: &Path, dir: &Path, from: &str, to: &str) {
+    let text = std::fs::read_to_string(src).unwrap();
+    assert_eq!(
+        text.matches(from).count(),
+        1,
+        "{}: the planted line moved: re-plant",
+        src.display()
+    );
+    std::fs::write(dir.join(src.file_name().unwrap()), text.replace(from, to)).unwrap();
 }
 
 /// The C++ compiler `cc` finds (CXX, or the platform's), as a command.

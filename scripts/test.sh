@@ -14,8 +14,9 @@
 #      passed on; without OpenMPI, a warning and the suite without the MPI transport). It
 #      includes the GPU suite's op tests, a resnet110v2 step and the planted-bug tests on the
 #      emulated CUDA driver (build.rs builds it: feature cuda-emu, on in every cargo test), here
-#      with its chaos mode on (GEMS_EMU_CHAOS, seed 1 unless set); cuDNN's op tests run on the
-#      emulated cuDNN. The rest of the GPU suite (16-bit steps, loss scale, training, offload,
+#      with its chaos mode on (GEMS_EMU_CHAOS, seed 1 unless set) and its memory check (always
+#      on); cuDNN's op tests run on the emulated cuDNN. Then the GPU op tests once more under
+#      the race check (GEMS_EMU_RACECHECK) and chaos seed 2 (about 4 minutes on 2 cores). The rest of the GPU suite (16-bit steps, loss scale, training, offload,
 #      schemes, a cuDNN step and offload with cuDNN; about 30 minutes on 2 cores) runs with:
 #      cargo test --release --test cuda_ops -- --ignored
 #   3. without extra arguments, every example (examples/).
@@ -276,6 +277,13 @@ fi
 
 log "== cargo test --release ${features[*]}"
 GEMS_EMU_CHAOS="${GEMS_EMU_CHAOS:-1}" cargo test --release "${features[@]}" "$@"
+
+# The GPU op tests (tests/cuda_ops.rs, not the whole-model steps) once more, under the race
+# check and another chaos seed: a race, an access outside device memory or an unordered copy
+# fails them with the emulator's report.
+log "== GPU op tests on the emulated driver: race check, chaos seed 2"
+GEMS_EMU_RACECHECK=1 GEMS_EMU_CHAOS=2 cargo test --release "${features[@]}" --test cuda_ops \
+    -- matches_cpu match_cpu --skip step
 
 if [ "$#" -eq 0 ]; then
     # Each example asserts what it prints (a cap held, a plan equal to the run it predicts).

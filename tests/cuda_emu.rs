@@ -1,12 +1,13 @@
 //! The emulated CUDA driver (scripts/cuda_emu/, built by build.rs under the `cuda-emu` feature,
 //! which every `cargo test` turns on) catches the bugs of GPU code that running work as it is
-//! issued cannot: each test here plants one in the CUDA backend's own calls (or in a kernel)
-//! and checks that the emulator shows it, beside the correct code, which passes.
+//! issued cannot: each test here plants one in the CUDA backend's own calls (or in a kernel, or
+//! a call of a kernel or of cuBLAS) and checks that the emulator reports it, beside the correct
+//! code, which passes.
 //!
-//! - (a) compute that does not wait for the copy stream's event: it reads the buffer before the
-//!   copy lands (wrong values);
-//! - (b) a device buffer freed while the copy stream's queued copy still reads it: the free
-//!   poisons it, the copy delivers NaN;
+//! - (a) compute that does not wait for the copy stream's event: the ordering check reports
+//!   the kernel reading bytes a copy queued before it on the copy stream has not yet written;
+//! - (b) a device buffer freed while the copy stream's queued copy still reads it: the ordering
+//!   check reports the free (and the free poisons the buffer, so the copy would deliver NaN);
 //! - (c) conv.cu's tile loop without the `__syncthreads` that ends a tile: the race check
 //!   reports the kernel, the block and the two threads (the tensor-core stamps still compute
 //!   the right values in the emulator, so only the race check sees it); and two blocks of a
@@ -14,13 +15,23 @@
 //!   halves of one word: not a race, not reported).
 //! - (d) cuDNN handed a smaller workspace than the algorithm it runs needs: the emulated cuDNN
 //!   (cudnn.cpp) refuses it, as cuDNN does, naming the reason.
+//! - (e) block_sum without the `__syncthreads` between its scratch's writes and reads (in
+//!   batchnorm_stats): the race check reports it;
+//! - (f) fill writing one element past its output (a planted copy of elementwise.cu), and the
+//!   real fill launched through the driver over one element more than its buffer holds: the
+//!   memory check reports the kernel, block, thread, address and the allocation it overran;
+//!   SGEMM handed a leading dimension its buffer does not hold: the emulated cuBLAS refuses it;
+//! - (g) add called with its output overlapping its input one block further on: the race check
+//!   reports block 0 reading what block 1 writes in the launch.
 //!
 //! Found by the race check over the whole GPU suite, and kept: the finiteness flag set by
 //! plain stores from several blocks (a data race in CUDA's memory model, though every store
 //! wrote 1); it is now set with `atomicOr`.
 //!
 //! (a) and (b) run with the driver's chaos on (random delays per stream, a fixed seed), so the
-//! unenforced orderings happen; each is tried a number of times and must show at least once.
+//! unenforced orderings happen; each is tried a number of times and must show at least once. A
+//! report fails every later synchronisation of its process, so the tests that expect one run
+//! in a process of their own (the test binary run again on one test, [`child`]).
 #![cfg(feature = "cuda-emu")]
 
 use std::path::Path;
@@ -69,24 +80,61 @@ fn copy_in_then_relu(device: &Device, host: &[f64], wait: bool) -> Vec<f64> {
     y.to_f64_vec().unwrap()
 }
 
+/// The planted variant a child runs (see [`child`]); absent in the parent.
+const CHILD: &str = "GEMS_TEST_CHILD";
+
+/// Runs this test binary again on test `name` alone, with `GEMS_TEST_CHILD=variant` and `env`:
+/// whether it passed, and its output.
+fn child(name: &str, variant: &str, env: &[(&str, &str)]) -> (bool, String) {
+    let out = Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", name, "--nocapture", "--test-threads", "1"])
+        .env(CHILD, variant)
+        .envs(env.iter().copied())
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout) + String::from_utf8_lossy(&out.stderr);
+    (out.status.success(), text.into_owned())
+}
+
+/// In the parent (no `GEMS_TEST_CHILD`): runs test `name` as a child in variants "right" (must
+/// pass) and "planted" (must fail, its output holding every one of `reported`), and returns
+/// None. In a child: Some(whether the variant is the planted one).
+fn planted_in_child(name: &str, reported: &[&str]) -> Option<bool> {
+    if let Ok(v) = std::env::var(CHILD) {
+        return Some(v == "planted");
+    }
+    let (ok, text) = child(name, "right", &[]);
+    assert!(ok, "the right code failed:\n{text}");
+    let (ok, text) = child(name, "planted", &[]);
+    assert!(!ok, "the planted bug passed:\n{text}");
+    for r in reported {
+        assert!(text.contains(r), "the report lacks {r:?}:\n{text}");
+    }
+    None
+}
+
 #[test]
-fn planted_a_compute_not_waiting_for_the_copy_stream_reads_stale_values() {
+fn planted_a_compute_not_waiting_for_the_copy_stream_is_reported() {
+    let name = "planted_a_compute_not_waiting_for_the_copy_stream_is_reported";
+    let Some(planted) = planted_in_child(
+        name,
+        &[
+            "ordering check: relu_forward_f32: block (",
+            "which a copy to the device queued before the launch on another stream writes and has \
+             not yet done",
+        ],
+    ) else {
+        return;
+    };
     let device = gpu();
     let relu = |v: &[f64]| v.iter().map(|&x| x.max(0.0)).collect::<Vec<_>>();
-    let mut wrong = 0;
     for t in 0..TRIES {
         let v = values(4096, t);
-        let waited = copy_in_then_relu(&device, &v, true);
-        assert!(waited == relu(&v), "wrong values with the wait");
-        if copy_in_then_relu(&device, &v, false) != relu(&v) {
-            wrong += 1;
-        }
+        assert!(
+            copy_in_then_relu(&device, &v, !planted) == relu(&v),
+            "wrong values"
+        );
     }
-    assert!(
-        wrong > 0,
-        "without the event wait, {TRIES} tries all computed the right values: the emulator \
-         no longer runs the copy stream apart from compute"
-    );
 }
 
 /// A device buffer copied out on the copy stream into pinned host memory; the buffer is freed
@@ -111,30 +159,31 @@ fn copy_out_then_free(device: &Device, pool: &Arc<HostPool>, v: &[f64], early: b
 }
 
 #[test]
-fn planted_b_a_buffer_freed_while_the_copy_stream_reads_it_arrives_poisoned() {
+fn planted_b_a_buffer_freed_while_the_copy_stream_reads_it_is_reported() {
+    let name = "planted_b_a_buffer_freed_while_the_copy_stream_reads_it_is_reported";
+    let Some(planted) = planted_in_child(
+        name,
+        &[
+            "ordering check: the 16384-byte allocation at",
+            "is freed while a copy from the device queued before the free on another stream, \
+             which reads it, has not yet done",
+        ],
+    ) else {
+        return;
+    };
     let device = gpu();
     let pool = HostPool::new();
-    let mut poisoned = 0;
     for t in 0..TRIES {
         let v = values(4096, t);
-        let kept = copy_out_then_free(&device, &pool, &v, false);
-        assert!(kept == v, "wrong values with the buffer kept");
-        let got = copy_out_then_free(&device, &pool, &v, true);
-        if got.iter().any(|x| x.is_nan()) {
-            poisoned += 1;
-        } else {
-            assert!(got == v, "neither the values nor poison");
-        }
+        assert!(
+            copy_out_then_free(&device, &pool, &v, planted) == v,
+            "wrong values"
+        );
     }
-    assert!(
-        poisoned > 0,
-        "freed before the copy's event, {TRIES} tries all copied the values: the emulator no \
-         longer poisons memory freed under a queued copy"
-    );
 }
 
-/// One line per stamp of race_test (scripts/cuda_emu/race_test.cpp) built on `program`'s
-/// conv.cu.
+/// The lines of race_test (scripts/cuda_emu/race_test.cpp) built on cuda/*.cu ("race_test")
+/// or on the planted copies ("race_test_planted").
 fn race_test(program: &str) -> Vec<String> {
     let path = Path::new(env!("GEMS_CUDA_EMU_DIR")).join(program);
     let out = Command::new(&path).output().unwrap();
@@ -149,7 +198,7 @@ fn race_test(program: &str) -> Vec<String> {
 #[test]
 fn planted_c_a_missing_syncthreads_in_the_conv_tile_loop_is_reported_as_a_race() {
     let clean = race_test("race_test");
-    assert_eq!(clean.len(), 5, "{clean:?}");
+    assert_eq!(clean.len(), 9, "{clean:?}");
     for line in &clean[..3] {
         assert!(
             line.contains("values right") && line.ends_with("no race"),
@@ -157,7 +206,7 @@ fn planted_c_a_missing_syncthreads_in_the_conv_tile_loop_is_reported_as_a_race()
         );
     }
     let planted = race_test("race_test_planted");
-    assert_eq!(planted.len(), 5, "{planted:?}");
+    assert_eq!(planted.len(), 9, "{planted:?}");
     for (line, stamp) in planted.iter().zip(["f32", "tf32", "bf16"]) {
         let kernel = format!("conv2d_forward_{stamp}");
         assert!(
@@ -181,6 +230,134 @@ fn two_blocks_writing_one_device_element_are_reported_and_adjacent_ones_are_not(
         );
         assert_eq!(lines[4], "two_blocks_adjacent_halves: no race", "{program}");
     }
+}
+
+#[test]
+fn planted_e_block_sum_without_its_barrier_is_reported_as_a_race() {
+    assert_eq!(race_test("race_test")[5], "batchnorm_stats_f32: no race");
+    let line = &race_test("race_test_planted")[5];
+    assert!(
+        line.starts_with(
+            "batchnorm_stats_f32: race check: batchnorm_stats_f32: block (0, 0, 0): thread "
+        ) && line.contains("the __shared__ word")
+            && line.ends_with("between two barriers"),
+        "the race check missed block_sum's missing barrier: {line}"
+    );
+}
+
+#[test]
+fn planted_f_a_kernel_writing_one_element_past_its_output_is_reported() {
+    assert_eq!(race_test("race_test")[6], "fill_f32: no race");
+    let line = &race_test("race_test_planted")[6];
+    assert!(
+        line.starts_with("fill_f32: memory check: fill_f32: block (")
+            && line.contains("writes 4 bytes at")
+            && line.contains("offset 4000 of the 4000-byte allocation at")
+            && line.ends_with("4 bytes past its end"),
+        "the memory check missed the store past fill's output: {line}"
+    );
+}
+
+#[test]
+fn planted_g_one_block_reading_what_another_writes_is_reported_as_a_race() {
+    for program in ["race_test", "race_test_planted"] {
+        let lines = race_test(program);
+        assert!(
+            lines[7].starts_with(
+                "add_f32_overlapping: race check: add_f32_overlapping: block 0 reads, and block 1 \
+                 (thread "
+            ) && lines[7].ends_with("in one launch"),
+            "{program}: the race check missed the overlapping add: {}",
+            lines[7]
+        );
+        assert_eq!(lines[8], "add_f32_disjoint: no race", "{program}");
+    }
+}
+
+/// The real fill_f32 launched through the emulated driver over `numel` elements of a buffer of
+/// 1000: the synchronisation's result.
+fn fill_through_the_driver(numel: i64) -> Result<(), cudarc::driver::DriverError> {
+    use cudarc::driver::{CudaContext, LaunchConfig, PushKernelArg};
+    let ctx = CudaContext::new(0)?;
+    let stream = ctx.new_stream()?;
+    // The emulated driver finds kernels by name in any PTX.
+    let module = ctx.load_module(cudarc::nvrtc::Ptx::from_src(".entry fill_f32".to_string()))?;
+    let f = module.load_function("fill_f32")?;
+    let mut y = stream.alloc_zeros::<f32>(1000)?;
+    let value = 1.0f32;
+    let mut launch = stream.launch_builder(&f);
+    launch.arg(&mut y).arg(&value).arg(&numel);
+    let cfg = LaunchConfig {
+        grid_dim: (4, 1, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    // SAFETY: fill_f32(float* s, float value, int64_t numel) takes these arguments; the
+    // planted call's numel overruns the buffer, which the emulator checks before each access.
+    unsafe { launch.launch(cfg) }?;
+    stream.synchronize()
+}
+
+#[test]
+fn planted_f_a_launch_over_more_elements_than_its_buffer_is_reported() {
+    let name = "planted_f_a_launch_over_more_elements_than_its_buffer_is_reported";
+    let Some(planted) = planted_in_child(
+        name,
+        &[
+            "memory check: fill_f32: block (3, 0, 0) thread 232 writes 4 bytes at",
+            "outside every device allocation: offset 4000 of the 4000-byte allocation at",
+            "4 bytes past its end",
+        ],
+    ) else {
+        return;
+    };
+    fill_through_the_driver(if planted { 1001 } else { 1000 }).unwrap();
+}
+
+/// SGEMM through the emulated cuBLAS on 4x4 matrices in buffers of 16 floats, with `lda` as
+/// A's leading dimension: the status.
+fn sgemm_with_lda(lda: i32) -> Result<(), cudarc::cublas::result::CublasError> {
+    use cudarc::cublas::{result, sys, CudaBlas};
+    use cudarc::driver::{CudaContext, DevicePtr, DevicePtrMut};
+    let stream = CudaContext::new(0).unwrap().new_stream().unwrap();
+    let blas = CudaBlas::new(stream.clone()).unwrap();
+    let a = stream.alloc_zeros::<f32>(16).unwrap();
+    let b = stream.alloc_zeros::<f32>(16).unwrap();
+    let mut c = stream.alloc_zeros::<f32>(16).unwrap();
+    let (one, zero) = (1.0f32, 0.0f32);
+    let n = sys::cublasOperation_t::CUBLAS_OP_N;
+    let (pa, _ga) = a.device_ptr(&stream);
+    let (pb, _gb) = b.device_ptr(&stream);
+    let (pc, _gc) = c.device_ptr_mut(&stream);
+    // SAFETY: live buffers of 16 floats; the planted call's lda reaches past A's, which the
+    // emulated cuBLAS checks before it queues the product.
+    let status = unsafe {
+        result::sgemm(
+            *blas.handle(),
+            n,
+            n,
+            4,
+            4,
+            4,
+            &one,
+            pa as *const f32,
+            lda,
+            pb as *const f32,
+            4,
+            &zero,
+            pc as *mut f32,
+            4,
+        )
+    };
+    stream.synchronize().unwrap();
+    status
+}
+
+#[test]
+fn planted_f_sgemm_with_a_leading_dimension_past_its_buffer_is_refused() {
+    assert!(sgemm_with_lda(4).is_ok());
+    let err = sgemm_with_lda(5).unwrap_err();
+    assert!(format!("{err:?}").contains("INVALID_VALUE"), "{err:?}");
 }
 
 /// The race check is read when the driver loads: the test runs itself again in a process of

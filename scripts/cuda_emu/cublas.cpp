@@ -1,7 +1,8 @@
 // A stand-in for cuBLAS (libcublas.so.13) beside driver.cpp: the handle calls and SGEMM, the
 // only routine the CUDA backend uses (linear layers), as a plain column-major loop in double,
 // queued on the handle's stream (through the emulated driver's cuLaunchHostFunc) like any
-// other work.
+// other work. Its matrix arguments are checked against the device allocations (through the
+// emulated driver), as far as their sizes and leading dimensions reach.
 #include <cstddef>
 #include <cstdio>
 
@@ -9,6 +10,7 @@ typedef int cublasStatus_t;
 enum : cublasStatus_t { OK = 0, INVALID_VALUE = 7 };
 
 extern "C" int cuLaunchHostFunc(void* stream, void (*f)(void*), void* data);
+extern "C" std::size_t gems_emu_device_bytes(const void* p);
 
 namespace {
 struct Handle { void* stream = nullptr; };
@@ -40,6 +42,23 @@ void run(void* p) {
         }
     delete static_cast<Sgemm*>(p);
 }
+// The column-major matrix `what` at `p` (rows x cols, leading dimension ld) lies in one device
+// allocation; else says why not.
+bool fits(const char* what, const float* p, int rows, int cols, int ld) {
+    if (rows == 0 || cols == 0) return true;
+    std::size_t need = ((std::size_t)(cols - 1) * ld + rows) * sizeof(float);
+    std::size_t have = gems_emu_device_bytes(p);
+    if (need <= have) return true;
+    if (have)
+        std::fprintf(stderr,
+                     "emulated cuBLAS: SGEMM's %s (%d x %d, leading dimension %d) reaches %zu bytes from %p, "
+                     "%zu bytes past the end of its device allocation\n",
+                     what, rows, cols, ld, need, static_cast<const void*>(p), need - have);
+    else
+        std::fprintf(stderr, "emulated cuBLAS: SGEMM's %s (%d x %d, leading dimension %d) at %p is not in device memory\n",
+                     what, rows, cols, ld, static_cast<const void*>(p));
+    return false;
+}
 }  // namespace
 
 extern "C" {
@@ -56,6 +75,10 @@ cublasStatus_t cublasSgemm_v2(void* handle, int ta, int tb, int m, int n, int k,
                               float* c, int ldc) {
     if (ta > 1 || tb > 1 || m < 0 || n < 0 || k < 0) return INVALID_VALUE;
     if (lda < (ta ? k : m) || ldb < (tb ? n : k) || ldc < m) return INVALID_VALUE;
+    bool any = m && n, sum = any && k;
+    if (!(sum ? fits("A", a, ta ? k : m, ta ? m : k, lda) && fits("B", b, tb ? n : k, tb ? k : n, ldb) : true) ||
+        !(any ? fits("C", c, m, n, ldc) : true))
+        return INVALID_VALUE;
     auto* g = new Sgemm{ta, tb, m, n, k, *alpha, a, lda, b, ldb, *beta, c, ldc};
     return cuLaunchHostFunc(static_cast<Handle*>(handle)->stream, run, g) ? INVALID_VALUE : OK;
 }

@@ -17,9 +17,12 @@
 //
 // GEMS_EMU_CHAOS=<seed>[,<max_us>] delays each queued operation, with probability 1/2, by a
 // random time up to max_us (default 300) microseconds drawn from a generator seeded per
-// stream, so that orderings the program does not enforce happen. GEMS_EMU_RACECHECK=1 runs the
-// kernels with the race check (kernels.cpp); a race fails the next synchronisation with
-// CUDA_ERROR_LAUNCH_FAILED, whose text is the report.
+// stream, so that orderings the program does not enforce happen. Every load and store of a
+// kernel is checked against the live device allocations (racecheck.cpp's memory check; each
+// allocation is padded by EMU_REDZONE bytes on both sides, so that an access a little outside
+// it touches nothing else before it is reported); GEMS_EMU_RACECHECK=1 adds the race check.
+// An error fails the next synchronisation with CUDA_ERROR_LAUNCH_FAILED, whose text is the
+// report.
 //
 // What it cannot show: speed, the hardware's arithmetic (emu.h's is used, tensor cores
 // included), and the memory model within a kernel beyond the race check.
@@ -32,6 +35,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <deque>
+#include <list>
 #include <functional>
 #include <map>
 #include <memory>
@@ -60,15 +64,16 @@ enum : CUresult {
 
 namespace {
 
-// The kernels (kernels.cpp), loaded from this library's folder: plain or race-checked.
+// The kernels (kernels.cpp), loaded from this library's folder.
 struct Kernels {
-    void (*init)(bool (*)(const void*, RaceDevice*));
+    void (*init)(DeviceLookup, OrderingCheck, bool race);
     const void* (*find)(const char*);
     const char* (*name)(const void*);
     void* (*bind)(const void*, void**);
     const char* (*run)(const void*, void*, unsigned, unsigned, unsigned, unsigned);
 };
-bool device_for_race_check(const void* p, RaceDevice* d);
+bool device_for_race_check(const void* p, bool shadow, RaceDevice* d);
+const char* ordering_check(const void* p, unsigned long n, bool write);
 const Kernels& kernels() {
     static const Kernels k = [] {
         Dl_info self;
@@ -77,7 +82,7 @@ const Kernels& kernels() {
         dir = dir.substr(0, dir.rfind('/') + 1);
         const char* race = std::getenv("GEMS_EMU_RACECHECK");
         bool check = race && std::strcmp(race, "0") != 0;
-        std::string path = dir + (check ? "libgems_emu_kernels_race.so" : "libgems_emu_kernels.so");
+        std::string path = dir + "libgems_emu_kernels.so";
         void* h = dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
         if (!h) {
             std::fprintf(stderr, "emulated driver: %s\n", dlerror());
@@ -88,7 +93,7 @@ const Kernels& kernels() {
                   reinterpret_cast<decltype(Kernels::name)>(dlsym(h, "gems_emu_kernel_name")),
                   reinterpret_cast<decltype(Kernels::bind)>(dlsym(h, "gems_emu_bind")),
                   reinterpret_cast<decltype(Kernels::run)>(dlsym(h, "gems_emu_run"))};
-        k.init(device_for_race_check);
+        k.init(device_for_race_check, ordering_check, check);
         if (check) std::fprintf(stderr, "emulated driver: race check on\n");
         return k;
     }();
@@ -204,6 +209,79 @@ CUresult enqueue_and_wait(void* h, std::function<void()> op) {
     return g_sticky;
 }
 
+// --- the ordering check -----------------------------------------------------------------
+// Copies and memsets queued on a stream and not yet done, with their place in the order the
+// host queued work. An operation of another stream queued after one of them and touching its
+// bytes (one of the two writing) while it is still pending is ordered after it by nothing: a
+// wait on an event covers only records queued before the wait, so the pending one would have
+// had to finish first. Kernels (racecheck.cpp, through ordering_check) and frees are checked.
+struct Pending {
+    CUdeviceptr lo, hi;
+    void* stream;
+    unsigned long long seq;
+    bool write;
+    const char* what;
+};
+std::mutex& pending_mutex = *new std::mutex;
+std::list<Pending>& pending = *new std::list<Pending>;
+unsigned long long g_seq = 0;  // the host's order of queued work (pending_mutex)
+// The running launch (one at a time): its stream and place in that order.
+void* g_launch_stream = nullptr;
+unsigned long long g_launch_seq = 0;
+
+unsigned long long next_seq() {
+    std::lock_guard<std::mutex> g(pending_mutex);
+    return ++g_seq;
+}
+// The first pending operation of a stream other than `s`, queued before `seq`, touching
+// [lo, hi) with one of the two (it, or the caller when `write`) writing; null when none
+// (pending_mutex held).
+const Pending* conflict(void* s, unsigned long long seq, CUdeviceptr lo, CUdeviceptr hi, bool write) {
+    for (const Pending& p : pending)
+        if (p.stream != s && p.seq < seq && p.lo < hi && lo < p.hi && (p.write || write)) return &p;
+    return nullptr;
+}
+// Queues `op` on stream `h`, recording the device bytes it touches until it is done.
+void enqueue_tracked(void* h, std::vector<Pending> touches, std::function<void()> op) {
+    if (!h) {  // runs now, on this thread
+        enqueue(h, std::move(op));
+        return;
+    }
+    std::vector<std::list<Pending>::iterator> ids;
+    {
+        std::lock_guard<std::mutex> g(pending_mutex);
+        unsigned long long seq = ++g_seq;
+        for (Pending& t : touches) {
+            t.stream = h;
+            t.seq = seq;
+            ids.push_back(pending.insert(pending.end(), t));
+        }
+    }
+    enqueue(h, [op = std::move(op), ids] {
+        op();
+        std::lock_guard<std::mutex> g(pending_mutex);
+        for (auto it : ids) pending.erase(it);
+    });
+}
+// For the memory check: whether a pending operation conflicts with the running launch's
+// accesses anywhere in [lo, hi).
+bool pending_for_launch(CUdeviceptr lo, CUdeviceptr hi) {
+    std::lock_guard<std::mutex> g(pending_mutex);
+    return conflict(g_launch_stream, g_launch_seq, lo, hi, true) != nullptr;
+}
+const char* ordering_check(const void* p, unsigned long n, bool write) {
+    static thread_local char buf[400];
+    CUdeviceptr a = reinterpret_cast<CUdeviceptr>(p);
+    std::lock_guard<std::mutex> g(pending_mutex);
+    const Pending* c = conflict(g_launch_stream, g_launch_seq, a, a + n, write);
+    if (!c) return nullptr;
+    std::snprintf(buf, sizeof buf,
+                  "which %s queued before the launch on another stream %s and has not yet done (no event "
+                  "wait orders the launch after it)",
+                  c->what, c->write ? "writes" : "reads");
+    return buf;
+}
+
 // An event: how many records were asked for and how many have run, and when the last ran.
 struct EventState {
     unsigned long long recorded = 0, completed = 0;
@@ -227,10 +305,10 @@ std::size_t used = 0, pooled = 0;
 std::map<const char*, std::size_t, std::greater<const char*>>& pinned =
     *new std::map<const char*, std::size_t, std::greater<const char*>>;  // pinned host blocks
 // The race check's shadows of device blocks it saw written, freed with the block's memory.
-std::map<CUdeviceptr, std::uint64_t*>& shadows = *new std::map<CUdeviceptr, std::uint64_t*>;
+std::map<CUdeviceptr, RaceUnit*>& shadows = *new std::map<CUdeviceptr, RaceUnit*>;
 
 void drop_pooled_front() {
-    std::free(reinterpret_cast<void*>(pool.front().first));
+    std::free(reinterpret_cast<void*>(pool.front().first - EMU_REDZONE));
     if (auto it = shadows.find(pool.front().first); it != shadows.end()) {
         std::free(it->second);
         shadows.erase(it);
@@ -253,10 +331,12 @@ CUresult alloc(CUdeviceptr* p, std::size_t bytes) {
         }
     while (used + size > TOTAL && !pool.empty()) drop_pooled_front();
     if (used + size > TOTAL) return OUT_OF_MEMORY;
-    void* m = std::malloc(size);
+    // Padded on both sides (see the memory check), NaN in f32, bf16 and f16: unwritten outputs
+    // show.
+    void* m = std::malloc(size + 2 * EMU_REDZONE);
     if (!m) return OUT_OF_MEMORY;
-    std::memset(m, 0xff, size);  // NaN in f32, bf16 and f16: unwritten outputs show
-    *p = reinterpret_cast<CUdeviceptr>(m);
+    std::memset(m, 0xff, size + 2 * EMU_REDZONE);
+    *p = reinterpret_cast<CUdeviceptr>(m) + EMU_REDZONE;
     allocations[*p] = size;
     used += size;
     return OK;
@@ -290,29 +370,39 @@ bool inside(CUdeviceptr p, std::size_t n) {
     return p >= it->first && p + n <= it->first + it->second;
 }
 // The allocation holding `p` (live, or freed with its free still queued: a kernel queued before
-// the free writes it legally) and its shadow (made on first use; a pooled block keeps it, as its
-// launch stamps stay older than any later launch).
-bool device_for_race_check(const void* p, RaceDevice* d) {
+// the free accesses it legally), with its race-check shadow when `shadow` (made on first use; a
+// pooled block keeps it, as its epochs stay older than any later launch's). Else false, and the
+// nearest allocation, live or freeing.
+bool device_for_race_check(const void* p, bool shadow, RaceDevice* d) {
     CUdeviceptr a = reinterpret_cast<CUdeviceptr>(p);
     std::lock_guard<std::mutex> g(mem_mutex);
-    auto holding = [a](const std::map<CUdeviceptr, std::size_t>& m) {
-        auto it = m.upper_bound(a);
-        if (it == m.begin()) return m.end();
-        --it;
-        return a < it->first + it->second ? it : m.end();
+    *d = RaceDevice{0, 0, nullptr, false};
+    std::uintptr_t best = ~std::uintptr_t(0);
+    auto consider = [&](CUdeviceptr lo, std::size_t n) {
+        std::uintptr_t dist = a < lo ? lo - a : a >= lo + n ? a - (lo + n) + 1 : 0;
+        if (dist < best) {
+            best = dist;
+            *d = RaceDevice{lo, lo + n, nullptr, false};
+        }
     };
-    auto it = holding(allocations);
-    if (it == allocations.end()) {
-        it = holding(freeing);
-        if (it == freeing.end()) return false;
+    for (const auto* m : {&allocations, &freeing}) {
+        auto it = m->upper_bound(a);
+        if (it != m->end()) consider(it->first, it->second);
+        if (it != m->begin()) {
+            --it;
+            consider(it->first, it->second);
+        }
     }
-    std::uint64_t*& s = shadows[it->first];
-    if (!s) s = static_cast<std::uint64_t*>(std::calloc((it->second + 1) / 2, sizeof(std::uint64_t)));
+    if (best != 0) return false;
+    d->pending = pending_for_launch(d->lo, d->hi);
+    if (!shadow) return true;
+    RaceUnit*& s = shadows[d->lo];
+    if (!s) s = static_cast<RaceUnit*>(std::calloc((d->hi - d->lo + 1) / 2, sizeof(RaceUnit)));
     if (!s) {
         std::fprintf(stderr, "emulated driver: no memory for the race check's shadow\n");
         std::abort();
     }
-    *d = RaceDevice{it->first, it->first + it->second, s};
+    d->shadow = s;
     return true;
 }
 bool is_pinned(const void* h, std::size_t n) {
@@ -487,7 +577,27 @@ CUresult cuMemFree_v2(CUdeviceptr p) {
 CUresult cuMemFreeAsync(CUdeviceptr p, void* s) {
     std::size_t n = unlink(p);
     if (!n) return INVALID_VALUE;
-    enqueue(s, [p, n] { release(p, n); });
+    unsigned long long seq = next_seq();
+    enqueue(s, [p, n, s, seq] {
+        {
+            std::lock_guard<std::mutex> g(pending_mutex);
+            if (const Pending* c = conflict(s, seq, p, p + n, true)) {
+                char buf[400];
+                std::snprintf(buf, sizeof buf,
+                              "ordering check: the %zu-byte allocation at %#llx is freed while %s queued before the "
+                              "free on another stream, which %s it, has not yet done (no event wait orders the "
+                              "free after it)",
+                              n, p, c->what, c->write ? "writes" : "reads");
+                std::fprintf(stderr, "emulated driver: %s\n", buf);
+                std::lock_guard<std::mutex> e(g_m);
+                if (g_sticky == OK) {
+                    g_sticky = LAUNCH_FAILED;
+                    g_sticky_text = buf;
+                }
+            }
+        }
+        release(p, n);
+    });
     return OK;
 }
 CUresult cuMemGetInfo_v2(std::size_t* free, std::size_t* total) {
@@ -524,10 +634,12 @@ CUresult cuMemFreeHost(void* p) {
 CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr d, const void* h, std::size_t n, void* s) {
     if (CUresult r = check(d, 0, n)) return r;
     if (is_pinned(h, n)) {
-        enqueue(s, [d, h, n] { std::memcpy(reinterpret_cast<void*>(d), h, n); });
+        enqueue_tracked(s, {{d, d + n, s, 0, true, "a copy to the device"}},
+                        [d, h, n] { std::memcpy(reinterpret_cast<void*>(d), h, n); });
     } else {
         auto staged = std::make_shared<std::vector<char>>(static_cast<const char*>(h), static_cast<const char*>(h) + n);
-        enqueue(s, [d, staged] { std::memcpy(reinterpret_cast<void*>(d), staged->data(), staged->size()); });
+        enqueue_tracked(s, {{d, d + n, s, 0, true, "a copy to the device"}},
+                        [d, staged] { std::memcpy(reinterpret_cast<void*>(d), staged->data(), staged->size()); });
     }
     return OK;
 }
@@ -538,7 +650,7 @@ CUresult cuMemcpyDtoHAsync_v2(void* h, CUdeviceptr d, std::size_t n, void* s) {
     if (CUresult r = check(d, 0, n)) return r;
     auto op = [h, d, n] { std::memcpy(h, reinterpret_cast<const void*>(d), n); };
     if (is_pinned(h, n)) {
-        enqueue(s, op);
+        enqueue_tracked(s, {{d, d + n, s, 0, false, "a copy from the device"}}, op);
         return OK;
     }
     return enqueue_and_wait(s, op);
@@ -546,13 +658,15 @@ CUresult cuMemcpyDtoHAsync_v2(void* h, CUdeviceptr d, std::size_t n, void* s) {
 CUresult cuMemcpyDtoH_v2(void* h, CUdeviceptr d, std::size_t n) { return cuMemcpyDtoHAsync_v2(h, d, n, nullptr); }
 CUresult cuMemcpyDtoDAsync_v2(CUdeviceptr a, CUdeviceptr b, std::size_t n, void* s) {
     if (CUresult r = check(a, b, n)) return r;
-    enqueue(s, [a, b, n] { std::memcpy(reinterpret_cast<void*>(a), reinterpret_cast<const void*>(b), n); });
+    enqueue_tracked(s, {{a, a + n, s, 0, true, "a device-to-device copy"}, {b, b + n, s, 0, false, "a device-to-device copy"}},
+                    [a, b, n] { std::memcpy(reinterpret_cast<void*>(a), reinterpret_cast<const void*>(b), n); });
     return OK;
 }
 CUresult cuMemcpyDtoD_v2(CUdeviceptr a, CUdeviceptr b, std::size_t n) { return cuMemcpyDtoDAsync_v2(a, b, n, nullptr); }
 CUresult cuMemsetD8Async(CUdeviceptr d, unsigned char v, std::size_t n, void* s) {
     if (CUresult r = check(d, 0, n)) return r;
-    enqueue(s, [d, v, n] { std::memset(reinterpret_cast<void*>(d), v, n); });
+    enqueue_tracked(s, {{d, d + n, s, 0, true, "a memset"}},
+                    [d, v, n] { std::memset(reinterpret_cast<void*>(d), v, n); });
     return OK;
 }
 CUresult cuMemsetD8_v2(CUdeviceptr d, unsigned char v, std::size_t n) { return cuMemsetD8Async(d, v, n, nullptr); }
@@ -589,9 +703,12 @@ CUresult cuLaunchKernel(void* f, unsigned gx, unsigned gy, unsigned gz, unsigned
         return INVALID_VALUE;
     }
     void* bound = k.bind(f, params);  // the arguments are read now, as the driver does
-    enqueue(s, [f, bound, gx, gy, gz, bx, name] {
+    unsigned long long seq = next_seq();
+    enqueue(s, [f, bound, gx, gy, gz, bx, name, s, seq] {
         static std::mutex launch_mutex;  // emu.h's block state is global: one launch at a time
         std::lock_guard<std::mutex> g(launch_mutex);
+        g_launch_stream = s;
+        g_launch_seq = seq;
         double start = now_ms();
         const char* race = kernels().run(f, bound, gx, gy, gz, bx);
         if (trace())

@@ -20,6 +20,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <type_traits>
 #include <vector>
 using std::uint32_t;
 struct uint3 { unsigned x = 0, y = 0, z = 0; };
@@ -43,7 +44,9 @@ inline unsigned g_current;
 inline char* g_stack;    // the running fiber's stack (for the race check, which skips it)
 inline bool g_in_fiber;  // a thread of the block is running (not the scheduler)
 inline bool g_progress;  // something happened this round (else the block is stuck)
-inline std::function<void()>& g_body = *new std::function<void()>;
+// The launch's body: a thunk and the closure it runs (see launch).
+inline void (*g_body)(const void*);
+inline const void* g_body_closure;
 struct Barrier { unsigned expected = 0, arrived = 0, gen = 0; };
 inline Barrier g_bar, g_block_end, g_wbar[32];
 // Counts the block's barriers (and block starts): two accesses in one epoch are unordered.
@@ -128,7 +131,7 @@ EMU_INTERNAL inline void mma_f16(float* c, uint32_t a0, uint32_t a1, uint32_t a2
 // blockIdx on, so no thread starts a block (and its __shared__) before all left the last.
 EMU_INTERNAL inline void fiber_main() {
     for (;;) {
-        g_body();
+        g_body(g_body_closure);
         if (fiber_wait(g_block_end)) {
             g_epoch++;
             uint3& b = blockIdx;
@@ -140,11 +143,28 @@ EMU_INTERNAL inline void fiber_main() {
     g_progress = true;
     _longjmp(g_sched, 1);
 }
-// Runs f as every thread of every block of the grid.
+// Runs f as every thread of every block of the grid. Each thread runs a copy of f made on its
+// own fiber stack (by memcpy, which the checks do not see), so that under the memory check
+// (racecheck.cpp) the kernel touches nothing but its stack, the library's static data and
+// device memory: f must be trivially copyable (capture pointers and values, not references).
+// (Only where the checks are compiled in, -fsanitize=thread: elsewhere f runs in place.)
+template <typename F> EMU_INTERNAL void run_closure(const void* closure) {
+#ifdef __SANITIZE_THREAD__
+    alignas(F) unsigned char copy[sizeof(F)];
+    std::memcpy(copy, closure, sizeof(F));
+    (*reinterpret_cast<const F*>(copy))();
+#else
+    (*static_cast<const F*>(closure))();
+#endif
+}
 template <typename F> EMU_INTERNAL void launch(uint3 grid, unsigned block, F f) {
+#ifdef __SANITIZE_THREAD__
+    static_assert(std::is_trivially_copyable_v<F>, "a checked launch's closure is copied byte for byte");
+#endif
     gridDim = grid; blockDim = uint3{block, 1, 1}; blockIdx = uint3{};
     g_epoch++;
-    g_body = f;
+    g_body = run_closure<F>;
+    g_body_closure = &f;
     g_bar = g_block_end = Barrier{block};
     for (unsigned w = 0; w * 32 < block; w++) g_wbar[w] = Barrier{std::min(32u, block - w * 32)};
     if (g_fibers.size() < block) g_fibers.resize(block);

@@ -1,9 +1,9 @@
 // Every kernel of cuda/*.cu, compiled for the CPU under emu.h (force-included), behind a small C
 // interface the emulated driver (driver.cpp) loads: find a kernel by name, bind its arguments,
-// run a grid. build.rs compiles it twice: plainly (libgems_emu_kernels.so) and with the race
-// check (-fsanitize=thread's instrumentation, answered by racecheck.cpp;
-// libgems_emu_kernels_race.so). A launch with a race returns its report;
-// the driver prints it and fails the next synchronisation.
+// run a grid. build.rs compiles it with -fsanitize=thread's instrumentation, answered by
+// racecheck.cpp (libgems_emu_kernels.so): every load and store is checked against the device
+// allocations, and under GEMS_EMU_RACECHECK for races. A launch with an error returns its
+// report; the driver prints it and fails the next synchronisation.
 #include <functional>
 #include <string>
 #include <tuple>
@@ -34,22 +34,33 @@ EMU_F16_IMPL
 
 namespace {
 
-// A kernel, from its signature: copies the arguments out of cuLaunchKernel's `params` and
-// returns the body one thread runs.
-using Bound = std::function<void()>;
+// A kernel with its arguments, copied out of cuLaunchKernel's `params`, ready to run on a grid.
+struct Bound {
+    void (*run)(const Bound*, uint3 grid, unsigned block);
+    void (*destroy)(Bound*);
+};
+template <typename C> struct BoundAs : Bound {
+    C closure;
+};
+// The closure holds the arguments by value (trivially copyable, as emu.h's checked launch
+// wants: the kernels' arguments are pointers, numbers and plain structs).
 template <typename... A, std::size_t... I>
-Bound unpack(void (*k)(A...), void** p, std::index_sequence<I...>) {
-    auto args = std::make_tuple(*static_cast<std::decay_t<A>*>(p[I])...);
-    return [k, args] { std::apply(k, args); };
+Bound* unpack(void (*k)(A...), void** p, std::index_sequence<I...>) {
+    auto closure = [k, ... a = *static_cast<std::decay_t<A>*>(p[I])] { k(a...); };
+    using C = decltype(closure);
+    return new BoundAs<C>{{[](const Bound* b, uint3 grid, unsigned block) {
+                               launch(grid, block, static_cast<const BoundAs<C>*>(b)->closure);
+                           },
+                           [](Bound* b) { delete static_cast<BoundAs<C>*>(b); }},
+                          closure};
 }
 struct Kernel {
     std::string name;
-    std::function<Bound(void**)> bind;
+    Bound* (*bind)(void**);
 };
-template <typename... A> Kernel kernel(const char* name, void (*k)(A...)) {
-    return {name, [k](void** p) { return unpack(k, p, std::index_sequence_for<A...>{}); }};
-}
-#define GEMS_KERNEL(name) kernel(#name, name),
+#define GEMS_KERNEL(name) \
+    Kernel{#name, [](void** p) { return unpack(name, p, std::make_index_sequence<kernel_arity(name)>{}); }},
+template <typename... A> constexpr std::size_t kernel_arity(void (*)(A...)) { return sizeof...(A); }
 const std::vector<Kernel> KERNELS = {
 #include "kernels.inc"
 };
@@ -58,12 +69,10 @@ const std::vector<Kernel> KERNELS = {
 
 extern "C" {
 
-__attribute__((visibility("default"))) void gems_emu_init(bool (*device)(const void*, RaceDevice*)) {
-#ifdef GEMS_EMU_RACECHECK
-    racecheck_init(device);
-#else
-    (void)device;
-#endif
+// Once, before any launch: the driver's lookups of device memory and of queued copies, and whether the race check
+// runs (the memory check always does).
+__attribute__((visibility("default"))) void gems_emu_init(DeviceLookup device, OrderingCheck ordering, bool race) {
+    racecheck_init(device, ordering, race);
 }
 
 // The kernel called `name`, or null.
@@ -79,23 +88,18 @@ __attribute__((visibility("default"))) const char* gems_emu_kernel_name(const vo
 
 // The kernel's arguments copied out of `params` (freed by gems_emu_run).
 __attribute__((visibility("default"))) void* gems_emu_bind(const void* k, void** params) {
-    return new Bound(static_cast<const Kernel*>(k)->bind(params));
+    return static_cast<const Kernel*>(k)->bind(params);
 }
 
 // Runs a bound kernel on a grid (one launch at a time: emu.h's state is global) and frees it.
-// Returns null, or the report of the first race the check found.
+// Returns null, or the report of the first error the checks found.
 __attribute__((visibility("default"))) const char* gems_emu_run(const void* k, void* bound, unsigned gx,
                                                                  unsigned gy, unsigned gz, unsigned bx) {
-    std::unique_ptr<Bound> body(static_cast<Bound*>(bound));
-#ifdef GEMS_EMU_RACECHECK
+    Bound* b = static_cast<Bound*>(bound);
     racecheck_begin(static_cast<const Kernel*>(k)->name.c_str());
-    launch(uint3{gx, gy, gz}, bx, *body);
+    b->run(b, uint3{gx, gy, gz}, bx);
+    b->destroy(b);
     return racecheck_report();
-#else
-    (void)k;
-    launch(uint3{gx, gy, gz}, bx, *body);
-    return nullptr;
-#endif
 }
 
 }  // extern "C"
