@@ -752,11 +752,10 @@ fn verify_checksums(path: &Path, bytes: &[u8], meta: &HashMap<String, String>) -
     let mut names: Vec<&String> = sums.keys().collect();
     names.sort();
     for name in names {
-        let t = st.tensor(name).map_err(|_| {
-            bad(format!(
-                "tensor '{name}' is listed in its checksums but missing"
-            ))
-        })?;
+        // A tensor missing altogether is named by the reader that needs it.
+        let Ok(t) = st.tensor(name) else {
+            continue;
+        };
         let got = format!("{:08x}", crc32fast::hash(t.data()));
         if got != sums[name] {
             return Err(bad(format!(
