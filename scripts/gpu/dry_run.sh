@@ -3,7 +3,7 @@
 # scripts/gpu/bundle.sh would carry (the release binary and the GPU suite, built by cargo and
 # located from its report), with GEMS_GPU_DRY=1. Fails unless every step started and either
 # finished or said "no GPU": a flag the binary no longer takes, a step that crashes, a missing
-# binary or an unknown step name all fail here, long before a session with a GPU.
+# binary or an unknown step name all fail here, long before a GPU machine runs it.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 bin=$(mktemp -d)

@@ -13,7 +13,7 @@
 # Results: at most 8 files directly under $OUT (summary.txt first; each log whole), and the
 # summary on the screen. Without a GPU (or with GEMS_GPU_DRY=1) every step still starts, with
 # short limits, and the summary says "no GPU" for those that need one: the test command runs
-# it so, to keep the script working between the sessions that have a GPU.
+# it so, to keep the script working between runs on a GPU.
 # Usage: scripts/gpu/run.sh [STEP ...]   (no argument: all of them)
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."

@@ -887,7 +887,8 @@ impl Backend for Cuda {
             unsafe { driver::result::memcpy_dtoh_async(dst, ptr, stream.cu_stream()) }
                 .map_err(driver_error)?;
         }
-        Ok(self.copy_done(true)?.expect("an event on the copy stream"))
+        self.copy_done(true)?
+            .ok_or_else(|| Error::Internal("a copy on the copy stream recorded no event".into()))
     }
 
     fn copy_in_bytes(&self, src: &[u8], dst: &mut Storage, offset: usize) -> Result<Event> {
@@ -898,7 +899,8 @@ impl Backend for Cuda {
             unsafe { driver::result::memcpy_htod_async(ptr, src, stream.cu_stream()) }
                 .map_err(driver_error)?;
         }
-        Ok(self.copy_done(true)?.expect("an event on the copy stream"))
+        self.copy_done(true)?
+            .ok_or_else(|| Error::Internal("a copy on the copy stream recorded no event".into()))
     }
 
     fn wait(&self, event: &Event) -> Result<()> {
