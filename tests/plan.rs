@@ -484,8 +484,11 @@ fn capped_split_fits_and_is_the_fastest_that_does() {
         for (i, &a) in cuts.iter().enumerate() {
             for &b in &cuts[i + 1..] {
                 let stages = [0..a, a..b, b..n];
-                let sched = schedule::build(&s, &layout.costs.stage_costs(&stages), None).unwrap();
                 let bytes: Vec<_> = stages.iter().map(|r| fp.stage(r.clone())).collect();
+                // Each split with its own schedule, MAST's replicas packed by its own bytes.
+                let admission = capped.c.admission(Some(&bytes));
+                let sched =
+                    schedule::build(&s, &layout.costs.stage_costs(&stages), &admission).unwrap();
                 let ranks = footprint::rank_bytes(&s, &footprint::moments(&sched), &bytes);
                 if ranks.iter().all(|&r| r <= cap) {
                     fastest = fastest.min(slowest(&stages));
