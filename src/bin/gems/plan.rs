@@ -176,6 +176,12 @@ pub fn plan(a: TrainArgs) -> anyhow::Result<()> {
             .collect::<Vec<_>>()
             .join(" ")
     );
+    println!(
+        "predicted step with a device per rank {:.3} s, {:.2} images/s (bubble {:.1}%)",
+        layout.predicted_step(false),
+        images / layout.predicted_step(false),
+        100.0 * layout.schedule.bubble()
+    );
     let rule = match &layout.admission {
         Admission::Count(n) => format!("at most {n} by count"),
         Admission::Bytes(_) => format!(
