@@ -159,8 +159,8 @@ fn replicas_auto_follows_the_memory_mast_needs() {
         .map(|m| m.peak)
         .max()
         .unwrap();
-    // What the overlapped pair needs: the least capacity it fits, over the splits a capacity
-    // makes the partitioner choose (often less than the split balanced by cost holds).
+    // What the pair needs: the least capacity it fits, its second replica packed by bytes,
+    // over the splits a capacity makes the partitioner choose.
     let (mut lo, mut hi) = (0, balanced);
     while hi - lo > 1 {
         let mid = (lo + hi) / 2;
@@ -170,7 +170,7 @@ fn replicas_auto_follows_the_memory_mast_needs() {
         }
     }
     let need = hi;
-    // Just enough: the overlapped pair.
+    // Just enough: the pair, packed by bytes.
     let chosen = memory::choose_replicas(&mast, need).unwrap();
     assert_eq!((chosen.scheme.replicas, chosen.max_in_flight), (2, None));
     // Just under: a variant that holds less, and whose real run fits.

@@ -73,12 +73,17 @@ pub fn largest_batch(g: &Graph, c: &RunConfig, cap: u64, limit: usize) -> Result
 
 /// MAST's replicas by memory: the pair, the second replica's forwards admitted by bytes (as
 /// many as the memory the first leaves free holds: all at once where it holds both), if it
-/// fits, else one replica (MP-Basic).
+/// fits, else the pair holding one replica's activations at a time, else one replica
+/// (MP-Basic).
 pub fn choose_replicas(g: &Graph, c: &RunConfig, cap: u64) -> Result<RunConfig> {
     let mut pair = c.clone();
     pair.scheme.kind = Kind::Mast;
     pair.scheme.replicas = 2;
     pair.max_in_flight = None;
+    if fits(g, &pair, cap)? {
+        return Ok(pair);
+    }
+    pair.max_in_flight = Some(c.scheme.parts);
     if fits(g, &pair, cap)? {
         return Ok(pair);
     }
