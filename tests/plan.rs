@@ -159,8 +159,8 @@ fn replicas_auto_follows_the_memory_mast_needs() {
         .map(|m| m.peak)
         .max()
         .unwrap();
-    // What the overlapped pair needs: the least capacity it fits, over the splits a capacity
-    // makes the partitioner choose (often less than the split balanced by cost holds).
+    // What the pair needs: the least capacity it fits, its second replica packed by bytes,
+    // over the splits a capacity makes the partitioner choose.
     let (mut lo, mut hi) = (0, balanced);
     while hi - lo > 1 {
         let mid = (lo + hi) / 2;
@@ -170,7 +170,7 @@ fn replicas_auto_follows_the_memory_mast_needs() {
         }
     }
     let need = hi;
-    // Just enough: the overlapped pair.
+    // Just enough: the pair, packed by bytes.
     let chosen = memory::choose_replicas(&mast, need).unwrap();
     assert_eq!((chosen.scheme.replicas, chosen.max_in_flight), (2, None));
     // Just under: a variant that holds less, and whose real run fits.
@@ -484,8 +484,11 @@ fn capped_split_fits_and_is_the_fastest_that_does() {
         for (i, &a) in cuts.iter().enumerate() {
             for &b in &cuts[i + 1..] {
                 let stages = [0..a, a..b, b..n];
-                let sched = schedule::build(&s, &layout.costs.stage_costs(&stages), None).unwrap();
                 let bytes: Vec<_> = stages.iter().map(|r| fp.stage(r.clone())).collect();
+                // Each split with its own schedule, MAST's replicas packed by its own bytes.
+                let admission = capped.c.admission(Some(&bytes));
+                let sched =
+                    schedule::build(&s, &layout.costs.stage_costs(&stages), &admission).unwrap();
                 let ranks = footprint::rank_bytes(&s, &footprint::moments(&sched), &bytes);
                 if ranks.iter().all(|&r| r <= cap) {
                     fastest = fastest.min(slowest(&stages));

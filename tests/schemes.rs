@@ -13,9 +13,11 @@ use gems::graph::{self, Graph, Params};
 use gems::ops::{batched, loss};
 use gems::optim::schedule::{Decay, LrSchedule};
 use gems::optim::{AdamConfig, CustomOptimizer, OptimizerKind, Sgd, SgdConfig};
+use gems::plan::Layout;
 use gems::plan::{RunConfig, TrainConfig};
+use gems::schemes::admission::Admission;
 use gems::schemes::{Kind, Order, Scheme};
-use gems::{models, DType, Device, Evaluation, Session};
+use gems::{fit, models, DType, Device, Evaluation, Session};
 
 const STEPS: usize = 3;
 
@@ -146,7 +148,12 @@ fn check_with(model: &Graph, s: Scheme, config: TrainConfig) {
 fn check_run(model: &Graph, c: RunConfig) {
     let s = c.scheme;
     let name = &model.name;
-    let (want, want_losses) = reference_with(model, &s, c.train.clone());
+    // The reference runs on one device without the run's memory cap.
+    let uncapped = TrainConfig {
+        device_memory: None,
+        ..c.train.clone()
+    };
+    let (want, want_losses) = reference_with(model, &s, uncapped);
     let got = run_config(model, c);
     let mut seen: HashMap<usize, &Vec<f64>> = HashMap::new();
     for (rank, params) in got.params.iter().enumerate() {
@@ -245,6 +252,54 @@ fn pipeline_orders_and_hand_written_schedules_match_single_on_unet() {
 #[test]
 fn every_scheme_matches_single_on_resnet_v2() {
     every_scheme("resnet20v2");
+}
+
+/// MAST under a device-memory cap between what the pair needs holding one replica's
+/// activations at a time (the count rule, m per rank) and what the overlapped pair needs: the
+/// second replica's forwards, admitted when a rank's free bytes hold them, keep more
+/// micro-batches in flight than the count rule allows, every rank within the cap (metered, and
+/// the real run's allocator holds it to it), a shorter predicted step, and the same training
+/// as one device.
+#[test]
+fn mast_packed_by_bytes_under_a_cap_matches_single() {
+    let model = &self::model("resnet20v2", 4);
+    for (p, m, order) in [(2, 4, Order::GPipe), (3, 2, Order::GPipe)] {
+        let s = Scheme::new(Kind::Mast, p, m, 2, 1, order);
+        let mut pair = RunConfig::new(train(m, DType::F64, LR), s);
+        // One split for every variant: the one balanced by cost.
+        let layout = Layout::new(model, &pair).unwrap();
+        pair.balance = Some(layout.partition.balance(&layout.graph));
+        let peak = |c: &RunConfig| {
+            let ranks = fit::per_rank(model, c).unwrap();
+            ranks.iter().map(|m| m.peak).max().unwrap()
+        };
+        let count = RunConfig {
+            max_in_flight: Some(m),
+            ..pair.clone()
+        };
+        let (low, high) = (peak(&count), peak(&pair));
+        assert!(low < high, "{s:?}: {low} {high}");
+        let cap = (low + high) / 2;
+        let capped = |mut c: RunConfig| {
+            c.train.device_memory = Some(cap);
+            c
+        };
+        let (packed, count) = (capped(pair), capped(count));
+        let layout = Layout::new(model, &packed).unwrap();
+        assert!(matches!(layout.admission, Admission::Bytes(_)), "{s:?}");
+        let held = layout.schedule.most_held();
+        assert!(held.iter().any(|&h| h > m), "{s:?}: in flight {held:?}");
+        assert!(peak(&packed) <= cap, "{s:?}: {} over {cap}", peak(&packed));
+        let by_count = Layout::new(model, &count).unwrap();
+        assert!(by_count.schedule.most_held().iter().all(|&h| h <= m));
+        assert!(
+            layout.predicted_step(false) < by_count.predicted_step(false),
+            "{s:?}: {} against {}",
+            layout.predicted_step(false),
+            by_count.predicted_step(false)
+        );
+        check_run(model, packed);
+    }
 }
 
 #[test]

@@ -25,10 +25,13 @@ use crate::{Error, Result, WhatFits};
 /// computing, and without the capacity, so that it reports what the run needs.
 pub fn per_rank(g: &Graph, c: &RunConfig) -> Result<Vec<MemoryStats>> {
     let mut metered = c.clone();
-    if c.balance.is_none() && c.train.device_memory.is_some() {
-        // The split the capacity chose, given explicitly.
+    if c.train.device_memory.is_some() && (c.balance.is_none() || c.packs_by_bytes()) {
+        // The split and the tasks the capacity chose, given explicitly.
         let layout = Layout::new(g, c)?;
         metered.balance = Some(layout.partition.balance(&layout.graph));
+        if c.schedule.is_none() {
+            metered.schedule = Some(std::sync::Arc::new(layout.schedule.schedule(&c.scheme)));
+        }
     }
     metered.train.device_memory = None;
     meter(g, metered)
@@ -68,8 +71,10 @@ pub fn largest_batch(g: &Graph, c: &RunConfig, cap: u64, limit: usize) -> Result
     Ok(lo * m)
 }
 
-/// MAST's replicas by memory: the overlapped pair if it fits, else the pair holding one
-/// replica's activations at a time, else one replica (MP-Basic).
+/// MAST's replicas by memory: the pair, the second replica's forwards admitted by bytes (as
+/// many as the memory the first leaves free holds: all at once where it holds both), if it
+/// fits, else the pair holding one replica's activations at a time, else one replica
+/// (MP-Basic).
 pub fn choose_replicas(g: &Graph, c: &RunConfig, cap: u64) -> Result<RunConfig> {
     let mut pair = c.clone();
     pair.scheme.kind = Kind::Mast;
@@ -463,8 +468,7 @@ pub fn capacity(c: &RunConfig) -> Option<u64> {
 pub struct Auto {
     /// The fewest pipeline stages that fit.
     pub split: bool,
-    /// MAST's pair where memory holds it (overlapped, else one replica's activations at a
-    /// time), else one replica.
+    /// MAST's pair where memory holds it (packed by bytes), else one replica.
     pub replicas: bool,
     /// The largest batch that fits.
     pub batch: bool,

@@ -11,6 +11,7 @@ use crate::graph::policy::SavePolicy;
 use crate::optim::schedule::{Decay, LrSchedule};
 use crate::optim::{LossScale, OptimizerKind, SgdConfig};
 use crate::plan::calibrate::Calibration;
+use crate::schemes::admission::{Admission, Budget, StageBytes};
 use crate::schemes::schedule::{self, Schedule, StageCosts, Timeline};
 use crate::schemes::Scheme;
 use crate::tensor::{DType, Precision};
@@ -186,7 +187,9 @@ pub struct RunConfig {
     /// Segments per stage; when absent, balanced by predicted cost among the splits that fit
     /// `train.device_memory`.
     pub balance: Option<Vec<usize>>,
-    /// Forward passes whose activations a rank may hold at once (`None`: no bound).
+    /// A bound by count: forward passes whose activations a rank may hold at once. `None`:
+    /// bounded by bytes where replicas share a rank under `train.device_memory` (a replica's
+    /// forward starts when the rank's free bytes hold it), else not bounded.
     pub max_in_flight: Option<usize>,
     /// Allocate everything, compute nothing: predicts each rank's memory exactly.
     pub metered: bool,
@@ -213,14 +216,36 @@ impl RunConfig {
     }
 
     /// The run's tasks with their times under `costs`: its own schedule, checked and replayed,
-    /// or the one its order builds.
-    pub fn timeline(&self, costs: &StageCosts) -> Result<Timeline> {
+    /// or the one its order builds, its forwards admitted as [`RunConfig::admission`] says
+    /// with stages holding `stages` (where the footprint model gives them).
+    pub fn timeline(&self, costs: &StageCosts, stages: Option<&[StageBytes]>) -> Result<Timeline> {
         match &self.schedule {
             Some(s) => {
                 s.validate(&self.scheme)?;
                 schedule::time(&self.scheme, costs, s)
             }
-            None => schedule::build(&self.scheme, costs, self.max_in_flight),
+            None => schedule::build(&self.scheme, costs, &self.admission(stages)),
+        }
+    }
+
+    /// Whether the run admits forwards by bytes: replicas share its ranks, a capacity is set
+    /// and no count bounds them.
+    pub fn packs_by_bytes(&self) -> bool {
+        self.scheme.replicas >= 2
+            && self.train.device_memory.is_some()
+            && self.max_in_flight.is_none()
+    }
+
+    /// What admits a forward pass on a rank: the user's count, else where the run packs by
+    /// bytes and the stages' bytes are known, their bytes against the device memory, else
+    /// nothing.
+    pub fn admission(&self, stages: Option<&[StageBytes]>) -> Admission {
+        match (self.max_in_flight, self.train.device_memory, stages) {
+            (Some(n), _, _) => Admission::Count(n),
+            (None, Some(cap), Some(stages)) if self.packs_by_bytes() => {
+                Admission::Bytes(Budget::new(&self.scheme, cap, stages))
+            }
+            _ => Admission::Free,
         }
     }
 

@@ -26,41 +26,13 @@ use crate::graph::Graph;
 use crate::memory::Category;
 use crate::ops::{batched, Backward, Ctx};
 use crate::plan::partition::MAX_CUT_VALUES;
+use crate::schemes::admission::rank_copies;
+pub use crate::schemes::admission::{held_bytes, Moment, StageBytes};
 use crate::schemes::schedule::{Pass, Timeline};
 use crate::schemes::Scheme;
 use crate::tensor::DType;
 use crate::tensor::Device;
 use crate::Result;
-
-/// What one stage holds, in bytes.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct StageBytes {
-    /// Weights and buffers, gradients, momentum.
-    pub params: u64,
-    /// Batch statistics of one micro-batch (held from its forward to the end of the step).
-    pub stats: u64,
-    /// Saved for backward per micro-batch in flight.
-    pub saved: u64,
-    /// The most a micro-batch holds while its forward runs, and while its backward runs.
-    pub forward: u64,
-    /// The most a micro-batch holds while its backward runs.
-    pub backward: u64,
-}
-
-impl StageBytes {
-    /// What each rank holds where the stage's samples are split into `tiles` tiles: a share
-    /// of the activations (halo buffers, small beside a tile, not counted), the whole weights
-    /// and the batch statistics (per channel, the same on every tile).
-    pub fn on_tiles(self, tiles: usize) -> StageBytes {
-        let share = |b: u64| b.div_ceil(tiles as u64);
-        StageBytes {
-            saved: share(self.saved),
-            forward: share(self.forward),
-            backward: share(self.backward),
-            ..self
-        }
-    }
-}
 
 /// A value that crosses a boundary and was saved before it: a stage starting there receives it
 /// and holds it for as long as it uses or saves it.
@@ -485,30 +457,6 @@ fn op_allocations(
     Ok(out)
 }
 
-/// One moment of a rank's step: for each copy (orientation: even or odd replicas), the
-/// micro-batches it holds (the running one included) and those it has run forward (whose batch
-/// statistics wait for the end of the step); and which copy runs which pass.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
-pub struct Moment {
-    /// Micro-batches of each copy whose saved tensors the rank holds (the running one included).
-    pub held: [usize; 2],
-    /// Micro-batches of each copy run forward whose batch statistics wait for the end of the step.
-    pub forwarded: [usize; 2],
-    /// Which copy runs the task at this moment.
-    pub running: usize,
-    /// Whether that task is a backward pass.
-    pub backward: bool,
-}
-
-impl Moment {
-    /// Holds at least what `other` holds, running the same pass.
-    fn covers(&self, other: &Moment) -> bool {
-        (self.running, self.backward) == (other.running, other.backward)
-            && (0..2)
-                .all(|c| self.held[c] >= other.held[c] && self.forwarded[c] >= other.forwarded[c])
-    }
-}
-
 /// For every rank, the moments of its task list that no other moment covers.
 pub fn moments(schedule: &Timeline) -> Vec<Vec<Moment>> {
     schedule
@@ -567,44 +515,6 @@ pub fn rank_bytes(scheme: &Scheme, moments: &[Vec<Moment>], stages: &[StageBytes
     moments
         .iter()
         .enumerate()
-        .map(|(rank, at)| {
-            let copies: Vec<StageBytes> = copies(scheme, rank)
-                .map(|s| stages[s].on_tiles(scheme.width(rank)))
-                .collect();
-            held_bytes(&copies, at)
-        })
+        .map(|(rank, at)| held_bytes(&rank_copies(scheme, rank, stages), at))
         .collect()
-}
-
-/// The stages whose copies rank `rank` holds (one per orientation).
-fn copies(scheme: &Scheme, rank: usize) -> impl Iterator<Item = usize> + '_ {
-    (0..scheme.replicas.min(2)).map(move |o| scheme.place(o, rank))
-}
-
-/// The bytes of a rank holding `copies` (one per orientation) at its worst moment of `at`.
-pub fn held_bytes(copies: &[StageBytes], at: &[Moment]) -> u64 {
-    let params: u64 = copies.iter().map(|s| s.params).sum();
-    let most = at
-        .iter()
-        .map(|m| {
-            // The running micro-batch counts with what its pass holds.
-            let waiting: u64 = copies
-                .iter()
-                .enumerate()
-                .map(|(c, s)| {
-                    let held = (m.held[c] - (c == m.running) as usize) as u64;
-                    held * s.saved + m.forwarded[c] as u64 * s.stats
-                })
-                .sum();
-            let run = &copies[m.running];
-            waiting
-                + if m.backward {
-                    run.backward
-                } else {
-                    run.forward
-                }
-        })
-        .max()
-        .unwrap_or(0);
-    params + most
 }

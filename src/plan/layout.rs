@@ -8,6 +8,7 @@ use crate::graph::{Graph, Output, ValueId};
 use crate::plan::config::RunConfig;
 use crate::plan::cost::{DeviceProfile, Link, NodeCosts, TileCosts};
 use crate::plan::partition::{self, Partition};
+use crate::schemes::admission::Admission;
 use crate::schemes::schedule::Timeline;
 use crate::tensor::DType;
 use crate::{Error, Result};
@@ -33,6 +34,8 @@ pub struct Layout {
     pub optimizer: f64,
     /// Each rank's tasks for one step, with their predicted times.
     pub schedule: Timeline,
+    /// What admitted its forwards (nothing where the caller wrote the tasks).
+    pub admission: Admission,
 }
 
 impl Layout {
@@ -133,7 +136,12 @@ impl Layout {
                     .collect()
             })
             .collect();
-        let schedule = c.timeline(&tiles.stage_costs(&costs, stages))?;
+        let bytes = crate::plan::memory::stage_bytes(c, &graph, &partition)?;
+        let admission = match c.schedule {
+            Some(_) => Admission::Free,
+            None => c.admission(bytes.as_deref()),
+        };
+        let schedule = c.timeline(&tiles.stage_costs(&costs, stages), bytes.as_deref())?;
         Ok(Layout {
             graph,
             partition,
@@ -144,6 +152,7 @@ impl Layout {
             tiles,
             optimizer: c.calibration.as_ref().map_or(0.0, |cal| cal.optimizer),
             schedule,
+            admission,
         })
     }
 

@@ -6,7 +6,7 @@ use crate::graph::policy::Keep;
 use crate::graph::Graph;
 use crate::plan::config::RunConfig;
 use crate::plan::cost::{NodeCosts, TileCosts};
-use crate::plan::footprint::{self, Footprint, StageMemory};
+use crate::plan::footprint::{self, Footprint, StageBytes, StageMemory};
 use crate::plan::layout::Layout;
 use crate::plan::partition::{self, Cost, Limit, Partition, Shortfall};
 use crate::Result;
@@ -33,18 +33,20 @@ pub fn split(c: &RunConfig, g: &Graph, costs: &NodeCosts, tiles: &TileCosts) -> 
     let Some(model) = Model::of(c, g)? else {
         return Ok(fastest);
     };
+    let bytes_of = |part: &Partition| -> Vec<StageBytes> {
+        part.stages
+            .iter()
+            .map(|r| model.fp.stage(r.clone()))
+            .collect()
+    };
+    // Each split with its own schedule, packed by its own bytes where the run packs by bytes.
     let moments_of = |part: &Partition| -> Result<_> {
         let stage_costs = tiles.stage_costs(costs, &part.stages);
-        let s = c.timeline(&stage_costs)?;
+        let s = c.timeline(&stage_costs, Some(&bytes_of(part)))?;
         Ok(footprint::moments(&s))
     };
     let fits = |part: &Partition, moments: &[Vec<footprint::Moment>]| {
-        let bytes: Vec<_> = part
-            .stages
-            .iter()
-            .map(|r| model.fp.stage(r.clone()))
-            .collect();
-        let ranks = footprint::rank_bytes(&c.scheme, moments, &bytes);
+        let ranks = footprint::rank_bytes(&c.scheme, moments, &bytes_of(part));
         ranks.iter().all(|&b| b <= model.cap)
     };
     if let Some(splits) = partition::every_split(g, p, EXHAUSTIVE) {
@@ -70,6 +72,20 @@ pub fn split(c: &RunConfig, g: &Graph, costs: &NodeCosts, tiles: &TileCosts) -> 
             return Ok(part);
         }
     }
+}
+
+/// What each stage of `part` holds by the footprint model, where `c` packs its replicas by
+/// bytes ([`RunConfig::packs_by_bytes`]) and the model applies; `None` otherwise.
+pub fn stage_bytes(c: &RunConfig, g: &Graph, part: &Partition) -> Result<Option<Vec<StageBytes>>> {
+    if !c.packs_by_bytes() || c.schedule.is_some() {
+        return Ok(None);
+    }
+    Ok(Model::of(c, g)?.map(|model| {
+        part.stages
+            .iter()
+            .map(|r| model.fp.stage(r.clone()))
+            .collect()
+    }))
 }
 
 /// Where `c` runs the split balanced by cost although a capacity is set because no split fits

@@ -689,6 +689,7 @@ mod tests {
     use crate::models;
     use crate::ops::tiles::Grid;
     use crate::plan::footprint;
+    use crate::schemes::admission::Admission;
     use crate::schemes::schedule::{self, StageCosts};
     use crate::schemes::{Kind, Order, Scheme};
     use rand::{Rng, SeedableRng};
@@ -807,14 +808,17 @@ mod tests {
                     .collect(),
                 on_tiles: (0..p).map(|s| scheme.tiled(s)).collect(),
             };
-            let bound = (replicas > 1 && rng.random_bool(0.3)).then_some(m);
+            let bound = match replicas > 1 && rng.random_bool(0.3) {
+                true => Admission::Count(m),
+                false => Admission::Free,
+            };
             let costs = StageCosts {
                 forward: (0..p).map(|_| rng.random_range(0.5..2.0)).collect(),
                 backward: (0..p).map(|_| rng.random_range(1.0..4.0)).collect(),
                 weight: vec![0.0; p],
                 transfer: vec![0.0; p],
             };
-            let moments = footprint::moments(&schedule::build(&scheme, &costs, bound).unwrap());
+            let moments = footprint::moments(&schedule::build(&scheme, &costs, &bound).unwrap());
             let mirrored = replicas > 1;
             let splits = all_splits(n, p);
             let need = |b: &Vec<usize>| -> u64 {

@@ -145,7 +145,8 @@ pub fn step(c: &RunConfig, layout: &Layout, profile: &Profile, groups: usize) ->
             *t = profile.link(node_of(st) == node_of(st + 1)).send(1, bytes);
         }
     }
-    let schedule = c.timeline(&sc)?;
+    let bytes = crate::plan::memory::stage_bytes(c, g, &layout.partition)?;
+    let schedule = c.timeline(&sc, bytes.as_deref())?;
     let gpus = groups * s.group_size();
     let link = profile.link(gpus <= profile.gpus_per_node);
     // A stage's gradients are summed over its tiles too.

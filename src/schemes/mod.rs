@@ -2,6 +2,7 @@
 //! orders each rank's tasks. Notation as in DESIGN.md: P stages, m micro-batches per replica
 //! pass, η replicas per step, D data-parallel groups; world = P·D ranks.
 
+pub mod admission;
 pub mod schedule;
 
 use std::fmt;

@@ -14,6 +14,7 @@
 
 use std::collections::HashMap;
 
+use super::admission::{Admission, Holding};
 use super::{Order, Scheme};
 use crate::{Error, Result};
 
@@ -208,6 +209,24 @@ impl Timeline {
             return 0.0;
         }
         1.0 - self.busy().iter().sum::<f64>() / span
+    }
+
+    /// The most micro-batches each rank holds at once (from its F to its BW or W).
+    pub fn most_held(&self) -> Vec<usize> {
+        (self.ranks.iter())
+            .map(|r| {
+                let (mut n, mut most) = (0usize, 0usize);
+                for t in r {
+                    match t.task.pass {
+                        Pass::Forward => n += 1,
+                        Pass::Backward | Pass::Weight => n -= 1,
+                        Pass::Input => {}
+                    }
+                    most = most.max(n);
+                }
+                most
+            })
+            .collect()
     }
 
     /// The tasks alone, in each rank's order.
@@ -634,20 +653,17 @@ fn stage_sequence(order: Order, stages: usize, stage: usize, m: usize) -> Vec<(P
     }
 }
 
-/// Builds the schedule of `scheme`'s order under `costs`, holding at most `max_in_flight`
-/// forward passes' activations per rank (`None`: no bound; ZB-H1 holds what 1F1B holds).
-/// Under a bound, replicas enter each rank in replica order (a later replica's forward waits
-/// until the earlier ones' forwards there are done), so the first replica is never starved of
-/// the memory the bound leaves.
-pub fn build(
-    scheme: &Scheme,
-    costs: &StageCosts,
-    max_in_flight: Option<usize>,
-) -> Result<Timeline> {
+/// Builds the schedule of `scheme`'s order under `costs`, its forwards admitted as
+/// `admission` says (ZB-H1 and ZB-V hold what 1F1B holds; interleaved 1F1B follows
+/// Megatron-LM's order). Under a count, replicas enter each rank in replica order (a later
+/// replica's forward waits until the earlier ones' forwards there are done); by bytes, a
+/// later replica's forward starts when the rank's free bytes hold it beside the most the
+/// earlier replicas will still hold there. Either way the first replica is never starved.
+pub fn build(scheme: &Scheme, costs: &StageCosts, admission: &Admission) -> Result<Timeline> {
     match scheme.order {
         Order::ZbH1 | Order::ZbV => zero_bubble(scheme, costs),
         Order::Interleaved => time(scheme, costs, &interleaved(scheme)),
-        Order::GPipe | Order::OneFOneB => replay(scheme, costs, max_in_flight, false),
+        Order::GPipe | Order::OneFOneB => replay(scheme, costs, admission, false),
     }
 }
 
@@ -660,7 +676,7 @@ pub fn evaluation(scheme: &Scheme, costs: &StageCosts, micro: usize) -> Result<T
         parts: micro,
         ..*scheme
     };
-    replay(&one, costs, None, true)
+    replay(&one, costs, &Admission::Free, true)
 }
 
 /// Zero-bubble orders on one replica (ZB-H1 with one stage per rank, ZB-V with two in a V):
@@ -818,7 +834,7 @@ fn interleaved(scheme: &Scheme) -> Schedule {
 fn replay(
     scheme: &Scheme,
     costs: &StageCosts,
-    max_in_flight: Option<usize>,
+    admission: &Admission,
     forward_only: bool,
 ) -> Result<Timeline> {
     let (p, stages) = (scheme.stages, scheme.model_stages());
@@ -853,7 +869,9 @@ fn replay(
     let total: usize = seqs.iter().flatten().map(Vec::len).sum();
     let mut next: Vec<Vec<usize>> = seqs.iter().map(|r| vec![0; r.len()]).collect();
     let mut free_at = vec![0.0f64; p];
-    let mut in_flight = vec![0usize; p];
+    // Per rank and copy: micro-batches held (from forward to backward) and run forward.
+    let mut held = vec![[0usize; 2]; p];
+    let mut forwarded = vec![[0usize; 2]; p];
     // Forward passes not yet scheduled, per rank and replica.
     let mut forwards_left = vec![vec![scheme.parts; scheme.replicas]; p];
     let mut done: std::collections::HashMap<Task, f64> = std::collections::HashMap::new();
@@ -883,12 +901,57 @@ fn replay(
                     },
                     None => 0.0,
                 };
-                if t.pass == Pass::Forward
-                    && max_in_flight.is_some_and(|b| {
-                        in_flight[rank] >= b
-                            || forwards_left[rank][..t.replica].iter().any(|&n| n > 0)
-                    })
-                {
+                let admitted = t.pass != Pass::Forward
+                    || match admission {
+                        Admission::Free => true,
+                        Admission::Count(b) => {
+                            held[rank].iter().sum::<usize>() < *b
+                                && forwards_left[rank][..t.replica].iter().all(|&n| n == 0)
+                        }
+                        Admission::Bytes(budget) => {
+                            let left = |k: usize| &seqs[rank][k][next[rank][k]..];
+                            let first = (0..seqs[rank].len())
+                                .filter_map(|k| left(k).first().map(|t| t.replica))
+                                .min();
+                            // The earliest replica with tasks left on the rank runs as it
+                            // would alone; a later one waits for room beside what the earlier
+                            // ones will still hold here.
+                            first == Some(t.replica) || {
+                                let after: Vec<Holding> = (0..seqs[rank].len())
+                                    .map(|k| {
+                                        let now = Holding {
+                                            held: held[rank][k],
+                                            forwarded: forwarded[rank][k],
+                                            forwards: false,
+                                        };
+                                        if k == c {
+                                            return Holding {
+                                                held: now.held + 1,
+                                                forwarded: now.forwarded + 1,
+                                                forwards: true,
+                                            };
+                                        }
+                                        let earlier =
+                                            left(k).iter().take_while(|e| e.replica < t.replica);
+                                        let (mut most, mut n) = (now, now.held);
+                                        for e in earlier {
+                                            if e.pass == Pass::Forward {
+                                                n += 1;
+                                                most.forwarded += 1;
+                                                most.forwards = true;
+                                            } else {
+                                                n -= 1;
+                                            }
+                                            most.held = most.held.max(n);
+                                        }
+                                        most
+                                    })
+                                    .collect();
+                                budget.admits(rank, &after)
+                            }
+                        }
+                    };
+                if !admitted {
                     continue;
                 }
                 let start = free_at[rank].max(ready);
@@ -898,10 +961,12 @@ fn replay(
             }
         }
         let Some((start, _, rank, c)) = best else {
-            return Err(Error::Config(format!(
-                "no schedule holds at most {} forward passes per rank: the bound is too small",
-                max_in_flight.unwrap_or(0)
-            )));
+            return Err(Error::Config(match admission {
+                Admission::Count(b) => format!(
+                    "no schedule holds at most {b} forward passes per rank: the bound is too small"
+                ),
+                _ => "no schedule admits the forward passes left".into(),
+            }));
         };
         let t = seqs[rank][c][next[rank][c]];
         next[rank][c] += 1;
@@ -909,10 +974,11 @@ fn replay(
         free_at[rank] = end;
         match t.pass {
             Pass::Forward => {
-                in_flight[rank] += 1;
+                held[rank][c] += 1;
+                forwarded[rank][c] += 1;
                 forwards_left[rank][t.replica] -= 1;
             }
-            _ => in_flight[rank] -= 1,
+            _ => held[rank][c] -= 1,
         }
         done.insert(t, end);
         out[rank].push(Timed {
@@ -927,6 +993,7 @@ fn replay(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::schemes::admission::{held_bytes, Budget, Moment, StageBytes};
     use crate::schemes::Kind;
 
     fn scheme(kind: Kind, stages: usize, parts: usize, replicas: usize, order: Order) -> Scheme {
@@ -942,7 +1009,7 @@ mod tests {
             let s = build(
                 &scheme(Kind::Mp, p, 1, 1, Order::GPipe),
                 &StageCosts::uniform(p, F, B),
-                None,
+                &Admission::Free,
             )
             .unwrap();
             assert_eq!(s.makespan(), p as f64 * (F + B));
@@ -956,7 +1023,7 @@ mod tests {
             let s = build(
                 &scheme(Kind::Mp, p, m, 1, order),
                 &StageCosts::uniform(p, F, B),
-                None,
+                &Admission::Free,
             )
             .unwrap();
             // (m + P - 1) slots of f + b: the pipeline bubble of both orders.
@@ -984,7 +1051,7 @@ mod tests {
             let s = build(
                 &scheme(Kind::Mast, p, 1, 2, Order::GPipe),
                 &StageCosts::uniform(p, F, B),
-                None,
+                &Admission::Free,
             )
             .unwrap();
             // Replica B starts at time 0 on rank P-1 while A starts on rank 0 ...
@@ -1004,7 +1071,7 @@ mod tests {
         let s = build(
             &scheme(Kind::Mast, 3, 1, 2, Order::GPipe),
             &StageCosts::uniform(3, F, B),
-            None,
+            &Admission::Free,
         )
         .unwrap();
         assert_eq!(s.ranks[1].len(), 4);
@@ -1017,7 +1084,7 @@ mod tests {
             let s = build(
                 &scheme(Kind::Mast, p, 1, 2, Order::GPipe),
                 &StageCosts::uniform(p, F, B),
-                Some(1),
+                &Admission::Count(1),
             )
             .unwrap();
             assert_eq!(
@@ -1037,12 +1104,101 @@ mod tests {
         }
     }
 
+    /// Per rank, the most micro-batches held at once and the most bytes held at any moment of
+    /// its task list, its copies holding `budget`'s bytes.
+    fn held_by(t: &Timeline, budget: &Budget) -> Vec<(usize, u64)> {
+        (t.ranks.iter().enumerate())
+            .map(|(rank, tasks)| {
+                let (mut held, mut forwarded, mut most) = ([0usize; 2], [0usize; 2], (0, 0));
+                for t in tasks {
+                    let c = t.task.replica % 2;
+                    let backward = t.task.pass != Pass::Forward;
+                    if !backward {
+                        held[c] += 1;
+                        forwarded[c] += 1;
+                    }
+                    let m = Moment {
+                        held,
+                        forwarded,
+                        running: c,
+                        backward,
+                    };
+                    let bytes = held_bytes(&budget.ranks[rank], &[m]);
+                    most = (most.0.max(held[0] + held[1]), most.1.max(bytes));
+                    if backward {
+                        held[c] -= 1;
+                    }
+                }
+                most
+            })
+            .collect()
+    }
+
+    #[test]
+    fn mast_packed_by_bytes_holds_what_the_free_memory_holds() {
+        // Stage s saves 10 + s per micro-batch (its forward and backward hold 2 more) beside
+        // 100 of parameters: the mirrored copies hold different bytes.
+        let stage = |s: usize| StageBytes {
+            params: 50,
+            stats: 1,
+            saved: 10 + s as u64,
+            forward: 12 + s as u64,
+            backward: 12 + s as u64,
+        };
+        let mut more_somewhere = false;
+        for (p, m, order) in [
+            (2, 4, Order::GPipe),
+            (4, 4, Order::GPipe),
+            (4, 8, Order::OneFOneB),
+            (3, 4, Order::GPipe),
+        ] {
+            let sch = scheme(Kind::Mast, p, m, 2, order);
+            let costs = StageCosts::uniform(p, F, B);
+            let stages: Vec<_> = (0..p).map(stage).collect();
+            let count = build(&sch, &costs, &Admission::Count(m)).unwrap();
+            let free = build(&sch, &costs, &Admission::Free).unwrap();
+            let at = |capacity: u64| Budget::new(&sch, capacity, &stages);
+            // What the count rule's schedule needs, and the overlapped pair's.
+            let need = |t: &Timeline| {
+                let b = at(u64::MAX);
+                held_by(t, &b).iter().map(|h| h.1).max().unwrap()
+            };
+            let (low, high) = (need(&count), need(&free));
+            assert!(low < high, "P {p} m {m} {order:?}");
+            let (mut more, mut faster) = (false, false);
+            for capacity in [low, (low + high) / 2, high - 1] {
+                let budget = at(capacity);
+                let packed = build(&sch, &costs, &Admission::Bytes(budget.clone())).unwrap();
+                packed.schedule(&sch).validate(&sch).unwrap();
+                let held = held_by(&packed, &budget);
+                let what = format!("P {p} m {m} {order:?} capacity {capacity}: {held:?}");
+                // Every moment within the capacity, never slower than the count rule (faster
+                // where it holds more) ...
+                assert!(held.iter().all(|h| h.1 <= capacity), "{what}");
+                assert!(packed.makespan() <= count.makespan(), "{what}");
+                faster |= packed.makespan() < count.makespan();
+                assert!(packed.makespan() >= free.makespan(), "{what}");
+                // ... and more micro-batches in flight than it allows where the memory holds
+                // them.
+                more |= held.iter().any(|h| h.0 > m);
+            }
+            // More than the count rule holds only where the overlapped pair does.
+            assert!(!more || free.most_held().iter().any(|&h| h > m));
+            more_somewhere |= more;
+            // Room for everything: the overlapped pair itself.
+            let roomy = build(&sch, &costs, &Admission::Bytes(at(u64::MAX))).unwrap();
+            assert_eq!(roomy, free, "P {p} m {m} {order:?}");
+            assert!(faster || !more, "P {p} m {m} {order:?}");
+        }
+        assert!(more_somewhere);
+    }
+
     #[test]
     fn master_runs_rounds_of_the_pair() {
         let s = build(
             &scheme(Kind::Master, 4, 2, 4, Order::GPipe),
             &StageCosts::uniform(4, F, B),
-            None,
+            &Admission::Free,
         )
         .unwrap();
         let tasks: usize = s.ranks.iter().map(Vec::len).sum();
@@ -1050,7 +1206,7 @@ mod tests {
         assert!(build(
             &scheme(Kind::Mast, 2, 1, 2, Order::GPipe),
             &StageCosts::uniform(2, F, B),
-            Some(0)
+            &Admission::Count(0)
         )
         .is_err());
     }
@@ -1090,23 +1246,8 @@ mod tests {
         assert!(s.ranks.iter().all(Vec::is_empty));
     }
 
-    /// The most micro-batches each rank holds at once (from its F to its BW or W).
     fn most_held(t: &Timeline) -> Vec<usize> {
-        t.ranks
-            .iter()
-            .map(|r| {
-                let (mut n, mut most) = (0usize, 0usize);
-                for t in r {
-                    match t.task.pass {
-                        Pass::Forward => n += 1,
-                        Pass::Backward | Pass::Weight => n -= 1,
-                        Pass::Input => {}
-                    }
-                    most = most.max(n);
-                }
-                most
-            })
-            .collect()
+        t.most_held()
     }
 
     #[test]
@@ -1118,9 +1259,18 @@ mod tests {
             ..StageCosts::uniform(p, 1.0, 2.0)
         };
         for (p, m) in [(2, 4), (4, 8), (4, 16), (8, 8)] {
-            let one_f =
-                build(&scheme(Kind::Mp, p, m, 1, Order::OneFOneB), &costs(p), None).unwrap();
-            let zb = build(&scheme(Kind::Mp, p, m, 1, Order::ZbH1), &costs(p), None).unwrap();
+            let one_f = build(
+                &scheme(Kind::Mp, p, m, 1, Order::OneFOneB),
+                &costs(p),
+                &Admission::Free,
+            )
+            .unwrap();
+            let zb = build(
+                &scheme(Kind::Mp, p, m, 1, Order::ZbH1),
+                &costs(p),
+                &Admission::Free,
+            )
+            .unwrap();
             assert_eq!(one_f.makespan(), ((m + p - 1) * 3) as f64, "P {p} m {m}");
             assert_eq!(zb.makespan(), (m * 3 + (p - 1) * 2) as f64, "P {p} m {m}");
             assert!(zb.bubble() < one_f.bubble());
@@ -1137,7 +1287,7 @@ mod tests {
             let one_f = build(
                 &scheme(Kind::Mp, p, m, 1, Order::OneFOneB),
                 &StageCosts::uniform(p, 2.0, 4.0),
-                None,
+                &Admission::Free,
             )
             .unwrap();
             for (order, v) in [
@@ -1148,7 +1298,7 @@ mod tests {
                 let sch = scheme(Kind::Mp, p, m, 1, order).with_virtual_stages(v);
                 // Each chunk costs its share of a 1F1B stage.
                 let chunk = StageCosts::uniform(p * v, 2.0 / v as f64, 4.0 / v as f64);
-                let t = build(&sch, &chunk, None).unwrap();
+                let t = build(&sch, &chunk, &Admission::Free).unwrap();
                 t.schedule(&sch).validate(&sch).unwrap();
                 assert!(
                     t.makespan() < one_f.makespan(),
@@ -1163,7 +1313,12 @@ mod tests {
             }
             // ZB-V holds at most 2P chunk passes on any rank: 1F1B's first rank.
             let sch = scheme(Kind::Mp, p, m, 1, Order::ZbV);
-            let t = build(&sch, &StageCosts::uniform(2 * p, 1.0, 2.0), None).unwrap();
+            let t = build(
+                &sch,
+                &StageCosts::uniform(2 * p, 1.0, 2.0),
+                &Admission::Free,
+            )
+            .unwrap();
             assert!(
                 most_held(&t).iter().all(|&h| h <= 2 * p),
                 "{:?}",
@@ -1175,7 +1330,7 @@ mod tests {
     #[test]
     fn schedules_round_trip_through_json() {
         let sch = scheme(Kind::Mast, 3, 2, 2, Order::OneFOneB);
-        let s = build(&sch, &StageCosts::uniform(3, F, B), None)
+        let s = build(&sch, &StageCosts::uniform(3, F, B), &Admission::Free)
             .unwrap()
             .schedule(&sch);
         let back = Schedule::from_json(&s.to_json()).unwrap();
@@ -1185,7 +1340,7 @@ mod tests {
         let t = time(&sch, &StageCosts::uniform(3, F, B), &s).unwrap();
         assert_eq!(
             t.makespan(),
-            build(&sch, &StageCosts::uniform(3, F, B), None)
+            build(&sch, &StageCosts::uniform(3, F, B), &Admission::Free)
                 .unwrap()
                 .makespan()
         );
@@ -1194,7 +1349,7 @@ mod tests {
     #[test]
     fn the_validator_names_rank_task_and_reason() {
         let sch = scheme(Kind::Mp, 2, 2, 1, Order::OneFOneB);
-        let good = build(&sch, &StageCosts::uniform(2, F, B), None)
+        let good = build(&sch, &StageCosts::uniform(2, F, B), &Admission::Free)
             .unwrap()
             .schedule(&sch);
         good.validate(&sch).unwrap();

@@ -827,7 +827,9 @@ pub struct SchemeArgs {
     /// How ranks talk: local (threads of this process) or mpi (one process per rank under mpirun).
     #[arg(long, value_enum, default_value_t = Transport::Local)]
     pub transport: Transport,
-    /// At most this many micro-batches' activations per rank at once (MAST's one-replica-at-a-time variant: m).
+    /// Bound by count: at most this many micro-batches' activations per rank at once (m: MAST
+    /// one replica's activations at a time). Without it, under --device-memory a replica's
+    /// next forward starts when the rank's free bytes hold it.
     #[arg(long)]
     pub max_in_flight: Option<usize>,
 }

@@ -7,6 +7,7 @@ use gems::fit;
 use gems::graph::policy::Keep;
 use gems::memory::human_bytes;
 use gems::plan::Layout;
+use gems::schemes::admission::Admission;
 use gems::schemes::{Kind, Order};
 
 use crate::cli::{CalibrateArgs, OrderChoice, SimulateArgs, TrainArgs};
@@ -172,6 +173,30 @@ pub fn plan(a: TrainArgs) -> anyhow::Result<()> {
             .busy()
             .iter()
             .map(|b| format!("{:.0}%", 100.0 * b / step))
+            .collect::<Vec<_>>()
+            .join(" ")
+    );
+    println!(
+        "predicted step with a device per rank {:.3} s, {:.2} images/s (bubble {:.1}%)",
+        layout.predicted_step(false),
+        images / layout.predicted_step(false),
+        100.0 * layout.schedule.bubble()
+    );
+    let rule = match &layout.admission {
+        Admission::Count(n) => format!("at most {n} by count"),
+        Admission::Bytes(_) => format!(
+            "admitted when the free bytes of {} hold a forward",
+            human_bytes(c.train.device_memory.unwrap_or(0))
+        ),
+        Admission::Free => "not bounded".into(),
+    };
+    println!(
+        "micro-batches in flight per rank (most held at once): {} ({rule})",
+        layout
+            .schedule
+            .most_held()
+            .iter()
+            .map(usize::to_string)
             .collect::<Vec<_>>()
             .join(" ")
     );

@@ -139,9 +139,9 @@ pub fn setup(a: &TrainArgs) -> anyhow::Result<(Graph, RunConfig)> {
     }
     if auto.replicas {
         let variant = match (c.scheme.replicas, c.max_in_flight) {
-            (1, _) => "one replica (mp)",
-            (_, None) => "the MAST pair, overlapped",
-            _ => "the MAST pair, one replica's activations at a time",
+            (1, _) => "one replica (mp)".to_string(),
+            (_, None) => "the MAST pair, packed by bytes".to_string(),
+            (_, Some(n)) => format!("the MAST pair, at most {n} micro-batches per rank"),
         };
         println!("--replicas auto: {variant}");
     }
