@@ -153,28 +153,38 @@ fn replicas_auto_follows_the_memory_mast_needs() {
         Scheme::new(Kind::Mast, 2, 2, 2, 1, Order::GPipe),
         None,
     );
-    let balanced = memory::per_rank(&mast)
-        .unwrap()
-        .iter()
-        .map(|m| m.peak)
-        .max()
-        .unwrap();
-    // What the pair needs: the least capacity it fits, its second replica packed by bytes,
-    // over the splits a capacity makes the partitioner choose.
-    let (mut lo, mut hi) = (0, balanced);
-    while hi - lo > 1 {
-        let mid = (lo + hi) / 2;
-        match memory::fits(&mast, mid).unwrap() {
-            true => hi = mid,
-            false => lo = mid,
+    // The least capacity a variant fits, over the splits a capacity makes the partitioner
+    // choose.
+    let least = |r: &Run| {
+        let uncapped = memory::per_rank(r).unwrap().iter().map(|m| m.peak).max();
+        let (mut lo, mut hi) = (0, uncapped.unwrap());
+        while hi - lo > 1 {
+            let mid = (lo + hi) / 2;
+            match memory::fits(r, mid).unwrap() {
+                true => hi = mid,
+                false => lo = mid,
+            }
         }
-    }
-    let need = hi;
+        hi
+    };
+    let variant = |replicas: usize, max_in_flight: Option<usize>| {
+        let mut r = mast.clone();
+        r.c.scheme.replicas = replicas;
+        r.c.max_in_flight = max_in_flight;
+        if replicas == 1 {
+            r.c.scheme.kind = Kind::Mp;
+        }
+        r
+    };
+    let packed = least(&mast);
+    let counted = least(&variant(2, Some(2)));
+    let one = least(&variant(1, None));
+    eprintln!("least capacity: packed pair {packed}, counted pair {counted}, one replica {one}");
     // Just enough: the pair, packed by bytes.
-    let chosen = memory::choose_replicas(&mast, need).unwrap();
+    let chosen = memory::choose_replicas(&mast, packed).unwrap();
     assert_eq!((chosen.scheme.replicas, chosen.max_in_flight), (2, None));
     // Just under: a variant that holds less, and whose real run fits.
-    for cap in [need - 1, need * 3 / 4] {
+    for cap in [packed - 1, one] {
         let mut chosen = memory::choose_replicas(&mast, cap).unwrap();
         assert!(
             chosen.scheme.replicas == 1 || chosen.max_in_flight.is_some(),
