@@ -461,10 +461,11 @@ fn capped_split_fits_and_is_the_fastest_that_does() {
             .max()
             .unwrap()
     };
-    // MAST's pairs of stages leave less to move between ranks than MP-Basic's stages.
+    // MAST first absorbs a cap by admitting fewer of the second replica's micro-batches at a
+    // time (by bytes); only below what that saves must the split move.
     for (s, percent) in [
         (Scheme::new(Kind::Mp, 3, 2, 1, 1, Order::OneFOneB), 90),
-        (Scheme::new(Kind::Mast, 3, 2, 2, 1, Order::GPipe), 97),
+        (Scheme::new(Kind::Mast, 3, 2, 2, 1, Order::GPipe), 75),
     ] {
         let free = config("resnet20v2", 32, 4, s, None);
         let cap = need(&free) * percent / 100;
