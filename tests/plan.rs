@@ -38,6 +38,9 @@ mod memory {
     pub fn per_rank(r: &Run) -> Result<Vec<MemoryStats>> {
         fit::per_rank(&r.g, &r.c)
     }
+    pub fn per_task(r: &Run) -> Result<Vec<Vec<gems::memory::Held>>> {
+        fit::per_task(&r.g, &r.c)
+    }
     pub fn fits(r: &Run, cap: u64) -> Result<bool> {
         fit::fits(&r.g, &r.c, cap)
     }
@@ -62,6 +65,7 @@ mod memory {
 struct Measured {
     memory: MemoryStats,
     timeline: Vec<gems::schemes::schedule::Timed>,
+    held: Vec<gems::memory::Held>,
 }
 
 fn run_local(r: &Run) -> gems::Result<Vec<Measured>> {
@@ -78,6 +82,7 @@ fn run_local(r: &Run) -> gems::Result<Vec<Measured>> {
         .map(|k| Measured {
             memory: k.memory,
             timeline: k.timeline,
+            held: k.held,
         })
         .collect())
 }
@@ -291,8 +296,8 @@ fn timeline_svg_is_valid_and_shows_every_task() {
     );
     let layout = layout_of(&c);
     let tasks = &layout.schedule.ranks;
-    let bytes = vec![1 << 20; 3];
-    let svg = timeline::svg("mast <P=3> & more", tasks, &timeline::held(tasks, &bytes));
+    let held = memory::per_task(&c).unwrap();
+    let svg = timeline::svg("mast <P=3> & more", tasks, &timeline::curve(tasks, &held));
     let doc = roxmltree::Document::parse(&svg).expect("well-formed SVG");
     let boxes = doc
         .descendants()
@@ -306,18 +311,16 @@ fn timeline_svg_is_valid_and_shows_every_task() {
         .iter()
         .all(|l| svg.contains(l)));
     // A zero-bubble schedule draws its W passes apart from its B passes.
-    let zb = layout_of(&config(
+    let zb = config(
         "resnet20v2",
         32,
         4,
         Scheme::new(Kind::Mp, 3, 4, 1, 1, Order::ZbH1),
         None,
-    ));
-    let svg = timeline::svg(
-        "zbh1",
-        &zb.schedule.ranks,
-        &timeline::held(&zb.schedule.ranks, &bytes),
     );
+    let ranks = &layout_of(&zb).schedule.ranks;
+    let curve = timeline::curve(ranks, &memory::per_task(&zb).unwrap());
+    let svg = timeline::svg("zbh1", ranks, &curve);
     let faded = roxmltree::Document::parse(&svg)
         .unwrap()
         .descendants()
@@ -329,8 +332,9 @@ fn timeline_svg_is_valid_and_shows_every_task() {
     // The measured timeline of a real run draws the same way.
     let reports = run_local(&c).unwrap();
     let measured: Vec<_> = reports.iter().map(|r| r.timeline.clone()).collect();
+    let held: Vec<_> = reports.iter().map(|r| r.held.clone()).collect();
     assert!(measured.iter().flatten().all(|t| t.start <= t.end));
-    let svg = timeline::svg("measured", &measured, &timeline::held(&measured, &bytes));
+    let svg = timeline::svg("measured", &measured, &timeline::curve(&measured, &held));
     let doc = roxmltree::Document::parse(&svg).unwrap();
     assert_eq!(
         doc.descendants()
@@ -338,6 +342,48 @@ fn timeline_svg_is_valid_and_shows_every_task() {
             .count(),
         boxes
     );
+}
+
+/// The timeline's memory curve is the metered run's device bytes task by task: the same as a
+/// real run's, task for task, whatever tiles, offloads or recomputes; its top is the rank's
+/// metered peak; a rank of a 2x2 grid holds a fraction of what the whole image's rank holds.
+#[test]
+fn the_timeline_memory_is_the_metered_bytes_under_tiling_and_offload() {
+    use gems::graph::policy::{Keep, SavePolicy};
+    let top = |held: &[gems::memory::Held]| held.iter().map(|h| h.peak).max().unwrap();
+    let mp = Scheme::new(Kind::Mp, 2, 2, 1, 1, Order::OneFOneB);
+    let plain = config("resnet20v2", 64, 4, mp, None);
+    let tiled = config("resnet20v2", 64, 4, mp.with_spatial(grid(2, 2)), None);
+    let mut offloaded = plain.clone();
+    let n = offloaded.g.nodes.len();
+    offloaded.train.saves = SavePolicy::all(n, Keep::Host, 2);
+    let mut recomputed = plain.clone();
+    recomputed.train.saves = SavePolicy::checkpointed(n);
+    let mut tops = Vec::new();
+    for (name, r) in [
+        ("plain", &plain),
+        ("2x2 tiles", &tiled),
+        ("offloaded", &offloaded),
+        ("recomputed", &recomputed),
+    ] {
+        let metered = memory::per_task(r).unwrap();
+        let peaks = memory::per_rank(r).unwrap();
+        let real = run_local(r).unwrap();
+        for (p, held) in metered.iter().enumerate() {
+            let first = r.scheme.first_rank(p);
+            assert_eq!(held, &real[first].held, "{name}, position {p}");
+            assert_eq!(top(held), peaks[first].peak, "{name}, position {p}");
+        }
+        tops.push(top(&metered[0]));
+    }
+    let [plain, tiled, offloaded, recomputed] = tops[..] else {
+        unreachable!()
+    };
+    eprintln!(
+        "first stage's peak: {plain} whole, {tiled} on a 2x2 tile, {offloaded} offloaded, {recomputed} recomputed"
+    );
+    assert!(2 * tiled < plain, "{tiled} of {plain}");
+    assert!(offloaded < plain && recomputed < plain);
 }
 
 #[test]

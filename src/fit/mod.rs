@@ -10,11 +10,11 @@ use std::ops::Range;
 use crate::backend::cuda::ConvImpl;
 use crate::backend::DeviceKind;
 use crate::graph::Graph;
-use crate::memory::{ByCategory, Category, MemoryStats};
+use crate::memory::{ByCategory, Category, Held, MemoryStats};
 use crate::ops::tiles::Grid;
 use crate::plan::offload::{self, Chosen, HostLink};
 use crate::plan::{Layout, RunConfig};
-use crate::runtime::meter;
+use crate::runtime::{meter, RankStep};
 use crate::schemes::Kind;
 use crate::tensor::Device;
 use crate::tensor::Precision;
@@ -24,6 +24,22 @@ use crate::{Error, Result, WhatFits};
 /// from a metered run: the same split, schedule, ops and transfers as a real run, without
 /// computing, and without the capacity, so that it reports what the run needs.
 pub fn per_rank(g: &Graph, c: &RunConfig) -> Result<Vec<MemoryStats>> {
+    Ok(metered_step(g, c)?.into_iter().map(|r| r.memory).collect())
+}
+
+/// The device's bytes during each task of each pipeline position (its first rank: tile 0 of
+/// data-parallel group 0), from a metered run as [`per_rank`]'s: the most live at once and
+/// what was live when the task ended, everything a rank holds counted (weights, optimizer
+/// state, activations of its own tiles, what waits in the host tier left out).
+pub fn per_task(g: &Graph, c: &RunConfig) -> Result<Vec<Vec<Held>>> {
+    let mut ranks = metered_step(g, c)?;
+    Ok((0..c.scheme.stages)
+        .map(|p| std::mem::take(&mut ranks[c.scheme.first_rank(p)].held))
+        .collect())
+}
+
+/// One metered step of `c` as [`per_rank`] describes it.
+fn metered_step(g: &Graph, c: &RunConfig) -> Result<Vec<RankStep>> {
     let mut metered = c.clone();
     if c.train.device_memory.is_some() && (c.balance.is_none() || c.packs_by_bytes()) {
         // The split and the tasks the capacity chose, given explicitly.

@@ -24,6 +24,8 @@ struct State {
     peak: u64,
     at_peak: ByCategory,
     category_peaks: ByCategory,
+    /// High-water mark since the last [`Allocator::mark`].
+    since_mark: u64,
 }
 
 /// Memory statistics of one device.
@@ -40,6 +42,16 @@ pub struct MemoryStats {
     /// Each category's own high-water mark (reached at different moments, so their sum may
     /// exceed `peak`): e.g. the most activation bytes ever live, whatever else was.
     pub category_peaks: ByCategory,
+}
+
+/// A device's bytes over a stretch of time (e.g. one task of a schedule): the most live at
+/// once, and what was live at its end.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct Held {
+    /// The most bytes live at once.
+    pub peak: u64,
+    /// Bytes live at the end.
+    pub live: u64,
 }
 
 /// Accounts leases against a capacity (`None`: unlimited).
@@ -99,11 +111,22 @@ impl Allocator {
             s.peak = total;
             s.at_peak = s.live;
         }
+        s.since_mark = s.since_mark.max(total);
         Ok(Lease {
             allocator: Arc::clone(self),
             bytes,
             category,
         })
+    }
+
+    /// The most bytes live at once since the last mark (or the start), and the bytes live
+    /// now; the next mark counts from now.
+    pub fn mark(&self) -> Held {
+        let mut s = self.state();
+        let live = s.live.total();
+        let peak = s.since_mark.max(live);
+        s.since_mark = live;
+        Held { peak, live }
     }
 
     /// Capacity, live bytes and peaks so far.
@@ -168,6 +191,30 @@ mod tests {
         assert_eq!(s.category_peaks.get(Category::Workspace), 600);
         drop(w);
         assert_eq!(a.stats().live.total(), 600);
+        // Marks: the most since the last mark, and what is live now.
+        assert_eq!(
+            a.mark(),
+            Held {
+                peak: 900,
+                live: 600
+            }
+        );
+        let z = a.lease(100, Category::Workspace).unwrap();
+        drop(z);
+        assert_eq!(
+            a.mark(),
+            Held {
+                peak: 700,
+                live: 600
+            }
+        );
+        assert_eq!(
+            a.mark(),
+            Held {
+                peak: 600,
+                live: 600
+            }
+        );
     }
 
     #[test]

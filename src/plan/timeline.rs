@@ -1,10 +1,11 @@
 //! Timeline pictures: ranks as rows, each task a box coloured by replica and pass (forward
-//! lighter, backward darker), idle time left blank, and under them each rank's activation
-//! memory over time. The same drawing serves the predicted schedule (`gems plan --timeline`)
+//! lighter, backward darker), idle time left blank, and under them each rank's device memory
+//! over time. The same drawing serves the predicted schedule (`gems plan --timeline`)
 //! and the measured one (`gems train --timeline`), so the two can be laid side by side.
 
 use std::fmt::Write;
 
+use crate::memory::Held;
 use crate::schemes::schedule::{Pass, Timed};
 
 /// Colours per replica: (forward, backward).
@@ -15,8 +16,8 @@ const COLOURS: [(&str, &str); 4] = [
     ("#bcbddc", "#756bb1"),
 ];
 
-/// `tasks[r]`: rank r's tasks with start and end in seconds. `held[r]`: rank r's bytes of
-/// saved activations after each of its tasks.
+/// `tasks[r]`: rank r's tasks with start and end in seconds. `held[r]`: rank r's device bytes
+/// over time, as (seconds, bytes) points ([`curve`]).
 pub fn svg(title: &str, tasks: &[Vec<Timed>], held: &[Vec<(f64, u64)>]) -> String {
     let end = tasks
         .iter()
@@ -94,7 +95,13 @@ pub fn svg(title: &str, tasks: &[Vec<Timed>], held: &[Vec<(f64, u64)>]) -> Strin
         .max()
         .unwrap_or(0)
         .max(1);
-    let _ = writeln!(s, r#"<text x="4" y="{}">memory</text>"#, mem_top + 12.0);
+    let _ = writeln!(
+        s,
+        r#"<text x="4" y="{}">memory</text><text x="{left}" y="{}">device memory per rank, up to {}</text>"#,
+        mem_top + 12.0,
+        mem_top - 4.0,
+        crate::memory::human_bytes(most)
+    );
     let _ = writeln!(
         s,
         r#"<rect x="{left}" y="{mem_top}" width="{width}" height="{mem_h}" fill="none" stroke="silver"/>"#
@@ -117,7 +124,7 @@ pub fn svg(title: &str, tasks: &[Vec<Timed>], held: &[Vec<(f64, u64)>]) -> Strin
         }
         let _ = writeln!(
             s,
-            r#"<path d="{path}" fill="none" stroke="{colour}" stroke-width="1.5"><title>rank {r}: activations held, peak {}</title></path>"#,
+            r#"<path d="{path}" fill="none" stroke="{colour}" stroke-width="1.5"><title>rank {r}: device memory, peak {}</title></path>"#,
             crate::memory::human_bytes(points.iter().map(|p| p.1).max().unwrap_or(0))
         );
     }
@@ -138,23 +145,14 @@ fn escape(t: &str) -> String {
         .replace('>', "&gt;")
 }
 
-/// Bytes of saved activations each rank holds after each task: forward adds its stage's
-/// per-micro-batch bytes, backward releases them.
-pub fn held(tasks: &[Vec<Timed>], stage_bytes: &[u64]) -> Vec<Vec<(f64, u64)>> {
-    tasks
-        .iter()
-        .map(|list| {
-            let mut now = 0u64;
-            list.iter()
-                .map(|t| {
-                    let b = stage_bytes[t.task.stage];
-                    now = match t.task.pass {
-                        Pass::Forward => now + b,
-                        Pass::Backward | Pass::Weight => now.saturating_sub(b),
-                        Pass::Input => now,
-                    };
-                    (t.end, now)
-                })
+/// Each rank's device bytes over time as points of a curve: through each task, the most it
+/// held at once (from the task's start), then what it held at its end. `held[r][i]` belongs to
+/// `tasks[r][i]` (metered for a plan, measured for a run).
+pub fn curve(tasks: &[Vec<Timed>], held: &[Vec<Held>]) -> Vec<Vec<(f64, u64)>> {
+    (tasks.iter().zip(held))
+        .map(|(list, bytes)| {
+            (list.iter().zip(bytes))
+                .flat_map(|(t, h)| [(t.start, h.peak), (t.end, h.live)])
                 .collect()
         })
         .collect()

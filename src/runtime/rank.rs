@@ -21,7 +21,7 @@ use crate::core::rng::splitmix64;
 use crate::data::loader::Loader;
 use crate::data::{Pipeline, UNLABELLED};
 use crate::graph::{self, Params, RunningUpdate, Tape, ValueId, WeightWork};
-use crate::memory::{Category, MemoryStats};
+use crate::memory::{Category, Held, MemoryStats};
 use crate::ops::tiles::{self, Tiles};
 use crate::ops::{batched, loss};
 use crate::optim::{self, LossScale, Optimizer, Stepper};
@@ -83,6 +83,9 @@ pub struct RankStep {
     pub host_peak: u64,
     /// The step's tasks with their measured start and end (seconds from the step's start).
     pub timeline: Vec<Timed>,
+    /// The device's bytes during each task of `timeline`: the most live at once, and what
+    /// was live when it ended (on a metered run, exactly what a real run holds).
+    pub held: Vec<Held>,
 }
 
 /// (orientation, param id, values) of every copy's parameters (or gradients) on one rank,
@@ -348,6 +351,8 @@ impl Rank {
             .collect();
         let step_start = Instant::now();
         let mut timeline = Vec::with_capacity(tasks.len());
+        let mut held = Vec::with_capacity(tasks.len());
+        self.device.mark();
         for t in tasks {
             let computing = match t.pass {
                 Pass::Forward => self.forward(t)?,
@@ -360,6 +365,7 @@ impl Rank {
                 start: (computing - step_start).as_secs_f64(),
                 end: step_start.elapsed().as_secs_f64(),
             });
+            held.push(self.device.mark());
         }
         self.synchronize()?;
         self.step += 1;
@@ -370,6 +376,7 @@ impl Rank {
         done.memory = self.device.memory();
         done.host_peak = self.device.host_memory().peak;
         done.timeline = timeline;
+        done.held = held;
         Ok(done)
     }
 

@@ -610,12 +610,12 @@ fn check_data(g: &Graph, data: &Pipeline) -> Result<()> {
     )))
 }
 
-/// Each rank's memory over one step of `config` on `graph`, from a metered run: every
-/// allocation of the real task lists on devices that compute nothing. The exact memory model
-/// the planner's choices (`fit`) are made with.
-pub fn meter(graph: &Graph, mut config: RunConfig) -> Result<Vec<MemoryStats>> {
+/// Each rank's part of one step of `config` on `graph` from a metered run: every allocation
+/// of the real task lists on devices that compute nothing. Its memory (the peak, by category)
+/// and its bytes during each task are the exact memory model the planner's choices (`fit`)
+/// are made with; its times mean nothing.
+pub fn meter(graph: &Graph, mut config: RunConfig) -> Result<Vec<RankStep>> {
     config.metered = true;
     let mut s = Session::start(graph, config, None, None)?;
-    s.step()?;
-    s.memory()
+    Ok(s.step()?.ranks)
 }

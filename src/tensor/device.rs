@@ -130,6 +130,11 @@ impl Device {
         self.inner.allocator.stats()
     }
 
+    /// Its bytes since the last mark: the most live at once, and what is live now.
+    pub fn mark(&self) -> crate::memory::Held {
+        self.inner.allocator.mark()
+    }
+
     /// The same device with a host tier of `capacity` bytes (`None`: unlimited) that tensors
     /// travel to and from by `copies`; set before the device is shared.
     pub fn with_host_tier(mut self, capacity: Option<u64>, copies: CopyMode) -> Result<Device> {

@@ -231,15 +231,15 @@ pub fn plan(a: TrainArgs) -> anyhow::Result<()> {
         }
     }
     if let Some(path) = &a.timeline {
-        let bytes = layout.saved_per_micro_batch(c.train.activations(), micro);
+        let held = fit::per_task(&graph, &c)?;
         let title = format!(
-            "{} {} P={} m={} η={}: predicted",
+            "{} {} P={} m={} η={}: predicted times, metered memory",
             g.name, s.kind, s.stages, s.parts, s.replicas
         );
         let svg = gems::plan::timeline::svg(
             &title,
             &layout.schedule.ranks,
-            &gems::plan::timeline::held(&layout.schedule.ranks, &bytes),
+            &gems::plan::timeline::curve(&layout.schedule.ranks, &held),
         );
         gems::core::files::write_output(path, svg.as_bytes())?;
         println!("timeline: {}", path.display());

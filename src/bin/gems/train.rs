@@ -548,18 +548,15 @@ fn header(session: &Session, device: &str, a: &TrainArgs, total: usize) {
 fn timeline(session: &Session, last: &StepReport, path: &Path) -> anyhow::Result<()> {
     let (g, c) = (session.graph(), session.config());
     let s = &c.scheme;
-    let bytes = session
-        .layout()
-        .saved_per_micro_batch(c.train.activations(), c.micro_batch());
-    let tasks: Vec<_> = (0..s.stages)
-        .map(|p| last.ranks[s.first_rank(p)].timeline.clone())
-        .collect();
+    let first = |p| &last.ranks[s.first_rank(p)];
+    let tasks: Vec<_> = (0..s.stages).map(|p| first(p).timeline.clone()).collect();
+    let held: Vec<_> = (0..s.stages).map(|p| first(p).held.clone()).collect();
     let title = format!(
         "{} {} P={} m={} η={}: measured, last step",
         g.name, s.kind, s.stages, s.parts, s.replicas
     );
     let svg =
-        gems::plan::timeline::svg(&title, &tasks, &gems::plan::timeline::held(&tasks, &bytes));
+        gems::plan::timeline::svg(&title, &tasks, &gems::plan::timeline::curve(&tasks, &held));
     gems::core::files::write_output(path, svg.as_bytes())?;
     println!("  timeline: {}", path.display());
     Ok(())
