@@ -303,13 +303,26 @@ fn timeline_svg_is_valid_and_shows_every_task() {
         .descendants()
         .filter(|n| n.attribute("class") == Some("task"))
         .count();
-    assert_eq!(boxes, tasks.iter().map(Vec::len).sum::<usize>());
+    let computed = tasks.iter().flatten().filter(|t| t.task.pass.computes());
+    assert_eq!(boxes, computed.count());
     assert_eq!(boxes, 3 * 2 * 2 * 2); // stages · replicas · micro-batches · (F, B)
+                                      // Every message between two stages: a send posted, and its receive.
+    let sends = doc
+        .descendants()
+        .filter(|n| n.attribute("class") == Some("send"))
+        .count();
+    assert_eq!(sends, 2 * 2 * 2 * 2); // boundaries · replicas · micro-batches · (F, B)
     let curves = doc.descendants().filter(|n| n.has_tag_name("path")).count();
     assert_eq!(curves, 3, "one memory curve per rank");
-    assert!(["F forward", "B/BW backward", "W weight gradients"]
-        .iter()
-        .all(|l| svg.contains(l)));
+    assert!([
+        "F forward",
+        "B/BW backward",
+        "W weight gradients",
+        "RECV waiting",
+        "SEND posted"
+    ]
+    .iter()
+    .all(|l| svg.contains(l)));
     // A zero-bubble schedule draws its W passes apart from its B passes.
     let zb = config(
         "resnet20v2",

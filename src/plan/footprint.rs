@@ -466,7 +466,7 @@ pub fn moments(schedule: &Timeline) -> Vec<Vec<Moment>> {
             let mut held = [0; 2];
             let mut forwarded = [0; 2];
             let mut all = Vec::new();
-            for t in tasks {
+            for t in tasks.iter().filter(|t| t.task.pass.computes()) {
                 let c = t.task.replica % 2;
                 let backward = t.task.pass != Pass::Forward;
                 if !backward {

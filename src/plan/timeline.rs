@@ -48,11 +48,13 @@ pub fn svg(title: &str, tasks: &[Vec<Timed>], held: &[Vec<(f64, u64)>]) -> Strin
         ("F forward", f, 1.0),
         ("B/BW backward", b, 1.0),
         ("W weight gradients", b, 0.45),
+        ("RECV waiting", "grey", 1.0),
+        ("SEND posted", "black", 1.0),
     ]
     .into_iter()
     .enumerate()
     {
-        let lx = left + 420.0 + i as f64 * 160.0;
+        let lx = left + 200.0 + i as f64 * 140.0;
         let _ = writeln!(
             s,
             r#"<rect x="{lx}" y="10" width="12" height="12" fill="{fill}" fill-opacity="{opacity}"/><text x="{}" y="20">{label}</text>"#,
@@ -68,11 +70,39 @@ pub fn svg(title: &str, tasks: &[Vec<Timed>], held: &[Vec<(f64, u64)>]) -> Strin
         );
         for t in list {
             let (f, b) = COLOURS[t.task.replica % COLOURS.len()];
-            // Forward light, backward dark, a weight pass (W) dark and faded.
+            // Forward light, backward dark, a weight pass (W) dark and faded; a send a tick at
+            // the moment it is posted, a receive's wait a thin grey bar.
             let (fill, opacity) = match t.task.pass {
                 Pass::Forward => (f, 1.0),
                 Pass::Backward | Pass::Input => (b, 1.0),
                 Pass::Weight => (b, 0.45),
+                Pass::SendActivations | Pass::SendGradients => {
+                    let _ = writeln!(
+                        s,
+                        r#"<line class="send" x1="{0:.2}" y1="{1}" x2="{0:.2}" y2="{2}" stroke="black" stroke-width="0.8"><title>{3}: {4:.4} s</title></line>"#,
+                        x(t.start),
+                        y + row * 0.75,
+                        y + row,
+                        t.task,
+                        t.start
+                    );
+                    continue;
+                }
+                Pass::RecvActivations | Pass::RecvGradients => {
+                    if t.end > t.start {
+                        let _ = writeln!(
+                            s,
+                            r#"<rect class="wait" x="{:.2}" y="{}" width="{:.2}" height="3" fill="grey"><title>{} waited: {:.4}–{:.4} s</title></rect>"#,
+                            x(t.start),
+                            y + row - 3.0,
+                            (x(t.end) - x(t.start)).max(0.5),
+                            t.task,
+                            t.start,
+                            t.end
+                        );
+                    }
+                    continue;
+                }
             };
             let letter = t.task.pass.code();
             let w = (x(t.end) - x(t.start)).max(0.5);

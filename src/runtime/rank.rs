@@ -114,6 +114,14 @@ pub(crate) struct Rank {
     pending: HashMap<(usize, usize, usize), Pending>,
     /// Split backwards (B) waiting for their weight pass (W), by the same key.
     weights: HashMap<(usize, usize, usize), WeightWork>,
+    /// What RECV_F and RECV_B tasks received, waiting for the F or backward that computes with
+    /// it, by the receive task.
+    received: HashMap<Task, Vec<(ValueId, Tensor)>>,
+    /// An F's outputs waiting for its SEND_F, by that task.
+    activations_out: HashMap<Task, Vec<Tensor>>,
+    /// A backward's input gradients (none where an input takes none) waiting for its SEND_B,
+    /// by that task.
+    gradients_out: HashMap<Task, Vec<Option<Tensor>>>,
     /// fp16's dynamic loss scale (the same on every rank: they skip steps together).
     loss_scale: Option<LossScale>,
     /// Steps done, and the position in the data's epoch order of the next step's first image.
@@ -269,6 +277,9 @@ impl Rank {
             loader: None,
             pending: HashMap::new(),
             weights: HashMap::new(),
+            received: HashMap::new(),
+            activations_out: HashMap::new(),
+            gradients_out: HashMap::new(),
             loss_scale,
             step: 0,
             position: 0,
@@ -359,6 +370,22 @@ impl Rank {
                 Pass::Backward => self.backward(t, false)?,
                 Pass::Input => self.backward(t, true)?,
                 Pass::Weight => self.weight(t)?,
+                Pass::RecvActivations => {
+                    let start = Instant::now();
+                    let feeds = self.receive(t, t.micro)?;
+                    self.received.insert(t, feeds);
+                    start
+                }
+                Pass::RecvGradients => self.receive_gradients(t)?,
+                Pass::SendActivations => {
+                    let start = Instant::now();
+                    let outs = self.activations_out.remove(&t).ok_or_else(|| {
+                        Error::Internal(format!("{t} before the F that makes its activations"))
+                    })?;
+                    self.send(t, t.micro, &outs)?;
+                    start
+                }
+                Pass::SendGradients => self.send_gradients(t)?,
             };
             timeline.push(Timed {
                 task: t,
@@ -550,7 +577,10 @@ impl Rank {
             };
             vec![(g.input, x)]
         } else {
-            self.receive(t, t.micro)?
+            self.take_received(Task {
+                pass: Pass::RecvActivations,
+                ..t
+            })?
         };
         let start = Instant::now();
         let losses = &layout.losses[t.stage];
@@ -625,7 +655,13 @@ impl Rank {
         }
         self.device.backend().synchronize()?;
         self.current.busy += start.elapsed().as_secs_f64();
-        self.send(t, t.micro, &outs[..n_out])?;
+        if t.stage + 1 < s.model_stages() {
+            let send = Task {
+                pass: Pass::SendActivations,
+                ..t
+            };
+            self.activations_out.insert(send, outs[..n_out].to_vec());
+        }
         self.pending
             .insert((t.replica, t.stage, t.micro), Pending { tape, seeds });
         Ok(start)
@@ -940,13 +976,10 @@ impl Rank {
             .remove(&key)
             .ok_or_else(|| Error::Internal(format!("{t} before its F")))?;
         if t.stage + 1 < s.model_stages() {
-            let from = s.place(t.replica, t.stage + 1);
-            for (vi, &v) in layout.outputs[t.stage].iter().enumerate() {
-                let tg = tag(s, Pass::Backward, t.replica, t.stage, t.micro, vi)?;
-                if let Some(d) = self.receive_value(v, from, tg)? {
-                    seeds.push((v, d));
-                }
-            }
+            seeds.extend(self.take_received(Task {
+                pass: Pass::RecvGradients,
+                ..t
+            })?);
         }
         let start = Instant::now();
         let want: &[ValueId] = if t.stage > 0 {
@@ -972,11 +1005,52 @@ impl Rank {
         self.device.backend().synchronize()?;
         self.current.busy += start.elapsed().as_secs_f64();
         if t.stage > 0 {
-            let to = s.place(t.replica, t.stage - 1);
-            for (vi, (gr, &v)) in grads.iter().zip(want).enumerate() {
-                let tg = tag(s, Pass::Backward, t.replica, t.stage - 1, t.micro, vi)?;
-                self.send_value(v, gr.as_ref(), to, tg)?;
+            let send = Task {
+                pass: Pass::SendGradients,
+                ..t
+            };
+            self.gradients_out.insert(send, grads);
+        }
+        Ok(start)
+    }
+
+    /// What receive task `t` received, for the task that computes with it.
+    fn take_received(&mut self, t: Task) -> Result<Vec<(ValueId, Tensor)>> {
+        self.received
+            .remove(&t)
+            .ok_or_else(|| Error::Internal(format!("a task that needs {t} ran before it")))
+    }
+
+    /// Runs a RECV_B task: the gradients of its stage's outputs from the rank of the next
+    /// stage (none for an output that takes none); returns when it started waiting.
+    fn receive_gradients(&mut self, t: Task) -> Result<Instant> {
+        let start = Instant::now();
+        let (c, layout) = (Arc::clone(&self.c), Arc::clone(&self.layout));
+        let s = &c.scheme;
+        let from = s.place(t.replica, t.stage + 1);
+        let mut seeds = Vec::new();
+        for (vi, &v) in layout.outputs[t.stage].iter().enumerate() {
+            let tg = tag(s, Pass::Backward, t.replica, t.stage, t.micro, vi)?;
+            if let Some(d) = self.receive_value(v, from, tg)? {
+                seeds.push((v, d));
             }
+        }
+        self.received.insert(t, seeds);
+        Ok(start)
+    }
+
+    /// Runs a SEND_B task: the gradients its backward made of its stage's inputs, to the rank
+    /// of the stage before; returns when it started.
+    fn send_gradients(&mut self, t: Task) -> Result<Instant> {
+        let start = Instant::now();
+        let grads = self.gradients_out.remove(&t).ok_or_else(|| {
+            Error::Internal(format!("{t} before the backward that makes its gradients"))
+        })?;
+        let s = &self.c.scheme;
+        let to = s.place(t.replica, t.stage - 1);
+        for (vi, (gr, &v)) in grads.iter().zip(&self.layout.inputs[t.stage]).enumerate() {
+            let tg = tag(s, Pass::Backward, t.replica, t.stage - 1, t.micro, vi)?;
+            self.send_value(v, gr.as_ref(), to, tg)?;
         }
         Ok(start)
     }
@@ -1007,9 +1081,10 @@ impl Rank {
     /// Sums each stage's gradients over its copies, commits BN statistics in reference order,
     /// and steps the optimizer.
     fn synchronize(&mut self) -> Result<()> {
-        if !self.pending.is_empty() || !self.weights.is_empty() {
+        let left = self.received.len() + self.activations_out.len() + self.gradients_out.len();
+        if !self.pending.is_empty() || !self.weights.is_empty() || left > 0 {
             return Err(Error::Internal(
-                "the step ended with passes left undone (a schedule without every backward)".into(),
+                "the step ended with tasks left undone (a schedule without every backward or message)".into(),
             ));
         }
         // A non-finite loss or gradient anywhere: fp16 skips the step (below); any other run

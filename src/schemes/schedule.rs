@@ -30,25 +30,51 @@ pub enum Pass {
     Input,
     /// W: the parameter gradients its B left.
     Weight,
+    /// SEND_F: sends what its stage's F made to the rank of the next stage (never blocks).
+    SendActivations,
+    /// RECV_F: receives its stage's inputs from the rank of the stage before, for its F.
+    RecvActivations,
+    /// SEND_B: sends the gradients of its stage's inputs, which its B or BW made, to the rank
+    /// of the stage before (never blocks).
+    SendGradients,
+    /// RECV_B: receives the gradients of its stage's outputs from the rank of the next stage,
+    /// for its B or BW.
+    RecvGradients,
 }
 
 impl Pass {
     /// Every pass, in the order of their codes.
-    pub const ALL: [Pass; 4] = [Pass::Forward, Pass::Backward, Pass::Input, Pass::Weight];
+    pub const ALL: [Pass; 8] = [
+        Pass::Forward,
+        Pass::Backward,
+        Pass::Input,
+        Pass::Weight,
+        Pass::SendActivations,
+        Pass::RecvActivations,
+        Pass::SendGradients,
+        Pass::RecvGradients,
+    ];
 
-    /// Its code in schedule files: `F`, `BW`, `B`, `W`.
+    /// Its code in schedule files: `F`, `BW`, `B`, `W`, `SEND_F`, `RECV_F`, `SEND_B`, `RECV_B`.
     pub fn code(self) -> &'static str {
         match self {
             Pass::Forward => "F",
             Pass::Backward => "BW",
             Pass::Input => "B",
             Pass::Weight => "W",
+            Pass::SendActivations => "SEND_F",
+            Pass::RecvActivations => "RECV_F",
+            Pass::SendGradients => "SEND_B",
+            Pass::RecvGradients => "RECV_B",
         }
     }
 
-    /// Whether it sends the gradients of its stage's inputs upstream (BW and B).
-    pub fn sends_gradients(self) -> bool {
-        matches!(self, Pass::Backward | Pass::Input)
+    /// Whether it computes (F, BW, B, W) rather than moves a message.
+    pub fn computes(self) -> bool {
+        matches!(
+            self,
+            Pass::Forward | Pass::Backward | Pass::Input | Pass::Weight
+        )
     }
 }
 
@@ -58,7 +84,9 @@ impl std::str::FromStr for Pass {
         Pass::ALL
             .into_iter()
             .find(|p| p.code() == s)
-            .ok_or_else(|| format!("unknown task kind '{s}' (F, B, W, BW)"))
+            .ok_or_else(|| {
+                format!("unknown task kind '{s}' (F, B, W, BW, SEND_F, RECV_F, SEND_B, RECV_B)")
+            })
     }
 }
 
@@ -153,7 +181,8 @@ impl StageCosts {
         }
     }
 
-    /// Seconds of `t`'s pass.
+    /// Seconds of `t`'s pass (none for a message task: a send is posted, a receive's wait is
+    /// its message's travel).
     pub fn of(&self, t: &Task) -> f64 {
         let s = t.stage;
         match t.pass {
@@ -161,6 +190,7 @@ impl StageCosts {
             Pass::Backward => self.backward[s],
             Pass::Input => self.backward[s] - self.weight[s],
             Pass::Weight => self.weight[s],
+            _ => 0.0,
         }
     }
 }
@@ -194,11 +224,15 @@ impl Timeline {
             .fold(0.0, f64::max)
     }
 
-    /// Seconds each rank computes.
+    /// Seconds each rank computes (a receive's wait is idle time).
     pub fn busy(&self) -> Vec<f64> {
         self.ranks
             .iter()
-            .map(|r| r.iter().map(|t| t.end - t.start).sum())
+            .map(|r| {
+                (r.iter().filter(|t| t.task.pass.computes()))
+                    .map(|t| t.end - t.start)
+                    .sum()
+            })
             .collect()
     }
 
@@ -220,7 +254,7 @@ impl Timeline {
                     match t.task.pass {
                         Pass::Forward => n += 1,
                         Pass::Backward | Pass::Weight => n -= 1,
-                        Pass::Input => {}
+                        _ => {}
                     }
                     most = most.max(n);
                 }
@@ -245,9 +279,12 @@ impl Timeline {
 }
 
 /// What each rank of a pipeline runs in one step, in order: per pipeline position, a list of
-/// tasks. Gradient sums and the optimizer step close every rank's list; sends and receives are
-/// those of its tasks (an F receives its stage's inputs and sends its outputs, a B or BW
-/// receives its outputs' gradients and sends its inputs'), sends never block. Which rank
+/// tasks. Gradient sums and the optimizer step close every rank's list. Messages are tasks of
+/// their own (SEND_F, RECV_F, SEND_B, RECV_B): an F computes with what its RECV_F received and
+/// leaves its outputs to its SEND_F, a B or BW computes with its RECV_B's gradients and leaves
+/// its inputs' to its SEND_B; sends never block, receives wait for their message. A schedule
+/// may list none: [`Schedule::with_messages`] then puts each receive just before the task that
+/// needs it and each send just after the task that makes it. Which rank
 /// holds which stage is the placement of a built-in order: stage s on rank s (MAST's second
 /// replica mirrored) for gpipe, 1f1b and zbh1; P·V stages looped over the ranks for
 /// interleaved; 2P stages in a V for zbv.
@@ -321,6 +358,59 @@ impl Schedule {
         self.placement = order;
         self.virtual_stages = order.chunks(virtual_stages);
         self
+    }
+
+    /// Stages of the model: P times the chunks per rank.
+    pub fn model_stages(&self) -> usize {
+        self.stages * self.virtual_stages
+    }
+
+    /// Whether it lists its messages (any SEND or RECV task).
+    pub fn has_messages(&self) -> bool {
+        self.ranks.iter().flatten().any(|t| !t.pass.computes())
+    }
+
+    /// The schedule with its messages as tasks: its own where it lists any (checked by
+    /// [`Schedule::validate`]), else each receive just before the task that needs it and each
+    /// send just after the task that makes it.
+    pub fn with_messages(&self) -> Schedule {
+        self.listing_messages().0
+    }
+
+    /// [`Schedule::with_messages`], and for each of its tasks the index in this schedule of
+    /// the task it is or was put in place for (what errors name).
+    fn listing_messages(&self) -> (Schedule, Vec<Vec<usize>>) {
+        let mut out = self.clone();
+        let mut origin: Vec<Vec<usize>> = (self.ranks.iter())
+            .map(|r| (0..r.len()).collect())
+            .collect();
+        if self.has_messages() {
+            return (out, origin);
+        }
+        let last = |s: usize| s + 1 == self.model_stages();
+        for (list, origin) in out.ranks.iter_mut().zip(&mut origin) {
+            let mut with = Vec::with_capacity(2 * list.len());
+            origin.clear();
+            for (i, &t) in list.iter().enumerate() {
+                let at = |pass| Task { pass, ..t };
+                let (before, after) = match t.pass {
+                    Pass::Forward => (
+                        (t.stage > 0).then(|| at(Pass::RecvActivations)),
+                        (!last(t.stage)).then(|| at(Pass::SendActivations)),
+                    ),
+                    Pass::Backward | Pass::Input => (
+                        (!last(t.stage)).then(|| at(Pass::RecvGradients)),
+                        (t.stage > 0).then(|| at(Pass::SendGradients)),
+                    ),
+                    _ => (None, None),
+                };
+                let n = with.len();
+                with.extend(before.into_iter().chain([t]).chain(after));
+                origin.extend(std::iter::repeat_n(i, with.len() - n));
+            }
+            *list = with;
+        }
+        (out, origin)
     }
 
     /// Appends `task` to rank `rank`'s list.
@@ -413,9 +503,19 @@ impl Schedule {
     /// list and the reason: sizes other than the scheme's; a task outside them or on a rank
     /// that does not hold its stage; a micro-batch's F, its backward (one BW, or one B and one
     /// W) of some stage missing or repeated; a B or BW before its F, a W before its B on the
-    /// same rank; a rank waiting for a message no task will send (a deadlock, found by
-    /// replaying the message matching).
+    /// same rank; a message missing, repeated, or on the wrong side of the task that makes or
+    /// needs it (messages it does not list are put in place first: [`Schedule::with_messages`]);
+    /// a rank waiting for a message no task will send (a deadlock, found by replaying the
+    /// message matching).
     pub fn validate(&self, scheme: &Scheme) -> Result<()> {
+        let (listed, origin) = self.listing_messages();
+        listed.validate_listed(scheme, &origin)
+    }
+
+    /// [`Schedule::validate`] of a schedule that lists its messages, naming tasks by their
+    /// `origin` index.
+    fn validate_listed(&self, scheme: &Scheme, origin: &[Vec<usize>]) -> Result<()> {
+        let ix = |r: usize, i: usize| origin[r][i];
         let bad = |m: String| Err(Error::Config(format!("the schedule is refused: {m}")));
         let sizes = (self.stages, self.micro_batches, self.replicas);
         if sizes != (scheme.stages, scheme.parts, scheme.replicas) {
@@ -453,7 +553,7 @@ impl Schedule {
         let mut at: HashMap<Task, (usize, usize)> = HashMap::new();
         for (r, tasks) in self.ranks.iter().enumerate() {
             for (i, t) in tasks.iter().enumerate() {
-                let here = format!("rank {r}, task {i} ({t})");
+                let here = format!("rank {r}, task {} ({t})", ix(r, i));
                 if t.stage >= stages || t.micro >= self.micro_batches || t.replica >= self.replicas
                 {
                     return bad(format!("{here}: outside the schedule's sizes"));
@@ -465,8 +565,22 @@ impl Schedule {
                         t.stage, t.replica
                     ));
                 }
+                let none = match t.pass {
+                    Pass::RecvActivations if t.stage == 0 => "the first stage receives no inputs",
+                    Pass::SendGradients if t.stage == 0 => "the first stage sends no gradients",
+                    Pass::SendActivations if t.stage + 1 == stages => {
+                        "the last stage sends no activations"
+                    }
+                    Pass::RecvGradients if t.stage + 1 == stages => {
+                        "the last stage receives no gradients"
+                    }
+                    _ => "",
+                };
+                if !none.is_empty() {
+                    return bad(format!("{here}: {none}"));
+                }
                 if let Some((r0, i0)) = at.insert(*t, (r, i)) {
-                    return bad(format!("{here}: repeats task {i0} of rank {r0}"));
+                    return bad(format!("{here}: repeats task {} of rank {r0}", ix(r0, i0)));
                 }
             }
         }
@@ -494,19 +608,23 @@ impl Schedule {
                         (None, Some(i), Some(j)) if j > i => i,
                         (None, Some(i), Some(j)) => {
                             return bad(format!(
-                                "rank {r}, task {j} ({}): comes before its B (task {i})",
-                                name(Pass::Weight)
+                                "rank {r}, task {} ({}): comes before its B (task {})",
+                                ix(r, j),
+                                name(Pass::Weight),
+                                ix(r, i)
                             ))
                         }
                         (None, Some(i), None) => {
                             return bad(format!(
-                                "rank {r} has no {} for its B (task {i})",
-                                name(Pass::Weight)
+                                "rank {r} has no {} for its B (task {})",
+                                name(Pass::Weight),
+                                ix(r, i)
                             ))
                         }
                         (None, None, Some(j)) => {
                             return bad(format!(
-                                "rank {r}, task {j} ({}): has no B before it",
+                                "rank {r}, task {} ({}): has no B before it",
+                                ix(r, j),
                                 name(Pass::Weight)
                             ))
                         }
@@ -518,7 +636,8 @@ impl Schedule {
                         }
                         (Some(i), _, _) => {
                             return bad(format!(
-                                "rank {r}, task {i} ({}): the micro-batch's backward is also split into B and W",
+                                "rank {r}, task {} ({}): the micro-batch's backward is also split into B and W",
+                                ix(r, i),
                                 name(Pass::Backward)
                             ))
                         }
@@ -526,18 +645,47 @@ impl Schedule {
                     if first_backward < f {
                         let t = self.ranks[r][first_backward];
                         return bad(format!(
-                            "rank {r}, task {first_backward} ({t}): comes before its F (task {f})"
+                            "rank {r}, task {} ({t}): comes before its F (task {})",
+                            ix(r, first_backward),
+                            ix(r, f)
                         ));
+                    }
+                    // Each message once, receives before the task that needs them, sends after
+                    // the one that makes them.
+                    let (first, last) = (stage == 0, stage + 1 == stages);
+                    for (pass, wanted, by, before) in [
+                        (Pass::RecvActivations, !first, f, true),
+                        (Pass::SendActivations, !last, f, false),
+                        (Pass::RecvGradients, !last, first_backward, true),
+                        (Pass::SendGradients, !first, first_backward, false),
+                    ] {
+                        if !wanted {
+                            continue;
+                        }
+                        let Some(i) = find(pass) else {
+                            return bad(format!("rank {r} has no {}", name(pass)));
+                        };
+                        if (i < by) != before {
+                            let side = if before { "after" } else { "before" };
+                            let which = self.ranks[r][by];
+                            return bad(format!(
+                                "rank {r}, task {} ({}): comes {side} the {which} (task {}) it is for",
+                                ix(r, i),
+                                name(pass),
+                                ix(r, by)
+                            ));
+                        }
                     }
                 }
             }
         }
-        time(scheme, &StageCosts::uniform(stages, 1.0, 2.0), self).map(|_| ())
+        time_listed(scheme, &StageCosts::uniform(stages, 1.0, 2.0), self, origin).map(|_| ())
     }
 }
 
-/// The tasks `t` waits for: on its own rank (its F, its B) and from other ranks (the
-/// activations of the stage before, the gradients of the stage after).
+/// The compute tasks `t` waits for, messages left implicit (what the builders order): on its
+/// own rank (its F, its B) and from other ranks (the activations of the stage before, the
+/// gradients of the stage after).
 fn depends(t: &Task, stages: usize) -> impl Iterator<Item = Task> {
     let at = |pass, stage| Task { pass, stage, ..*t };
     let (mut local, mut remote) = (None, None);
@@ -552,8 +700,32 @@ fn depends(t: &Task, stages: usize) -> impl Iterator<Item = Task> {
             }
         }
         Pass::Weight => local = Some(at(Pass::Input, t.stage)),
+        _ => {}
     }
     local.into_iter().chain(remote)
+}
+
+/// The tasks `t` waits for in a schedule that lists its messages: on its own rank, the task
+/// whose results it sends, or the receives it computes with (and an F before its B, a B
+/// before its W); a receive, its send on another rank.
+fn needs(t: &Task, stages: usize) -> Vec<Task> {
+    let at = |pass, stage| Task { pass, stage, ..*t };
+    let later = t.stage + 1 < stages;
+    match t.pass {
+        Pass::Forward if t.stage > 0 => vec![at(Pass::RecvActivations, t.stage)],
+        Pass::Forward => vec![],
+        Pass::SendActivations => vec![at(Pass::Forward, t.stage)],
+        Pass::RecvActivations => (t.stage.checked_sub(1))
+            .map(|s| at(Pass::SendActivations, s))
+            .into_iter()
+            .collect(),
+        Pass::Backward | Pass::Input if later => {
+            vec![at(Pass::Forward, t.stage), at(Pass::RecvGradients, t.stage)]
+        }
+        Pass::Backward | Pass::Input => vec![at(Pass::Forward, t.stage)],
+        Pass::SendGradients | Pass::Weight => vec![at(Pass::Input, t.stage)],
+        Pass::RecvGradients => vec![at(Pass::SendGradients, t.stage + 1)],
+    }
 }
 
 /// When a task's gradients are ready, whichever backward (BW or B) sent them.
@@ -569,11 +741,23 @@ fn finished(done: &HashMap<Task, f64>, t: &Task) -> Option<f64> {
     })
 }
 
-/// Replays `schedule`'s fixed per-rank orders under `costs`: each task starts when its rank is
-/// free and what it waits for has ended (plus the transfer from another stage). A schedule
-/// whose ranks all wait for messages no task can send is a deadlock, reported with each
-/// waiting rank's task.
+/// Replays `schedule`'s fixed per-rank orders, its messages listed
+/// ([`Schedule::with_messages`]), under `costs`: each task starts when its rank is free and
+/// what it waits for has ended (a receive's message, plus its transfer from another rank). A
+/// schedule whose ranks all wait for messages no task can send is a deadlock, reported with
+/// each waiting rank's task.
 pub fn time(scheme: &Scheme, costs: &StageCosts, schedule: &Schedule) -> Result<Timeline> {
+    let (listed, origin) = schedule.listing_messages();
+    time_listed(scheme, costs, &listed, &origin)
+}
+
+/// [`time`] of a schedule that lists its messages, naming tasks by their `origin` index.
+fn time_listed(
+    scheme: &Scheme,
+    costs: &StageCosts,
+    schedule: &Schedule,
+    origin: &[Vec<usize>],
+) -> Result<Timeline> {
     let p = schedule.ranks.len();
     let mut next = vec![0usize; p];
     let mut free_at = vec![0.0f64; p];
@@ -588,7 +772,7 @@ pub fn time(scheme: &Scheme, costs: &StageCosts, schedule: &Schedule) -> Result<
             };
             let mut ready = 0.0f64;
             let mut waiting = false;
-            for d in depends(t, scheme.model_stages()) {
+            for d in needs(t, scheme.model_stages()) {
                 match finished(&done, &d) {
                     Some(e) if scheme.place(d.replica, d.stage) == r => ready = ready.max(e),
                     Some(e) => ready = ready.max(e + costs.transfer[t.stage.min(d.stage)]),
@@ -607,11 +791,12 @@ pub fn time(scheme: &Scheme, costs: &StageCosts, schedule: &Schedule) -> Result<
             let stuck: Vec<String> = (0..p)
                 .filter_map(|r| {
                     let t = schedule.ranks[r].get(next[r])?;
-                    let on = depends(t, scheme.model_stages())
+                    let on = needs(t, scheme.model_stages())
+                        .into_iter()
                         .find(|d| finished(&done, d).is_none())
                         .map(|d| format!(", waiting for {d}"))
                         .unwrap_or_default();
-                    Some(format!("rank {r} at task {} ({t}{on})", next[r]))
+                    Some(format!("rank {r} at task {} ({t}{on})", origin[r][next[r]]))
                 })
                 .collect();
             return Err(Error::Config(format!(
@@ -660,11 +845,13 @@ fn stage_sequence(order: Order, stages: usize, stage: usize, m: usize) -> Vec<(P
 /// later replica's forward starts when the rank's free bytes hold it beside the most the
 /// earlier replicas will still hold there. Either way the first replica is never starved.
 pub fn build(scheme: &Scheme, costs: &StageCosts, admission: &Admission) -> Result<Timeline> {
-    match scheme.order {
-        Order::ZbH1 | Order::ZbV => zero_bubble(scheme, costs),
-        Order::Interleaved => time(scheme, costs, &interleaved(scheme)),
-        Order::GPipe | Order::OneFOneB => replay(scheme, costs, admission, false),
-    }
+    let order = match scheme.order {
+        Order::ZbH1 | Order::ZbV => zero_bubble(scheme, costs)?.schedule(scheme),
+        Order::Interleaved => interleaved(scheme),
+        Order::GPipe | Order::OneFOneB => replay(scheme, costs, admission, false)?.schedule(scheme),
+    };
+    // Its messages as tasks, which keeps the times the order was built with.
+    time(scheme, costs, &order)
 }
 
 /// The task list of an evaluation on one group: `micro` micro-batches' forwards through replica
@@ -996,6 +1183,11 @@ mod tests {
     use crate::schemes::admission::{held_bytes, Budget, Moment, StageBytes};
     use crate::schemes::Kind;
 
+    /// Compute tasks (F, BW, B, W) of a rank's list.
+    fn computed(tasks: &[Timed]) -> usize {
+        tasks.iter().filter(|t| t.task.pass.computes()).count()
+    }
+
     fn scheme(kind: Kind, stages: usize, parts: usize, replicas: usize, order: Order) -> Scheme {
         Scheme::new(kind, stages, parts, replicas, 1, order)
     }
@@ -1031,7 +1223,7 @@ mod tests {
             let held = |r: &Vec<Timed>| {
                 let mut n: i32 = 0;
                 let mut most = 0;
-                for t in r {
+                for t in r.iter().filter(|t| t.task.pass.computes()) {
                     n += if t.task.pass == Pass::Forward { 1 } else { -1 };
                     most = most.max(n);
                 }
@@ -1074,7 +1266,7 @@ mod tests {
             &Admission::Free,
         )
         .unwrap();
-        assert_eq!(s.ranks[1].len(), 4);
+        assert_eq!(computed(&s.ranks[1]), 4);
         assert!(s.makespan() < 2.0 * 3.0 * (F + B));
     }
 
@@ -1110,7 +1302,7 @@ mod tests {
         (t.ranks.iter().enumerate())
             .map(|(rank, tasks)| {
                 let (mut held, mut forwarded, mut most) = ([0usize; 2], [0usize; 2], (0, 0));
-                for t in tasks {
+                for t in tasks.iter().filter(|t| t.task.pass.computes()) {
                     let c = t.task.replica % 2;
                     let backward = t.task.pass != Pass::Forward;
                     if !backward {
@@ -1201,7 +1393,7 @@ mod tests {
             &Admission::Free,
         )
         .unwrap();
-        let tasks: usize = s.ranks.iter().map(Vec::len).sum();
+        let tasks: usize = s.ranks.iter().map(|r| computed(r)).sum();
         assert_eq!(tasks, 4 * 4 * 2 * 2); // replicas · stages · micro-batches · (F, B)
         assert!(build(
             &scheme(Kind::Mast, 2, 1, 2, Order::GPipe),
@@ -1343,6 +1535,112 @@ mod tests {
             build(&sch, &StageCosts::uniform(3, F, B), &Admission::Free)
                 .unwrap()
                 .makespan()
+        );
+    }
+
+    /// Messages are tasks: a schedule that lists none gets each receive just before the task
+    /// that needs it and each send just after the one that makes it; one that lists them keeps
+    /// its own order, and each must be there once, on the right side of its task, and match.
+    #[test]
+    fn messages_are_tasks_put_in_place_or_checked() {
+        let sch = scheme(Kind::Mp, 2, 2, 1, Order::OneFOneB);
+        let mut bare = Schedule::empty(2, 2);
+        for t in [Task::forward(0, 0), Task::forward(0, 1)] {
+            bare.push(0, t);
+        }
+        for t in [Task::backward(0, 0), Task::backward(0, 1)] {
+            bare.push(0, t);
+        }
+        for k in 0..2 {
+            bare.push(1, Task::forward(1, k))
+                .push(1, Task::backward(1, k));
+        }
+        let listed = bare.with_messages();
+        let codes = |r: usize| -> Vec<String> {
+            let list = &listed.ranks[r];
+            list.iter()
+                .map(|t| format!("{}{}", t.pass.code(), t.micro))
+                .collect()
+        };
+        assert_eq!(
+            codes(0),
+            ["F0", "SEND_F0", "F1", "SEND_F1", "RECV_B0", "BW0", "RECV_B1", "BW1"]
+        );
+        assert_eq!(
+            codes(1),
+            ["RECV_F0", "F0", "BW0", "SEND_B0", "RECV_F1", "F1", "BW1", "SEND_B1"]
+        );
+        listed.validate(&sch).unwrap();
+        assert_eq!(listed.with_messages(), listed, "a listing is kept");
+        // Both receives of rank 1 posted first: valid, and slower, as receives block: F0
+        // waits until micro-batch 1's activations have come too.
+        let mut early = listed.clone();
+        let second = early.ranks[1].remove(4);
+        early.ranks[1].insert(1, second);
+        early.validate(&sch).unwrap();
+        let costs = StageCosts::uniform(2, F, B);
+        let span = |s: &Schedule| time(&sch, &costs, s).unwrap().makespan();
+        assert_eq!(span(&early), span(&listed) + F);
+        // A JSON file carries them.
+        assert_eq!(Schedule::from_json(&early.to_json()).unwrap(), early);
+        let refused = |s: &Schedule| s.validate(&sch).unwrap_err().to_string();
+        // A send dropped.
+        let mut s = listed.clone();
+        s.ranks[0].remove(1);
+        let e = refused(&s);
+        assert!(
+            e.contains("rank 0 has no SEND_F of stage 0, micro-batch 0"),
+            "{e}"
+        );
+        // A receive after the F it is for.
+        let mut s = listed.clone();
+        s.ranks[1].swap(0, 1);
+        let e = refused(&s);
+        assert!(
+            e.contains("rank 1, task 1 (RECV_F of stage 1, micro-batch 0): comes after the F"),
+            "{e}"
+        );
+        // A send before the backward that makes its gradients.
+        let mut s = listed.clone();
+        s.ranks[1].swap(2, 3);
+        let e = refused(&s);
+        assert!(
+            e.contains("rank 1, task 2 (SEND_B of stage 1, micro-batch 0): comes before"),
+            "{e}"
+        );
+        // A message the stage does not have.
+        let mut s = listed.clone();
+        s.ranks[0].insert(
+            0,
+            Task {
+                pass: Pass::RecvActivations,
+                ..Task::forward(0, 0)
+            },
+        );
+        let e = refused(&s);
+        assert!(
+            e.contains("rank 0, task 0") && e.contains("the first stage receives no inputs"),
+            "{e}"
+        );
+        // A receive before its send on a rank that must send first: rank 0 waits for the
+        // gradients of micro-batch 0 before sending micro-batch 0's activations.
+        let mut s = listed.clone();
+        let recv = s.ranks[0].remove(4);
+        s.ranks[0].insert(1, recv);
+        let e = refused(&s);
+        assert!(
+            e.contains("deadlocks") && e.contains("rank 0 at task 1 (RECV_B"),
+            "{e}"
+        );
+        // A compute-only schedule's errors name its own indices.
+        let mut s = bare.clone();
+        s.ranks[1].swap(2, 3);
+        let e = refused(&s);
+        assert!(
+            e.contains(
+                "rank 1, task 2 (BW of stage 1, micro-batch 1): comes before its F (task 3)"
+            ),
+            "{e}"
         );
     }
 
