@@ -235,6 +235,12 @@ fn split_backward(name: &str, p: usize, m: usize) {
         .schedule
         .schedule(&scheme);
     c.schedule = Some(std::sync::Arc::new(common::defer_weights(&one_f)));
+    check_run(model, c.clone());
+    // 1F1B whose activations are sent late (each SEND_F just before the rank's next
+    // receive): messages run where the schedule lists them.
+    let late = common::send_activations_late(&one_f);
+    assert_ne!(late, one_f.with_messages());
+    c.schedule = Some(std::sync::Arc::new(late));
     check_run(model, c);
 }
 

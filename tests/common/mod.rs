@@ -243,3 +243,27 @@ pub fn defer_weights(schedule: &Schedule) -> Schedule {
     }
     late
 }
+
+/// `schedule` with each rank's activations sent late: every SEND_F moved to just before the
+/// rank's next receive (or the end of its list). A rank blocks only in a receive, so what it
+/// sends before blocking still comes, and the schedule stays free of deadlock.
+pub fn send_activations_late(schedule: &Schedule) -> Schedule {
+    let mut late = schedule.with_messages();
+    for tasks in &mut late.ranks {
+        let mut out: Vec<Task> = Vec::with_capacity(tasks.len());
+        let mut waiting: Vec<Task> = Vec::new();
+        for &t in tasks.iter() {
+            match t.pass {
+                Pass::SendActivations => waiting.push(t),
+                Pass::RecvActivations | Pass::RecvGradients => {
+                    out.append(&mut waiting);
+                    out.push(t);
+                }
+                _ => out.push(t),
+            }
+        }
+        out.append(&mut waiting);
+        *tasks = out;
+    }
+    late
+}
