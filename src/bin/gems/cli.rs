@@ -267,8 +267,8 @@ pub struct EvalArgs {
     #[arg(long, required_unless_present = "init", conflicts_with = "init")]
     pub checkpoint: Option<PathBuf>,
     /// Or the weights of a plain safetensors state_dict (torchvision's names, e.g. saved from
-    /// PyTorch) for --model on --image-size inputs; needs --data.
-    #[arg(long, value_name = "FILE", requires = "data")]
+    /// PyTorch) for --model on --image-size inputs, scored on --data [default: synthetic].
+    #[arg(long, value_name = "FILE")]
     pub init: Option<PathBuf>,
     /// The model of --init's weights.
     #[arg(long, requires = "init", default_value = "resnet20v2")]
