@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """gems's CPU backend against PyTorch (eager and torch.compile) on this machine, side by side.
 
-    scripts/bench_vs_torch.sh train            # the four training targets of issue 20
+    scripts/bench_vs_torch.sh train            # four training runs: resnet110v2, resnet50, resnet20v2
     scripts/bench_vs_torch.sh convs            # per-shape conv GFLOP/s, resnet110v2 at 256², B = 1
     scripts/bench_vs_torch.sh convs --model resnet50 --side 224 --batch 8   # another model's
     scripts/bench_vs_torch.sh scaling          # resnet110v2, B = 1, step time from 128² to 1024²
@@ -33,7 +33,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 GEMS = os.path.join(HERE, "..", "target", "release", "gems")
 
-# (model, image side, batch, warm-up steps, timed steps): issue 20's targets.
+# (model, image side, batch, warm-up steps, timed steps): the training comparisons.
 TRAIN = [
     ("resnet110v2", 256, 2, 2, 4),
     ("resnet110v2", 512, 1, 1, 3),

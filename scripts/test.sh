@@ -19,7 +19,8 @@
 #      the race check (GEMS_EMU_RACECHECK) and chaos seed 2 (about 4 minutes on 2 cores). The rest of the GPU suite (16-bit steps, loss scale, training, offload,
 #      schemes, a cuDNN step and offload with cuDNN; about 30 minutes on 2 cores) runs with:
 #      cargo test --release --test cuda_ops -- --ignored
-#   3. without extra arguments, every example (examples/).
+#   3. without extra arguments, every example (examples/), the documentation's build, the
+#      commands of README.md and docs/*.md (scripts/docs_check.sh) and the GPU script's dry run.
 #
 # Environment:
 #   GEMS_SKIP_APT=1   do not install anything (only check and warn).
@@ -294,6 +295,9 @@ if [ "$#" -eq 0 ]; then
     # Every public item's documentation builds, its links resolve.
     log "== cargo doc"
     RUSTDOCFLAGS="-D warnings" cargo doc --no-deps --quiet "${features[@]}"
+    # The documentation's commands, as a reader would type them (a renamed flag fails here).
+    log "== scripts/docs_check.sh"
+    GEMS="$ROOT/target/release/gems" scripts/docs_check.sh
     # The GPU script's dry run: every step starts, and says "no GPU" where it needs one.
     log "== scripts/gpu/run.sh (dry run)"
     scripts/gpu/dry_run.sh

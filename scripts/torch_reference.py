@@ -503,7 +503,7 @@ def bandwidth(mib, repeats, device, report):
 
 
 def run_all(budget_s, device, report):
-    """Everything a GPU session needs, cheapest first so that a short budget loses the fewest
+    """Every measurement, cheapest first so that a short budget loses the fewest
     figures; a measurement not started before the budget ends is recorded as skipped."""
     tiny = device.type == "cpu"  # checking the script: the same plan at sizes a CPU runs
     cap = 4 if tiny else 4096
@@ -612,7 +612,7 @@ def main():
     b.add_argument("--mib", type=int, default=256)
     b.add_argument("--repeats", type=int, default=10)
 
-    a = command("all", "everything a GPU session needs, within a time budget")
+    a = command("all", "every measurement, cheapest first, within a time budget")
     a.add_argument("--budget-s", type=float, default=240)
 
     n = sub.add_parser("state-dict", help="a model's state_dict names and shapes (a fixture)")

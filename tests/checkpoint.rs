@@ -373,6 +373,13 @@ fn weights_go_out_as_a_plain_state_dict_and_come_back_in() {
         score(&["--init", &p("w.safetensors")]),
         score(&["--checkpoint", a.to_str().unwrap()])
     );
+    // Plain weights hold no held-out split: without --data they are scored on synthetic data.
+    let (ok, out, err) = gems(&["eval", "--init", &p("w.safetensors"), "--samples", "64"]);
+    assert!(ok, "{err}");
+    assert!(
+        out.contains(&score(&["--init", &p("w.safetensors")])),
+        "{out}"
+    );
     // What does not match the model is refused by name.
     let (ok, _, err) = gems(&[
         "eval",

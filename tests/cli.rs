@@ -358,3 +358,55 @@ fn adamw_checkpoints_its_settings_and_state_and_resumes() {
     assert!(out.contains("images/s"), "{out}");
     std::fs::remove_dir_all(dir).ok();
 }
+
+/// A command run again with `--resume` added continues the run: flags that repeat the
+/// checkpoint's values are accepted, a different value is refused naming both.
+#[test]
+fn resume_accepts_the_checkpoints_values_and_refuses_others() {
+    let dir = std::env::temp_dir().join(format!("gems-cli-rerun-{}", std::process::id()));
+    std::fs::remove_dir_all(&dir).ok();
+    let ckpt = dir.join("run");
+    let ckpt = ckpt.to_str().unwrap();
+    let command = [
+        "train",
+        "--model",
+        "resnet20v2",
+        "--image-size",
+        "32",
+        "--batch-size",
+        "2",
+        "--lr",
+        "0.05",
+        "--optimizer",
+        "adamw",
+        "--betas",
+        "0.8,0.99",
+        "--nesterov",
+        "--seed",
+        "3",
+        "--data",
+        "synthetic",
+        "--checkpoint",
+        ckpt,
+    ];
+    let (ok, _, err) = gems(&[&command[..], &["--steps", "1"]].concat());
+    assert!(ok, "{err}");
+    let file = dir.join("run/step-000001.safetensors");
+    let resume = ["--resume", file.to_str().unwrap(), "--steps", "2"];
+    let (ok, out, err) = gems(&[&command[..], &resume].concat());
+    assert!(ok, "{err}");
+    assert!(out.contains("images/s"), "{out}");
+    for (flag, ours, theirs) in [
+        ("--lr", "0.1", "0.05"),
+        ("--betas", "0.9,0.999", "0.8,0.99"),
+        ("--image-size", "64", "32"),
+        ("--optimizer", "sgd", "adamw"),
+    ] {
+        let (ok, _, err) = gems(&[&["train", flag, ours][..], &resume].concat());
+        assert!(!ok);
+        let expect = format!("{flag} {ours} differs from the checkpoint's {theirs}");
+        assert!(err.contains(&expect), "{err}");
+        assert_eq!(err.trim().lines().count(), 1, "{err}");
+    }
+    std::fs::remove_dir_all(dir).ok();
+}

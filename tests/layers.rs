@@ -145,3 +145,83 @@ fn a_planted_upward_import_is_caught() {
         "{bad:?}"
     );
 }
+
+/// A circle among the files of one module (`crate::m::a` uses `crate::m::b`, which uses
+/// `crate::m::a`, perhaps through others), named by its files; `None` without one.
+fn circle(src: &Path, module: &str) -> Option<Vec<String>> {
+    let dir = src.join(module);
+    let mut files = Vec::new();
+    sources(&dir, &mut files);
+    let name = |p: &Path| {
+        let rel = p.strip_prefix(&dir).unwrap();
+        let first = rel
+            .components()
+            .next()
+            .unwrap()
+            .as_os_str()
+            .to_string_lossy();
+        first.trim_end_matches(".rs").to_string()
+    };
+    let prefix = format!("crate::{module}::");
+    let mut edges: Vec<(String, String)> = Vec::new();
+    for f in &files {
+        let from = name(f);
+        for (_, to) in uses(&std::fs::read_to_string(f).unwrap(), &prefix) {
+            let sibling = dir.join(format!("{to}.rs")).exists() || dir.join(&to).is_dir();
+            if sibling && to != from && from != "mod" {
+                edges.push((from.clone(), to));
+            }
+        }
+    }
+    // Depth-first from each file; a file met again on the current path closes a circle.
+    fn walk(at: &str, edges: &[(String, String)], path: &mut Vec<String>) -> Option<Vec<String>> {
+        if let Some(i) = path.iter().position(|p| p == at) {
+            return Some([&path[i..], &[at.to_string()]].concat());
+        }
+        path.push(at.to_string());
+        for (_, to) in edges.iter().filter(|(from, _)| from == at) {
+            if let Some(c) = walk(to, edges, path) {
+                return Some(c);
+            }
+        }
+        path.pop();
+        None
+    }
+    edges
+        .iter()
+        .find_map(|(from, _)| walk(from, &edges, &mut Vec::new()))
+}
+
+#[test]
+fn no_module_s_files_import_each_other_in_a_circle() {
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+    for e in std::fs::read_dir(&src).unwrap() {
+        let p = e.unwrap().path();
+        if p.is_dir() {
+            let module = p.file_name().unwrap().to_string_lossy().into_owned();
+            if let Some(c) = circle(&src, &module) {
+                panic!("{module}'s files import in a circle: {}", c.join(" → "));
+            }
+        }
+    }
+}
+
+#[test]
+fn a_planted_circle_is_caught() {
+    let dir = std::env::temp_dir().join(format!("gems-circle-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(dir.join("plan")).unwrap();
+    std::fs::write(
+        dir.join("plan/mod.rs"),
+        "pub mod a;\npub mod b;\npub mod c;\n",
+    )
+    .unwrap();
+    std::fs::write(dir.join("plan/a.rs"), "use crate::plan::b::B;\n").unwrap();
+    std::fs::write(dir.join("plan/b.rs"), "use crate::plan::c::C;\n").unwrap();
+    std::fs::write(dir.join("plan/c.rs"), "// crate::plan::b\n").unwrap();
+    assert_eq!(circle(&dir, "plan"), None);
+    std::fs::write(dir.join("plan/c.rs"), "fn f() { crate::plan::a::g() }\n").unwrap();
+    let c = circle(&dir, "plan").expect("a → b → c → a");
+    assert_eq!(c.len(), 4, "{c:?}");
+    std::fs::remove_dir_all(dir).ok();
+}

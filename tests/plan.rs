@@ -509,8 +509,8 @@ fn analytic_memory_matches_the_metered_run() {
 /// is refused with the rank, the excess and what would fit.
 #[test]
 fn capped_split_fits_and_is_the_fastest_that_does() {
+    use gems::plan::cuts;
     use gems::plan::footprint::{self, Footprint, StageMemory};
-    use gems::plan::partition;
     use gems::schemes::schedule;
     let need = |c: &Run| {
         memory::per_rank(c)
@@ -548,7 +548,7 @@ fn capped_split_fits_and_is_the_fastest_that_does() {
             ConvWorkspace::Cpu,
         )
         .unwrap();
-        let cuts = partition::cut_points(&layout.graph);
+        let cuts = cuts::cut_points(&layout.graph);
         let n = layout.graph.nodes.len();
         let mut fastest = f64::INFINITY;
         for (i, &a) in cuts.iter().enumerate() {

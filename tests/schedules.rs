@@ -194,14 +194,14 @@ fn deferring_every_w_holds_more_memory_than_1f1b_and_plans_say_so() {
 }
 
 #[test]
-fn the_readme_example_file_is_a_valid_schedule() {
-    let readme = include_str!("../README.md");
-    let start = readme
+fn the_documented_example_file_is_a_valid_schedule() {
+    let guide = include_str!("../docs/memory-research.md");
+    let start = guide
         .find("```json\n")
-        .expect("the README shows a schedule file")
+        .expect("the memory guide shows a schedule file")
         + 8;
-    let end = start + readme[start..].find("```").unwrap();
-    let s = Schedule::from_json(&readme[start..end]).unwrap();
+    let end = start + guide[start..].find("```").unwrap();
+    let s = Schedule::from_json(&guide[start..end]).unwrap();
     let scheme = gems::Scheme::new(gems::Kind::Mp, 2, 2, 1, 1, gems::Order::OneFOneB);
     s.validate(&scheme).unwrap();
 }

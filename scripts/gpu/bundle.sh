@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Here (with the Rust toolchain): builds what scripts/gpu/run.sh runs on the device machine,
-# which has no Rust, into device/ (ignored by git; name it in the device tool's `carry`):
+# which needs no Rust, into device/ (ignored by git; copy it there with the checkout):
 #   device/gems       the binary (release, default features: no emulator, no poisoned storage)
 #   device/cuda_ops   the GPU suite (tests/cuda_ops.rs)
 # Both are located from cargo's own report (so CARGO_TARGET_DIR and friends are honoured) and
-# stripped: about 15 MiB together, well under the tool's 64 MiB for the whole working tree.
+# stripped: about 15 MiB together.
 # Usage: scripts/gpu/bundle.sh [--into DIR] [--no-strip]   (scripts/gpu/dry_run.sh uses both)
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."

@@ -205,7 +205,7 @@ pub fn choose_spatial(g: &Graph, c: &RunConfig, cap: u64) -> Result<RunConfig> {
 
 /// The most stages `g` can be cut into.
 fn most_stages(g: &Graph) -> usize {
-    crate::plan::partition::cut_points(g).len() + 1
+    crate::plan::cuts::cut_points(g).len() + 1
 }
 
 /// `c` with `p` stages (MP-Basic where it was single) and splits balanced by cost.
@@ -326,7 +326,7 @@ fn check_device(g: &Graph, c: &RunConfig, cap: u64) -> Result<u64> {
         needed: worst.peak,
         capacity: cap,
         at_peak: worst.at_peak,
-        least: crate::plan::memory::shortfall(g, c)?.map(Box::new),
+        least: crate::plan::layout::shortfall(g, c)?.map(Box::new),
         what_fits: what_fits(g, c, cap)?,
     })
 }

@@ -25,7 +25,7 @@ use crate::backend::meter::ConvWorkspace;
 use crate::graph::Graph;
 use crate::memory::Category;
 use crate::ops::{batched, Backward, Ctx};
-use crate::plan::partition::MAX_CUT_VALUES;
+use crate::plan::cuts::{carried, MAX_CUT_VALUES};
 use crate::schemes::admission::rank_copies;
 pub use crate::schemes::admission::{held_bytes, Moment, StageBytes};
 use crate::schemes::schedule::{Pass, Timeline};
@@ -231,7 +231,7 @@ impl Footprint {
         };
         let params = param_bytes(|trainable| if trainable { 3 } else { 1 });
         let trainable = param_bytes(|trainable| trainable as usize);
-        let crossing = crate::plan::partition::carried(g);
+        let crossing = carried(g);
         // Of the values crossing a boundary whose gradients the model shares (the same last
         // consumer, one that hands on `dy`), all but the earliest produced arrive as buffers
         // of their own.

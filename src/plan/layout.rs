@@ -7,6 +7,8 @@ use std::sync::Arc;
 use crate::graph::{Graph, Output, ValueId};
 use crate::plan::config::RunConfig;
 use crate::plan::cost::{DeviceProfile, Link, NodeCosts, TileCosts};
+use crate::plan::cuts::crossing;
+use crate::plan::memory;
 use crate::plan::partition::{self, Partition};
 use crate::schemes::admission::Admission;
 use crate::schemes::schedule::Timeline;
@@ -103,19 +105,16 @@ impl Layout {
                 )))
             }
             Some(b) => partition::from_balance(&graph, b)?,
-            None => crate::plan::memory::split(c, &graph, &costs, &tiles)?,
+            None => memory::split(c, &graph, &costs, &tiles)?,
         };
         let stages = &partition.stages;
-        let inputs = stages
-            .iter()
-            .map(|r| partition::crossing(&graph, r.start))
-            .collect();
+        let inputs = stages.iter().map(|r| crossing(&graph, r.start)).collect();
         let outputs = stages
             .iter()
             .enumerate()
             .map(|(s, r)| {
                 if s + 1 < stages.len() {
-                    partition::crossing(&graph, r.end)
+                    crossing(&graph, r.end)
                 } else {
                     vec![]
                 }
@@ -199,4 +198,14 @@ impl Layout {
         let last = nodes.last().map_or(first, |n| n.params.end);
         first..last
     }
+}
+
+/// Where `c` runs the split balanced by cost although a capacity is set because no split fits
+/// it: the split of its stages whose fullest rank needs least, by the analytic model.
+pub fn shortfall(g: &Graph, c: &RunConfig) -> Result<Option<partition::Shortfall>> {
+    if c.balance.is_some() {
+        return Ok(None);
+    }
+    let l = Layout::new(g, c)?;
+    memory::shortfall(c, &l.graph, &l.schedule, &l.costs, &l.tiles)
 }

@@ -7,8 +7,8 @@ use crate::graph::Graph;
 use crate::plan::config::RunConfig;
 use crate::plan::cost::{NodeCosts, TileCosts};
 use crate::plan::footprint::{self, Footprint, StageBytes, StageMemory};
-use crate::plan::layout::Layout;
 use crate::plan::partition::{self, Cost, Limit, Partition, Shortfall};
+use crate::schemes::schedule::Timeline;
 use crate::Result;
 
 /// Splits tried one by one, each with its own schedule, when there are no more than this.
@@ -89,19 +89,22 @@ pub fn stage_bytes(c: &RunConfig, g: &Graph, part: &Partition) -> Result<Option<
 }
 
 /// Where `c` runs the split balanced by cost although a capacity is set because no split fits
-/// it: the split of its stages whose fullest rank needs least, by the analytic model.
-pub fn shortfall(g: &Graph, c: &RunConfig) -> Result<Option<Shortfall>> {
-    if c.balance.is_some() {
-        return Ok(None);
-    }
-    let layout = Layout::new(g, c)?;
-    let Some(model) = Model::of(c, &layout.graph)? else {
+/// it: the split of `g`'s stages whose fullest rank needs least, by the analytic model, given
+/// the stages' `schedule` under the balanced split.
+pub fn shortfall(
+    c: &RunConfig,
+    g: &Graph,
+    schedule: &Timeline,
+    costs: &NodeCosts,
+    tiles: &TileCosts,
+) -> Result<Option<Shortfall>> {
+    let Some(model) = Model::of(c, g)? else {
         return Ok(None);
     };
-    let moments = footprint::moments(&layout.schedule);
+    let moments = footprint::moments(schedule);
     let limit = model.limit(c, &moments);
-    let cost = Cost::of(&layout.costs, &layout.tiles);
-    let least = partition::least_memory(&layout.graph, c.scheme.stages, &cost, &limit)?;
+    let cost = Cost::of(costs, tiles);
+    let least = partition::least_memory(g, c.scheme.stages, &cost, &limit)?;
     Ok((least.need > model.cap).then_some(least))
 }
 

@@ -1,19 +1,16 @@
-//! Cutting a graph into pipeline stages. A cut point is a boundary between consecutive nodes
-//! that at most [`MAX_CUT_VALUES`] values cross (a chain carries one tensor; a residual block or
-//! an AmoebaNet cell boundary carries two). Stages are contiguous node ranges between cuts,
-//! chosen to balance predicted cost among the splits whose ranks fit a memory cap (by the
-//! analytic model of [`crate::plan::footprint`]), or given explicitly as a balance list.
+//! Cutting a graph into pipeline stages: contiguous node ranges between cut points
+//! ([`crate::plan::cuts`]), chosen to balance predicted cost among the splits whose ranks fit
+//! a memory cap (by the analytic model of [`crate::plan::footprint`]), or given explicitly as a
+//! balance list.
 
 use std::ops::Range;
 
 pub use crate::core::Shortfall;
-use crate::graph::{Graph, ValueId};
+use crate::graph::Graph;
 use crate::plan::cost::{NodeCosts, TileCosts};
+use crate::plan::cuts::{carried, cut_points};
 use crate::plan::footprint::{held_bytes, Moment, StageBytes, StageMemory};
 use crate::{Error, Result};
-
-/// The most values a cut may carry.
-pub const MAX_CUT_VALUES: usize = 2;
 
 /// Contiguous node ranges, one per stage, covering the graph.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -39,58 +36,6 @@ impl Partition {
             .map(|r| before(r.end) - before(r.start + 1) + 1)
             .collect()
     }
-}
-
-/// Values produced before boundary `at` (or the graph input) and consumed at or after it.
-pub fn crossing(g: &Graph, at: usize) -> Vec<ValueId> {
-    (0..g.values.len())
-        .filter(|&v| g.values[v].producer.is_none_or(|p| p < at))
-        .filter(|&v| g.values[v].consumers.iter().any(|&c| c >= at))
-        .collect()
-}
-
-/// For every boundary 0..=nodes, the values crossing it where at most [`MAX_CUT_VALUES`] do
-/// (`None` where more do).
-pub fn carried(g: &Graph) -> Vec<Option<Vec<ValueId>>> {
-    // Value v crosses boundaries producer + 1 ..= its last consumer (difference array).
-    let n = g.nodes.len();
-    let span = |v: &crate::graph::Value| {
-        let last = *v.consumers.iter().max()?;
-        let first = v.producer.map_or(0, |p| p + 1);
-        (first <= last).then_some(first..=last)
-    };
-    let mut delta = vec![0i64; n + 2];
-    for r in g.values.iter().filter_map(span) {
-        delta[*r.start()] += 1;
-        delta[r.end() + 1] -= 1;
-    }
-    let mut live = 0;
-    let mut out: Vec<Option<Vec<ValueId>>> = delta[..=n]
-        .iter()
-        .map(|d| {
-            live += d;
-            (live as usize <= MAX_CUT_VALUES).then(Vec::new)
-        })
-        .collect();
-    for (v, value) in g.values.iter().enumerate() {
-        for at in span(value).into_iter().flatten() {
-            if let Some(list) = &mut out[at] {
-                list.push(v);
-            }
-        }
-    }
-    out
-}
-
-/// Boundaries (1..nodes) where a graph may be cut.
-pub fn cut_points(g: &Graph) -> Vec<usize> {
-    let n = g.nodes.len();
-    carried(g)
-        .iter()
-        .enumerate()
-        .filter(|&(i, c)| i > 0 && i < n && c.is_some())
-        .map(|(i, _)| i)
-        .collect()
 }
 
 fn too_many(g: &Graph, p: usize, cuts: usize) -> Error {
@@ -688,6 +633,7 @@ mod tests {
     use super::*;
     use crate::models;
     use crate::ops::tiles::Grid;
+    use crate::plan::cuts::{crossing, MAX_CUT_VALUES};
     use crate::plan::footprint;
     use crate::schemes::admission::Admission;
     use crate::schemes::schedule::{self, StageCosts};

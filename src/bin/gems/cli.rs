@@ -267,8 +267,8 @@ pub struct EvalArgs {
     #[arg(long, required_unless_present = "init", conflicts_with = "init")]
     pub checkpoint: Option<PathBuf>,
     /// Or the weights of a plain safetensors state_dict (torchvision's names, e.g. saved from
-    /// PyTorch) for --model on --image-size inputs; needs --data.
-    #[arg(long, value_name = "FILE", requires = "data")]
+    /// PyTorch) for --model on --image-size inputs, scored on --data [default: synthetic].
+    #[arg(long, value_name = "FILE")]
     pub init: Option<PathBuf>,
     /// The model of --init's weights.
     #[arg(long, requires = "init", default_value = "resnet20v2")]
@@ -407,6 +407,27 @@ pub enum DataSource {
     Slides(PathBuf),
 }
 
+impl DataSource {
+    /// The `--data` value that names `spec`.
+    pub fn of(spec: &SourceSpec) -> DataSource {
+        match spec {
+            SourceSpec::Synthetic => DataSource::Synthetic,
+            SourceSpec::Folder(dir) => DataSource::Folder(dir.clone()),
+            SourceSpec::Slides { dir, .. } => DataSource::Slides(dir.clone()),
+        }
+    }
+}
+
+impl std::fmt::Display for DataSource {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            DataSource::Synthetic => write!(f, "synthetic"),
+            DataSource::Folder(dir) => write!(f, "folder:{}", dir.display()),
+            DataSource::Slides(dir) => write!(f, "slides:{}", dir.display()),
+        }
+    }
+}
+
 impl std::str::FromStr for DataSource {
     type Err = String;
     fn from_str(s: &str) -> Result<Self, String> {
@@ -503,16 +524,16 @@ impl SlideArgs {
 pub struct DataArgs {
     /// synthetic, folder:DIR (one sub-folder of PNG/JPEG/TIFF images per class), or
     /// slides:DIR (tiled TIFF slides, with --labels).
-    #[arg(long, default_value = "synthetic", conflicts_with = "resume")]
+    #[arg(long, default_value = "synthetic")]
     pub data: DataSource,
     #[command(flatten)]
     pub slides: SlideArgs,
     /// Random crops and horizontal/vertical flips of training images.
-    #[arg(long, conflicts_with = "resume")]
+    #[arg(long)]
     pub augment: bool,
     /// Hold out this fraction of the samples and report loss and accuracy on them at the end
     /// (and every --val-every steps).
-    #[arg(long, default_value_t = 0.0, conflicts_with = "resume")]
+    #[arg(long, default_value_t = 0.0)]
     pub val: f64,
     #[arg(long, value_name = "N")]
     pub val_every: Option<usize>,
@@ -544,13 +565,13 @@ impl DataArgs {
 
 #[derive(Args)]
 pub struct TrainArgs {
-    #[arg(long, default_value = "resnet20v2", conflicts_with = "resume")]
+    #[arg(long, default_value = "resnet20v2")]
     pub model: String,
     /// Image side in pixels (square RGB images).
-    #[arg(long, default_value_t = 32, conflicts_with = "resume")]
+    #[arg(long, default_value_t = 32)]
     pub image_size: usize,
     /// Classes [default: the data's; 10 for synthetic data].
-    #[arg(long, conflicts_with = "resume")]
+    #[arg(long)]
     pub classes: Option<usize>,
     /// Images per replica pass, or `max`: the largest that fits --device-memory [default: 32;
     /// when resuming, the checkpoint's].
@@ -560,80 +581,54 @@ pub struct TrainArgs {
     #[arg(long)]
     pub steps: Option<usize>,
     /// Base learning rate.
-    #[arg(
-        long,
-        default_value_t = 0.1,
-        conflicts_with = "resume",
-        allow_negative_numbers = true
-    )]
+    #[arg(long, default_value_t = 0.1, allow_negative_numbers = true)]
     pub lr: f64,
-    #[arg(
-        long,
-        default_value_t = 0.9,
-        conflicts_with = "resume",
-        allow_negative_numbers = true
-    )]
+    #[arg(long, default_value_t = 0.9, allow_negative_numbers = true)]
     pub momentum: f64,
-    #[arg(
-        long,
-        default_value_t = 5e-4,
-        conflicts_with = "resume",
-        allow_negative_numbers = true
-    )]
+    #[arg(long, default_value_t = 5e-4, allow_negative_numbers = true)]
     pub weight_decay: f64,
-    #[arg(long, conflicts_with = "resume")]
+    #[arg(long)]
     pub nesterov: bool,
     /// sgd (with --momentum, --nesterov), adam, or adamw; all take --weight-decay (Adam's is
     /// an L2 term on the gradient, AdamW's shrinks the weights by 1 - lr·wd).
-    #[arg(long, default_value = "sgd", value_parser = ["sgd", "adam", "adamw"], conflicts_with = "resume")]
+    #[arg(long, default_value = "sgd", value_parser = ["sgd", "adam", "adamw"])]
     pub optimizer: String,
     /// Adam's and AdamW's decay rates of the moment estimates, BETA1,BETA2.
     #[arg(
         long,
         default_value = "0.9,0.999",
         value_parser = betas,
-        conflicts_with = "resume",
         allow_hyphen_values = true
     )]
     pub betas: (f64, f64),
     /// Adam's and AdamW's epsilon, added to the square root of the second moment.
-    #[arg(
-        long,
-        default_value_t = 1e-8,
-        conflicts_with = "resume",
-        allow_negative_numbers = true
-    )]
+    #[arg(long, default_value_t = 1e-8, allow_negative_numbers = true)]
     pub eps: f64,
     /// Clips the gradients to this global L2 norm over the whole model
     /// (torch.nn.utils.clip_grad_norm_) before each step.
-    #[arg(long, conflicts_with = "resume", allow_negative_numbers = true)]
+    #[arg(long, allow_negative_numbers = true)]
     pub clip_grad_norm: Option<f64>,
     /// No weight decay on norm layers' weights and biases, nor on any bias.
-    #[arg(long, conflicts_with = "resume")]
+    #[arg(long)]
     pub no_decay_norm_bias: bool,
     /// constant, cosine, or step:EVERY:GAMMA.
-    #[arg(long, default_value = "cosine", conflicts_with = "resume")]
+    #[arg(long, default_value = "cosine")]
     pub schedule: Decay,
     /// Steps of linear learning-rate warm-up [default: 10, or the whole run if shorter].
-    #[arg(long, conflicts_with = "resume")]
+    #[arg(long)]
     pub warmup: Option<usize>,
-    #[arg(long, default_value_t = 0, conflicts_with = "resume")]
+    #[arg(long, default_value_t = 0)]
     pub seed: u64,
     /// f32 or f64 (of the parameters; --precision sets the activations').
-    #[arg(long, default_value = "f32", conflicts_with = "resume", value_parser = parameter_dtype)]
+    #[arg(long, default_value = "f32", value_parser = parameter_dtype)]
     pub dtype: DType,
     /// With --precision fp16: the first loss scale (a power of two; halved when gradients
     /// overflow, the step skipped; doubled after 2000 clean steps).
-    #[arg(
-        long,
-        default_value_t = 65536.0,
-        conflicts_with = "resume",
-        allow_negative_numbers = true
-    )]
+    #[arg(long, default_value_t = 65536.0, allow_negative_numbers = true)]
     pub loss_scale: f64,
     /// Each class's weight in the loss, in class order, e.g. 0.2,1,1 (PyTorch's
     /// CrossEntropyLoss(weight=)) [default: all 1].
-    #[arg(long, value_delimiter = ',', conflicts_with = "resume")]
+    #[arg(long, value_delimiter = ',')]
     pub class_weights: Option<Vec<f64>>,
     /// Device capacity, e.g. 2GiB (emulated on the CPU; on a GPU the smaller of this and its
     /// free memory; default unlimited / the free memory).
@@ -662,7 +657,8 @@ pub struct TrainArgs {
     /// Remove another run's checkpoints from the --checkpoint folder instead of refusing it.
     #[arg(long, requires = "checkpoint")]
     pub overwrite: bool,
-    /// Continue from a checkpoint: model, data, optimizer and schedule come from it.
+    /// Continue from a checkpoint: model, data, optimizer and schedule come from it (their
+    /// flags may repeat the checkpoint's values, not change them).
     #[arg(long, value_name = "FILE")]
     pub resume: Option<PathBuf>,
     /// Start from the weights of a plain safetensors state_dict (torchvision's names, e.g.
@@ -700,6 +696,10 @@ pub struct TrainArgs {
     /// print the measured step (the median after the first).
     #[arg(long, value_name = "STEPS")]
     pub measure: Option<usize>,
+    /// The flags given on the command line (clap's ids), to tell a value repeated from a
+    /// checkpoint's apart from a default.
+    #[arg(skip)]
+    pub given: Vec<String>,
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]

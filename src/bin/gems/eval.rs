@@ -19,10 +19,15 @@ pub fn eval(a: EvalArgs) -> anyhow::Result<()> {
     if a.batch_size == 0 {
         anyhow::bail!("evaluation needs a batch of at least 1");
     }
+    // Plain weights hold no held-out split: they are scored on synthetic data unless told.
+    let data = match (&a.data, &a.init) {
+        (None, Some(_)) => Some(DataSource::Synthetic),
+        (data, _) => data.clone(),
+    };
     let model = match (&a.checkpoint, &a.init) {
         (Some(file), _) => Model::load(file)?,
         (None, _) => {
-            let source = a.data.as_ref().expect("clap requires --data with --init");
+            let source = data.as_ref().expect("--init has data");
             let spec = a.slides.spec(source, a.image_size)?;
             let classes = match gems::data::pipeline::class_names(&spec, models::task(&a.model)?)? {
                 Some(names) => names.len(),
@@ -37,7 +42,7 @@ pub fn eval(a: EvalArgs) -> anyhow::Result<()> {
         }
     };
     let mut model = configured(model, &a.on, a.conv, a.skip_bad, Some(a.batch_size))?;
-    let (order, samples, what) = match &a.data {
+    let (order, samples, what) = match &data {
         Some(source) => {
             let (order, samples) = samples_of(&model, source, &a.slides, a.samples)?;
             (order, samples, "samples")

@@ -12,7 +12,8 @@ mod train;
 
 use std::process::ExitCode;
 
-use clap::Parser;
+use clap::parser::ValueSource;
+use clap::{ArgMatches, CommandFactory, FromArgMatches};
 
 use cli::{BenchCommand, Cli, Command, DataCommand, ScheduleCommand};
 
@@ -25,7 +26,17 @@ fn main() -> ExitCode {
     }
     // Before any thread exists, so that every thread's allocations share one heap.
     gems::backend::cpu::tune_host_allocator();
-    let cli = Cli::parse();
+    let matches = Cli::command().get_matches();
+    let mut cli = Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
+    if let Some((_, m)) = matches.subcommand() {
+        let given = given(m);
+        match &mut cli.command {
+            Command::Train(a) | Command::Plan(a) => a.given = given,
+            Command::Simulate(a) => a.train.given = given,
+            Command::Calibrate(a) => a.train.given = given,
+            _ => {}
+        }
+    }
     if let Some(t) = cli.threads {
         if let Err(e) = rayon::ThreadPoolBuilder::new()
             .num_threads(t)
@@ -58,4 +69,12 @@ fn main() -> ExitCode {
             ExitCode::FAILURE
         }
     }
+}
+
+/// The ids of the flags given on the command line (not defaults).
+fn given(m: &ArgMatches) -> Vec<String> {
+    m.ids()
+        .filter(|id| m.value_source(id.as_str()) == Some(ValueSource::CommandLine))
+        .map(|id| id.to_string())
+        .collect()
 }

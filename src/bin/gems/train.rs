@@ -7,7 +7,8 @@ use std::time::Instant;
 
 use indicatif::{ProgressBar, ProgressStyle};
 
-use gems::data::{Pipeline, Task};
+use gems::data::slide::TileConfig;
+use gems::data::{Pipeline, SourceSpec, Task};
 use gems::fit::{self, Auto};
 use gems::graph::policy::{Keep, SavePolicy};
 use gems::memory::human_bytes;
@@ -17,7 +18,7 @@ use gems::runtime::folder::checkpoint_path;
 use gems::runtime::{Checkpoint, CheckpointFolder, FolderRules};
 use gems::{models, Evaluation, Graph, RunConfig, Session, StepReport, TrainConfig};
 
-use crate::cli::{Choice, Offload, OrderChoice, Tiling, TrainArgs, Transport};
+use crate::cli::{Choice, DataSource, Offload, OrderChoice, Tiling, TrainArgs, Transport};
 
 /// The model and the run the training flags describe (or a checkpoint, with `--resume`),
 /// with `auto` and `max` resolved against the capacity by metered runs; what was chosen is
@@ -28,6 +29,7 @@ pub fn setup(a: &TrainArgs) -> anyhow::Result<(Graph, RunConfig)> {
             let ckpt = Checkpoint::read(file)?;
             let (model, side, classes) = ckpt.model()?;
             let mut t = ckpt.config()?;
+            check_repeated(a, (&model, side, classes), &t)?;
             (a.on.for_checkpoint()?)(&mut t);
             // --steps is the run's new total, which the schedule spans (a cosine that ended at
             // the old total would otherwise train on at a rate of 0).
@@ -268,6 +270,148 @@ fn open_folder(a: &TrainArgs, dir: &Path, session: &Session) -> anyhow::Result<C
         println!("removed {}", path.display());
     }
     Ok(f)
+}
+
+/// With `--resume`, the flags that describe the run may repeat the checkpoint's values (so a
+/// command runs again with `--resume` added); a different value is refused, naming both.
+fn check_repeated(
+    a: &TrainArgs,
+    (model, side, classes): (&str, usize, usize),
+    t: &TrainConfig,
+) -> anyhow::Result<()> {
+    let on = |b: bool| if b { "on" } else { "off" }.to_string();
+    let none = || "none".to_string();
+    let (labels, tiles) = match &t.data.source {
+        SourceSpec::Slides { labels, tiles, .. } => (Some(labels), Some(tiles)),
+        _ => (None, None),
+    };
+    let tile = |f: fn(&TileConfig) -> String| tiles.map_or_else(none, f);
+    let mut flags = vec![
+        ("model", a.model.clone(), model.to_string()),
+        ("image_size", a.image_size.to_string(), side.to_string()),
+        (
+            "classes",
+            a.classes.unwrap_or_default().to_string(),
+            classes.to_string(),
+        ),
+        ("lr", a.lr.to_string(), t.schedule.base.to_string()),
+        (
+            "momentum",
+            a.momentum.to_string(),
+            t.sgd.momentum.to_string(),
+        ),
+        (
+            "weight_decay",
+            a.weight_decay.to_string(),
+            t.sgd.weight_decay.to_string(),
+        ),
+        ("nesterov", on(a.nesterov), on(t.sgd.nesterov)),
+        (
+            "optimizer",
+            a.optimizer.clone(),
+            t.optimizer.name().to_string(),
+        ),
+        (
+            "clip_grad_norm",
+            a.clip_grad_norm.unwrap_or_default().to_string(),
+            t.clip_grad_norm.map_or_else(none, |x| x.to_string()),
+        ),
+        (
+            "no_decay_norm_bias",
+            on(a.no_decay_norm_bias),
+            on(t.no_decay_norm_bias),
+        ),
+        (
+            "schedule",
+            a.schedule.to_string(),
+            t.schedule.decay.to_string(),
+        ),
+        (
+            "warmup",
+            a.warmup.unwrap_or_default().to_string(),
+            t.schedule.warmup.to_string(),
+        ),
+        ("seed", a.seed.to_string(), t.seed.to_string()),
+        (
+            "dtype",
+            a.dtype.name().to_string(),
+            t.dtype.name().to_string(),
+        ),
+        (
+            "loss_scale",
+            a.loss_scale.to_string(),
+            t.loss_scale.to_string(),
+        ),
+        (
+            "class_weights",
+            weights(a.class_weights.as_deref()),
+            weights(t.class_weights.as_deref()),
+        ),
+        (
+            "data",
+            a.input.data.to_string(),
+            DataSource::of(&t.data.source).to_string(),
+        ),
+        ("augment", on(a.input.augment), on(t.data.augment)),
+        ("val", a.input.val.to_string(), t.data.val.to_string()),
+        (
+            "labels",
+            path(a.input.slides.labels.as_deref()),
+            path(labels.map(|l| l.as_path())),
+        ),
+        (
+            "level",
+            a.input.slides.level.to_string(),
+            tile(|t| t.level.to_string()),
+        ),
+        (
+            "tile_size",
+            a.input.slides.tile_size.unwrap_or_default().to_string(),
+            tile(|t| t.tile.to_string()),
+        ),
+        (
+            "stride",
+            a.input.slides.stride.unwrap_or_default().to_string(),
+            tile(|t| t.stride.to_string()),
+        ),
+        (
+            "tissue",
+            a.input.slides.tissue.unwrap_or_default().to_string(),
+            tile(|t| t.tissue_threshold.map_or("none".into(), |b| b.to_string())),
+        ),
+    ];
+    // Adam's settings are no part of an SGD run (a new run ignores them too).
+    if let OptimizerKind::Adam(c) = &t.optimizer {
+        let (b1, b2) = a.betas;
+        flags.push((
+            "betas",
+            format!("{b1},{b2}"),
+            format!("{},{}", c.betas.0, c.betas.1),
+        ));
+        flags.push(("eps", a.eps.to_string(), c.eps.to_string()));
+    }
+    for (id, ours, theirs) in flags {
+        if a.given.iter().any(|g| g == id) && ours != theirs {
+            let flag = id.replace('_', "-");
+            anyhow::bail!(
+                "--{flag} {ours} differs from the checkpoint's {theirs}: a resumed run keeps \
+                 the checkpoint's; leave --{flag} out, or start a new run from its weights \
+                 (gems export, then --init)"
+            );
+        }
+    }
+    Ok(())
+}
+
+fn weights(w: Option<&[f64]>) -> String {
+    w.map_or_else(
+        || "none".into(),
+        |w| w.iter().map(f64::to_string).collect::<Vec<_>>().join(","),
+    )
+}
+
+fn path(p: Option<&Path>) -> String {
+    p.map_or_else(|| "none".into(), |p| p.display().to_string())
 }
 
 /// The training loop: resumes, steps, validates and checkpoints as the flags say, printing
