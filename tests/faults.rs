@@ -253,7 +253,7 @@ fn sizes_no_machine_holds_are_refused_without_aborting() {
     );
     refused(
         &["train", "--classes", "1000000000", "--steps", "1"],
-        "is more than this machine can hold",
+        "a model takes 2 to 1048576 classes",
     );
     refused(
         &["train", "--threads", "100000"],
@@ -1374,12 +1374,32 @@ unsafe impl std::alloc::GlobalAlloc for Largest {
 static ALLOCATOR: Largest = Largest;
 
 /// `file` mutated by one of: flipped bits, a byte or a 4-byte word set to an extreme,
-/// truncation, inserted or repeated bytes.
+/// truncation, inserted or repeated bytes, a decimal number made extreme.
 fn mutate(file: &[u8], rng: &mut impl rand::Rng) -> Vec<u8> {
     let mut f = file.to_vec();
     for _ in 0..rng.random_range(1..=4) {
-        let at = rng.random_range(0..f.len().max(1));
-        match rng.random_range(0..6) {
+        // Half the time in the first or last 256 bytes, where headers and TIFF IFDs sit.
+        let len = f.len().max(1);
+        let at = match rng.random_bool(0.5) {
+            true => rng.random_range(0..len.min(256)),
+            false if rng.random_bool(0.5) => rng.random_range(len.saturating_sub(256)..len),
+            false => rng.random_range(0..len),
+        };
+        match rng.random_range(0..7) {
+            // The next number of a text file (JSON, CSV) made extreme.
+            6 => {
+                let Some(start) = f[at..].iter().position(u8::is_ascii_digit) else {
+                    continue;
+                };
+                let start = at + start;
+                let end = f[start..]
+                    .iter()
+                    .position(|b| !b.is_ascii_digit())
+                    .map_or(f.len(), |n| start + n);
+                let numbers = ["0", "4294967296", "18446744073709551615", "99999999999"];
+                let number = numbers[rng.random_range(0..numbers.len())];
+                f.splice(start..end, number.bytes());
+            }
             0 if !f.is_empty() => f[at] ^= 1 << rng.random_range(0..8),
             1 if !f.is_empty() => f[at] = [0, 1, 0x7f, 0x80, 0xff][rng.random_range(0..5)],
             2 if at + 4 <= f.len() => {
