@@ -49,10 +49,15 @@ pub const MAX_IMAGE_SIZE: usize = 1 << 20;
 
 /// Builds the model called `name` for `image_size`² RGB images and `classes` classes.
 pub fn build(name: &str, image_size: usize, classes: usize) -> Result<Graph> {
-    if !(2..=MAX_CLASSES).contains(&classes) {
+    if classes < 2 {
         return Err(Error::Config(format!(
-            "{name}: a model takes 2 to {MAX_CLASSES} classes (for segmentation, count the \
-             background), got {classes}"
+            "{name}: a model needs at least 2 classes (for segmentation, count the background), \
+             got {classes}"
+        )));
+    }
+    if classes > MAX_CLASSES {
+        return Err(Error::Config(format!(
+            "{name}: a model takes at most {MAX_CLASSES} classes, got {classes}"
         )));
     }
     if image_size > MAX_IMAGE_SIZE {
