@@ -253,7 +253,7 @@ fn sizes_no_machine_holds_are_refused_without_aborting() {
     );
     refused(
         &["train", "--classes", "1000000000", "--steps", "1"],
-        "is more than this machine can hold",
+        "a model takes at most 1048576 classes",
     );
     refused(
         &["train", "--threads", "100000"],
@@ -888,6 +888,748 @@ fn damaged_or_unusable_weights_are_refused_by_tensor_name() {
         &["eval", "--checkpoint", pth.to_str().unwrap()],
     ] {
         refused(args, "is a PyTorch file");
+    }
+    std::fs::remove_dir_all(&d).ok();
+}
+
+/// Writes `images/<stem>.png` (grey) and its mask `masks/<stem>.png` of 8×8 `labels`.
+fn segmentation_pair(dir: &Path, stem: &str, labels: impl Fn(u32, u32) -> u8) {
+    png(&dir.join("images").join(format!("{stem}.png")), [128; 3]);
+    let mask = image::GrayImage::from_fn(8, 8, |x, y| image::Luma([labels(x, y)]));
+    std::fs::create_dir_all(dir.join("masks")).unwrap();
+    mask.save(dir.join("masks").join(format!("{stem}.png")))
+        .unwrap();
+}
+
+#[test]
+fn data_that_cannot_train_what_it_claims_is_refused_by_layout_and_class() {
+    let d = scratch("layouts");
+    let folder = |dir: &Path| format!("folder:{}", dir.display());
+    let seg = d.join("seg");
+    std::fs::create_dir_all(&seg).unwrap();
+    std::fs::write(seg.join("classes.txt"), "background\ntumour\nstroma\n").unwrap();
+    for stem in ["a", "b"] {
+        segmentation_pair(&seg, stem, |x, _| (x >= 4) as u8);
+    }
+    let unet = |data: &Path, extra: &[&str]| {
+        let data = folder(data);
+        let args = [
+            &[
+                "train",
+                "--model",
+                "unet_d2_w4",
+                "--image-size",
+                "8",
+                "--batch-size",
+                "2",
+                "--steps",
+                "1",
+                "--data",
+                &data,
+            ][..],
+            extra,
+        ]
+        .concat();
+        run(&args, 120)
+    };
+    // A segmentation folder given to a classifier, a classification folder to a U-Net.
+    refused(
+        &["train", "--data", &folder(&seg), "--steps", "1"],
+        "is laid out for segmentation (images/ and masks/)",
+    );
+    let classes = d.join("classes");
+    png(&classes.join("cat/0.png"), [1, 2, 3]);
+    png(&classes.join("dog/0.png"), [3, 2, 1]);
+    let r = unet(&classes, &[]);
+    assert!(
+        !r.ok
+            && r.err
+                .contains("is laid out for classification (one sub-folder per class: cat, dog)"),
+        "{}",
+        r.err
+    );
+    // stroma has no pixel: refused by name, or with --allow-empty-class warned by name.
+    let r = unet(&seg, &[]);
+    assert!(
+        !r.ok
+            && r.err
+                .contains("no pixel of the training masks is labelled stroma"),
+        "{}",
+        r.err
+    );
+    let r = unet(&seg, &["--allow-empty-class"]);
+    assert!(r.ok, "{}", r.err);
+    assert!(
+        r.err
+            .contains("warning: no pixel of the training masks is labelled stroma"),
+        "{}",
+        r.err
+    );
+    // Masks without a labelled pixel have nothing to teach, allowed or not.
+    for stem in ["a", "b"] {
+        segmentation_pair(&seg, stem, |_, _| 255);
+    }
+    let r = unet(&seg, &["--allow-empty-class"]);
+    assert!(
+        !r.ok
+            && r.err
+                .contains("no pixel of the masks of the 2 samples is labelled"),
+        "{}",
+        r.err
+    );
+    std::fs::remove_dir_all(&d).ok();
+}
+
+#[test]
+fn numbers_no_machine_can_run_are_refused_by_flag_before_work() {
+    let d = scratch("refused-numbers");
+    let ck = d.join("ck");
+    assert!(
+        run(
+            &[
+                "train",
+                "--steps",
+                "1",
+                "--batch-size",
+                "2",
+                "--checkpoint",
+                ck.to_str().unwrap()
+            ],
+            120
+        )
+        .ok
+    );
+    let ckpt = ck.join("step-000001.safetensors");
+    for (args, want) in [
+        (
+            &["train", "--parts", "0"][..],
+            "m (--parts) must be at least 1, got 0",
+        ),
+        (
+            &["plan", "--scheme", "mp", "--split", "0"],
+            "P (--split) must be at least 1, got 0",
+        ),
+        (
+            &["plan", "--scheme", "dp", "--dp", "100000000"],
+            "more than the 1024 ranks",
+        ),
+        (
+            &[
+                "plan",
+                "--scheme",
+                "mp",
+                "--split",
+                "2",
+                "--dp",
+                "9223372036854775808",
+            ],
+            "more than the 1024 ranks",
+        ),
+        (
+            &["train", "--spatial", "4294967296x4294967296"],
+            "a grid of 4294967296x4294967296 tiles",
+        ),
+        (
+            &[
+                "plan",
+                "--scheme",
+                "master",
+                "--split",
+                "2",
+                "--replicas",
+                "4294967296",
+            ],
+            "micro-batch passes per rank and step is more than",
+        ),
+        (
+            &["calibrate", "--out", "/dev/null", "--batch-size", "0"],
+            "the batch size must be at least 1",
+        ),
+        (
+            &[
+                "calibrate",
+                "--out",
+                "/dev/null",
+                "--image-size",
+                "4294967296",
+            ],
+            "a side is at most",
+        ),
+        (
+            &["export", "--out", "/dev/null", "--classes", "4294967296"],
+            "a model takes at most",
+        ),
+        (
+            &[
+                "eval",
+                "--checkpoint",
+                ckpt.to_str().unwrap(),
+                "--samples",
+                "18446744073709551615",
+            ],
+            "at most 1048576 are scored",
+        ),
+        (
+            &[
+                "data",
+                "make-slide",
+                "--out",
+                "/dev/null",
+                "--classes",
+                "4294967296",
+            ],
+            "a slide paints 1 to 1024",
+        ),
+    ] {
+        refused(args, want);
+    }
+    // Doubling towards 2^64 - 1 GPUs ends.
+    let r = run(
+        &[
+            "simulate",
+            "--batch-size",
+            "2",
+            "--gpus",
+            "18446744073709551615",
+        ],
+        120,
+    );
+    assert!(r.ok, "{}", r.err);
+    std::fs::remove_dir_all(&d).ok();
+}
+
+/// Whether `gems <command> --flag=value --help` parses `value` (help printed, not an error).
+fn parses(command: &[&str], flag: &str, value: &str) -> bool {
+    let out = Command::new(env!("CARGO_BIN_EXE_gems"))
+        .args(command)
+        .arg(format!("{flag}={value}"))
+        .arg("--help")
+        .output()
+        .unwrap();
+    out.status.success()
+}
+
+/// The flags of `gems <command>` that take a value, from its help.
+fn value_flags(command: &[&str]) -> Vec<String> {
+    let out = Command::new(env!("CARGO_BIN_EXE_gems"))
+        .args(command)
+        .arg("--help")
+        .output()
+        .unwrap();
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter_map(|l| {
+            let l = l.trim_start().trim_start_matches("-h, ");
+            let (flag, rest) = l.split_once(' ')?;
+            (flag.starts_with("--") && rest.starts_with('<')).then(|| flag.to_string())
+        })
+        .collect()
+}
+
+#[test]
+fn every_number_a_user_can_type_ends_in_success_or_a_message() {
+    use rand::{Rng, SeedableRng};
+    let d = scratch("numbers");
+    let ck = d.join("ck");
+    assert!(
+        run(
+            &[
+                "train",
+                "--steps",
+                "1",
+                "--batch-size",
+                "2",
+                "--checkpoint",
+                ck.to_str().unwrap()
+            ],
+            120
+        )
+        .ok
+    );
+    let ckpt = ck.join("step-000001.safetensors");
+    let ckpt = ckpt.to_str().unwrap();
+    let slides = d.join("slides");
+    let slide = slides.join("s.tiff");
+    assert!(
+        run(
+            &[
+                "data",
+                "make-slide",
+                "--out",
+                slide.to_str().unwrap(),
+                "--width",
+                "512"
+            ],
+            120
+        )
+        .ok
+    );
+    let slides_data = format!("slides:{}", slides.display());
+    let labels = slides.join("labels.csv");
+    let labels = labels.to_str().unwrap();
+    // Each command with flags that keep its work small; a drawn value replaces its flag's.
+    let small: &[&str] = &["--batch-size", "2", "--steps", "1"];
+    let commands: Vec<(Vec<&str>, Vec<&str>)> = vec![
+        (vec!["train"], small.to_vec()),
+        (vec!["plan"], small.to_vec()),
+        (vec!["simulate"], [small, &["--gpus", "8"]].concat()),
+        (
+            vec!["calibrate"],
+            [small, &["--out", "c.json", "--repeats", "1"]].concat(),
+        ),
+        (vec!["schedule", "export"], small.to_vec()),
+        (
+            vec!["eval"],
+            vec!["--checkpoint", ckpt, "--samples", "4", "--batch-size", "2"],
+        ),
+        (
+            vec!["predict"],
+            vec![
+                "--checkpoint",
+                ckpt,
+                "--data",
+                "synthetic",
+                "--out",
+                "p",
+                "--samples",
+                "4",
+            ],
+        ),
+        (vec!["export"], vec!["--out", "e.safetensors"]),
+        (vec!["models"], vec!["--image-size", "32"]),
+        (
+            vec!["data", "make-slide"],
+            vec!["--out", "m.tiff", "--width", "512"],
+        ),
+        (
+            vec!["data", "tiles"],
+            vec!["--data", &slides_data, "--labels", labels],
+        ),
+    ];
+    let schemes: [&[&str]; 4] = [
+        &[],
+        &["--scheme", "mp", "--split", "2"],
+        &["--scheme", "mast", "--split", "2"],
+        &["--scheme", "dp", "--dp", "2"],
+    ];
+    // Flags whose value is an amount of work: a run still busy at the bound is doing it
+    // (`models --device-memory` searches every model's largest batch).
+    let work = |command: &[&str], flag: &str| {
+        ["--steps", "--repeats", "--measure", "--samples", "--images"].contains(&flag)
+            || (command == ["models"] && flag == "--device-memory")
+    };
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(36);
+    let mut cases = Vec::new();
+    for (command, base) in &commands {
+        for flag in value_flags(command) {
+            // Numbers only: a flag that takes any text (a path, a model name) is not one.
+            if parses(command, &flag, "abc") {
+                continue;
+            }
+            let shapes: Vec<fn(&str) -> String> = [
+                (|v: &str| v.to_string()) as fn(&str) -> String,
+                |v| format!("{v}x{v}"),
+                |v| format!("{v},{v}"),
+            ]
+            .into_iter()
+            .filter(|shape| parses(command, &flag, &shape("1")))
+            .collect();
+            for _ in 0..3 {
+                let random = rng.random_range(2..=64u32).to_string();
+                let values = [
+                    "0",
+                    "1",
+                    "1000000000000",
+                    "-1",
+                    "NaN",
+                    "inf",
+                    "4294967296",
+                    "18446744073709551615",
+                    &random,
+                ];
+                let value = values[rng.random_range(0..values.len())];
+                let shape = shapes
+                    .get(rng.random_range(0..shapes.len().max(1)))
+                    .map_or(value.to_string(), |s| s(value));
+                let mut args: Vec<String> = command.iter().map(|s| s.to_string()).collect();
+                let scheme: &[&str] = match command[0] {
+                    "train" | "plan" | "simulate" | "calibrate" | "schedule" => {
+                        schemes[rng.random_range(0..schemes.len())]
+                    }
+                    _ => &[],
+                };
+                for pair in [base.as_slice(), scheme].concat().chunks(2) {
+                    if pair[0] != flag {
+                        args.extend(pair.iter().map(|s| s.to_string()));
+                    }
+                }
+                args.push(format!("{flag}={shape}"));
+                cases.push((args, work(command, &flag)));
+            }
+        }
+    }
+    assert!(cases.len() > 300, "{} cases", cases.len());
+    let cwd = d.join("cwd");
+    std::fs::create_dir_all(&cwd).unwrap();
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    std::thread::scope(|s| {
+        for _ in 0..4 {
+            s.spawn(|| loop {
+                let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                let Some((args, work)) = cases.get(i) else {
+                    break;
+                };
+                bounded(args, *work, &cwd);
+            });
+        }
+    });
+    std::fs::remove_dir_all(&d).ok();
+}
+
+/// Runs `gems args` in `cwd` under an 8 GiB address-space limit: it must end within 30 s
+/// (a `work` flag's run may still be busy at 3 s) with success or a message, never a panic,
+/// an allocation abort or a signal.
+fn bounded(args: &[String], work: bool, cwd: &Path) {
+    let mut child = Command::new("sh")
+        .args(["-c", "ulimit -v 8388608 && exec \"$0\" \"$@\""])
+        .arg(env!("CARGO_BIN_EXE_gems"))
+        .args(args)
+        .current_dir(cwd)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stderr = child.stderr.take().unwrap();
+    let err = std::thread::spawn(move || {
+        let mut s = String::new();
+        std::io::Read::read_to_string(&mut stderr, &mut s).ok();
+        s
+    });
+    let limit = Duration::from_secs(if work { 3 } else { 30 });
+    let started = Instant::now();
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break Some(status);
+        }
+        if started.elapsed() > limit {
+            child.kill().ok();
+            child.wait().ok();
+            break None;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    };
+    let err = err.join().unwrap();
+    let Some(status) = status else {
+        assert!(
+            work && !err.contains("error"),
+            "{args:?} ran past {limit:?}: {err}"
+        );
+        return;
+    };
+    for sign in ["panicked", "memory allocation of", "stack backtrace"] {
+        assert!(!err.contains(sign), "{args:?}: {err}");
+    }
+    assert!(
+        status.code().is_some(),
+        "{args:?} was killed by a signal: {err}"
+    );
+    assert!(
+        status.success() || !err.trim().is_empty(),
+        "{args:?} failed silently"
+    );
+}
+
+/// The largest single allocation asked for on this thread since [`Largest::arm`].
+struct Largest;
+
+thread_local! {
+    static LARGEST: std::cell::Cell<Option<usize>> = const { std::cell::Cell::new(None) };
+}
+
+impl Largest {
+    fn arm() {
+        LARGEST.with(|l| l.set(Some(0)));
+    }
+    fn take() -> usize {
+        LARGEST.with(|l| l.take().unwrap_or(0))
+    }
+}
+
+unsafe impl std::alloc::GlobalAlloc for Largest {
+    unsafe fn alloc(&self, layout: std::alloc::Layout) -> *mut u8 {
+        // `try_with`: a thread being torn down has no local left to keep.
+        let _ = LARGEST.try_with(|l| {
+            if let Some(max) = l.get() {
+                l.set(Some(max.max(layout.size())));
+            }
+        });
+        unsafe { std::alloc::System.alloc(layout) }
+    }
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: std::alloc::Layout) {
+        unsafe { std::alloc::System.dealloc(ptr, layout) }
+    }
+}
+
+#[global_allocator]
+static ALLOCATOR: Largest = Largest;
+
+/// `file` mutated by one of: flipped bits, a byte or a 4-byte word set to an extreme,
+/// truncation, inserted or repeated bytes, a decimal number made extreme.
+fn mutate(file: &[u8], rng: &mut impl rand::Rng) -> Vec<u8> {
+    let mut f = file.to_vec();
+    for _ in 0..rng.random_range(1..=4) {
+        // Half the time in the first or last 256 bytes, where headers and TIFF IFDs sit.
+        let len = f.len().max(1);
+        let at = match rng.random_bool(0.5) {
+            true => rng.random_range(0..len.min(256)),
+            false if rng.random_bool(0.5) => rng.random_range(len.saturating_sub(256)..len),
+            false => rng.random_range(0..len),
+        };
+        match rng.random_range(0..7) {
+            // The next number of a text file (JSON, CSV) made extreme.
+            6 => {
+                let Some(start) = f[at..].iter().position(u8::is_ascii_digit) else {
+                    continue;
+                };
+                let start = at + start;
+                let end = f[start..]
+                    .iter()
+                    .position(|b| !b.is_ascii_digit())
+                    .map_or(f.len(), |n| start + n);
+                let numbers = ["0", "4294967296", "18446744073709551615", "99999999999"];
+                let number = numbers[rng.random_range(0..numbers.len())];
+                f.splice(start..end, number.bytes());
+            }
+            0 if !f.is_empty() => f[at] ^= 1 << rng.random_range(0..8),
+            1 if !f.is_empty() => f[at] = [0, 1, 0x7f, 0x80, 0xff][rng.random_range(0..5)],
+            2 if at + 4 <= f.len() => {
+                let word: u32 = [0, 1, 0x7fff_ffff, 0x8000_0000, u32::MAX, rng.random()]
+                    [rng.random_range(0..6)];
+                f[at..at + 4].copy_from_slice(&word.to_le_bytes());
+            }
+            3 => f.truncate(at),
+            4 => {
+                let bytes: Vec<u8> = (0..rng.random_range(1..16)).map(|_| rng.random()).collect();
+                f.splice(at..at, bytes);
+            }
+            _ if !f.is_empty() => {
+                let run = f[at..].iter().take(64).copied().collect::<Vec<_>>();
+                f.splice(at..at, run);
+            }
+            _ => {}
+        }
+    }
+    f
+}
+
+#[test]
+fn file_parsers_survive_damaged_files_without_panics_hangs_or_large_allocations() {
+    use gems::data::Source;
+    use rand::SeedableRng;
+    let d = scratch("fuzz");
+    // Small valid files of every kind gems reads.
+    let ck = d.join("ck");
+    assert!(
+        run(
+            &[
+                "train",
+                "--model",
+                "resnet11v2",
+                "--steps",
+                "1",
+                "--batch-size",
+                "2",
+                "--checkpoint",
+                ck.to_str().unwrap()
+            ],
+            120
+        )
+        .ok
+    );
+    let slides = d.join("slides");
+    assert!(
+        run(
+            &[
+                "data",
+                "make-slide",
+                "--out",
+                slides.join("s.tiff").to_str().unwrap(),
+                "--width",
+                "64",
+                "--tile",
+                "16",
+                "--region",
+                "16"
+            ],
+            120
+        )
+        .ok
+    );
+    let cal = d.join("cal.json");
+    assert!(
+        run(
+            &[
+                "calibrate",
+                "--model",
+                "resnet11v2",
+                "--batch-size",
+                "2",
+                "--repeats",
+                "1",
+                "--out",
+                cal.to_str().unwrap()
+            ],
+            120
+        )
+        .ok
+    );
+    let schedule = run(
+        &[
+            "schedule",
+            "export",
+            "--scheme",
+            "mp",
+            "--split",
+            "2",
+            "--parts",
+            "2",
+            "--batch-size",
+            "2",
+        ],
+        120,
+    )
+    .out;
+    let seg = d.join("seg");
+    std::fs::create_dir_all(&seg).unwrap();
+    std::fs::write(seg.join("classes.txt"), "background\ntumour\n").unwrap();
+    segmentation_pair(&seg, "a", |x, y| ((x + y) % 3).min(1) as u8);
+    let mask = seg.join("masks/a.png");
+
+    let tile = gems::data::slide::TileConfig {
+        level: 0,
+        tile: 16,
+        stride: 16,
+        tissue_threshold: None,
+    };
+    let labels = slides.join("labels.csv");
+    type Parse = Box<dyn Fn(&Path) -> Result<(), String>>;
+    fn s(r: gems::Result<()>) -> Result<(), String> {
+        r.map_err(|e| e.to_string())
+    }
+    let targets: Vec<(PathBuf, Parse)> = vec![
+        (
+            ck.join("step-000001.safetensors"),
+            Box::new(move |p| {
+                let c = gems::runtime::Checkpoint::read(p).map_err(|e| e.to_string())?;
+                c.model().map_err(|e| e.to_string())?;
+                c.config().map(|_| ()).map_err(|e| e.to_string())
+            }),
+        ),
+        (
+            slides.join("s.tiff"),
+            Box::new(move |p| {
+                let slide = gems::data::slide::Slide::open(p).map_err(|e| e.to_string())?;
+                for level in 0..slide.levels().len() {
+                    let l = slide.levels()[level];
+                    s(slide
+                        .read_rgb8(level, 0, 0, l.width.min(64), l.height.min(64))
+                        .map(|_| ()))?;
+                }
+                Ok(())
+            }),
+        ),
+        (
+            labels.clone(),
+            Box::new(move |p| {
+                for task in [gems::data::Task::Classify, gems::data::Task::Segment] {
+                    s(gems::data::slide::label_classes(p, task).map(|_| ()))?;
+                    let tiles = gems::data::slide::Slides::open_for(
+                        task,
+                        p.parent().unwrap(),
+                        p,
+                        &tile,
+                        false,
+                    )
+                    .map_err(|e| e.to_string())?;
+                    for i in 0..tiles.tiles().len().min(4) {
+                        s(tiles.label(i).map(|_| ()))?;
+                    }
+                }
+                Ok(())
+            }),
+        ),
+        (
+            mask.clone(),
+            Box::new(move |p| {
+                let pairs =
+                    gems::data::folder::Pairs::open(p.parent().unwrap().parent().unwrap(), false)
+                        .map_err(|e| e.to_string())?;
+                s(pairs.mask(0).map(|_| ()))
+            }),
+        ),
+        (
+            cal.clone(),
+            Box::new(|p| s(gems::plan::calibrate::Calibration::load(p).map(|_| ()))),
+        ),
+    ];
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(6);
+    for (path, parse) in &targets {
+        let good = std::fs::read(path).unwrap();
+        assert_eq!(
+            parse(path),
+            Ok(()),
+            "{} does not read before mutation",
+            path.display()
+        );
+        for i in 0..150 {
+            let bad = mutate(&good, &mut rng);
+            std::fs::write(path, &bad).unwrap();
+            let started = Instant::now();
+            Largest::arm();
+            let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| parse(path)));
+            let largest = Largest::take();
+            let what = format!("{} mutation {i} ({} bytes)", path.display(), bad.len());
+            assert!(outcome.is_ok(), "{what} panicked");
+            assert!(
+                started.elapsed() < Duration::from_secs(5),
+                "{what} took {:?}",
+                started.elapsed()
+            );
+            // Decoded pixels may outgrow the file (compressed tiles), within a bound.
+            assert!(
+                largest <= 64 * good.len() + (1 << 20),
+                "{what}: one allocation of {largest} bytes"
+            );
+        }
+        std::fs::write(path, &good).unwrap();
+    }
+    // Schedule files are text handed over whole.
+    for i in 0..300 {
+        let bad = mutate(schedule.as_bytes(), &mut rng);
+        let text = String::from_utf8_lossy(&bad);
+        Largest::arm();
+        let outcome = std::panic::catch_unwind(|| {
+            if let Ok(s) = gems::schemes::schedule::Schedule::from_json(&text) {
+                let scheme = gems::schemes::Scheme::new(
+                    gems::schemes::Kind::Mp,
+                    s.stages,
+                    s.micro_batches,
+                    s.replicas,
+                    1,
+                    s.placement,
+                )
+                .with_virtual_stages(s.virtual_stages);
+                if scheme.validate(s.micro_batches).is_ok() {
+                    let _ = s.validate(&scheme);
+                }
+            }
+        });
+        let largest = Largest::take();
+        assert!(outcome.is_ok(), "schedule mutation {i} panicked: {text}");
+        assert!(
+            largest <= 64 * bad.len() + (1 << 20),
+            "schedule mutation {i}: one allocation of {largest} bytes"
+        );
     }
     std::fs::remove_dir_all(&d).ok();
 }

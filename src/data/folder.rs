@@ -69,6 +69,14 @@ impl Folder {
             }
         }
         classes.sort();
+        if classes == ["images", "masks"] {
+            return Err(Error::Data(format!(
+                "{} is laid out for segmentation (images/ and masks/), not as one sub-folder \
+                 per class: a classifier would learn \"images\" against \"masks\"; segment it \
+                 with a segmentation model (a unet)",
+                dir.display()
+            )));
+        }
         if classes.is_empty() {
             return Err(Error::Data(format!(
                 "{} has no class folders: put each class's images in a sub-folder named after it",
@@ -227,6 +235,15 @@ impl Pairs {
 
     /// The class names of `dir/classes.txt`, one a line (at most 255: 255 marks unlabelled).
     pub fn class_names(dir: &Path) -> Result<Vec<String>> {
+        if !dir.join("images").is_dir() && !dir.join("masks").is_dir() {
+            let classes = Folder::class_names(dir)?;
+            return Err(Error::Data(format!(
+                "{} is laid out for classification (one sub-folder per class: {}), not as \
+                 images/, masks/ and classes.txt: a segmentation model needs a mask per image",
+                dir.display(),
+                classes.join(", ")
+            )));
+        }
         let path = dir.join("classes.txt");
         let text = crate::core::files::read_text(&path)?;
         let classes: Vec<String> = text.lines().map(|l| l.trim().to_string()).collect();

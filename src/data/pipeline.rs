@@ -489,6 +489,25 @@ impl Pipeline {
         Ok(Some(counts))
     }
 
+    /// The classes no labelled pixel of `counts` ([`Pipeline::class_counts`] when segmenting)
+    /// belongs to; refuses masks without any labelled pixel: there would be nothing to learn.
+    pub fn classes_without_pixels(&self, counts: &[usize]) -> Result<Vec<String>> {
+        if counts.iter().all(|&n| n == 0) {
+            return Err(Error::Config(format!(
+                "no pixel of the masks of the {} samples is labelled (every value is 255): \
+                 there is nothing to learn",
+                self.samples().unwrap_or(0)
+            )));
+        }
+        Ok(self
+            .classes()
+            .iter()
+            .zip(counts)
+            .filter(|(_, &n)| n == 0)
+            .map(|(c, _)| c.clone())
+            .collect())
+    }
+
     /// Samples in one epoch; `None` for an unbounded stream.
     pub fn samples(&self) -> Option<usize> {
         self.order.map(|o| o.len)

@@ -131,8 +131,12 @@ impl MakeSlide {
                 self.levels, self.width, self.height
             ));
         }
-        if self.classes == 0 {
-            return bad("at least 1 class".into());
+        // Each class has its own tissue pattern, made up front.
+        if !(1..=1024).contains(&self.classes) {
+            return bad(format!(
+                "{} classes: a slide paints 1 to 1024",
+                self.classes
+            ));
         }
         if !(0.0..=1.0).contains(&self.noise) {
             return bad(format!("noise {} is outside [0, 1]", self.noise));

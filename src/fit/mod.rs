@@ -261,6 +261,7 @@ fn fewest_stages(
 /// by how much, and what would fit: the largest batch with these stages, else the fewest
 /// stages with this batch.
 pub fn check_fits(g: &Graph, c: &RunConfig) -> Result<()> {
+    c.check()?;
     let host = crate::memory::physical_memory();
     let cap = match (c.train.device_memory, c.train.device) {
         (Some(cap), _) => Some(cap),
@@ -505,6 +506,7 @@ pub struct Resolved {
 /// Chooses the sizes `auto` leaves open for `c` on `g`, in order: the split, MAST's replicas,
 /// the batch, then the offload policy, each against [`capacity`] with metered runs.
 pub fn resolve(g: &Graph, mut c: RunConfig, auto: Auto) -> Result<Resolved> {
+    c.check()?;
     let capacity = capacity(&c);
     let cap = |what: &str| {
         capacity.ok_or_else(|| {

@@ -41,12 +41,29 @@ pub fn task(name: &str) -> Result<Task> {
     })
 }
 
+/// The most classes a model may have: every class is named and counted in memory.
+pub const MAX_CLASSES: usize = 1 << 20;
+
+/// The largest image side a model may take: the sizes of its maps stay far from overflowing.
+pub const MAX_IMAGE_SIZE: usize = 1 << 20;
+
 /// Builds the model called `name` for `image_size`² RGB images and `classes` classes.
 pub fn build(name: &str, image_size: usize, classes: usize) -> Result<Graph> {
     if classes < 2 {
         return Err(Error::Config(format!(
             "{name}: a model needs at least 2 classes (for segmentation, count the background), \
              got {classes}"
+        )));
+    }
+    if classes > MAX_CLASSES {
+        return Err(Error::Config(format!(
+            "{name}: a model takes at most {MAX_CLASSES} classes, got {classes}"
+        )));
+    }
+    if image_size > MAX_IMAGE_SIZE {
+        return Err(Error::Config(format!(
+            "{name}: images of {image_size}² pixels: a side is at most {MAX_IMAGE_SIZE} (larger \
+             images are slides, read a tile at a time)"
         )));
     }
     if let Some(spec) = unet::parse(name)? {

@@ -77,11 +77,12 @@ impl FromStr for Grid {
     fn from_str(s: &str) -> std::result::Result<Self, String> {
         let bad = || format!("'{s}' is not a grid of tiles: expected RxC, e.g. 2x2 or 1x4");
         let (r, c) = s.split_once(['x', 'X']).ok_or_else(bad)?;
-        let (rows, cols) = (
+        let (rows, cols): (usize, usize) = (
             r.trim().parse().map_err(|_| bad())?,
             c.trim().parse().map_err(|_| bad())?,
         );
-        if rows == 0 || cols == 0 || rows * cols > 4096 {
+        // Checked: sides such as 2^32 would wrap their product to 0 tiles.
+        if rows == 0 || cols == 0 || rows.checked_mul(cols).is_none_or(|t| t > 4096) {
             return Err(format!(
                 "a grid of {rows}x{cols} tiles: each side from 1, at most 4096 tiles"
             ));

@@ -215,6 +215,25 @@ impl RunConfig {
         }
     }
 
+    /// Refuses, before any work, a run no machine can do: hyper-parameters no run trains
+    /// with ([`TrainConfig::check`]), scheme sizes that do not fit together or with the batch
+    /// ([`Scheme::validate`]), and more images per step (η·B·D) than can be counted.
+    pub fn check(&self) -> Result<()> {
+        self.train.check()?;
+        self.scheme.validate(self.train.batch_size)?;
+        let s = &self.scheme;
+        s.replicas
+            .checked_mul(self.train.batch_size)
+            .and_then(|n| n.checked_mul(s.dp))
+            .ok_or_else(|| {
+                Error::Config(format!(
+                    "η·B·D = {}·{}·{} images per step is more than can be counted",
+                    s.replicas, self.train.batch_size, s.dp
+                ))
+            })?;
+        Ok(())
+    }
+
     /// The run's tasks with their times under `costs`: its own schedule, checked and replayed,
     /// or the one its order builds, its forwards admitted as [`RunConfig::admission`] says
     /// with stages holding `stages` (where the footprint model gives them).

@@ -50,7 +50,7 @@ impl Layout {
     /// [`Layout::new`] on a graph already shared.
     pub fn on(graph: Arc<Graph>, c: &RunConfig) -> Result<Layout> {
         let t = &c.train;
-        t.check()?;
+        c.check()?;
         if let Some(w) = t
             .class_weights
             .as_ref()
@@ -63,7 +63,6 @@ impl Layout {
                 graph.classes()
             )));
         }
-        c.scheme.validate(t.batch_size)?;
         let grid = c.scheme.spatial;
         if grid.is_split() && !grid.splits(graph.input_shape()) {
             return Err(Error::Config(format!(

@@ -186,10 +186,14 @@ pub fn weak_scaling(
     }
     let layout = Layout::new(g, c)?;
     let mut points = Vec::new();
-    let mut groups = 1;
-    while groups * c.scheme.group_size() <= max_gpus {
-        points.push(step(c, &layout, profile, groups)?);
-        groups *= 2;
+    // Checked: doubling towards a `max_gpus` near usize::MAX would wrap and never end.
+    let mut groups = Some(1usize);
+    while let Some(g) = groups.filter(|g| {
+        g.checked_mul(c.scheme.group_size())
+            .is_some_and(|gpus| gpus <= max_gpus)
+    }) {
+        points.push(step(c, &layout, profile, g)?);
+        groups = g.checked_mul(2);
     }
     Ok(points)
 }

@@ -216,6 +216,9 @@ impl Tally {
     }
 }
 
+/// The most samples of an endless stream one evaluation scores.
+const MAX_STREAM_SAMPLES: usize = 1 << 20;
+
 /// Samples an evaluation of `data` covers: `samples` of them (default: all), or an error for an
 /// endless stream without a count.
 pub(crate) fn held_out_samples(data: &Pipeline, samples: Option<usize>) -> Result<usize> {
@@ -230,6 +233,13 @@ pub(crate) fn held_out_samples(data: &Pipeline, samples: Option<usize>) -> Resul
     };
     if samples == 0 {
         return Err(Error::Config("evaluation needs at least one sample".into()));
+    }
+    // Each sample's score is kept: an endless stream is scored up to a bound.
+    if data.samples().is_none() && samples > MAX_STREAM_SAMPLES {
+        return Err(Error::Config(format!(
+            "{samples} samples of an endless stream: at most {MAX_STREAM_SAMPLES} are scored \
+             (each sample's score is kept)"
+        )));
     }
     Ok(samples)
 }

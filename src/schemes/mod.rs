@@ -121,6 +121,12 @@ impl FromStr for Order {
     }
 }
 
+/// The most ranks a scheme may span (P·D, with R·C for each tiled stage).
+pub const MAX_RANKS: usize = 1024;
+
+/// The most micro-batch passes (m·η·V) a rank may run per step.
+pub const MAX_PASSES: usize = 4096;
+
 /// A scheme with its sizes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Scheme {
@@ -248,10 +254,42 @@ impl Scheme {
     /// pass, before any work starts.
     pub fn validate(&self, batch: usize) -> Result<()> {
         let bad = |m: String| Err(Error::Config(m));
-        if self.stages == 0 || self.parts == 0 || self.dp == 0 || self.replicas == 0 {
-            return bad(
-                "stages, parts, replicas and data-parallel groups must all be at least 1".into(),
-            );
+        let sizes = [
+            ("P (--split)", self.stages),
+            ("m (--parts)", self.parts),
+            ("η (--replicas)", self.replicas),
+            ("D (--dp)", self.dp),
+            ("V (--virtual-stages)", self.virtual_stages),
+        ];
+        if let Some((name, _)) = sizes.iter().find(|(_, n)| *n == 0) {
+            return bad(format!("{name} must be at least 1, got 0"));
+        }
+        // Every rank's schedule and meter are held in this process while planning, so sizes
+        // are bounded by what that bookkeeping leaves room for (checked: products can wrap).
+        let world = (0..self.stages.min(MAX_RANKS + 1))
+            .try_fold(0usize, |n, p| n.checked_add(self.width(p)))
+            .and_then(|group| group.checked_mul(self.dp))
+            .filter(|&w| w <= MAX_RANKS && self.stages <= MAX_RANKS);
+        if world.is_none() {
+            return bad(format!(
+                "P·D (with R·C tiles at each tiled stage) = {}·{} with {} tiles is more than the \
+                 {MAX_RANKS} ranks gems plans and runs (each rank's schedule and memory plan are \
+                 kept in one process)",
+                self.stages,
+                self.dp,
+                self.spatial.tiles()
+            ));
+        }
+        let passes = self
+            .parts
+            .checked_mul(self.replicas)
+            .and_then(|n| n.checked_mul(self.virtual_stages));
+        if passes.is_none_or(|n| n > MAX_PASSES) {
+            return bad(format!(
+                "m·η·V = {}·{}·{} micro-batch passes per rank and step is more than the {MAX_PASSES} \
+                 whose tasks a schedule holds",
+                self.parts, self.replicas, self.virtual_stages
+            ));
         }
         match self.kind {
             Kind::Single if self.stages != 1 || self.dp != 1 || self.replicas != 1 => {
@@ -283,9 +321,6 @@ impl Scheme {
                 "the {} order runs one replica per step, not {} (mp, dp or single)",
                 self.order, self.replicas
             ));
-        }
-        if self.virtual_stages == 0 {
-            return bad("--virtual-stages must be at least 1".into());
         }
         if self.chunks() > 1 {
             if self.spatial.is_split() {

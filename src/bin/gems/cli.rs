@@ -546,6 +546,10 @@ pub struct DataArgs {
     /// Batches prepared ahead at most.
     #[arg(long, default_value_t = 4)]
     pub prefetch: usize,
+    /// Segmenting: train even when a class has no labelled pixel in the training masks (a
+    /// warning names it) instead of refusing.
+    #[arg(long)]
+    pub allow_empty_class: bool,
 }
 
 impl DataArgs {

@@ -63,7 +63,7 @@ fn compare_orders(a: &TrainArgs) -> anyhow::Result<()> {
         let peaks = fit::per_rank(&graph, &c)?;
         let measured = match a.measure {
             Some(steps) => {
-                let data = crate::train::open_data(&graph, &c, false)?;
+                let data = crate::train::open_data(&graph, &c, false, true)?;
                 let mut session = gems::Session::new(&graph, c.clone(), data)?;
                 let mut times = Vec::new();
                 for _ in 0..steps.max(2) {
@@ -271,6 +271,8 @@ pub fn plan(a: TrainArgs) -> anyhow::Result<()> {
 
 pub fn calibrate(a: CalibrateArgs) -> anyhow::Result<()> {
     let (g, c) = setup(&a.train)?;
+    // Its micro-batch is run for real: it must fit like a training step's.
+    fit::check_fits(&g, &c)?;
     let t = &c.train;
     let micro = c.micro_batch();
     let device = gems::Device::cpu("cpu:0", None);

@@ -175,7 +175,7 @@ pub fn train(a: TrainArgs) -> anyhow::Result<()> {
     fit::check_fits(&graph, &c)?;
     match a.spread.transport {
         Transport::Local => {
-            let data = open_data(&graph, &c, true)?;
+            let data = open_data(&graph, &c, true, a.input.allow_empty_class)?;
             let train = data.train.clone();
             let session = Session::new(&graph, c, data)?;
             run(&a, session, &train, true)
@@ -185,41 +185,62 @@ pub fn train(a: TrainArgs) -> anyhow::Result<()> {
 }
 
 /// Opens the run's data for `graph`; where `speaks`, warns of samples left out and prints the
-/// samples of each class (when segmenting, the share of labelled pixels of each) (a class the data lacks is refused when the source is opened).
-pub fn open_data(graph: &Graph, c: &RunConfig, speaks: bool) -> anyhow::Result<gems::Dataset> {
+/// samples of each class (when segmenting, the share of labelled pixels of each) (a class the
+/// data lacks is refused when the source is opened). Segmenting, masks without a labelled
+/// pixel are refused, and a class without one unless `allow_empty_class` (then warned of).
+pub fn open_data(
+    graph: &Graph,
+    c: &RunConfig,
+    speaks: bool,
+    allow_empty_class: bool,
+) -> anyhow::Result<gems::Dataset> {
     let t = &c.train;
     let data = gems::data::open(&t.data, graph.image_size(), graph.classes(), t.seed)?;
-    if speaks {
-        report_skipped(&data.skipped);
-        let split = |p: &Pipeline, what: &str| -> anyhow::Result<Option<String>> {
-            let Some(counts) = p.class_counts()? else {
-                return Ok(None);
-            };
-            let total: usize = counts.iter().sum();
-            let per_class = |each: &dyn Fn(usize) -> String| -> String {
-                let named = p.classes().iter().zip(&counts);
-                let parts: Vec<String> = named.map(|(c, &n)| format!("{c} {}", each(n))).collect();
-                parts.join(", ")
-            };
-            Ok(Some(match p.task() {
-                Task::Classify => format!("{total} {what} ({})", per_class(&|n| n.to_string())),
-                // Segmenting: the samples, and the class balance over their labelled pixels.
-                Task::Segment => format!(
-                    "{} {what}; pixels: {}",
-                    p.samples().unwrap_or(0),
-                    per_class(&|n| format!("{:.1}%", 100.0 * n as f64 / total.max(1) as f64))
-                ),
-            }))
+    if !speaks {
+        return Ok(data);
+    }
+    report_skipped(&data.skipped);
+    let train_counts = data.train.class_counts()?;
+    if let (Task::Segment, Some(counts)) = (data.train.task(), &train_counts) {
+        let empty = data.train.classes_without_pixels(counts)?.join(", ");
+        match (empty.is_empty(), allow_empty_class) {
+            (true, _) => {}
+            (false, true) => eprintln!(
+                "warning: no pixel of the training masks is labelled {empty}: the model cannot \
+                 learn it"
+            ),
+            (false, false) => anyhow::bail!(
+                "no pixel of the training masks is labelled {empty}: the model could not learn \
+                 it; pass --allow-empty-class to train anyway"
+            ),
+        }
+    }
+    let split = |p: &Pipeline, counts: Option<Vec<usize>>, what: &str| -> Option<String> {
+        let counts = counts?;
+        let total: usize = counts.iter().sum();
+        let per_class = |each: &dyn Fn(usize) -> String| -> String {
+            let named = p.classes().iter().zip(&counts);
+            let parts: Vec<String> = named.map(|(c, &n)| format!("{c} {}", each(n))).collect();
+            parts.join(", ")
         };
-        let mut parts = split(&data.train, "for training")?
-            .into_iter()
-            .collect::<Vec<_>>();
-        if let Some(val) = &data.val {
-            parts.extend(split(val, "held out")?);
-        }
-        if !parts.is_empty() {
-            println!("data: {}", parts.join("; "));
-        }
+        Some(match p.task() {
+            Task::Classify => format!("{total} {what} ({})", per_class(&|n| n.to_string())),
+            // Segmenting: the samples, and the class balance over their labelled pixels.
+            Task::Segment => format!(
+                "{} {what}; pixels: {}",
+                p.samples().unwrap_or(0),
+                per_class(&|n| format!("{:.1}%", 100.0 * n as f64 / total.max(1) as f64))
+            ),
+        })
+    };
+    let mut parts: Vec<String> = split(&data.train, train_counts, "for training")
+        .into_iter()
+        .collect();
+    if let Some(val) = &data.val {
+        parts.extend(split(val, val.class_counts()?, "held out"));
+    }
+    if !parts.is_empty() {
+        println!("data: {}", parts.join("; "));
     }
     Ok(data)
 }
@@ -239,7 +260,8 @@ fn run_mpi(a: &TrainArgs, graph: &Graph, c: RunConfig) -> anyhow::Result<()> {
     if rank == 0 && matches!(c.train.device, gems::backend::DeviceKind::Cuda { .. }) {
         println!("{}", gems::comm::mpi::DevicePath::describe());
     }
-    let data = open_data(graph, &c, rank == 0).unwrap_or_else(|e| abort(e));
+    let data =
+        open_data(graph, &c, rank == 0, a.input.allow_empty_class).unwrap_or_else(|e| abort(e));
     let train = data.train.clone();
     let session = Session::on(graph, c, data, Box::new(comm)).unwrap_or_else(|e| abort(e.into()));
     run(a, session, &train, rank == 0).unwrap_or_else(|e| abort(e));
