@@ -787,3 +787,37 @@ fn spatial_auto_takes_the_fastest_grid_that_fits() {
         .to_string();
     assert!(e.contains("does not fit"), "{e}");
 }
+
+/// Where a spatial stage's tiles stop is named with the op and why; a grid so fine that most
+/// of the stage would run as gathered copies on every tile rank is refused before any work.
+#[test]
+fn tiles_say_where_they_stop_and_a_grid_too_fine_is_refused() {
+    let mp = Scheme::new(Kind::Mp, 1, 1, 1, 1, Order::GPipe);
+    let region = |model: &str, image: usize, g: gems::ops::tiles::Grid| {
+        let c = config(model, image, 2, mp.with_spatial(g), None);
+        Layout::new(&c.g, &c.c).map(|l| l.tiled.expect("a spatial stage"))
+    };
+    let whole = region("resnet20v2", 32, grid(2, 2)).unwrap();
+    // Tiled to the global pooling; the classifier after it is whole everywhere (and tiny).
+    assert!(whole.end.is_none() && whole.share > 0.999, "{whole}");
+    // 2x2-pixel tiles: layer3's 8x8 maps are smaller than the grid.
+    let fine = region("resnet20v2", 32, grid(16, 16)).unwrap();
+    let text = fine.to_string();
+    assert!(fine.too_fine() && !fine.stops_paying(), "{text}");
+    assert!(
+        text.contains("layer3.0") && text.contains("([256, 8, 8]) has fewer rows or columns"),
+        "{text}"
+    );
+    // A U-Net's upsampling has no tile rule: named, not the grid's fault.
+    let unet = region("unet_d3_w8", 64, grid(2, 2)).unwrap();
+    assert!(!unet.too_fine(), "{unet}");
+    assert!(unet.to_string().contains("conv-transpose 2x2/2"), "{unet}");
+    // Most of the work gathered on every one of 1,024 ranks: refused, naming the op.
+    let e = region("resnet20v2", 32, grid(32, 32))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("--spatial 32x32 stops paying on resnet20v2 at 32px") && e.contains("layer2.0"),
+        "{e}"
+    );
+}

@@ -155,15 +155,19 @@ fn grids() -> Vec<Grid> {
 /// the ranks share one device (local CPU ranks) they only add.
 pub fn choose_spatial(g: &Graph, c: &RunConfig, cap: u64) -> Result<RunConfig> {
     let side = g.image_size();
-    let mut candidates: Vec<RunConfig> = grids()
+    let mut candidates: Vec<RunConfig> = Vec::new();
+    for grid in grids()
         .into_iter()
         .filter(|t| t.rows <= side && t.cols <= side)
-        .map(|grid| {
-            let mut t = c.clone();
-            t.scheme.spatial = grid;
-            t
-        })
-        .collect();
+    {
+        let mut t = c.clone();
+        t.scheme.spatial = grid;
+        // Grids whose tiles would mostly compute gathered copies are not tried.
+        let layout = Layout::weighed(std::sync::Arc::new(g.clone()), &t)?;
+        if !layout.tiled.is_some_and(|r| r.stops_paying()) {
+            candidates.push(t);
+        }
+    }
     // More tiles never hold more per rank: grids with fewer than the first that fits do not.
     let mut first = None;
     for (i, t) in candidates.iter().enumerate() {

@@ -38,6 +38,85 @@ pub struct Layout {
     pub schedule: Timeline,
     /// What admitted its forwards (nothing where the caller wrote the tasks).
     pub admission: Admission,
+    /// Where the first stage's tiles stop, under spatial parallelism.
+    pub tiled: Option<TiledRegion>,
+}
+
+/// How much of a spatial stage runs on tiles: the ops from its input on run on each rank's
+/// tile until one needs its inputs whole (gathered onto every rank of the tile group, then
+/// computed the same on each).
+#[derive(Clone, Debug, PartialEq)]
+pub struct TiledRegion {
+    /// The grid of tiles.
+    pub grid: crate::ops::tiles::Grid,
+    /// Share of the stage's forward FLOPs computed on tiles.
+    pub share: f64,
+    /// The first node that gathers its inputs whole, with why (none: tiled to its end).
+    pub end: Option<(usize, String)>,
+}
+
+impl TiledRegion {
+    /// Stage `stage` of `g` (nodes) split into `grid`'s tiles.
+    pub fn of(g: &Graph, grid: crate::ops::tiles::Grid, stage: std::ops::Range<usize>) -> Self {
+        let (mut tiled, mut all, mut end) = (0u64, 0u64, None);
+        for id in stage {
+            let n = &g.nodes[id];
+            let flops = g.node_flops(n);
+            all += flops;
+            if crate::graph::runs_on_tiles(g, grid, id) {
+                tiled += flops;
+                continue;
+            }
+            let gathers = n.inputs.iter().any(|&v| grid.splits(&g.values[v].shape));
+            if end.is_none() && gathers {
+                let out = &g.values[n.output].shape;
+                let why = match n.op.get().on_tiles() {
+                    crate::ops::tiles::TileRule::Whole => {
+                        "an op with no tile rule: its inputs are gathered whole".to_string()
+                    }
+                    _ => format!("its output map ({out}) has fewer rows or columns than the grid"),
+                };
+                end = Some((id, format!("{} ({}): {why}", n.name, n.op.describe())));
+            }
+        }
+        TiledRegion {
+            grid,
+            share: if all == 0 {
+                1.0
+            } else {
+                tiled as f64 / all as f64
+            },
+            end,
+        }
+    }
+
+    /// Whether the region ends because the maps became smaller than the grid (the user's
+    /// grid, not a missing tile rule) while most of the stage's work is still ahead: the tile
+    /// ranks would mostly compute gathered copies.
+    pub fn stops_paying(&self) -> bool {
+        self.share < 0.5 && self.too_fine()
+    }
+
+    /// Whether tiles stop because a map became smaller than the grid: a coarser grid would
+    /// keep more of the stage on tiles.
+    pub fn too_fine(&self) -> bool {
+        (self.end.as_ref()).is_some_and(|(_, why)| why.contains("fewer rows or columns than"))
+    }
+}
+
+impl std::fmt::Display for TiledRegion {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match &self.end {
+            None => write!(f, "{} tiles to the end of the first stage", self.grid),
+            Some((id, what)) => write!(
+                f,
+                "{} tiles, first gathered whole at node {id}, {what}; {:.0}% of the first stage's \
+                 FLOPs run on tiles",
+                self.grid,
+                100.0 * self.share
+            ),
+        }
+    }
 }
 
 impl Layout {
@@ -49,6 +128,22 @@ impl Layout {
 
     /// [`Layout::new`] on a graph already shared.
     pub fn on(graph: Arc<Graph>, c: &RunConfig) -> Result<Layout> {
+        let layout = Layout::weighed(graph, c)?;
+        if let Some(region) = layout.tiled.as_ref().filter(|r| r.stops_paying()) {
+            return Err(Error::Config(format!(
+                "--spatial {} stops paying on {} at {}px: {region}; the tile ranks would \
+                 mostly compute gathered copies (choose a coarser grid, or --spatial auto)",
+                region.grid,
+                layout.graph.name,
+                layout.graph.image_size()
+            )));
+        }
+        Ok(layout)
+    }
+
+    /// [`Layout::on`] without refusing a grid of tiles that stops paying
+    /// ([`TiledRegion::stops_paying`]): for searches that weigh grids.
+    pub fn weighed(graph: Arc<Graph>, c: &RunConfig) -> Result<Layout> {
         let t = &c.train;
         c.check()?;
         if let Some(w) = t
@@ -140,6 +235,7 @@ impl Layout {
             None => c.admission(bytes.as_deref()),
         };
         let schedule = c.timeline(&tiles.stage_costs(&costs, stages), bytes.as_deref())?;
+        let tiled = (grid.is_split()).then(|| TiledRegion::of(&graph, grid, stages[0].clone()));
         Ok(Layout {
             graph,
             partition,
@@ -151,6 +247,7 @@ impl Layout {
             optimizer: c.calibration.as_ref().map_or(0.0, |cal| cal.optimizer),
             schedule,
             admission,
+            tiled,
         })
     }
 

@@ -155,6 +155,11 @@ pub fn plan(a: TrainArgs) -> anyhow::Result<()> {
             1e3 * halo,
             1e3 * sums
         );
+        match &layout.tiled {
+            Some(r) if r.too_fine() => println!("warning: {r} (a coarser grid keeps more)"),
+            Some(r) => println!("tiled region: {r}"),
+            None => {}
+        }
     }
     // Local ranks share this machine.
     let step = layout.predicted_step(true);

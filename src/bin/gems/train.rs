@@ -707,6 +707,11 @@ fn header(session: &Session, device: &str, a: &TrainArgs, total: usize) {
                 r.start, r.end
             );
         }
+        match session.layout().tiled.as_ref() {
+            Some(r) if r.too_fine() => println!("  warning: {r} (a coarser grid keeps more)"),
+            Some(r) if r.end.is_some() => println!("  tiles: {r}"),
+            _ => {}
+        }
     }
 }
 
