@@ -6,6 +6,7 @@
 #        - OpenMPI        openmpi-bin libopenmpi-dev   (mpirun, mpicc)
 #        - libclang       libclang-dev                 (bindgen)
 #        - g++            g++                          (the emulated CUDA driver)
+#        - iproute2       iproute2                     (ip netns: scripts/two_hosts.sh)
 #        - NVRTC          libnvrtc11.2 (Debian non-free / Ubuntu multiverse;
 #                         libnvrtc12 where 11.2 is not offered)
 #      and exposes NVRTC under the plain name libnvrtc.so via the symlink
@@ -20,7 +21,8 @@
 #      schemes, a cuDNN step and offload with cuDNN; about 30 minutes on 2 cores) runs with:
 #      cargo test --release --test cuda_ops -- --ignored
 #   3. without extra arguments, every example (examples/), the documentation's build, the
-#      commands of README.md and docs/*.md (scripts/docs_check.sh) and the GPU script's dry run.
+#      commands of README.md and docs/*.md (scripts/docs_check.sh), the GPU script's dry run
+#      and, as root with network namespaces, two hosts on this machine (scripts/two_hosts.sh).
 #
 # Environment:
 #   GEMS_SKIP_APT=1   do not install anything (only check and warn).
@@ -202,7 +204,7 @@ elif ! have_apt; then
     warn "no apt-get/dpkg on this system: cannot install OpenMPI, libclang, NVRTC automatically"
 else
     missing=()
-    for p in openmpi-bin libopenmpi-dev libclang-dev g++; do
+    for p in openmpi-bin libopenmpi-dev libclang-dev g++ iproute2; do
         pkg_installed "$p" || missing+=("$p")
     done
 
@@ -301,4 +303,12 @@ if [ "$#" -eq 0 ]; then
     # The GPU script's dry run: every step starts, and says "no GPU" where it needs one.
     log "== scripts/gpu/run.sh (dry run)"
     scripts/gpu/dry_run.sh
+    # One rank on each of two network namespaces, OpenMPI over TCP (about 15 s).
+    if [ "${#features[@]}" -gt 0 ] && [ "$(id -u)" -eq 0 ] && ip netns add gems-probe 2>/dev/null; then
+        ip netns del gems-probe
+        log "== scripts/two_hosts.sh"
+        GEMS="$ROOT/target/release/gems" scripts/two_hosts.sh
+    else
+        warn "scripts/two_hosts.sh skipped: it needs OpenMPI, root and network namespaces (ip netns)"
+    fi
 fi

@@ -783,6 +783,188 @@ fn outputs_replace_neither_devices_nor_the_run_inputs() {
     std::fs::remove_dir_all(&d).ok();
 }
 
+/// A slide (slides/a.tiff), its region labels and a model's initial weights for its classes:
+/// what `eval --init … --data slides:… --predictions DIR` reads.
+fn slide_and_weights(d: &Path) -> (PathBuf, PathBuf, PathBuf) {
+    let slides = d.join("slides");
+    std::fs::create_dir_all(&slides).unwrap();
+    let (labels, init) = (d.join("labels.csv"), d.join("init.safetensors"));
+    let tiff = slides.join("a.tiff");
+    let make = [
+        "data",
+        "make-slide",
+        "--out",
+        tiff.to_str().unwrap(),
+        "--width",
+        "256",
+        "--height",
+        "192",
+        "--tile",
+        "64",
+        "--levels",
+        "2",
+        "--classes",
+        "3",
+        "--region",
+        "128",
+        "--seed",
+        "3",
+        "--labels",
+        labels.to_str().unwrap(),
+    ];
+    let r = run(&make, 120);
+    assert!(r.ok, "{}", r.err);
+    let r = run(
+        &["export", "--classes", "3", "--out", init.to_str().unwrap()],
+        120,
+    );
+    assert!(r.ok, "{}", r.err);
+    (slides, labels, init)
+}
+
+/// `gems eval` of [`slide_and_weights`]'s slide with its maps and tiles.csv into `maps`.
+fn eval_predictions(d: &Path, maps: &Path) -> Vec<String> {
+    let (slides, labels, init) = (
+        d.join("slides"),
+        d.join("labels.csv"),
+        d.join("init.safetensors"),
+    );
+    [
+        "eval",
+        "--init",
+        init.to_str().unwrap(),
+        "--data",
+        &format!("slides:{}", slides.display()),
+        "--labels",
+        labels.to_str().unwrap(),
+        "--tile-size",
+        "64",
+        "--predictions",
+        maps.to_str().unwrap(),
+    ]
+    .map(String::from)
+    .to_vec()
+}
+
+fn strs(args: &[String]) -> Vec<&str> {
+    args.iter().map(String::as_str).collect()
+}
+
+/// `eval --predictions` into the slides' own folder is refused before work, the slide as it
+/// was; a pipe where tiles.csv or a map would go is refused and left a pipe.
+#[test]
+fn predictions_replace_neither_the_slide_nor_a_pipe() {
+    let d = scratch("predictions");
+    let (slides, _, _) = slide_and_weights(&d);
+    let tiff = slides.join("a.tiff");
+    let before = std::fs::read(&tiff).unwrap();
+    refused(
+        &strs(&eval_predictions(&d, &slides)),
+        "which this run reads",
+    );
+    assert_eq!(
+        std::fs::read(&tiff).unwrap(),
+        before,
+        "the slide was replaced"
+    );
+    let maps = d.join("maps");
+    for name in ["tiles.csv", "a.png", "a.tiff"] {
+        std::fs::create_dir_all(&maps).unwrap();
+        let fifo = maps.join(name);
+        assert!(Command::new("mkfifo")
+            .arg(&fifo)
+            .status()
+            .unwrap()
+            .success());
+        refused(
+            &strs(&eval_predictions(&d, &maps)),
+            "not a file gems may write",
+        );
+        use std::os::unix::fs::FileTypeExt;
+        let kind = std::fs::symlink_metadata(&fifo).unwrap().file_type();
+        assert!(kind.is_fifo(), "{name}: the pipe was replaced");
+        std::fs::remove_dir_all(&maps).unwrap();
+    }
+    // The same run into a folder of its own writes its maps.
+    let r = run(&strs(&eval_predictions(&d, &maps)), 120);
+    assert!(r.ok && maps.join("a.png").is_file(), "{}", r.err);
+    std::fs::remove_dir_all(&d).ok();
+}
+
+/// A path with a file bind-mounted over it, unmounted when dropped.
+struct Mounted(PathBuf);
+
+impl Mounted {
+    /// `source` mounted over `target`, or `None` where this process cannot mount (not root).
+    fn bind(source: &Path, target: &Path) -> Option<Mounted> {
+        let mounted = Command::new("mount")
+            .arg("--bind")
+            .args([source, target])
+            .stderr(Stdio::null())
+            .status()
+            .is_ok_and(|s| s.success());
+        mounted.then(|| Mounted(target.to_path_buf()))
+    }
+}
+
+impl Drop for Mounted {
+    fn drop(&mut self) {
+        let _ = Command::new("umount").arg(&self.0).status();
+    }
+}
+
+/// A file mounted over another path (as containers mount a host's files and devices, which
+/// cannot be renamed over) is no file to write: export, --metrics, --timeline, --per-sample and
+/// --predictions refuse it, and neither the mounted file nor the one under it changes. As root;
+/// elsewhere it says it is skipped.
+#[test]
+fn outputs_write_into_no_mounted_file() {
+    let d = scratch("mounted");
+    let (host, target) = (d.join("host"), d.join("target"));
+    let maps = d.join("maps");
+    std::fs::create_dir_all(&maps).unwrap();
+    let map = maps.join("a.tiff");
+    std::fs::write(&host, "the mounted file").unwrap();
+    std::fs::write(&target, "the file under the mount").unwrap();
+    std::fs::write(&map, "the map under the mount").unwrap();
+    slide_and_weights(&d);
+    let (Some(over_target), Some(over_map)) =
+        (Mounted::bind(&host, &target), Mounted::bind(&host, &map))
+    else {
+        eprintln!("skipped: mount --bind failed (it needs root)");
+        return;
+    };
+    let t = target.to_str().unwrap();
+    let mut per_sample = eval_predictions(&d, &maps);
+    per_sample.truncate(per_sample.len() - 2);
+    per_sample.extend(["--per-sample".into(), t.into()]);
+    for args in [
+        vec!["export", "--out", t],
+        vec!["train", "--steps", "1", "--metrics", t],
+        vec!["train", "--steps", "1", "--timeline", t],
+        vec!["plan", "--timeline", t],
+        strs(&per_sample),
+        strs(&eval_predictions(&d, &maps)),
+    ] {
+        refused(&args, "is a mount point");
+        assert_eq!(
+            std::fs::read_to_string(&host).unwrap(),
+            "the mounted file",
+            "{args:?} wrote into the mounted file"
+        );
+    }
+    drop((over_target, over_map));
+    assert_eq!(
+        std::fs::read_to_string(&target).unwrap(),
+        "the file under the mount"
+    );
+    assert_eq!(
+        std::fs::read_to_string(&map).unwrap(),
+        "the map under the mount"
+    );
+    std::fs::remove_dir_all(&d).ok();
+}
+
 /// `path`'s safetensors rewritten by `change` (tensor name, its little-endian bytes), without
 /// gems's metadata (so without checksums: what another tool would write).
 fn rewrite_tensors(path: &Path, out: &Path, change: impl Fn(&str, &mut Vec<u8>)) {

@@ -41,9 +41,16 @@ pub fn read_text(path: &Path) -> Result<String> {
 }
 
 /// Refuses `path` as a file to write when something other than a regular file (or a link to
-/// one) is there: a folder, a device, a pipe or a socket, which writing would replace or feed.
+/// one) is there: a folder, a device, a pipe or a socket, which writing would replace or feed,
+/// or a mount point (a file or device mounted over the path), which writing would write into.
 pub fn check_output(path: &Path) -> Result<()> {
     match std::fs::metadata(path) {
+        Ok(_) if is_mount_point(path) => Err(Error::BadInput {
+            path: path.to_path_buf(),
+            why: "is a mount point (a file or device mounted there), not a file gems may write; \
+                  name a file"
+                .into(),
+        }),
         Ok(m) if m.is_file() => Ok(()),
         Ok(m) => Err(Error::BadInput {
             path: path.to_path_buf(),
@@ -64,6 +71,44 @@ pub fn check_output(path: &Path) -> Result<()> {
     }
 }
 
+/// Whether the existing `path` is where something is mounted, as containers mount a host's
+/// files and devices over paths: by /proc/self/mountinfo, false where it cannot be read.
+fn is_mount_point(path: &Path) -> bool {
+    use std::os::unix::ffi::OsStrExt;
+    let (Ok(real), Ok(table)) = (path.canonicalize(), std::fs::read("/proc/self/mountinfo")) else {
+        return false;
+    };
+    let real = real.as_os_str().as_bytes();
+    table
+        .split(|&b| b == b'\n')
+        .filter_map(|line| line.split(|&b| b == b' ').nth(4))
+        .any(|at| unescape_octal(at) == real)
+}
+
+/// A mountinfo field with its escapes (`\040` for a space: a backslash and 3 octal digits)
+/// decoded.
+fn unescape_octal(field: &[u8]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(field.len());
+    let mut i = 0;
+    while i < field.len() {
+        let code = field
+            .get(i + 1..i + 4)
+            .filter(|_| field[i] == b'\\')
+            .and_then(|d| u8::from_str_radix(std::str::from_utf8(d).ok()?, 8).ok());
+        match code {
+            Some(c) => {
+                out.push(c);
+                i += 4;
+            }
+            None => {
+                out.push(field[i]);
+                i += 1;
+            }
+        }
+    }
+    out
+}
+
 /// Creates (or truncates) the regular file at `path` for writing, after [`check_output`].
 pub fn create_output(path: &Path) -> Result<File> {
     check_output(path)?;
@@ -81,6 +126,25 @@ pub fn write_output(path: &Path, bytes: &[u8]) -> Result<()> {
             path: path.to_path_buf(),
             why: format!("cannot write it: {e}"),
         })
+}
+
+/// Writes interleaved 8-bit RGB pixels, `width` × `height`, as a PNG file (see
+/// [`write_output`]).
+pub fn write_png(path: &Path, rgb: &[u8], width: u32, height: u32) -> Result<()> {
+    let mut png = std::io::Cursor::new(Vec::new());
+    image::write_buffer_with_format(
+        &mut png,
+        rgb,
+        width,
+        height,
+        image::ExtendedColorType::Rgb8,
+        image::ImageFormat::Png,
+    )
+    .map_err(|e| Error::BadInput {
+        path: path.to_path_buf(),
+        why: format!("cannot encode it as PNG: {e}"),
+    })?;
+    write_output(path, png.get_ref())
 }
 
 /// The temporary file [`write_atomically`] writes `path` through in this process:
@@ -206,5 +270,15 @@ mod tests {
         assert_eq!(std::fs::read(&file).unwrap(), b"two");
         let leftovers = std::fs::read_dir(dir.path()).unwrap().count();
         assert_eq!(leftovers, 2, "no temporary file is left");
+    }
+
+    #[test]
+    fn mount_points_are_read_with_their_escapes() {
+        assert_eq!(unescape_octal(br"/a\040b\134c\0"), b"/a b\\c\\0");
+        assert!(is_mount_point(Path::new("/")));
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("f");
+        std::fs::write(&file, b"x").unwrap();
+        assert!(!is_mount_point(&file));
     }
 }

@@ -172,15 +172,7 @@ impl ClassMap {
                 }
             }
         }
-        image::save_buffer_with_format(
-            path,
-            &rgb,
-            self.width,
-            self.height,
-            image::ExtendedColorType::Rgb8,
-            image::ImageFormat::Png,
-        )
-        .map_err(|e| Error::Data(format!("cannot write {}: {e}", path.display())))
+        crate::core::files::write_png(path, &rgb, self.width, self.height)
     }
 }
 

@@ -938,17 +938,9 @@ impl Slides {
             .unwrap_or_default()
             .to_string_lossy();
         let path = folder.join(format!("{stem}_level{level}_{}_{}.png", t.x, t.y));
-        let fail = |e: String| Error::Data(format!("cannot write {}: {e}", path.display()));
-        std::fs::create_dir_all(&folder).map_err(|e| fail(e.to_string()))?;
-        image::save_buffer_with_format(
-            &path,
-            &rgb,
-            size,
-            size,
-            image::ExtendedColorType::Rgb8,
-            image::ImageFormat::Png,
-        )
-        .map_err(|e| fail(e.to_string()))?;
+        std::fs::create_dir_all(&folder)
+            .map_err(|e| Error::Data(format!("cannot write {}: {e}", path.display())))?;
+        crate::core::files::write_png(&path, &rgb, size, size)?;
         Ok(path)
     }
 

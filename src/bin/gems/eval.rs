@@ -221,8 +221,9 @@ pub fn export(a: ExportArgs) -> anyhow::Result<()> {
 }
 
 /// Refuses, before any work, a `--predictions` folder or `--per-sample` file whose outputs
-/// (`tiles.csv`, each slide's `<stem>.png` and `<stem>.tiff`) would replace what the run reads:
-/// a slide, the labels, the checkpoint or the initial weights.
+/// (`tiles.csv`, each slide's `<stem>.png` and `<stem>.tiff`) would replace what the run reads
+/// (a slide, the labels, the checkpoint or the initial weights) or are not files gems may
+/// write (see [`gems::core::files::check_output`]).
 fn refuse_overwriting_inputs(a: &EvalArgs, order: &Pipeline) -> anyhow::Result<()> {
     let mut inputs: Vec<PathBuf> = [&a.checkpoint, &a.init, &a.slides.labels]
         .into_iter()
@@ -244,7 +245,11 @@ fn refuse_overwriting_inputs(a: &EvalArgs, order: &Pipeline) -> anyhow::Result<(
             outputs.push(dir.join(format!("{stem}.tiff")));
         }
     }
-    Ok(gems::core::files::refuse_overwriting(&outputs, &inputs)?)
+    gems::core::files::refuse_overwriting(&outputs, &inputs)?;
+    for out in &outputs {
+        gems::core::files::check_output(out)?;
+    }
+    Ok(())
 }
 
 /// A CSV field, quoted when it must be.

@@ -92,8 +92,7 @@ fn write_maps(dir: &Path, e: &Evaluation, side: usize) -> anyhow::Result<()> {
             image::Rgb(maps::colour(s.map[y as usize * side + x as usize] as u8))
         });
         let path = maps_dir.join(format!("{}.png", s.position));
-        png.save(&path)
-            .map_err(|err| anyhow::anyhow!("cannot write {}: {err}", path.display()))?;
+        gems::core::files::write_png(&path, png.as_raw(), png.width(), png.height())?;
     }
     println!(
         "wrote {} maps into {}",
