@@ -634,6 +634,13 @@ pub struct TrainArgs {
     /// CrossEntropyLoss(weight=)) [default: all 1].
     #[arg(long, value_delimiter = ',')]
     pub class_weights: Option<Vec<f64>>,
+    /// How per-pixel losses make a step's loss: sample-mean (the mean over the step's images
+    /// of each image's weighted mean over its labelled pixels) or pytorch (the weighted sum
+    /// over all the step's labelled pixels divided by their total weight, as
+    /// CrossEntropyLoss(weight=, ignore_index=255)). The same for a classifier without class
+    /// weights.
+    #[arg(long, default_value = "sample-mean")]
+    pub loss_reduction: gems::ops::loss::Reduction,
     /// Device capacity, e.g. 2GiB (emulated on the CPU; on a GPU the smaller of this and its
     /// free memory; default unlimited / the free memory).
     #[arg(long, value_parser = parse_bytes)]
