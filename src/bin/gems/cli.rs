@@ -302,6 +302,10 @@ pub struct EvalArgs {
     pub map_level: Option<usize>,
     #[arg(long, default_value_t = 50)]
     pub batch_size: usize,
+    /// Each class's weight in the reported loss, in class order [default: the checkpoint's;
+    /// all 1 for --init].
+    #[arg(long, value_delimiter = ',')]
+    pub class_weights: Option<Vec<f64>>,
     /// Leave unreadable samples out with a warning instead of stopping.
     #[arg(long)]
     pub skip_bad: bool,
