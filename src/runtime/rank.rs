@@ -660,12 +660,12 @@ impl Rank {
                     targets
                 }
             };
-            // What each micro-batch's Σ w·ℓ is divided by, and its loss's share of the step's.
-            let (norm, share) = match c.train.loss_reduction {
-                loss::Reduction::SampleMean => (
-                    loss::Norm::PerSample,
-                    1.0 / s.micro_batches_per_step() as f64,
-                ),
+            // What each micro-batch's Σ w·ℓ is divided by, and then its loss, to make its part
+            // of the step's.
+            let (norm, parts) = match c.train.loss_reduction {
+                loss::Reduction::SampleMean => {
+                    (loss::Norm::PerSample, s.micro_batches_per_step() as f64)
+                }
                 loss::Reduction::Pytorch => (loss::Norm::Total(self.step_weight), 1.0),
             };
             let weights = c.train.class_weights.as_deref();
@@ -676,7 +676,7 @@ impl Rank {
                 let ce =
                     loss::softmax_cross_entropy(&self.device, logits, &targets, weights, norm)?;
                 if reports {
-                    self.current.loss += o.weight * ce.loss * share;
+                    self.current.loss += o.weight * ce.loss / parts;
                 }
                 if reports && g.outputs.first() == Some(o) && self.data.is_some() {
                     let predicted = loss::predictions(&ce.probs)?;
@@ -688,7 +688,7 @@ impl Rank {
                 let scale = self.loss_scale.as_ref().map_or(1.0, LossScale::factor);
                 let d = ce.backward(
                     &self.device,
-                    o.weight * share * scale,
+                    o.weight / parts * scale,
                     c.train.activations(),
                 )?;
                 seeds.push((o.value, self.own_part(o.value, d)?));

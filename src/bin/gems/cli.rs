@@ -641,8 +641,8 @@ pub struct TrainArgs {
     /// How per-pixel losses make a step's loss: sample-mean (the mean over the step's images
     /// of each image's weighted mean over its labelled pixels) or pytorch (the weighted sum
     /// over all the step's labelled pixels divided by their total weight, as
-    /// CrossEntropyLoss(weight=, ignore_index=255)). The same for a classifier without class
-    /// weights.
+    /// CrossEntropyLoss(weight=, ignore_index=255)). A classifier's class weights count only
+    /// under pytorch (sample-mean weighs each image's one label by itself).
     #[arg(long, default_value = "sample-mean")]
     pub loss_reduction: gems::ops::loss::Reduction,
     /// Device capacity, e.g. 2GiB (emulated on the CPU; on a GPU the smaller of this and its
