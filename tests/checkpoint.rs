@@ -373,6 +373,19 @@ fn weights_go_out_as_a_plain_state_dict_and_come_back_in() {
         score(&["--init", &p("w.safetensors")]),
         score(&["--checkpoint", a.to_str().unwrap()])
     );
+    // --class-weights that are not the model's count are refused (tests/segmentation.rs
+    // checks that they weigh a U-Net's loss).
+    let (ok, _, err) = gems(&[
+        "eval",
+        "--checkpoint",
+        a.to_str().unwrap(),
+        "--class-weights",
+        "1,2",
+    ]);
+    assert!(
+        !ok && err.contains("2 weights for the model's 10 classes"),
+        "{err}"
+    );
     // Plain weights hold no held-out split: without --data they are scored on synthetic data.
     let (ok, out, err) = gems(&["eval", "--init", &p("w.safetensors"), "--samples", "64"]);
     assert!(ok, "{err}");

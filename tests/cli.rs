@@ -384,6 +384,8 @@ fn resume_accepts_the_checkpoints_values_and_refuses_others() {
         "--nesterov",
         "--seed",
         "3",
+        "--loss-reduction",
+        "pytorch",
         "--data",
         "synthetic",
         "--checkpoint",
@@ -401,6 +403,7 @@ fn resume_accepts_the_checkpoints_values_and_refuses_others() {
         ("--betas", "0.9,0.999", "0.8,0.99"),
         ("--image-size", "64", "32"),
         ("--optimizer", "sgd", "adamw"),
+        ("--loss-reduction", "sample-mean", "pytorch"),
     ] {
         let (ok, _, err) = gems(&[&["train", flag, ours][..], &resume].concat());
         assert!(!ok);

@@ -6,6 +6,7 @@ use gems::data::UNLABELLED;
 use gems::ops::activation::Nonlinearity;
 use gems::ops::conv::{Conv2d, ConvTranspose2d};
 use gems::ops::groupnorm::GroupNorm;
+use gems::ops::loss::Norm;
 use gems::ops::pool::AdaptiveAvgPool;
 use gems::ops::pool::{AvgPool, GlobalAvgPool, MaxPool, Window};
 use gems::ops::{
@@ -674,12 +675,13 @@ fn softmax_cross_entropy_gradients_and_definition() {
         let (shape, logits, labels) = loss_case(&dims, 3);
         let cw = cw.as_deref();
         let f = |l: &[f64]| {
-            loss::softmax_cross_entropy(&d, &upload(&d, &shape, l, DType::F64), &labels, cw)
+            let x = upload(&d, &shape, l, DType::F64);
+            loss::softmax_cross_entropy(&d, &x, &labels, cw, Norm::PerSample)
                 .unwrap()
                 .loss
         };
         let x = upload(&d, &shape, &logits, DType::F64);
-        let ce = loss::softmax_cross_entropy(&d, &x, &labels, cw).unwrap();
+        let ce = loss::softmax_cross_entropy(&d, &x, &labels, cw, Norm::PerSample).unwrap();
         let want = direct_loss(&shape, &logits, &labels, cw);
         assert!(
             (ce.loss - want).abs() <= 1e-12 * want,
@@ -742,6 +744,7 @@ fn softmax_cross_entropy_of_a_batch_is_the_mean_of_its_micro_batches() {
         &upload(&d, &shape, &logits, DType::F64),
         &labels,
         Some(&cw),
+        Norm::PerSample,
     )
     .unwrap();
     let dwhole = whole
@@ -753,8 +756,8 @@ fn softmax_cross_entropy_of_a_batch_is_the_mean_of_its_micro_batches() {
     let (mut loss, mut grad) = (0.0, Vec::new());
     for m in 0..2 {
         let x = upload(&d, &half, &logits[m * 120..(m + 1) * 120], DType::F64);
-        let ce =
-            loss::softmax_cross_entropy(&d, &x, &labels[m * 40..(m + 1) * 40], Some(&cw)).unwrap();
+        let labels = &labels[m * 40..(m + 1) * 40];
+        let ce = loss::softmax_cross_entropy(&d, &x, labels, Some(&cw), Norm::PerSample).unwrap();
         loss += ce.loss / 2.0;
         grad.extend(
             ce.backward(&d, 0.5, DType::F64)
@@ -769,6 +772,63 @@ fn softmax_cross_entropy_of_a_batch_is_the_mean_of_its_micro_batches() {
         whole.loss
     );
     assert_eq!(grad, dwhole);
+}
+
+/// `--loss-reduction pytorch` is PyTorch's `CrossEntropyLoss(weight=w, ignore_index=255)`
+/// (tests/data/loss/expected.json, written by scripts/make_loss_fixture.py), loss and
+/// gradients, for a batch of 4 whose samples carry different weights, cut into 2 micro-batches
+/// each divided by the whole batch's weight; the default reduction differs there.
+#[test]
+fn pytorch_reduction_over_micro_batches_equals_pytorchs_cross_entropy() {
+    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/data/loss/expected.json");
+    let fixture: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+    let numbers = |key: &str| -> Vec<f64> {
+        let v = fixture[key].as_array().unwrap();
+        v.iter().map(|x| x.as_f64().unwrap()).collect()
+    };
+    let (logits, cw, want_grad) = (numbers("logits"), numbers("class_weights"), numbers("grad"));
+    // PyTorch's ignore_index 255 is gems's UNLABELLED (what a mask's 255 reads as).
+    let label = |l: f64| if l == 255.0 { UNLABELLED } else { l as u32 };
+    let labels: Vec<u32> = numbers("labels").into_iter().map(label).collect();
+    let want = fixture["loss"].as_f64().unwrap();
+    let d = device();
+    let total = loss::total_weight(&labels, 3, Some(&cw)).unwrap();
+    let half = Shape::new([2, 3, 4, 5]);
+    let (mut got, mut grad) = (0.0, Vec::new());
+    for m in 0..2 {
+        let x = upload(&d, &half, &logits[m * 120..(m + 1) * 120], DType::F64);
+        let labels = &labels[m * 40..(m + 1) * 40];
+        let ce =
+            loss::softmax_cross_entropy(&d, &x, labels, Some(&cw), Norm::Total(total)).unwrap();
+        got += ce.loss;
+        grad.extend(
+            ce.backward(&d, 1.0, DType::F64)
+                .unwrap()
+                .to_f64_vec()
+                .unwrap(),
+        );
+    }
+    assert!(
+        (got - want).abs() <= 1e-12 * want,
+        "{got} vs PyTorch's {want}"
+    );
+    let worst = grad
+        .iter()
+        .zip(&want_grad)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0.0, f64::max);
+    assert!(
+        worst <= 1e-12,
+        "gradients differ from PyTorch's by {worst:e}"
+    );
+    let whole = upload(&d, &Shape::new([4, 3, 4, 5]), &logits, DType::F64);
+    let per_sample = loss::softmax_cross_entropy(&d, &whole, &labels, Some(&cw), Norm::PerSample);
+    let per_sample = per_sample.unwrap().loss;
+    assert!(
+        (per_sample - want).abs() > 1e-3 * want,
+        "the fixture's samples weigh alike: {per_sample} vs {want}"
+    );
 }
 
 /// With every pixel labelled and no weights, the loss is the plain mean over all pixels:
@@ -792,7 +852,7 @@ fn softmax_cross_entropy_is_pytorchs_mean_over_pixels() {
             })
             .sum();
         let x = upload(&d, &shape, &logits, DType::F64);
-        let ce = loss::softmax_cross_entropy(&d, &x, &labels, None).unwrap();
+        let ce = loss::softmax_cross_entropy(&d, &x, &labels, None, Norm::PerSample).unwrap();
         let want = sum / places as f64;
         assert!(
             (ce.loss - want).abs() <= 1e-13 * want,
@@ -820,7 +880,7 @@ fn softmax_cross_entropy_refuses_bad_labels_and_weights() {
     let mut bad = labels.clone();
     bad[5] = 3;
     let refused = |labels: &[u32], cw: Option<&[f64]>| {
-        loss::softmax_cross_entropy(&d, &x, labels, cw).is_err()
+        loss::softmax_cross_entropy(&d, &x, labels, cw, Norm::PerSample).is_err()
             && loss::per_sample(&x, labels, cw).is_err()
     };
     assert!(refused(&bad, None), "a label ≥ K");
@@ -839,12 +899,12 @@ fn softmax_cross_entropy_refuses_bad_labels_and_weights() {
     );
     let flat = upload(&d, &Shape::new([24]), &logits, DType::F64);
     assert!(
-        loss::softmax_cross_entropy(&d, &flat, &labels, None).is_err(),
+        loss::softmax_cross_entropy(&d, &flat, &labels, None, Norm::PerSample).is_err(),
         "logits of rank 1"
     );
     let empty = upload(&d, &Shape::new([2, 3, 0, 4]), &[], DType::F64);
     assert!(
-        loss::softmax_cross_entropy(&d, &empty, &[], None).is_err(),
+        loss::softmax_cross_entropy(&d, &empty, &[], None, Norm::PerSample).is_err(),
         "logits of no places"
     );
 }

@@ -10,6 +10,7 @@ use common::HeavyBall;
 
 use gems::data::{DataConfig, SourceSpec, Task};
 use gems::graph::{self, Graph, Params};
+use gems::ops::loss::Norm;
 use gems::ops::{batched, loss};
 use gems::optim::schedule::{Decay, LrSchedule};
 use gems::optim::{AdamConfig, CustomOptimizer, OptimizerKind, Sgd, SgdConfig};
@@ -320,6 +321,83 @@ fn every_scheme_matches_single_on_amoebanet_d() {
     every_scheme("amoebanet_d_3x8");
 }
 
+/// `--loss-reduction pytorch` divides each micro-batch's weighted loss by the whole step's
+/// weight, summed over every group's and replica's images: pipelines, MAST, data-parallel
+/// groups and spatial tiles train as one device does on the same micro-batches.
+#[test]
+fn pytorch_loss_reduction_matches_single_on_unet() {
+    let model = &model("unet_d3_w4", 4);
+    let config = |batch| TrainConfig {
+        loss_reduction: loss::Reduction::Pytorch,
+        ..train(batch, DType::F64, LR)
+    };
+    for (scheme, batch) in [
+        (Scheme::new(Kind::Mp, 2, 2, 1, 1, Order::OneFOneB), 4),
+        (Scheme::new(Kind::Mast, 2, 1, 2, 2, Order::GPipe), 2),
+        (Scheme::new(Kind::Dp, 1, 2, 1, 2, Order::GPipe), 4),
+        (
+            Scheme::new(Kind::Mp, 2, 1, 1, 1, Order::GPipe).with_spatial(tiles(1, 2)),
+            2,
+        ),
+    ] {
+        check_with(model, scheme, config(batch));
+    }
+}
+
+/// A step's loss under `--loss-reduction pytorch` is Σ w·ℓ over the whole batch's labelled
+/// pixels divided by their Σ w, its 2 micro-batches each scored in training mode: the batch's
+/// weight is known before the step, not made up per micro-batch.
+#[test]
+fn pytorch_loss_reduction_divides_by_the_whole_batch_weight() {
+    let g = &model("unet_d3_w4", 4);
+    let mut c = RunConfig::new(
+        TrainConfig {
+            loss_reduction: loss::Reduction::Pytorch,
+            ..train(4, DType::F64, LR)
+        },
+        Scheme::single(2),
+    );
+    c.train.data.task = Task::Segment;
+    let got = session(g, c.clone()).step().unwrap().loss;
+    let t = &c.train;
+    let data = gems::data::open(&t.data, g.image_size(), g.classes(), t.seed).unwrap();
+    let device = Device::cpu("test", None);
+    let mut params = gems::graph::Params::init(g, &device, t.dtype, t.seed).unwrap();
+    let weights: Vec<f64> = (0..g.classes()).map(|k| 0.5 + k as f64).collect();
+    let (mut sum, mut total) = (0.0, 0.0);
+    for first in [0, 2] {
+        let (pixels, labels) = data.train.batch(first, 2).unwrap();
+        let x = device
+            .input(batched(2, g.input_shape()), pixels, DType::F64)
+            .unwrap();
+        let out = g.outputs[0].value;
+        let (logits, _) = graph::forward(
+            g,
+            &mut params,
+            &device,
+            vec![(g.input, x)],
+            0..g.nodes.len(),
+            &[out],
+            Some(&t.saves),
+            false,
+            0,
+            None,
+        )
+        .unwrap();
+        let ce = loss::softmax_cross_entropy(
+            &device,
+            &logits[0],
+            &labels,
+            Some(&weights),
+            Norm::Total(1.0),
+        );
+        sum += ce.unwrap().loss;
+        total += loss::total_weight(&labels, g.classes(), Some(&weights)).unwrap();
+    }
+    let want = sum / total;
+    assert!((got - want).abs() <= 1e-12 * want, "{got} vs {want}");
+}
+
 /// Adam's and AdamW's state and gradient clipping by global norm: the norm is summed over
 /// every stage and counts each parameter once, however many copies of it the scheme holds
 /// (MAST's mirrored replicas, data-parallel groups, spatial tiles), so every scheme clips as
@@ -513,7 +591,8 @@ fn hand_rolled(g: &Graph, c: &TrainConfig, steps: usize) -> (Vec<f64>, Vec<Vec<f
         let mut total = 0.0;
         let mut seeds = Vec::new();
         for (out, logits) in g.outputs.iter().zip(logits) {
-            let ce = loss::softmax_cross_entropy(&device, &logits, &labels, None).unwrap();
+            let ce = loss::softmax_cross_entropy(&device, &logits, &labels, None, Norm::PerSample)
+                .unwrap();
             total += out.weight * ce.loss;
             let grad = ce.backward(&device, out.weight, c.activations()).unwrap();
             seeds.push((out.value, grad));

@@ -135,6 +135,17 @@ fn a_unet_learns_the_regions_of_a_slide_and_maps_its_predictions() {
         "0",
     ]);
     let miou = number_after(&eval, "mean IoU");
+    // Other class weights score the same predictions with another loss.
+    let weights: Vec<String> = (1..=shares.len()).map(|k| k.to_string()).collect();
+    let weighted = gems(&[
+        "eval",
+        "--checkpoint",
+        ckpt.join("step-000240.safetensors").to_str().unwrap(),
+        "--class-weights",
+        &weights.join(","),
+    ]);
+    assert_eq!(number_after(&weighted, "mean IoU"), miou);
+    assert_ne!(number_after(&weighted, "loss"), number_after(&eval, "loss"));
     assert!(
         miou > 0.6 && miou > 3.0 * trivial,
         "mean IoU {miou} against a trivial {trivial}:\n{eval}"

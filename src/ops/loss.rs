@@ -2,16 +2,61 @@
 //! segmenter's (N × K × H × W, one label per pixel), with unlabelled places and class weights.
 //! Not a graph op: the trainer applies it to each graph output with that output's weight.
 //!
-//! The loss is the mean over the N samples of each sample's weighted mean over its labelled
-//! places, so it is the same however a batch is cut into micro-batches. The host folds that
-//! normalisation into one weight per place (class weight / (N · the sample's total weight), 0
-//! where unlabelled), and the backend sums weight · `(−log p[label])` over the places.
+//! Two reductions ([`Reduction`]): by default the mean over the N samples of each sample's
+//! weighted mean over its labelled places; or PyTorch's, Σ w·ℓ over the whole batch's labelled
+//! places divided by their Σ w. The host folds either into one weight per place (0 where
+//! unlabelled), and the backend sums weight · `(−log p[label])` over the places.
 
 use crate::backend::LossGeom;
 use crate::data::UNLABELLED;
 use crate::memory::Category;
 use crate::tensor::{DType, Device, Shape, Tensor};
 use crate::{Error, Result};
+
+/// How a batch's per-place losses ℓ, with class weights w, make its loss.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub enum Reduction {
+    /// The mean over the batch's samples of each sample's Σ w·ℓ / Σ w over its labelled
+    /// places (a sample with none counts 0): every sample weighs the same.
+    #[default]
+    SampleMean,
+    /// Σ w·ℓ / Σ w over all the batch's labelled places, as PyTorch's
+    /// `CrossEntropyLoss(weight=w, ignore_index=255)` (0 where no place is labelled, where
+    /// PyTorch gives NaN): a sample weighs its labelled pixels' total weight.
+    Pytorch,
+}
+
+impl std::str::FromStr for Reduction {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s {
+            "sample-mean" => Ok(Reduction::SampleMean),
+            "pytorch" => Ok(Reduction::Pytorch),
+            _ => Err(format!(
+                "unknown loss reduction '{s}' (sample-mean, pytorch)"
+            )),
+        }
+    }
+}
+
+impl std::fmt::Display for Reduction {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Reduction::SampleMean => "sample-mean",
+            Reduction::Pytorch => "pytorch",
+        })
+    }
+}
+
+/// What one call's Σ w·ℓ is divided by.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Norm {
+    /// [`Reduction::SampleMean`] of the logits given.
+    PerSample,
+    /// This total weight: a micro-batch's part of [`Reduction::Pytorch`] when it is the whole
+    /// batch's [`total_weight`], so that the parts add up to the batch's loss.
+    Total(f64),
+}
 
 /// A scored batch: its loss, the softmax probabilities (for backward and predictions), and
 /// the labels and weights per place backward needs.
@@ -26,19 +71,18 @@ pub struct CrossEntropy {
 
 /// Softmax cross-entropy of logits N×K (labels: one per sample) or N×K×H×W (labels: one per
 /// pixel, N·H·W of them, sample-major, row-major), UNLABELLED places left out, each place's
-/// term scaled by its class's weight (`class_weights`, one per class, all 1 when None). The
-/// loss is the mean over the N samples of each sample's weighted mean over its labelled
-/// places (Σ w·ℓ / Σ w; a sample with no labelled place counts 0). With one place per sample
-/// and no weights it is the plain mean; with no unlabelled places and no weights, the mean over
-/// all pixels (PyTorch's `cross_entropy` with `reduction="mean"`).
+/// term ℓ scaled by its class's weight w (`class_weights`, one per class, all 1 when None),
+/// reduced as `norm` says. With one place per sample, or no unlabelled places and no weights,
+/// both reductions are the plain mean over all places.
 pub fn softmax_cross_entropy(
     device: &Device,
     logits: &Tensor,
     labels: &[u32],
     class_weights: Option<&[f64]>,
+    norm: Norm,
 ) -> Result<CrossEntropy> {
     let g = geometry(logits.shape())?;
-    let (labels, weights) = place_weights(&g, labels, class_weights)?;
+    let (labels, weights) = place_weights(&g, labels, class_weights, norm)?;
     let mut probs = device.empty(
         logits.shape().clone(),
         logits.dtype().compute(),
@@ -178,26 +222,54 @@ fn check(g: &LossGeom, labels: &[u32], class_weights: Option<&[f64]>) -> Result<
     Ok(())
 }
 
+/// The sum of the class weights of the labelled places among `labels` of `classes` classes
+/// (all 1 when `class_weights` is None): [`Norm::Total`]'s divisor for a batch with these
+/// labels.
+pub fn total_weight(labels: &[u32], classes: usize, class_weights: Option<&[f64]>) -> Result<f64> {
+    let g = LossGeom {
+        n: 1,
+        k: classes,
+        positions: labels.len(),
+    };
+    check(&g, labels, class_weights)?;
+    Ok(labels.iter().map(|&l| class_weight(l, class_weights)).sum())
+}
+
+/// Label `l`'s weight: its class's, 0 where unlabelled.
+fn class_weight(l: u32, class_weights: Option<&[f64]>) -> f64 {
+    match l {
+        UNLABELLED => 0.0,
+        l => class_weights.map_or(1.0, |cw| cw[l as usize]),
+    }
+}
+
 /// Each place's label for the backend (UNLABELLED as class 0) and weight: its class's weight
-/// divided by N and by its sample's total weight (0 where unlabelled, and in a sample whose
-/// total is 0), so that Σ weight · ℓ is the loss.
+/// divided by what `norm` says (N times its sample's total weight, or the total given; 0 where
+/// unlabelled, and where that divisor is 0), so that Σ weight · ℓ is the loss.
 fn place_weights(
     g: &LossGeom,
     labels: &[u32],
     class_weights: Option<&[f64]>,
+    norm: Norm,
 ) -> Result<(Vec<u32>, Vec<f64>)> {
     check(g, labels, class_weights)?;
-    let class_weight = |l: u32| match l {
-        UNLABELLED => 0.0,
-        l => class_weights.map_or(1.0, |cw| cw[l as usize]),
-    };
-    let mut weights: Vec<f64> = labels.iter().map(|&l| class_weight(l)).collect();
-    for sample in weights.chunks_mut(g.positions) {
-        let total: f64 = sample.iter().sum();
-        if total > 0.0 {
-            let denominator = g.n as f64 * total;
-            sample.iter_mut().for_each(|w| *w /= denominator);
+    let mut weights: Vec<f64> = labels
+        .iter()
+        .map(|&l| class_weight(l, class_weights))
+        .collect();
+    let divide = |places: &mut [f64], by: f64| {
+        if by > 0.0 {
+            places.iter_mut().for_each(|w| *w /= by);
         }
+    };
+    match norm {
+        Norm::PerSample => {
+            for sample in weights.chunks_mut(g.positions) {
+                let total: f64 = sample.iter().sum();
+                divide(sample, g.n as f64 * total);
+            }
+        }
+        Norm::Total(total) => divide(&mut weights, total),
     }
     let labels = labels
         .iter()

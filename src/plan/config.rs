@@ -59,6 +59,8 @@ pub struct TrainConfig {
     pub loss_scale: f64,
     /// Each class's weight in the loss (`None`: all 1), as PyTorch's `CrossEntropyLoss(weight=)`.
     pub class_weights: Option<Vec<f64>>,
+    /// How each step's per-place losses make its loss (the same under every scheme).
+    pub loss_reduction: crate::ops::loss::Reduction,
 }
 
 impl TrainConfig {
@@ -95,6 +97,7 @@ impl TrainConfig {
             conv: ConvImpl::Native,
             loss_scale: LossScale::INITIAL,
             class_weights: None,
+            loss_reduction: crate::ops::loss::Reduction::SampleMean,
         }
     }
 

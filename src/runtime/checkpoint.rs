@@ -26,6 +26,7 @@ use safetensors::SafeTensors;
 
 use crate::core::rng::splitmix64;
 use crate::graph::Graph;
+use crate::ops::loss::Reduction;
 use crate::ops::Op;
 use crate::optim::schedule::LrSchedule;
 use crate::optim::{AdamConfig, LossScale, OptimizerKind, SgdConfig};
@@ -115,7 +116,7 @@ impl Lineage {
 
 /// Metadata keys that define a run's computation (hashed into `config_hash`); the others
 /// record progress or identity.
-const CONFIG_KEYS: [&str; 22] = [
+const CONFIG_KEYS: [&str; 23] = [
     "model",
     "image_size",
     "classes",
@@ -138,6 +139,7 @@ const CONFIG_KEYS: [&str; 22] = [
     "eps",
     "clip_grad_norm",
     "no_decay_norm_bias",
+    "loss_reduction",
 ];
 
 /// FNV-1a over the configuration's keys and values, in a fixed order: equal for two runs
@@ -243,6 +245,7 @@ fn metadata(
     if c.no_decay_norm_bias {
         meta.insert("no_decay_norm_bias".into(), "true".into());
     }
+    meta.insert("loss_reduction".into(), c.loss_reduction.to_string());
     if let Some(l) = &state.loss_scale {
         // The whole state, so a resumed run grows and skips as the uninterrupted one would.
         let state = serde_json::to_string(l).expect("a loss scale serializes");
@@ -482,6 +485,8 @@ impl Checkpoint {
                 false => None,
             },
             no_decay_norm_bias: self.get_or("no_decay_norm_bias", false)?,
+            // Checkpoints from before the choice reduced per sample.
+            loss_reduction: self.get_or("loss_reduction", Reduction::SampleMean)?,
             seed: self.get("seed")?,
             dtype: self
                 .get::<String>("dtype")?

@@ -121,7 +121,13 @@ impl Tally {
         let dims = logits.shape().dims().to_vec();
         let (n, k) = (dims[0], dims[1]);
         let places: usize = dims[2..].iter().product();
-        let ce = loss::softmax_cross_entropy(device, logits, labels, class_weights)?;
+        let ce = loss::softmax_cross_entropy(
+            device,
+            logits,
+            labels,
+            class_weights,
+            loss::Norm::PerSample,
+        )?;
         self.loss += ce.loss * n as f64;
         let losses = loss::per_sample(logits, labels, class_weights)?;
         let predicted = loss::predictions(&ce.probs)?;

@@ -6,7 +6,9 @@
 //! The reference for every scheme is `single` with the same micro-batches: a step processes
 //! M = D·η·m micro-batches of B/m images, numbered (group, replica, micro-batch); micro-batch g
 //! of a step holds the images from the step's data position + g·(B/m) onward, each
-//! micro-batch's loss counts 1/M, and BN statistics are committed in g order.
+//! micro-batch's loss counts 1/M (or, reduced as PyTorch does, its labelled pixels' share of
+//! the whole step's weight, summed from the step's masks before it runs), and BN statistics
+//! are committed in g order.
 //!
 //! A single-device run is the one-rank case. Ranks are driven one call at a time by a
 //! [`Session`](super::Session); each call is collective: every rank of the world makes it.
@@ -129,6 +131,9 @@ pub(crate) struct Rank {
     position: u64,
     /// The step being run.
     current: RankStep,
+    /// The step's total weight of labelled places, where this rank scores a loss reduced as
+    /// PyTorch does (see [`loss::Norm::Total`]).
+    step_weight: f64,
 }
 
 /// Tag of value `vi` of (pass, replica, stage, micro).
@@ -284,6 +289,7 @@ impl Rank {
             step: 0,
             position: 0,
             current: RankStep::default(),
+            step_weight: 0.0,
         })
     }
 
@@ -342,6 +348,30 @@ impl Rank {
         ))
     }
 
+    /// The total weight of the labelled places of all the step's images (every group's and
+    /// replica's: what one device training the same batch sees), where this rank scores a
+    /// loss; 1 for a metered run, which computes nothing.
+    fn step_weight(&self) -> Result<f64> {
+        let layout = &self.layout;
+        let scores = layout.schedule.ranks[self.slot]
+            .iter()
+            .any(|t| t.task.pass == Pass::Forward && !layout.losses[t.task.stage].is_empty());
+        match &self.data {
+            // One image's masks at a time: a step of large images holds many pixels.
+            Some(d) if scores => {
+                let weights = self.c.train.class_weights.as_deref();
+                let images = self.position..self.position + self.c.images_per_step() as u64;
+                images
+                    .map(|at| {
+                        let targets = d.targets(at, 1)?;
+                        loss::total_weight(&targets, layout.graph.classes(), weights)
+                    })
+                    .sum()
+            }
+            _ => Ok(1.0),
+        }
+    }
+
     /// Runs one step: this rank's tasks, then the gradient sums and the optimizer.
     pub fn step(&mut self) -> Result<RankStep> {
         self.current = RankStep {
@@ -351,6 +381,9 @@ impl Rank {
         };
         if self.loader.is_none() {
             self.loader = self.start_loader();
+        }
+        if self.c.train.loss_reduction == loss::Reduction::Pytorch {
+            self.step_weight = self.step_weight()?;
         }
         // The last step's gradients stay readable until this one starts.
         for copy in &mut self.copies {
@@ -627,15 +660,23 @@ impl Rank {
                     targets
                 }
             };
-            let m_total = s.micro_batches_per_step() as f64;
+            // What each micro-batch's Σ w·ℓ is divided by, and then its loss, to make its part
+            // of the step's.
+            let (norm, parts) = match c.train.loss_reduction {
+                loss::Reduction::SampleMean => {
+                    (loss::Norm::PerSample, s.micro_batches_per_step() as f64)
+                }
+                loss::Reduction::Pytorch => (loss::Norm::Total(self.step_weight), 1.0),
+            };
             let weights = c.train.class_weights.as_deref();
             // Every tile scores the whole logits the same; the first reports them.
             let reports = self.tile == 0;
             for (o, logits) in losses.iter().zip(&outs[n_out..]) {
                 let logits = &self.whole(o.value, logits)?;
-                let ce = loss::softmax_cross_entropy(&self.device, logits, &targets, weights)?;
+                let ce =
+                    loss::softmax_cross_entropy(&self.device, logits, &targets, weights, norm)?;
                 if reports {
-                    self.current.loss += o.weight * ce.loss / m_total;
+                    self.current.loss += o.weight * ce.loss / parts;
                 }
                 if reports && g.outputs.first() == Some(o) && self.data.is_some() {
                     let predicted = loss::predictions(&ce.probs)?;
@@ -647,7 +688,7 @@ impl Rank {
                 let scale = self.loss_scale.as_ref().map_or(1.0, LossScale::factor);
                 let d = ce.backward(
                     &self.device,
-                    o.weight / m_total * scale,
+                    o.weight / parts * scale,
                     c.train.activations(),
                 )?;
                 seeds.push((o.value, self.own_part(o.value, d)?));

@@ -4,6 +4,7 @@
 //! Shared by the model tests: a whole model's gradients against central finite differences.
 
 use gems::graph::{self, Graph, Params};
+use gems::ops::loss::Norm;
 use gems::ops::{batched, loss};
 use gems::optim::{Optimizer, Update};
 use gems::schemes::schedule::{Pass, Schedule, Task};
@@ -54,7 +55,9 @@ fn run(
     .unwrap();
     let (mut total, mut seeds) = (0.0, Vec::new());
     for (o, y) in g.outputs.iter().zip(ys) {
-        let ce = loss::softmax_cross_entropy(d, &y, labels, class_weights(g).as_deref()).unwrap();
+        let weights = class_weights(g);
+        let ce = loss::softmax_cross_entropy(d, &y, labels, weights.as_deref(), Norm::PerSample)
+            .unwrap();
         total += o.weight * ce.loss;
         if backward {
             let dy = ce.backward(d, o.weight, y.dtype());

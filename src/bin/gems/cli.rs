@@ -302,6 +302,10 @@ pub struct EvalArgs {
     pub map_level: Option<usize>,
     #[arg(long, default_value_t = 50)]
     pub batch_size: usize,
+    /// Each class's weight in the reported loss, in class order [default: the checkpoint's;
+    /// all 1 for --init].
+    #[arg(long, value_delimiter = ',')]
+    pub class_weights: Option<Vec<f64>>,
     /// Leave unreadable samples out with a warning instead of stopping.
     #[arg(long)]
     pub skip_bad: bool,
@@ -634,6 +638,13 @@ pub struct TrainArgs {
     /// CrossEntropyLoss(weight=)) [default: all 1].
     #[arg(long, value_delimiter = ',')]
     pub class_weights: Option<Vec<f64>>,
+    /// How per-pixel losses make a step's loss: sample-mean (the mean over the step's images
+    /// of each image's weighted mean over its labelled pixels) or pytorch (the weighted sum
+    /// over all the step's labelled pixels divided by their total weight, as
+    /// CrossEntropyLoss(weight=, ignore_index=255)). A classifier's class weights count only
+    /// under pytorch (sample-mean weighs each image's one label by itself).
+    #[arg(long, default_value = "sample-mean")]
+    pub loss_reduction: gems::ops::loss::Reduction,
     /// Device capacity, e.g. 2GiB (emulated on the CPU; on a GPU the smaller of this and its
     /// free memory; default unlimited / the free memory).
     #[arg(long, value_parser = parse_bytes)]

@@ -42,6 +42,17 @@ pub fn eval(a: EvalArgs) -> anyhow::Result<()> {
         }
     };
     let mut model = configured(model, &a.on, a.conv, a.skip_bad, Some(a.batch_size))?;
+    if let Some(weights) = &a.class_weights {
+        let classes = model.graph().classes();
+        if weights.len() != classes {
+            anyhow::bail!(
+                "--class-weights gives {} weights for the model's {classes} classes",
+                weights.len()
+            );
+        }
+        model = model.configure(|c| c.class_weights = Some(weights.clone()));
+        model.config().check()?;
+    }
     let (order, samples, what) = match &data {
         Some(source) => {
             let (order, samples) = samples_of(&model, source, &a.slides, a.samples)?;

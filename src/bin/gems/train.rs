@@ -105,6 +105,7 @@ pub fn setup(a: &TrainArgs) -> anyhow::Result<(Graph, RunConfig)> {
                 conv: a.conv,
                 loss_scale: a.loss_scale,
                 class_weights: a.class_weights.clone(),
+                loss_reduction: a.loss_reduction,
                 ..TrainConfig::new(1, steps)
             };
             (models::build(&a.model, a.image_size, classes)?, train)
@@ -368,6 +369,11 @@ fn check_repeated(
             "class_weights",
             weights(a.class_weights.as_deref()),
             weights(t.class_weights.as_deref()),
+        ),
+        (
+            "loss_reduction",
+            a.loss_reduction.to_string(),
+            t.loss_reduction.to_string(),
         ),
         (
             "data",
