@@ -300,10 +300,8 @@ if [ "$#" -eq 0 ]; then
     # The documentation's commands, as a reader would type them (a renamed flag fails here).
     log "== scripts/docs_check.sh"
     GEMS="$ROOT/target/release/gems" scripts/docs_check.sh
-    # The GPU script's dry run: every step starts, and says "no GPU" where it needs one.
-    log "== scripts/gpu/run.sh (dry run)"
-    scripts/gpu/dry_run.sh
-    # One rank on each of two network namespaces, OpenMPI over TCP (about 15 s).
+    # One rank on each of two network namespaces, OpenMPI over TCP (about 15 s), with
+    # the binary the tests built (the dry run below rebuilds it with the GPU's features).
     if [ "${#features[@]}" -gt 0 ] && [ "$(id -u)" -eq 0 ] && ip netns add gems-probe 2>/dev/null; then
         ip netns del gems-probe
         log "== scripts/two_hosts.sh"
@@ -311,4 +309,7 @@ if [ "$#" -eq 0 ]; then
     else
         warn "scripts/two_hosts.sh skipped: it needs OpenMPI, root and network namespaces (ip netns)"
     fi
+    # The GPU script's dry run: every step starts, and says "no GPU" where it needs one.
+    log "== scripts/gpu/run.sh (dry run)"
+    scripts/gpu/dry_run.sh
 fi

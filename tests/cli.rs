@@ -46,6 +46,11 @@ fn bad_input_gets_one_line_and_a_failure() {
             "the plan does not fit: rank 0",
         ),
         (vec!["models", "--graph", "alexnet9"], "unknown model"),
+        // A classifier's class weights would weigh nothing under the default reduction.
+        (
+            vec!["train", "--class-weights", "1,2,1,1,1,1,1,1,1,1"],
+            "--class-weights change nothing for a classifier",
+        ),
         (
             vec![
                 "train",

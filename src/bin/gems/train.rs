@@ -108,7 +108,20 @@ pub fn setup(a: &TrainArgs) -> anyhow::Result<(Graph, RunConfig)> {
                 loss_reduction: a.loss_reduction,
                 ..TrainConfig::new(1, steps)
             };
-            (models::build(&a.model, a.image_size, classes)?, train)
+            let graph = models::build(&a.model, a.image_size, classes)?;
+            let uneven =
+                (train.class_weights.as_deref()).is_some_and(|w| w.iter().any(|&x| x != w[0]));
+            if uneven
+                && graph.positions() == 1
+                && train.loss_reduction == gems::ops::loss::Reduction::SampleMean
+            {
+                anyhow::bail!(
+                    "--class-weights change nothing for a classifier under --loss-reduction \
+                     sample-mean (each image's one label weighs itself); add --loss-reduction \
+                     pytorch to weigh them as CrossEntropyLoss(weight=) does"
+                );
+            }
+            (graph, train)
         }
     };
     let mut c = RunConfig::new(train, a.spread.scheme()?);
