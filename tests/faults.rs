@@ -1162,26 +1162,19 @@ fn data_that_cannot_train_what_it_claims_is_refused_by_layout_and_class() {
     std::fs::remove_dir_all(&d).ok();
 }
 
+/// A checkpoint of one training step of the default model, in `d/ck`.
+fn one_step_checkpoint(d: &Path) -> PathBuf {
+    let ck = d.join("ck");
+    let args = ["train", "--steps", "1", "--batch-size", "2", "--checkpoint"];
+    let args: Vec<&str> = args.into_iter().chain([ck.to_str().unwrap()]).collect();
+    assert!(run(&args, 120).ok);
+    ck.join("step-000001.safetensors")
+}
+
 #[test]
 fn numbers_no_machine_can_run_are_refused_by_flag_before_work() {
     let d = scratch("refused-numbers");
-    let ck = d.join("ck");
-    assert!(
-        run(
-            &[
-                "train",
-                "--steps",
-                "1",
-                "--batch-size",
-                "2",
-                "--checkpoint",
-                ck.to_str().unwrap()
-            ],
-            120
-        )
-        .ok
-    );
-    let ckpt = ck.join("step-000001.safetensors");
+    let ckpt = one_step_checkpoint(&d);
     for (args, want) in [
         (
             &["train", "--parts", "0"][..],
@@ -1312,23 +1305,7 @@ fn value_flags(command: &[&str]) -> Vec<String> {
 fn every_number_a_user_can_type_ends_in_success_or_a_message() {
     use rand::{Rng, SeedableRng};
     let d = scratch("numbers");
-    let ck = d.join("ck");
-    assert!(
-        run(
-            &[
-                "train",
-                "--steps",
-                "1",
-                "--batch-size",
-                "2",
-                "--checkpoint",
-                ck.to_str().unwrap()
-            ],
-            120
-        )
-        .ok
-    );
-    let ckpt = ck.join("step-000001.safetensors");
+    let ckpt = one_step_checkpoint(&d);
     let ckpt = ckpt.to_str().unwrap();
     let slides = d.join("slides");
     let slide = slides.join("s.tiff");

@@ -67,6 +67,18 @@ fn uses(text: &str, prefix: &str) -> Vec<(usize, String)> {
     out
 }
 
+/// The module of `file` under `root`: its first path component, without `.rs`.
+fn top(root: &Path, file: &Path) -> String {
+    let rel = file.strip_prefix(root).unwrap();
+    let first = rel
+        .components()
+        .next()
+        .unwrap()
+        .as_os_str()
+        .to_string_lossy();
+    first.trim_end_matches(".rs").to_string()
+}
+
 /// The wrong-direction imports under `src`, one line each.
 fn violations(src: &Path) -> Vec<String> {
     let mut files = Vec::new();
@@ -74,13 +86,7 @@ fn violations(src: &Path) -> Vec<String> {
     let mut bad = Vec::new();
     for file in files {
         let rel = file.strip_prefix(src).unwrap();
-        let first = rel
-            .components()
-            .next()
-            .unwrap()
-            .as_os_str()
-            .to_string_lossy();
-        let module = first.trim_end_matches(".rs").to_string();
+        let module = top(src, &file);
         if module == "lib" {
             // The facade re-exports from every layer.
             continue;
@@ -152,16 +158,7 @@ fn circle(src: &Path, module: &str) -> Option<Vec<String>> {
     let dir = src.join(module);
     let mut files = Vec::new();
     sources(&dir, &mut files);
-    let name = |p: &Path| {
-        let rel = p.strip_prefix(&dir).unwrap();
-        let first = rel
-            .components()
-            .next()
-            .unwrap()
-            .as_os_str()
-            .to_string_lossy();
-        first.trim_end_matches(".rs").to_string()
-    };
+    let name = |p: &Path| top(&dir, p);
     let prefix = format!("crate::{module}::");
     let mut edges: Vec<(String, String)> = Vec::new();
     for f in &files {

@@ -156,6 +156,7 @@ fn grids() -> Vec<Grid> {
 pub fn choose_spatial(g: &Graph, c: &RunConfig, cap: u64) -> Result<RunConfig> {
     let side = g.image_size();
     let mut candidates: Vec<RunConfig> = Vec::new();
+    let graph = std::sync::Arc::new(g.clone());
     for grid in grids()
         .into_iter()
         .filter(|t| t.rows <= side && t.cols <= side)
@@ -163,7 +164,7 @@ pub fn choose_spatial(g: &Graph, c: &RunConfig, cap: u64) -> Result<RunConfig> {
         let mut t = c.clone();
         t.scheme.spatial = grid;
         // Grids whose tiles would mostly compute gathered copies are not tried.
-        let layout = Layout::weighed(std::sync::Arc::new(g.clone()), &t)?;
+        let layout = Layout::weighed(graph.clone(), &t)?;
         if !layout.tiled.is_some_and(|r| r.stops_paying()) {
             candidates.push(t);
         }

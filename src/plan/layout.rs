@@ -51,8 +51,20 @@ pub struct TiledRegion {
     pub grid: crate::ops::tiles::Grid,
     /// Share of the stage's forward FLOPs computed on tiles.
     pub share: f64,
-    /// The first node that gathers its inputs whole, with why (none: tiled to its end).
-    pub end: Option<(usize, String)>,
+    /// The first node that gathers its inputs whole (none: tiled to its end).
+    pub end: Option<RegionEnd>,
+}
+
+/// The node where a tiled region stops, and why.
+#[derive(Clone, Debug, PartialEq)]
+pub struct RegionEnd {
+    /// The node.
+    pub node: usize,
+    /// Its name, op and why it gathers its inputs.
+    pub what: String,
+    /// Whether because its output map has fewer rows or columns than the grid (else its op
+    /// has no tile rule).
+    pub map_smaller_than_grid: bool,
 }
 
 impl TiledRegion {
@@ -70,13 +82,18 @@ impl TiledRegion {
             let gathers = n.inputs.iter().any(|&v| grid.splits(&g.values[v].shape));
             if end.is_none() && gathers {
                 let out = &g.values[n.output].shape;
-                let why = match n.op.get().on_tiles() {
-                    crate::ops::tiles::TileRule::Whole => {
-                        "an op with no tile rule: its inputs are gathered whole".to_string()
+                let no_rule = n.op.get().on_tiles() == crate::ops::tiles::TileRule::Whole;
+                let why = match no_rule {
+                    true => "an op with no tile rule: its inputs are gathered whole".to_string(),
+                    false => {
+                        format!("its output map ({out}) has fewer rows or columns than the grid")
                     }
-                    _ => format!("its output map ({out}) has fewer rows or columns than the grid"),
                 };
-                end = Some((id, format!("{} ({}): {why}", n.name, n.op.describe())));
+                end = Some(RegionEnd {
+                    node: id,
+                    what: format!("{} ({}): {why}", n.name, n.op.describe()),
+                    map_smaller_than_grid: !no_rule,
+                });
             }
         }
         TiledRegion {
@@ -100,7 +117,7 @@ impl TiledRegion {
     /// Whether tiles stop because a map became smaller than the grid: a coarser grid would
     /// keep more of the stage on tiles.
     pub fn too_fine(&self) -> bool {
-        (self.end.as_ref()).is_some_and(|(_, why)| why.contains("fewer rows or columns than"))
+        (self.end.as_ref()).is_some_and(|e| e.map_smaller_than_grid)
     }
 }
 
@@ -108,11 +125,13 @@ impl std::fmt::Display for TiledRegion {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match &self.end {
             None => write!(f, "{} tiles to the end of the first stage", self.grid),
-            Some((id, what)) => write!(
+            Some(e) => write!(
                 f,
-                "{} tiles, first gathered whole at node {id}, {what}; {:.0}% of the first stage's \
+                "{} tiles, first gathered whole at node {}, {}; {:.0}% of the first stage's \
                  FLOPs run on tiles",
                 self.grid,
+                e.node,
+                e.what,
                 100.0 * self.share
             ),
         }
