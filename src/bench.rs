@@ -277,6 +277,18 @@ pub fn host_link(device: &Device, bytes: usize, repeats: usize) -> Result<Vec<Ba
     Ok(out)
 }
 
+/// This machine's processor, as /proc/cpuinfo names it ("unknown CPU" elsewhere).
+pub fn cpu_model() -> String {
+    std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|text| {
+            text.lines()
+                .find_map(|l| l.strip_prefix("model name")?.split_once(':'))
+                .map(|(_, name)| name.trim().to_string())
+        })
+        .unwrap_or_else(|| "unknown CPU".into())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -194,6 +194,14 @@ impl Graph {
         n.op.get().flops(&ins, &self.values[n.output].shape)
     }
 
+    /// Bytes node `n`'s forward reads and writes per sample in `dtype` (its inputs and its
+    /// output).
+    pub fn node_bytes(&self, n: &Node, dtype: DType) -> u64 {
+        let ins: usize = n.inputs.iter().map(|&v| self.values[v].shape.numel()).sum();
+        let out = self.values[n.output].shape.numel();
+        ((ins + out) * dtype.size()) as u64
+    }
+
     /// Bytes a training forward pass keeps for backward per sample (each saved tensor once),
     /// not counting per-batch statistics.
     pub fn saved_bytes_per_sample(&self, dtype: DType) -> u64 {

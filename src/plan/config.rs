@@ -196,7 +196,7 @@ pub struct RunConfig {
     pub max_in_flight: Option<usize>,
     /// Allocate everything, compute nothing: predicts each rank's memory exactly.
     pub metered: bool,
-    /// Measured node costs to balance and schedule with (the analytical CPU model otherwise).
+    /// Measured node costs to balance and schedule with (the fitted CPU model otherwise).
     pub calibration: Option<Arc<Calibration>>,
     /// The tasks each rank runs, where the caller writes them; the scheme's order builds them
     /// otherwise.

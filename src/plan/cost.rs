@@ -3,6 +3,7 @@
 
 use std::ops::Range;
 
+use super::fitted::FittedCosts;
 use crate::graph::{runs_on_tiles, Graph, Node};
 use crate::ops::tiles::Grid;
 use crate::ops::Op;
@@ -27,17 +28,10 @@ impl DeviceProfile {
     };
 }
 
-/// Bytes an op reads and writes per sample (inputs, output, parameters once).
-fn bytes_moved(g: &Graph, n: &Node, dtype: DType) -> f64 {
-    let ins: usize = n.inputs.iter().map(|&v| g.values[v].shape.numel()).sum();
-    let out = g.values[n.output].shape.numel();
-    ((ins + out) * dtype.size()) as f64
-}
-
 /// Predicted seconds of forward + backward of node `n` for a batch of `batch`.
 pub fn node_seconds(g: &Graph, n: &Node, batch: usize, dtype: DType, p: &DeviceProfile) -> f64 {
     let flops = g.node_flops(n) as f64 * batch as f64;
-    let bytes = bytes_moved(g, n, dtype) * batch as f64;
+    let bytes = g.node_bytes(n, dtype) as f64 * batch as f64;
     // Backward does twice the arithmetic of forward and moves about twice the bytes.
     3.0 * (flops / p.flops_per_s).max(bytes / p.bytes_per_s)
 }
@@ -51,12 +45,13 @@ pub struct NodeCosts {
     pub backward: Vec<f64>,
     /// Seconds of each node's backward a split backward leaves to its weight pass (W).
     pub weight: Vec<f64>,
-    /// Seconds stage 0 spends making a micro-batch's images (0 in the analytical model).
+    /// Seconds stage 0 spends making a micro-batch's images (0 in the roofline model).
     pub data: f64,
 }
 
 impl NodeCosts {
-    /// The analytical model: backward is two thirds of a node's forward + backward.
+    /// The roofline model of `p` (GPUs in the simulator): backward is two thirds of a node's
+    /// forward + backward.
     pub fn analytic(g: &Graph, batch: usize, dtype: DType, p: &DeviceProfile) -> NodeCosts {
         let total = node_costs(g, batch, dtype, p);
         let backward: Vec<f64> = total.iter().map(|t| 2.0 * t / 3.0).collect();
@@ -65,6 +60,45 @@ impl NodeCosts {
             weight: weight_share(g, &backward),
             backward,
             data: 0.0,
+        }
+    }
+
+    /// The default CPU model: every node from `fit`, the committed fit of this project's
+    /// kernels; a node of a family the fit has not seen (a custom op) from the roofline of
+    /// `p`, split as [`NodeCosts::analytic`] splits it.
+    pub fn fitted(
+        g: &Graph,
+        batch: usize,
+        dtype: DType,
+        fit: &FittedCosts,
+        p: &DeviceProfile,
+    ) -> NodeCosts {
+        let (forward, backward): (Vec<f64>, Vec<f64>) = g
+            .nodes
+            .iter()
+            .map(|n| {
+                fit.node(g, n, batch, dtype).unwrap_or_else(|| {
+                    let t = node_seconds(g, n, batch, dtype, p);
+                    (t / 3.0, 2.0 * t / 3.0)
+                })
+            })
+            .unzip();
+        NodeCosts {
+            forward,
+            weight: weight_share(g, &backward),
+            backward,
+            data: fit.data(g, batch, dtype),
+        }
+    }
+
+    /// Each node's costs times its factor in `by` (data unchanged).
+    pub fn scaled(&self, by: &[f64]) -> NodeCosts {
+        let times = |v: &[f64]| v.iter().zip(by).map(|(t, k)| t * k).collect();
+        NodeCosts {
+            forward: times(&self.forward),
+            backward: times(&self.backward),
+            weight: times(&self.weight),
+            data: self.data,
         }
     }
 

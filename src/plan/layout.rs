@@ -27,19 +27,56 @@ pub struct Layout {
     pub outputs: Vec<Vec<ValueId>>,
     /// Loss outputs each stage produces.
     pub losses: Vec<Vec<Output>>,
-    /// What each node costs: measured (a calibration) or predicted (the analytical CPU model).
+    /// What each node costs: measured (a calibration) or predicted (the fitted CPU model,
+    /// [`crate::plan::fitted`]).
     pub costs: NodeCosts,
     /// What each node costs on a rank of a tile group, exchanges included (the analytical
     /// CPU model's link).
     pub tiles: TileCosts,
-    /// Seconds of one optimizer step over the whole model (0 without a calibration).
+    /// Seconds of one optimizer step over the whole model.
     pub optimizer: f64,
     /// Each rank's tasks for one step, with their predicted times.
     pub schedule: Timeline,
+    /// The same tasks timed for ranks that share this CPU's threads (see
+    /// [`Layout::predicted_step`]).
+    pub shared: Timeline,
     /// What admitted its forwards (nothing where the caller wrote the tasks).
     pub admission: Admission,
     /// Where the first stage's tiles stop, under spatial parallelism.
     pub tiled: Option<TiledRegion>,
+}
+
+/// The default model's fit: this project's CPU kernels at the threads this process runs ops
+/// on.
+fn cpu_fit() -> &'static crate::plan::fitted::FittedCosts {
+    crate::plan::fitted::cpu_for(rayon::current_num_threads())
+}
+
+/// How much slower each node of `graph` runs when `ranks` ranks share this CPU's threads
+/// than on all of them, by the committed fit: each rank gets `threads / ranks` of them, and
+/// below one a share of one.
+fn sharing_threads(graph: &Graph, micro: usize, dtype: DType, ranks: usize) -> Vec<f64> {
+    let threads = rayon::current_num_threads();
+    let each = threads as f64 / ranks.max(1) as f64;
+    let (all, few) = (
+        cpu_fit(),
+        crate::plan::fitted::cpu_for(each.floor().max(1.0) as usize),
+    );
+    let share = each.min(1.0);
+    graph
+        .nodes
+        .iter()
+        .map(|n| {
+            let time = |fit: &crate::plan::fitted::FittedCosts| {
+                fit.node(graph, n, micro, dtype).map(|(f, b)| f + b)
+            };
+            match (time(all), time(few)) {
+                (Some(a), Some(f)) if a > 0.0 => f / a / share,
+                // A family the fit has not seen: as if it scaled perfectly with threads.
+                _ => threads as f64 / each,
+            }
+        })
+        .collect()
 }
 
 /// How much of a spatial stage runs on tiles: the ops from its input on run on each rank's
@@ -199,7 +236,13 @@ impl Layout {
                 )?;
                 cal.costs(&graph)
             }
-            None => NodeCosts::analytic(&graph, micro, t.activations(), &DeviceProfile::CPU),
+            None => NodeCosts::fitted(
+                &graph,
+                micro,
+                t.activations(),
+                cpu_fit(),
+                &DeviceProfile::CPU,
+            ),
         };
         let tiles = TileCosts::new(
             &graph,
@@ -254,7 +297,28 @@ impl Layout {
             None => c.admission(bytes.as_deref()),
         };
         let schedule = c.timeline(&tiles.stage_costs(&costs, stages), bytes.as_deref())?;
+        let shared = {
+            let slower = sharing_threads(&graph, micro, t.activations(), c.scheme.world());
+            let costs = costs.scaled(&slower);
+            let tiles = TileCosts::new(
+                &graph,
+                &c.scheme,
+                &costs,
+                micro,
+                t.activations(),
+                &Link::CPU,
+            );
+            crate::schemes::schedule::time(
+                &c.scheme,
+                &tiles.stage_costs(&costs, stages),
+                &schedule.schedule(&c.scheme),
+            )?
+        };
         let tiled = (grid.is_split()).then(|| TiledRegion::of(&graph, grid, stages[0].clone()));
+        let optimizer = match &c.calibration {
+            Some(cal) => cal.optimizer,
+            None => cpu_fit().optimizer(&graph, t.dtype),
+        };
         Ok(Layout {
             graph,
             partition,
@@ -263,29 +327,22 @@ impl Layout {
             losses,
             costs,
             tiles,
-            optimizer: c.calibration.as_ref().map_or(0.0, |cal| cal.optimizer),
+            optimizer,
             schedule,
+            shared,
             admission,
             tiled,
         })
     }
 
-    /// Predicted seconds of a step: the schedule, then the optimizer. When the ranks share one
-    /// device (threads on one CPU), they also share its throughput: the step lasts at least as
-    /// long as all their work done one after another, every tile rank's included.
+    /// Predicted seconds of a step: the schedule, then the optimizer. With `shared_device`,
+    /// the ranks are threads of this process sharing its CPU (or processes sharing one
+    /// machine): each op runs on the rank's share of the threads, as slow as the committed
+    /// fit says an op runs on that many, and every rank's optimizer step follows; otherwise
+    /// each rank is a device of its own and the step ends with the fullest rank's optimizer.
     pub fn predicted_step(&self, shared_device: bool) -> f64 {
-        let busy = self.schedule.busy();
         if shared_device {
-            let width = |s: usize| match self.tiles.on_tiles[s] {
-                true => self.tiles.grid.tiles(),
-                false => 1,
-            };
-            let all: f64 = busy
-                .iter()
-                .enumerate()
-                .map(|(s, b)| b * width(s) as f64)
-                .sum();
-            self.schedule.makespan().max(all) + self.optimizer
+            self.shared.makespan() + self.optimizer
         } else {
             let total: usize = self.graph.params.len().max(1);
             let most = (0..self.partition.stages.len())

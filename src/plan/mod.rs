@@ -6,6 +6,7 @@ pub mod calibrate;
 pub mod config;
 pub mod cost;
 pub mod cuts;
+pub mod fitted;
 pub mod footprint;
 pub mod layout;
 pub mod memory;

@@ -256,7 +256,11 @@ pub fn offload(a: BenchOffloadArgs) -> anyhow::Result<()> {
 
 pub fn info() -> anyhow::Result<()> {
     println!("gems {}", env!("CARGO_PKG_VERSION"));
-    println!("CPU: {} threads", rayon::current_num_threads());
+    println!(
+        "CPU: {}, {} threads",
+        gems::bench::cpu_model(),
+        rayon::current_num_threads()
+    );
     println!("CUDA libraries (GEMS_CUDA_LIB_DIRS, the toolkit, Python's nvidia packages, the loader's path):");
     for lib in cuda::libs::load() {
         match (&lib.path, &lib.problem) {

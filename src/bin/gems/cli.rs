@@ -54,6 +54,10 @@ pub enum Command {
     /// Time every op of a model on this device at the run's micro-batch and write the profile
     /// that --calibration reads (takes the flags of train).
     Calibrate(Box<CalibrateArgs>),
+    /// Fit the default CPU cost model (each op family's seconds per call, per FLOP and per
+    /// byte) to calibrations of built-in models, one fit per thread count they were taken at,
+    /// and write it as JSON (scripts/fit_cpu_costs.sh refreshes src/plan/cpu_costs.json).
+    FitCosts(FitCostsArgs),
     /// Make and inspect data: a synthetic whole-slide image, the tiles slides yield.
     #[command(subcommand)]
     Data(DataCommand),
@@ -742,6 +746,16 @@ pub struct CalibrateArgs {
     /// Timed runs per op (the median is kept).
     #[arg(long, default_value_t = 5)]
     pub repeats: usize,
+}
+
+#[derive(Args)]
+pub struct FitCostsArgs {
+    /// Calibration profiles (`gems calibrate --out`) of built-in models on CPU ranks.
+    #[arg(required = true)]
+    pub profiles: Vec<PathBuf>,
+    /// Where to write the fits (JSON).
+    #[arg(long)]
+    pub out: PathBuf,
 }
 
 #[derive(Args)]

@@ -55,6 +55,7 @@ fn main() -> ExitCode {
         Command::Plan(a) => plan::plan(*a),
         Command::Simulate(a) => plan::simulate(*a),
         Command::Calibrate(a) => plan::calibrate(*a),
+        Command::FitCosts(a) => plan::fit_costs(a),
         Command::Data(DataCommand::MakeSlide(a)) => data::make_slide(a),
         Command::Data(DataCommand::Tiles(a)) => data::tiles(a),
         Command::Info => bench::info(),

@@ -10,7 +10,7 @@ use gems::plan::Layout;
 use gems::schemes::admission::Admission;
 use gems::schemes::{Kind, Order};
 
-use crate::cli::{CalibrateArgs, OrderChoice, SimulateArgs, TrainArgs};
+use crate::cli::{CalibrateArgs, FitCostsArgs, OrderChoice, SimulateArgs, TrainArgs};
 use crate::train::setup;
 
 /// The schedule `gems train` would run with these flags, as JSON on standard output.
@@ -45,7 +45,7 @@ fn compare_orders(a: &TrainArgs) -> anyhow::Result<()> {
         if c.calibration.is_some() {
             "calibrated"
         } else {
-            "analytical CPU model"
+            "the fitted CPU model"
         }
     );
     println!(
@@ -171,7 +171,7 @@ pub fn plan(a: TrainArgs) -> anyhow::Result<()> {
         if c.calibration.is_some() {
             "calibrated"
         } else {
-            "analytical CPU model"
+            "the fitted CPU model"
         },
         layout
             .schedule
@@ -295,6 +295,56 @@ pub fn calibrate(a: CalibrateArgs) -> anyhow::Result<()> {
         "calibrated {} ops of {} at {}², micro-batch {micro}, {} in {:.1} s: forward {:.2} ms, backward {:.2} ms per micro-batch; wrote {}",
         g.nodes.len(), g.name, g.image_size(), t.numerics(), started.elapsed().as_secs_f64(), 1e3 * f, 1e3 * b, a.out.display()
     );
+    Ok(())
+}
+
+/// Fits the CPU cost model to calibration profiles, one fit per thread count.
+pub fn fit_costs(a: FitCostsArgs) -> anyhow::Result<()> {
+    use gems::plan::calibrate::Calibration;
+    use gems::plan::fitted::{self, FittedCosts};
+    let mut by_threads: std::collections::BTreeMap<usize, Vec<_>> = Default::default();
+    for path in &a.profiles {
+        let cal = Calibration::load(path)?;
+        let threads = fitted::cpu_threads(&cal.device).ok_or_else(|| {
+            anyhow::anyhow!("{}: not a CPU profile ({})", path.display(), cal.device)
+        })?;
+        let g = gems::models::build(&cal.model, cal.image_size, cal.classes)
+            .map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
+        by_threads.entry(threads).or_default().push((g, cal));
+    }
+    let machine = gems::bench::cpu_model();
+    let fits = by_threads
+        .iter()
+        .map(|(&threads, runs)| FittedCosts::fit(&machine, threads, runs))
+        .collect::<gems::Result<Vec<_>>>()?;
+    let text = serde_json::to_string_pretty(&fits)?;
+    gems::core::files::write_atomically(&a.out, text.as_bytes())?;
+    for f in &fits {
+        println!(
+            "{} threads: {} op families from {} profiles; each profile's ops, fitted against measured:",
+            f.threads,
+            f.families.len(),
+            by_threads[&f.threads].len()
+        );
+        for (g, cal) in &by_threads[&f.threads] {
+            let measured: f64 = cal.forward.iter().chain(&cal.backward).sum();
+            let fitted: f64 = g
+                .nodes
+                .iter()
+                .filter_map(|n| f.node(g, n, cal.micro_batch, cal.dtype))
+                .map(|(f, b)| f + b)
+                .sum();
+            println!(
+                "  {:<16} {:>5}² micro-batch {:<3} {:>9.1} ms {:>+7.1}%",
+                cal.model,
+                cal.image_size,
+                cal.micro_batch,
+                1e3 * measured,
+                100.0 * (fitted / measured - 1.0)
+            );
+        }
+    }
+    println!("wrote {}", a.out.display());
     Ok(())
 }
 

@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# Refreshes the default CPU cost model (src/plan/cpu_costs.json): calibrates a corpus of
+# built-in models (`gems calibrate`: every op timed at a micro-batch) at 1 thread and at every
+# core, then fits each op family's seconds per call, per FLOP and per byte
+# (`gems fit-costs`). Run on a quiet machine after `cargo build --release`; takes a few
+# minutes. Check the result with scripts/bench_cost_model.sh.
+#
+#   scripts/fit_cpu_costs.sh [OUT [PROFILES]]
+#
+# OUT defaults to src/plan/cpu_costs.json; PROFILES, a folder to keep the calibrations in
+# (default: a temporary one).
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+GEMS=target/release/gems
+OUT=${1:-src/plan/cpu_costs.json}
+if [ -n "${2:-}" ]; then
+    DIR=$2
+    mkdir -p "$DIR"
+else
+    DIR=$(mktemp -d)
+    trap 'rm -rf "$DIR"' EXIT
+fi
+
+# model, side, micro-batch: small and large channel counts, every conv kernel and stride the
+# models use, pools, upsampling and concatenation (U-Nets), fully connected layers.
+CORPUS=(
+    "resnet20v2 32 32"
+    "resnet56v2 64 8"
+    "resnet110v2 128 2"
+    "resnet50 224 4"
+    "alexnet 224 8"
+    "unet_d3_w16 128 2"
+    "unet_resnet18 128 2"
+    "amoebanet_d 64 2"
+    "inception_v3 299 1"
+    "resnet50_gn 128 2"
+    "vgg19 64 4"
+)
+CORES=$(nproc)
+for threads in $(printf '%s\n' 1 "$CORES" | sort -un); do
+    for entry in "${CORPUS[@]}"; do
+        read -r model side batch <<<"$entry"
+        "$GEMS" --threads "$threads" calibrate --model "$model" --image-size "$side" \
+            --batch-size "$batch" --repeats 5 --out "$DIR/$threads-$model-$side.json"
+    done
+done
+"$GEMS" fit-costs --out "$OUT" "$DIR"/*.json

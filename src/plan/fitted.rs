@@ -1,0 +1,463 @@
+//! The default CPU cost model: each op family's seconds as a fixed part plus parts per FLOP,
+//! per byte of activations and per byte of parameters, fitted to calibrations of this project's kernels (`gems calibrate`
+//! over a corpus of models, `scripts/fit_cpu_costs.sh`) and committed as
+//! `src/plan/cpu_costs.json`, one fit per thread count measured.
+
+use std::collections::BTreeMap;
+use std::sync::OnceLock;
+
+use super::calibrate::Calibration;
+use crate::graph::{Graph, Node};
+use crate::ops::Op;
+use crate::tensor::DType;
+use crate::{Error, Result};
+
+/// What one call does: the terms its seconds are fitted on.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct Work {
+    /// FLOPs.
+    pub flops: f64,
+    /// Bytes of activations read and written.
+    pub bytes: f64,
+    /// Bytes of parameters (read once per call, and their gradients written in backward).
+    pub param_bytes: f64,
+}
+
+impl Work {
+    /// Node `n` of `g` at `batch` samples in `dtype`.
+    pub fn of(g: &Graph, n: &Node, batch: usize, dtype: DType) -> Work {
+        let params: usize = n
+            .params
+            .clone()
+            .map(|p| g.params[p].spec.shape.numel())
+            .sum();
+        Work {
+            flops: g.node_flops(n) as f64 * batch as f64,
+            bytes: g.node_bytes(n, dtype) as f64 * batch as f64,
+            param_bytes: (params * dtype.size()) as f64,
+        }
+    }
+
+    /// The terms a [`Rate`] multiplies: a call, then each of the three.
+    fn terms(&self) -> [f64; 4] {
+        [1.0, self.flops, self.bytes, self.param_bytes]
+    }
+}
+
+/// Seconds of one call: a fixed part plus parts per FLOP, per byte of activations and per
+/// byte of parameters.
+#[derive(Clone, Copy, Debug, Default, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct Rate {
+    /// Seconds every call costs.
+    pub call: f64,
+    /// Seconds per FLOP.
+    pub per_flop: f64,
+    /// Seconds per byte of activations.
+    pub per_byte: f64,
+    /// Seconds per byte of parameters.
+    pub per_param_byte: f64,
+}
+
+impl Rate {
+    fn coefficients(&self) -> [f64; 4] {
+        [self.call, self.per_flop, self.per_byte, self.per_param_byte]
+    }
+
+    /// Seconds of a call doing `w`.
+    pub fn seconds(&self, w: &Work) -> f64 {
+        let (c, t) = (self.coefficients(), w.terms());
+        (0..4).map(|i| c[i] * t[i]).sum()
+    }
+}
+
+/// One op family's forward and backward.
+#[derive(Clone, Copy, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct FamilyRates {
+    /// Forward.
+    pub forward: Rate,
+    /// Backward (input and weight gradients).
+    pub backward: Rate,
+    /// Ops the fit saw.
+    pub samples: usize,
+}
+
+/// Op costs of one machine at one thread count.
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct FittedCosts {
+    /// The machine measured.
+    pub machine: String,
+    /// Threads the ops ran on.
+    pub threads: usize,
+    /// Each op family's rates (see [`family`]).
+    pub families: BTreeMap<String, FamilyRates>,
+    /// Making and uploading a micro-batch: per byte of input.
+    pub data: Rate,
+    /// One optimizer step: per byte of parameters.
+    pub optimizer: Rate,
+}
+
+/// What node `n` of `g` is for the cost model: a convolution by kernel, stride and grouping
+/// (each has its own algorithm on the CPU), an adaptive pool that enlarges (nearest
+/// upsampling) apart from one that reduces, any other op by its kind.
+pub fn family(g: &Graph, n: &Node) -> String {
+    match &n.op {
+        Op::AdaptiveAvgPool(p) => {
+            let d = g.values[n.inputs[0]].shape.dims();
+            match p.out.0 * p.out.1 > d[d.len() - 2] * d[d.len() - 1] {
+                true => "upsample-nearest".into(),
+                false => "adaptive-avgpool".into(),
+            }
+        }
+        Op::Conv2d(c) => {
+            let mut s = format!("conv {}x{}", c.kernel.0, c.kernel.1);
+            if c.stride != (1, 1) {
+                s += &format!("/{}", c.stride.0);
+            }
+            if c.dilation != (1, 1) {
+                s += " dilated";
+            }
+            if c.groups != 1 {
+                s += " grouped";
+            }
+            s
+        }
+        Op::ConvTranspose2d(c) => format!("conv-transpose {}x{}", c.kernel.0, c.kernel.1),
+        Op::Custom(c) => format!("custom {}", c.label()),
+        other => other
+            .describe()
+            .split_whitespace()
+            .next()
+            .unwrap_or("")
+            .to_string(),
+    }
+}
+
+/// One timed op: its family, work and seconds.
+#[derive(Clone, Debug, PartialEq)]
+pub struct OpSample {
+    /// Its family.
+    pub family: String,
+    /// What its forward does at the micro-batch timed.
+    pub work: Work,
+    /// Forward seconds.
+    pub forward: f64,
+    /// Backward seconds.
+    pub backward: f64,
+    /// Its model's op seconds, forward and backward, at that micro-batch.
+    pub model_seconds: f64,
+}
+
+/// The ops of `cal`, a calibration of `g`, as samples.
+pub fn samples(g: &Graph, cal: &Calibration) -> Vec<OpSample> {
+    let total: f64 = cal.forward.iter().chain(&cal.backward).sum();
+    g.nodes
+        .iter()
+        .zip(cal.forward.iter().zip(&cal.backward))
+        .map(|(n, (&forward, &backward))| OpSample {
+            family: family(g, n),
+            work: Work::of(g, n, cal.micro_batch, cal.dtype),
+            forward,
+            backward,
+            model_seconds: total,
+        })
+        .collect()
+}
+
+/// Making a micro-batch of `batch` inputs of `g`: its bytes.
+fn input_work(g: &Graph, batch: usize, dtype: DType) -> Work {
+    Work {
+        bytes: (g.input_shape().numel() * batch * dtype.size()) as f64,
+        ..Work::default()
+    }
+}
+
+/// An optimizer step over `g`'s parameters: their bytes.
+fn param_work(g: &Graph, dtype: DType) -> Work {
+    let n: usize = g.params.iter().map(|p| p.spec.shape.numel()).sum();
+    Work {
+        param_bytes: (n * dtype.size()) as f64,
+        ..Work::default()
+    }
+}
+
+impl FittedCosts {
+    /// Fits every family seen in `runs` (graphs with a calibration of each, all at one thread
+    /// count on one machine): the rates with the least relative error, none negative.
+    pub fn fit(machine: &str, threads: usize, runs: &[(Graph, Calibration)]) -> Result<Self> {
+        if runs.is_empty() {
+            return Err(Error::Config("nothing to fit: no calibration given".into()));
+        }
+        let mut by_family: BTreeMap<String, Vec<OpSample>> = BTreeMap::new();
+        for (g, cal) in runs {
+            for s in samples(g, cal) {
+                by_family.entry(s.family.clone()).or_default().push(s);
+            }
+        }
+        let families = by_family
+            .into_iter()
+            .map(|(name, ss)| {
+                let work: Vec<Work> = ss.iter().map(|s| s.work).collect();
+                let forward: Vec<f64> = ss.iter().map(|s| s.forward).collect();
+                let backward: Vec<f64> = ss.iter().map(|s| s.backward).collect();
+                let scale: Vec<f64> = ss.iter().map(|s| s.model_seconds).collect();
+                let (f, b) = (
+                    fit_rate(&work, &forward, &scale),
+                    fit_rate(&work, &backward, &scale),
+                );
+                let rates = FamilyRates {
+                    forward: f,
+                    backward: b,
+                    samples: ss.len(),
+                };
+                (name, rates)
+            })
+            .collect();
+        // Data and optimizer, one call per profile, each relative to its own time.
+        let own = |of: fn(&Calibration) -> f64| -> (Vec<f64>, Vec<f64>) {
+            let t: Vec<f64> = runs.iter().map(|(_, c)| of(c)).collect();
+            (t.clone(), t)
+        };
+        let (data, data_scale) = own(|c| c.data);
+        let (optimizer, optimizer_scale) = own(|c| c.optimizer);
+        let bytes_of = |runs: &[(Graph, Calibration)], input: bool| -> Vec<Work> {
+            runs.iter()
+                .map(|(g, c)| match input {
+                    true => input_work(g, c.micro_batch, c.dtype),
+                    false => param_work(g, c.dtype),
+                })
+                .collect()
+        };
+        Ok(FittedCosts {
+            machine: machine.to_string(),
+            threads,
+            families,
+            data: fit_rate(&bytes_of(runs, true), &data, &data_scale),
+            optimizer: fit_rate(&bytes_of(runs, false), &optimizer, &optimizer_scale),
+        })
+    }
+
+    /// Forward and backward seconds of node `n` at `batch` samples, or `None` for a family
+    /// the fit has not seen.
+    pub fn node(&self, g: &Graph, n: &Node, batch: usize, dtype: DType) -> Option<(f64, f64)> {
+        let r = self.families.get(&family(g, n))?;
+        let w = Work::of(g, n, batch, dtype);
+        Some((r.forward.seconds(&w), r.backward.seconds(&w)))
+    }
+
+    /// Seconds to make a micro-batch of `batch` inputs of `g`.
+    pub fn data(&self, g: &Graph, batch: usize, dtype: DType) -> f64 {
+        self.data.seconds(&input_work(g, batch, dtype))
+    }
+
+    /// Seconds of one optimizer step over `g`'s parameters.
+    pub fn optimizer(&self, g: &Graph, dtype: DType) -> f64 {
+        self.optimizer.seconds(&param_work(g, dtype))
+    }
+}
+
+/// The committed fits of this project's CPU kernels, one per thread count measured.
+pub fn cpu() -> &'static [FittedCosts] {
+    static FITS: OnceLock<Vec<FittedCosts>> = OnceLock::new();
+    FITS.get_or_init(|| {
+        serde_json::from_str(include_str!("cpu_costs.json"))
+            .expect("src/plan/cpu_costs.json is checked by the tests")
+    })
+}
+
+/// The committed fit for ranks running on `threads` threads: the one measured at the most
+/// threads not above it (the fewest measured, below that).
+pub fn cpu_for(threads: usize) -> &'static FittedCosts {
+    let fits = cpu();
+    fits.iter()
+        .filter(|f| f.threads <= threads)
+        .max_by_key(|f| f.threads)
+        .or_else(|| fits.iter().min_by_key(|f| f.threads))
+        .expect("src/plan/cpu_costs.json holds at least one fit")
+}
+
+/// The non-negative `Rate` with the least squared error over `work → seconds`, each call's
+/// error relative to its `scale` (its model's op seconds: each model's step counts alike, and
+/// within it the ops that take its time): each subset of the four terms is solved by least
+/// squares and the best one with no negative coefficient kept.
+fn fit_rate(work: &[Work], seconds: &[f64], scale: &[f64]) -> Rate {
+    let rows: Vec<([f64; 4], f64)> = work
+        .iter()
+        .zip(seconds.iter().zip(scale))
+        .filter(|(_, (&t, &k))| t.is_finite() && t >= 0.0 && k > 0.0)
+        .map(|(w, (&t, &k))| (w.terms().map(|x| x / k), t / k))
+        .collect();
+    // Columns scaled to unit size keep the normal equations well conditioned.
+    let norm: Vec<f64> = (0..4)
+        .map(|j| {
+            let m = rows.iter().map(|(x, _)| x[j].abs()).fold(0.0, f64::max);
+            if m > 0.0 {
+                m
+            } else {
+                1.0
+            }
+        })
+        .collect();
+    let mut best: Option<([f64; 4], f64)> = None;
+    for mask in 1u8..16 {
+        let cols: Vec<usize> = (0..4).filter(|j| mask & (1 << j) != 0).collect();
+        let k = cols.len();
+        let mut ata = vec![vec![0.0; k]; k];
+        let mut atb = vec![0.0; k];
+        for (x, y) in &rows {
+            for (a, &i) in cols.iter().enumerate() {
+                let xi = x[i] / norm[i];
+                atb[a] += xi * y;
+                for (b, &j) in cols.iter().enumerate() {
+                    ata[a][b] += xi * x[j] / norm[j];
+                }
+            }
+        }
+        let Some(sol) = solve(ata, atb) else { continue };
+        if sol.iter().any(|&v| v < 0.0) {
+            continue;
+        }
+        let mut coef = [0.0; 4];
+        for (a, &i) in cols.iter().enumerate() {
+            coef[i] = sol[a] / norm[i];
+        }
+        let err: f64 = rows
+            .iter()
+            .map(|(x, y)| ((0..4).map(|j| coef[j] * x[j]).sum::<f64>() - y).powi(2))
+            .sum();
+        if best.is_none_or(|(_, e)| err < e) {
+            best = Some((coef, err));
+        }
+    }
+    let [call, per_flop, per_byte, per_param_byte] = best.map_or([0.0; 4], |(c, _)| c);
+    Rate {
+        call,
+        per_flop,
+        per_byte,
+        per_param_byte,
+    }
+}
+
+/// Solves the small system `a·x = b` by Gaussian elimination with partial pivoting; `None`
+/// when it is singular.
+fn solve(mut a: Vec<Vec<f64>>, mut b: Vec<f64>) -> Option<Vec<f64>> {
+    let n = b.len();
+    for c in 0..n {
+        let p = (c..n).max_by(|&i, &j| a[i][c].abs().total_cmp(&a[j][c].abs()))?;
+        if a[p][c].abs() < 1e-12 {
+            return None;
+        }
+        a.swap(c, p);
+        b.swap(c, p);
+        let (pivot, below) = a.split_at_mut(c + 1);
+        let pivot = &pivot[c];
+        for (r, row) in below.iter_mut().enumerate() {
+            let f = row[c] / pivot[c];
+            for (x, p) in row[c..].iter_mut().zip(&pivot[c..]) {
+                *x -= f * p;
+            }
+            b[c + 1 + r] -= f * b[c];
+        }
+    }
+    let mut x = vec![0.0; n];
+    for r in (0..n).rev() {
+        let s: f64 = (r + 1..n).map(|k| a[r][k] * x[k]).sum();
+        x[r] = (b[r] - s) / a[r][r];
+    }
+    Some(x)
+}
+
+/// The threads of a CPU device from its report name (`cpu (2 threads)`).
+pub fn cpu_threads(device: &str) -> Option<usize> {
+    device
+        .strip_prefix("cpu (")?
+        .strip_suffix(" threads)")?
+        .parse()
+        .ok()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Seconds every op of `g` takes at `micro` under `rate` (backward twice forward).
+    fn calibration(g: &Graph, micro: usize, rate: &Rate) -> Calibration {
+        let forward: Vec<f64> = (g.nodes.iter())
+            .map(|n| rate.seconds(&Work::of(g, n, micro, DType::F32)))
+            .collect();
+        Calibration {
+            model: g.name.clone(),
+            image_size: g.image_size(),
+            classes: g.classes(),
+            micro_batch: micro,
+            dtype: DType::F32,
+            device: "cpu (1 threads)".into(),
+            backward: forward.iter().map(|t| 2.0 * t).collect(),
+            forward,
+            data: 1e-3 * micro as f64,
+            optimizer: 2e-3,
+        }
+    }
+
+    /// Op times made by known rates are fitted back: every node's seconds at a micro-batch
+    /// the fit did not see come out as the rates say.
+    #[test]
+    fn a_fit_recovers_the_rates_that_made_the_times() {
+        let rate = Rate {
+            call: 2e-5,
+            per_flop: 1e-11,
+            per_byte: 3e-10,
+            per_param_byte: 5e-10,
+        };
+        let runs: Vec<(Graph, Calibration)> = [("resnet20v2", 32, 2), ("resnet20v2", 32, 8)]
+            .into_iter()
+            .chain([("unet_d2_w4", 32, 2), ("unet_d2_w4", 32, 6)])
+            .map(|(m, side, micro)| {
+                let g = crate::models::build(m, side, 3).unwrap();
+                let cal = calibration(&g, micro, &rate);
+                (g, cal)
+            })
+            .collect();
+        let fit = FittedCosts::fit("test", 1, &runs).unwrap();
+        for (g, _) in &runs {
+            for n in &g.nodes {
+                let want = rate.seconds(&Work::of(g, n, 4, DType::F32));
+                let (f, b) = fit.node(g, n, 4, DType::F32).unwrap();
+                assert!((f / want - 1.0).abs() < 1e-6, "{}: {f} vs {want}", n.name);
+                assert!((b / (2.0 * want) - 1.0).abs() < 1e-6, "{}", n.name);
+            }
+        }
+        let g = &runs[0].0;
+        assert!((fit.optimizer(g, DType::F32) / 2e-3 - 1.0).abs() < 1e-6);
+    }
+
+    /// The committed fits load, hold every family the built-in models are made of (a family
+    /// missing would fall back to the roofline), and no rate is negative.
+    #[test]
+    fn the_committed_fits_cover_every_built_in_model() {
+        let fits = cpu();
+        assert!(fits.iter().any(|f| f.threads == 1), "no one-thread fit");
+        for f in fits {
+            for (name, r) in &f.families {
+                for rate in [r.forward, r.backward] {
+                    let c = rate.coefficients();
+                    assert!(c.iter().all(|v| v.is_finite() && *v >= 0.0), "{name}");
+                }
+            }
+        }
+        for &model in crate::models::LISTED {
+            let side = if model == "inception_v3" { 299 } else { 64 };
+            let g = crate::models::build(model, side, 10).unwrap();
+            for n in &g.nodes {
+                for f in fits {
+                    assert!(
+                        f.families.contains_key(&family(&g, n)),
+                        "{model}: {} ({}) is of no family the {}-thread fit has",
+                        n.name,
+                        family(&g, n),
+                        f.threads
+                    );
+                }
+            }
+        }
+    }
+}
