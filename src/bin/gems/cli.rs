@@ -7,7 +7,7 @@ use clap::{Args, Parser, Subcommand};
 
 use gems::backend::cuda::ConvImpl;
 use gems::backend::{CopyMode, DeviceKind};
-use gems::data::slide::TileConfig;
+use gems::data::slide::{SlideReader, TileConfig};
 use gems::data::{DataConfig, SourceSpec, Task};
 use gems::memory::parse_bytes;
 use gems::optim::schedule::Decay;
@@ -466,6 +466,10 @@ pub struct SlideArgs {
     /// bright-field slides.
     #[arg(long, value_name = "BRIGHTNESS", value_parser = brightness)]
     pub tissue: Option<f32>,
+    /// What reads slides: auto (gems' own reader for .tif/.tiff/.svs, OpenSlide for the other
+    /// formats when libopenslide loads), openslide (libopenslide for all), or gems.
+    #[arg(long, value_name = "READER", default_value = "auto")]
+    pub slide_reader: SlideReader,
 }
 
 /// A number of threads: 1 to 1024 (more would only cost memory and start-up time).
@@ -486,7 +490,9 @@ fn brightness(s: &str) -> Result<f32, String> {
 
 impl SlideArgs {
     /// The source `data` names, cut into tiles of `image_size` unless told otherwise.
+    /// Opens slides with --slide-reader from now on.
     pub fn spec(&self, data: &DataSource, image_size: usize) -> anyhow::Result<SourceSpec> {
+        gems::data::slide::use_reader(self.slide_reader);
         let tiling = [
             ("--labels", self.labels.is_some()),
             ("--level", self.level != 0),
