@@ -327,8 +327,17 @@ pub struct PredictArgs {
     #[command(flatten)]
     pub slides: SlideArgs,
     /// The folder to write predictions.csv (and segmentation maps) into; made if missing.
+    /// With slides:DIR and no --labels, a U-Net segments each whole slide at --level in
+    /// windows --stride apart (default 512) with --margin of context, writing
+    /// <slide>.classes.tiff (a pyramidal TIFF of class numbers, 255 for background; near-white
+    /// window centres above --tissue, default 0.8, are background), <slide>.classes.png and
+    /// classes.csv.
     #[arg(long, value_name = "DIR")]
     pub out: PathBuf,
+    /// Whole slides: pixels of context around each window's kept centre, a multiple of
+    /// 2^depth [default: the model's receptive radius rounded up to one].
+    #[arg(long)]
+    pub margin: Option<u32>,
     /// At most this many samples [default: all; 1000 of synthetic data].
     #[arg(long)]
     pub samples: Option<usize>,
