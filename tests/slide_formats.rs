@@ -52,10 +52,11 @@ fn jpeg_tiles_with_shared_tables_read_as_openslide_reads_them() {
                     let a = ours.read_rgb8(k, x, y, w, h).unwrap();
                     let b = theirs.read_rgb8(k, x, y, w, h).unwrap();
                     // zune-jpeg and libjpeg round their inverse DCTs and colour conversions
-                    // differently, and upsample chroma differently: a few levels at most.
+                    // differently, and upsample chroma differently: a few levels at most
+                    // (measured: up to 1 for RGB, 4 for subsampled YCbCr, means under 0.5).
                     let (most, mean) = differences(&a, &b);
                     assert!(
-                        most <= 12 && mean < 1.5,
+                        most <= 6 && mean < 1.0,
                         "{name} level {k} tile ({tx}, {ty}): differs from OpenSlide by up to \
                          {most} (mean {mean:.2})"
                     );
