@@ -186,7 +186,7 @@ impl ClassMap {
     }
 }
 
-/// Longest side of the coloured map [`LabelPyramid`] writes beside the TIFF.
+/// Longest side of the overview [`LabelPyramid`] writes beside the TIFF.
 pub const PNG_SIDE: u32 = 1024;
 
 /// A class map written as a pyramidal tiled TIFF of 8-bit labels (one sample per pixel,
@@ -199,7 +199,7 @@ pub const PNG_SIDE: u32 = 1024;
 /// exactly once. A tile is compressed as soon as its last pixel arrives and set aside in a
 /// scratch file beside the output; [`LabelPyramid::finish`] writes the TIFF from it. Memory
 /// holds only the tiles not yet complete (with rectangles arriving row by row, about one
-/// row of tiles per level) and the small coloured map.
+/// row of tiles per level) and the small overview.
 pub struct LabelPyramid {
     path: PathBuf,
     tile: u32,
@@ -212,8 +212,9 @@ pub struct LabelPyramid {
     done: Vec<Vec<Option<(u64, u64)>>>,
     /// Tiles with some pixels and not all: (level, tile) → (pixels, how many arrived).
     partial: HashMap<(usize, usize), (Vec<u8>, u64)>,
-    /// The level the coloured map shows, and its labels.
-    small: (usize, Vec<u8>),
+    /// The overview: the pyramid level it shows, its labels, and the slide's pixels under
+    /// them (interleaved RGB, white where none came).
+    small: (usize, Vec<u8>, Vec<u8>),
 }
 
 impl LabelPyramid {
@@ -249,7 +250,11 @@ impl LabelPyramid {
             scratch_len: 0,
             done,
             partial: HashMap::new(),
-            small: (small, vec![NOTHING; sw as usize * sh as usize]),
+            small: (
+                small,
+                vec![NOTHING; sw as usize * sh as usize],
+                vec![u8::MAX; sw as usize * sh as usize * CHANNELS],
+            ),
         })
     }
 
@@ -258,10 +263,18 @@ impl LabelPyramid {
         &self.levels
     }
 
-    /// The labels of the `w × h` rectangle of level 0 at (x, y), row-major.
-    pub fn put(&mut self, (x, y): (u32, u32), (w, h): (u32, u32), labels: &[u8]) -> Result<()> {
+    /// The labels of the `w × h` rectangle of level 0 at (x, y), row-major, and the slide's
+    /// pixels there (interleaved RGB) if at hand, for the overview.
+    pub fn put(
+        &mut self,
+        (x, y): (u32, u32),
+        (w, h): (u32, u32),
+        labels: &[u8],
+        rgb: Option<&[u8]>,
+    ) -> Result<()> {
         let (width, height) = self.levels[0];
         if labels.len() != w as usize * h as usize
+            || rgb.is_some_and(|p| p.len() != labels.len() * CHANNELS)
             || x as u64 + w as u64 > width as u64
             || y as u64 + h as u64 > height as u64
         {
@@ -278,14 +291,19 @@ impl LabelPyramid {
             if kx0 >= kx1 || ky0 >= ky1 {
                 continue;
             }
-            let source = |kx: u32, ky: u32| {
-                labels[((ky << k) - y) as usize * w as usize + ((kx << k) - x) as usize]
-            };
+            let at =
+                |kx: u32, ky: u32| ((ky << k) - y) as usize * w as usize + ((kx << k) - x) as usize;
+            let source = |kx: u32, ky: u32| labels[at(kx, ky)];
             if k == self.small.0 {
                 let sw = self.levels[k].0 as usize;
                 for ky in ky0..ky1 {
                     for kx in kx0..kx1 {
-                        self.small.1[ky as usize * sw + kx as usize] = source(kx, ky);
+                        let i = ky as usize * sw + kx as usize;
+                        self.small.1[i] = source(kx, ky);
+                        if let Some(rgb) = rgb {
+                            let from = &rgb[at(kx, ky) * CHANNELS..][..CHANNELS];
+                            self.small.2[i * CHANNELS..][..CHANNELS].copy_from_slice(from);
+                        }
                     }
                 }
             }
@@ -334,8 +352,9 @@ impl LabelPyramid {
         Error::Data(format!("writing {}: {e}", path.display()))
     }
 
-    /// Writes the TIFF (BigTIFF past 4 GiB) and the coloured map at `png` (the classes'
-    /// colours, white where [`NOTHING`]); removes the scratch file. Refuses a map with pixels
+    /// Writes the TIFF (BigTIFF past 4 GiB) and the overview at `png` (the slide's pixels
+    /// half covered by their classes' colours, bare where [`NOTHING`]: the largest pyramid
+    /// level within [`PNG_SIDE`] pixels); removes the scratch file. Refuses a map with pixels
     /// that never arrived.
     pub fn finish(mut self, description: &str, png: &Path) -> Result<u64> {
         if let Some((k, i)) = self
@@ -367,10 +386,16 @@ impl LabelPyramid {
         drop(scratch);
         std::fs::remove_file(&self.scratch_path)
             .map_err(|e| self.write_error(&self.scratch_path, e))?;
-        let (k, labels) = &self.small;
+        let (k, labels, rgb) = &mut self.small;
         let (w, h) = self.levels[*k];
-        let rgb: Vec<u8> = labels.iter().flat_map(|&c| colour(c)).collect();
-        crate::core::files::write_png(png, &rgb, w, h)?;
+        for (px, &class) in rgb.chunks_exact_mut(CHANNELS).zip(labels.iter()) {
+            if class != NOTHING {
+                for (v, c) in px.iter_mut().zip(colour(class)) {
+                    *v = ((*v as u16 + c as u16) / 2) as u8;
+                }
+            }
+        }
+        crate::core::files::write_png(png, rgb, w, h)?;
         Ok(std::fs::metadata(&self.path)?.len())
     }
 

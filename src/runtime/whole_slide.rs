@@ -104,8 +104,8 @@ pub struct SlideMap {
 
 /// Segments `slide` at `opts.level` with `model` (built at the window's side,
 /// `stride + 2·margin`: [`Model::at_side`]) and writes the class map as a pyramidal TIFF of
-/// labels at `tiff` (class numbers; [`NOTHING`], 255, for background) and its colours at
-/// `png`.
+/// labels at `tiff` (class numbers; [`NOTHING`], 255, for background) and an overview of
+/// the slide under the classes' colours at `png`.
 pub fn segment_slide(
     model: &mut Model,
     slide: &Slide,
@@ -144,7 +144,7 @@ pub fn segment_slide(
             if let Some(limit) = opts.tissue {
                 if slide.brightness(opts.level, x, y, size.0, size.1)? > limit {
                     let labels = vec![NOTHING; size.0 as usize * size.1 as usize];
-                    map.put((x, y), size, &labels)?;
+                    map.put((x, y), size, &labels, None)?;
                     background += 1;
                     continue;
                 }
@@ -187,26 +187,34 @@ fn predict_windows(
     if centres.is_empty() {
         return Ok(0);
     }
-    let images = centres
+    let side = opts.stride as usize + 2 * opts.margin as usize;
+    let windows = centres
         .iter()
         .map(|&(corner, _)| window(slide, opts, corner))
         .collect::<Result<Vec<_>>>()?;
-    let side = opts.stride as usize + 2 * opts.margin as usize;
+    let images = windows
+        .iter()
+        .map(|rgb| Image::from_rgb8(side, side, rgb))
+        .collect();
     let m = opts.margin as usize;
-    for (classes, &((x, y), (w, h))) in model.segment(images)?.iter().zip(centres) {
-        let mut labels = Vec::with_capacity(w as usize * h as usize);
-        for row in m..m + h as usize {
-            let line = &classes[row * side + m..row * side + m + w as usize];
+    let classes = model.segment(images)?;
+    for ((classes, rgb), &((x, y), (w, h))) in classes.iter().zip(&windows).zip(centres) {
+        let (w, h) = (w as usize, h as usize);
+        let mut labels = Vec::with_capacity(w * h);
+        let mut pixels = Vec::with_capacity(w * h * CHANNELS);
+        for row in m..m + h {
+            let line = &classes[row * side + m..][..w];
             labels.extend(line.iter().map(|&c| u8::try_from(c).unwrap_or(NOTHING)));
+            pixels.extend_from_slice(&rgb[(row * side + m) * CHANNELS..][..w * CHANNELS]);
         }
-        map.put((x, y), (w, h), &labels)?;
+        map.put((x, y), (w as u32, h as u32), &labels, Some(&pixels))?;
     }
     Ok(centres.len())
 }
 
 /// The window around the centre whose corner is `(x, y)`: `margin` pixels more on each
-/// side, white (as bare glass) where it reaches past the slide's edge.
-fn window(slide: &Slide, opts: &WholeSlide, (x, y): (u32, u32)) -> Result<Image> {
+/// side, white (as bare glass) where it reaches past the slide's edge; interleaved RGB.
+fn window(slide: &Slide, opts: &WholeSlide, (x, y): (u32, u32)) -> Result<Vec<u8>> {
     let level = *slide.level(opts.level)?;
     let side = opts.stride as i64 + 2 * opts.margin as i64;
     let (x0, y0) = (x as i64 - opts.margin as i64, y as i64 - opts.margin as i64);
@@ -222,5 +230,5 @@ fn window(slide: &Slide, opts: &WholeSlide, (x, y): (u32, u32)) -> Result<Image>
         let dst = ((dy + row) * side + dx) * CHANNELS;
         rgb[dst..dst + w * CHANNELS].copy_from_slice(&inside[row * w * CHANNELS..][..w * CHANNELS]);
     }
-    Ok(Image::from_rgb8(side, side, &rgb))
+    Ok(rgb)
 }

@@ -330,8 +330,8 @@ pub struct PredictArgs {
     /// With slides:DIR and no --labels, a U-Net segments each whole slide at --level in
     /// windows --stride apart (default 512) with --margin of context, writing
     /// <slide>.classes.tiff (a pyramidal TIFF of class numbers, 255 for background; near-white
-    /// window centres above --tissue, default 0.8, are background), <slide>.classes.png and
-    /// classes.csv.
+    /// window centres above --tissue, default 0.8, are background), <slide>.classes.png (an
+    /// overview: the slide under the classes' colours) and classes.csv.
     #[arg(long, value_name = "DIR")]
     pub out: PathBuf,
     /// Whole slides: pixels of context around each window's kept centre, a multiple of
