@@ -238,6 +238,50 @@ fn gems_predict_segments_every_slide_of_a_folder() {
     assert!(classes.starts_with("value,class\n0,"), "{classes}");
     assert!(classes.ends_with(&format!("{NOTHING},background (no tissue)\n")));
 
+    // A slide with one tissue region at [64, 448) × [64, 320) (a 512-pixel cell inset by 64):
+    // the 64² window centres of the top row and the left column are bare glass, background
+    // (255) without a prediction, at every level of the map.
+    let blank = dir.join("blank");
+    std::fs::create_dir_all(&blank).unwrap();
+    let opts = MakeSlide {
+        tile: 64,
+        levels: 3,
+        classes: 3,
+        region: 512,
+        seed: 5,
+        ..MakeSlide::new(448, 320)
+    };
+    make_slide(&blank.join("b.tiff"), &opts).unwrap();
+    let out = dir.join("out-blank");
+    let printed = gems(&[
+        "predict",
+        "--checkpoint",
+        ckpt.to_str().unwrap(),
+        "--data",
+        &format!("slides:{}", blank.display()),
+        "--stride",
+        "64",
+        "--out",
+        out.to_str().unwrap(),
+    ]);
+    assert!(
+        printed.contains("24 windows predicted, 11 background"),
+        "{printed}"
+    );
+    for (image, side) in [(0, 64u32), (1, 32)] {
+        let (w, h, labels) = read_labels(&out.join("b.classes.tiff"), image);
+        for y in 0..h {
+            for x in 0..w {
+                let class = labels[(y * w + x) as usize];
+                assert_eq!(
+                    class == NOTHING,
+                    x < side || y < side,
+                    "level {image} ({x}, {y})"
+                );
+            }
+        }
+    }
+
     // A margin off the pooling grid is refused before any work.
     let refused = Command::new(env!("CARGO_BIN_EXE_gems"))
         .args([
