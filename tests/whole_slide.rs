@@ -204,6 +204,11 @@ fn windows_off_the_pooling_grid_are_refused() {
         "{e}"
     );
     assert!(rules.check("unet_d3_w4", 60, 56).is_err());
+    let e = rules
+        .check("unet_d3_w4", 1 << 30, 56)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("over the 16384²"), "{e}");
     let e = WindowRules::of("resnet20v2").unwrap_err().to_string();
     assert!(e.contains("needs a U-Net"), "{e}");
 }

@@ -82,9 +82,20 @@ impl WindowRules {
                 self.default_margin()
             )));
         }
+        let side = stride as u64 + 2 * margin as u64;
+        if side > MAX_WINDOW as u64 {
+            return Err(Error::Config(format!(
+                "windows of {side}² pixels (stride {stride} + twice margin {margin}) are over \
+                 the {MAX_WINDOW}² gems predicts at once"
+            )));
+        }
         Ok(())
     }
 }
+
+/// The largest window side: a 16384² window is 3 GiB of f32 input alone, past what one
+/// device's memory holds for a U-Net's activations.
+pub const MAX_WINDOW: u32 = 16384;
 
 /// A window's kept centre: its corner and size in pixels of the segmented level.
 type Centre = ((u32, u32), (u32, u32));
