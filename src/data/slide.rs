@@ -808,6 +808,18 @@ impl Slide {
     /// [`TISSUE_FOOTPRINT`] pixels each way, as the tissue filter measures tiles.
     pub fn brightness(&self, level: usize, x: u32, y: u32, w: u32, h: u32) -> Result<f32> {
         let own = *self.level(level)?;
+        if w == 0
+            || h == 0
+            || x as u64 + w as u64 > own.width as u64
+            || y as u64 + h as u64 > own.height as u64
+        {
+            return Err(Error::Data(format!(
+                "{}: region {w}×{h} at ({x}, {y}) is not inside level {level} ({}×{})",
+                self.path.display(),
+                own.width,
+                own.height
+            )));
+        }
         let spans = |l: &Level| {
             w as u64 * l.width as u64 >= TISSUE_FOOTPRINT as u64 * own.width as u64
                 && h as u64 * l.height as u64 >= TISSUE_FOOTPRINT as u64 * own.height as u64
@@ -933,6 +945,9 @@ fn check_layout(path: &Path, level: usize, decoder: &mut TiffDecoder) -> Result<
     let compression = decoder
         .find_tag_unsigned::<u16>(Tag::Compression)
         .map_err(|e| structure_error(path, e))?;
+    // The JPEG decoder returns a tile's components as stored, without colour conversion: an
+    // RGB level's tiles come out RGB (Aperio stores RGB components under photometric RGB),
+    // a YCbCr level's YCbCr, which reads convert.
     let jpeg = compression == Some(CompressionMethod::ModernJPEG.to_u16());
     let ycbcr = match decoder.colortype() {
         Ok(ColorType::RGB(8)) => false,
