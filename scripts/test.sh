@@ -7,6 +7,7 @@
 #        - libclang       libclang-dev                 (bindgen)
 #        - g++            g++                          (the emulated CUDA driver)
 #        - iproute2       iproute2                     (ip netns: scripts/two_hosts.sh)
+#        - OpenSlide      libopenslide0                (slides compared with OpenSlide)
 #        - NVRTC          libnvrtc11.2 (Debian non-free / Ubuntu multiverse;
 #                         libnvrtc12 where 11.2 is not offered)
 #      and exposes NVRTC under the plain name libnvrtc.so via the symlink
@@ -204,7 +205,7 @@ elif ! have_apt; then
     warn "no apt-get/dpkg on this system: cannot install OpenMPI, libclang, NVRTC automatically"
 else
     missing=()
-    for p in openmpi-bin libopenmpi-dev libclang-dev g++ iproute2; do
+    for p in openmpi-bin libopenmpi-dev libclang-dev g++ iproute2 libopenslide0; do
         pkg_installed "$p" || missing+=("$p")
     done
 
@@ -257,6 +258,14 @@ if [ -n "$nvrtc_real" ]; then
     log "   NVRTC: $GEMS_NVRTC_LIB -> $nvrtc_real"
 else
     warn "libnvrtc not found; GEMS_NVRTC_LIB is not set"
+fi
+
+# The slide tests compare gems' readers with libopenslide (loaded at run time): required here,
+# so that they cannot pass without comparing; elsewhere they say they were skipped.
+if ldconfig -p 2>/dev/null | grep -q 'libopenslide\.so\.[01]'; then
+    export GEMS_REQUIRE_OPENSLIDE=1
+else
+    warn "libopenslide not found: the OpenSlide comparisons are skipped"
 fi
 
 # OpenMPI refuses to start as root unless told it may (containers, CI).

@@ -7,6 +7,7 @@ pub mod folder;
 pub mod images;
 pub mod loader;
 pub mod maps;
+pub mod openslide;
 pub mod order;
 pub mod pipeline;
 pub mod slide;

@@ -1,5 +1,7 @@
-//! Whole-slide images: pyramidal tiled TIFF or BigTIFF files of 8-bit RGB pixels, read one
-//! TIFF tile at a time so that a 100,000² slide never sits in memory; a writer of synthetic
+//! Whole-slide images: pyramidal tiled TIFF or BigTIFF files of 8-bit RGB pixels (deflate,
+//! LZW or JPEG tiles; JPEG tiles sharing their tables, RGB or YCbCr, as Aperio's SVS files
+//! have them), read one tile at a time so that a 100,000² slide never sits in memory; every
+//! format OpenSlide reads, through libopenslide when it loads ([`SlideReader`]); a writer of synthetic
 //! slides with labelled tissue regions (for tests and demos); and [`Slides`], a [`Source`] of
 //! fixed-size tiles cut from a directory of slides at one pyramid level, labelled from a CSV.
 //!
@@ -13,7 +15,8 @@ use std::fs::File;
 use std::io::{BufReader, BufWriter, Read, Seek, SeekFrom, Write};
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::{Arc, Mutex, Once};
 
 use rayon::prelude::*;
 use tiff::decoder::{ChunkType, Decoder};
@@ -21,6 +24,7 @@ use tiff::encoder::{TiffEncoder, TiffKind};
 use tiff::tags::{CompressionMethod, PhotometricInterpretation, PlanarConfiguration, Tag};
 use tiff::{ColorType, TiffError, TiffFormatError, TiffResult};
 
+use super::openslide::{self, OpenSlide};
 use super::{Image, Mask, Source, Task, TilePlace, CHANNELS, UNLABELLED};
 use crate::core::rng::splitmix64;
 use crate::{Error, Result};
@@ -492,23 +496,199 @@ type TiffDecoder = Decoder<BufReader<At>>;
 /// more would cost memory on large levels; a read that finds none opens another (cheap).
 const IDLE_DECODERS: usize = 2;
 
-/// An open whole-slide image. Reads decode only the TIFF tiles they overlap, and may run on
-/// several threads at once (one open file; a decoder per concurrent read).
+/// Which reader opens slides ([`use_reader`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum SlideReader {
+    /// gems' own reader for .tif, .tiff and .svs files (tiled TIFF, BigTIFF, Aperio SVS), so
+    /// that they read the same with or without libopenslide; OpenSlide for every other
+    /// format, when libopenslide loads.
+    #[default]
+    Auto,
+    /// libopenslide for every slide; an error when it does not load.
+    OpenSlide,
+    /// gems' own TIFF reader only.
+    Gems,
+}
+
+impl std::str::FromStr for SlideReader {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s {
+            "auto" => Ok(SlideReader::Auto),
+            "openslide" => Ok(SlideReader::OpenSlide),
+            "gems" => Ok(SlideReader::Gems),
+            _ => Err(format!(
+                "'{s}' is not a slide reader: auto, openslide or gems"
+            )),
+        }
+    }
+}
+
+/// The reader every [`Slide::open`] of this process uses (a process-wide choice, as the
+/// command line's `--slide-reader` makes it).
+static READER: AtomicU8 = AtomicU8::new(0);
+
+/// Makes every later [`Slide::open`] use `reader`.
+pub fn use_reader(reader: SlideReader) {
+    READER.store(reader as u8, Ordering::Relaxed);
+}
+
+fn chosen_reader() -> SlideReader {
+    match READER.load(Ordering::Relaxed) {
+        1 => SlideReader::OpenSlide,
+        2 => SlideReader::Gems,
+        _ => SlideReader::Auto,
+    }
+}
+
+/// File extensions gems' own reader opens.
+const TIFF_EXTENSIONS: [&str; 3] = ["tif", "tiff", "svs"];
+/// File extensions only OpenSlide opens (its single-file formats and the index files of its
+/// multi-file ones).
+const OPENSLIDE_EXTENSIONS: [&str; 7] = ["ndpi", "mrxs", "scn", "vms", "vmu", "svslide", "bif"];
+
+/// Whether `path` names a slide the chosen reader may open, by its extension.
+pub fn is_slide_file(path: &Path) -> bool {
+    let ext = path
+        .extension()
+        .map(|e| e.to_string_lossy().to_ascii_lowercase());
+    let Some(ext) = ext.as_deref() else {
+        return false;
+    };
+    !path.is_dir()
+        && (TIFF_EXTENSIONS.contains(&ext)
+            || (chosen_reader() != SlideReader::Gems && OPENSLIDE_EXTENSIONS.contains(&ext)))
+}
+
+/// The slides in `dir` ([`is_slide_file`]), sorted; refuses a folder with none.
+pub fn slide_files(dir: &Path) -> Result<Vec<PathBuf>> {
+    let mut paths = Vec::new();
+    let entries = std::fs::read_dir(dir)
+        .map_err(|e| Error::Data(format!("cannot read {}: {e}", dir.display())))?;
+    for entry in entries {
+        let path = entry
+            .map_err(|e| Error::Data(format!("cannot read {}: {e}", dir.display())))?
+            .path();
+        if is_slide_file(&path) {
+            paths.push(path);
+        }
+    }
+    paths.sort();
+    if paths.is_empty() {
+        let openslide = match chosen_reader() {
+            SlideReader::Gems => String::new(),
+            _ => format!(", .{}", OPENSLIDE_EXTENSIONS.join(", .")),
+        };
+        return Err(Error::Data(format!(
+            "{} holds no slides (.tif, .tiff, .svs{openslide})",
+            dir.display()
+        )));
+    }
+    Ok(paths)
+}
+
+/// An open whole-slide image. Reads decode only the tiles they overlap, and may run on
+/// several threads at once.
 pub struct Slide {
     path: PathBuf,
-    file: Arc<File>,
     levels: Vec<Level>,
+    reader: Reader,
+}
+
+/// What reads a slide's pixels.
+enum Reader {
+    Tiff(TiffReader),
+    OpenSlide(OpenSlide),
+}
+
+/// gems' own reader: one open file, a decoder per concurrent read.
+struct TiffReader {
+    file: Arc<File>,
     /// The index of each level's image in the file.
     images: Vec<usize>,
+    /// Per level: whether its JPEG tiles decode to YCbCr, which reads convert to RGB.
+    ycbcr: Vec<bool>,
     /// Idle decoders and the image each is on.
     idle: Mutex<Vec<(usize, TiffDecoder)>>,
 }
 
 impl Slide {
-    /// Opens a pyramidal tiled TIFF and lists its levels. Refuses, naming the file: a file
-    /// that is not a TIFF, a damaged or truncated one, a striped (not tiled) one, and levels
-    /// that are not 8-bit RGB with interleaved samples.
+    /// Opens a slide with the reader [`use_reader`] chose (by default [`SlideReader::Auto`]).
+    /// gems' reader refuses, naming the file: a file that is not a TIFF, a damaged or
+    /// truncated one, a striped (not tiled) one, and levels that are not 8-bit RGB (or
+    /// JPEG-compressed YCbCr) with interleaved samples.
     pub fn open(path: &Path) -> Result<Slide> {
+        Slide::open_with(path, chosen_reader())
+    }
+
+    /// Opens a slide with `reader` (see [`Slide::open`]).
+    pub fn open_with(path: &Path, reader: SlideReader) -> Result<Slide> {
+        match reader {
+            SlideReader::Gems => Slide::open_tiff(path),
+            SlideReader::OpenSlide => Slide::open_openslide(path),
+            SlideReader::Auto => {
+                let ext = path
+                    .extension()
+                    .map(|e| e.to_string_lossy().to_ascii_lowercase());
+                if ext.as_deref().is_some_and(|e| TIFF_EXTENSIONS.contains(&e)) {
+                    return Slide::open_tiff(path);
+                }
+                match openslide::available() {
+                    Ok(()) => Slide::open_openslide(path),
+                    Err(why) => {
+                        OPENSLIDE_MISSING.call_once(|| {
+                            eprintln!(
+                                "note: {why}; gems reads TIFF slides with its own reader only"
+                            )
+                        });
+                        Err(Error::Data(format!(
+                            "{}: only OpenSlide reads this format, and {why}",
+                            path.display()
+                        )))
+                    }
+                }
+            }
+        }
+    }
+
+    /// Opens a slide through libopenslide.
+    fn open_openslide(path: &Path) -> Result<Slide> {
+        let slide = OpenSlide::open(path)?;
+        let levels = slide
+            .levels()
+            .iter()
+            .map(|l| {
+                let (tile_width, tile_height) = l.tile.unwrap_or((256, 256));
+                let side = |n: u64| u32::try_from(n).ok().filter(|&n| n > 0);
+                match (side(l.size.0), side(l.size.1)) {
+                    (Some(width), Some(height)) => Ok(Level {
+                        width,
+                        height,
+                        tile_width: tile_width.max(1),
+                        tile_height: tile_height.max(1),
+                    }),
+                    _ => Err(Error::Data(format!(
+                        "{}: a level of {}×{} pixels (gems reads levels of 1 to 2^32 - 1 \
+                         pixels a side)",
+                        path.display(),
+                        l.size.0,
+                        l.size.1
+                    ))),
+                }
+            })
+            .collect::<Result<Vec<_>>>()?;
+        if levels.is_empty() {
+            return Err(Error::Data(format!("{} has no levels", path.display())));
+        }
+        Ok(Slide {
+            path: path.to_path_buf(),
+            levels,
+            reader: Reader::OpenSlide(slide),
+        })
+    }
+
+    /// Opens a pyramidal tiled TIFF with gems' own reader and lists its levels.
+    fn open_tiff(path: &Path) -> Result<Slide> {
         let file = Arc::new(crate::core::files::open_regular(path)?);
         let mut decoder = Decoder::new(BufReader::new(At {
             file: file.clone(),
@@ -517,6 +697,7 @@ impl Slide {
         .map_err(|e| structure_error(path, e))?;
         let mut levels: Vec<Level> = Vec::new();
         let mut images = Vec::new();
+        let mut ycbcr = Vec::new();
         let mut image = 0;
         loop {
             let tiled = decoder.get_chunk_type() == ChunkType::Tile;
@@ -532,7 +713,7 @@ impl Slide {
                 .last()
                 .is_none_or(|l| width < l.width && height <= l.height);
             if tiled && smaller {
-                check_layout(path, levels.len(), &mut decoder)?;
+                ycbcr.push(check_layout(path, levels.len(), &mut decoder)?);
                 let (tile_width, tile_height) = decoder.chunk_dimensions();
                 levels.push(Level {
                     width,
@@ -550,11 +731,19 @@ impl Slide {
         }
         Ok(Slide {
             path: path.to_path_buf(),
-            file,
             levels,
-            images,
-            idle: Mutex::new(vec![(image, decoder)]),
+            reader: Reader::Tiff(TiffReader {
+                file,
+                images,
+                ycbcr,
+                idle: Mutex::new(vec![(image, decoder)]),
+            }),
         })
+    }
+
+    /// Whether libopenslide reads it.
+    pub fn read_by_openslide(&self) -> bool {
+        matches!(self.reader, Reader::OpenSlide(_))
     }
 
     /// The slide's file.
@@ -587,7 +776,7 @@ impl Slide {
     }
 
     /// The `w × h` pixels at (x, y) of `level`, as interleaved 8-bit RGB rows. Decodes only
-    /// the TIFF tiles the region overlaps, each into one reused buffer.
+    /// the tiles the region overlaps.
     pub fn read_rgb8(&self, level: usize, x: u32, y: u32, w: u32, h: u32) -> Result<Vec<u8>> {
         let l = *self.level(level)?;
         if w == 0
@@ -602,7 +791,69 @@ impl Slide {
                 l.height
             )));
         }
-        let mut decoder = self.decoder(level)?;
+        match &self.reader {
+            Reader::Tiff(tiff) => tiff.read_rgb8(&self.path, level, &l, (x, y, w, h)),
+            Reader::OpenSlide(slide) => {
+                // OpenSlide places a region by its corner in level-0 pixels.
+                let down = slide.levels()[level].downsample;
+                let (x0, y0) = ((x as f64 * down).round(), (y as f64 * down).round());
+                let argb = slide.read_argb(level, x0 as i64, y0 as i64, w, h)?;
+                Ok(openslide::argb_to_rgb8(&argb))
+            }
+        }
+    }
+
+    /// Mean brightness (mean of R, G, B in [0, 1]) of the `w × h` pixels at (x, y) of
+    /// `level`, measured on the coarsest level where the region still spans
+    /// [`TISSUE_FOOTPRINT`] pixels each way, as the tissue filter measures tiles.
+    pub fn brightness(&self, level: usize, x: u32, y: u32, w: u32, h: u32) -> Result<f32> {
+        let own = *self.level(level)?;
+        if w == 0
+            || h == 0
+            || x as u64 + w as u64 > own.width as u64
+            || y as u64 + h as u64 > own.height as u64
+        {
+            return Err(Error::Data(format!(
+                "{}: region {w}×{h} at ({x}, {y}) is not inside level {level} ({}×{})",
+                self.path.display(),
+                own.width,
+                own.height
+            )));
+        }
+        let spans = |l: &Level| {
+            w as u64 * l.width as u64 >= TISSUE_FOOTPRINT as u64 * own.width as u64
+                && h as u64 * l.height as u64 >= TISSUE_FOOTPRINT as u64 * own.height as u64
+        };
+        let coarse = (level..self.levels.len())
+            .rev()
+            .find(|&k| spans(&self.levels[k]))
+            .unwrap_or(level);
+        let low = self.levels[coarse];
+        let scale = |v: u32, low_len: u32, own_len: u32| v as f64 * low_len as f64 / own_len as f64;
+        let x0 = (scale(x, low.width, own.width).floor() as u32).min(low.width - 1);
+        let y0 = (scale(y, low.height, own.height).floor() as u32).min(low.height - 1);
+        let x1 = (scale(x + w, low.width, own.width).ceil() as u32).clamp(x0 + 1, low.width);
+        let y1 = (scale(y + h, low.height, own.height).ceil() as u32).clamp(y0 + 1, low.height);
+        let rgb = self.read_rgb8(coarse, x0, y0, x1 - x0, y1 - y0)?;
+        let sum: u64 = rgb.iter().map(|&v| v as u64).sum();
+        Ok((sum as f64 / (rgb.len() as f64 * 255.0)) as f32)
+    }
+}
+
+/// Said once per process: libopenslide did not load where it would have been used.
+static OPENSLIDE_MISSING: Once = Once::new();
+
+impl TiffReader {
+    /// The `(x, y, w, h)` region of `level` (inside it), decoding each tile it overlaps into
+    /// one reused buffer.
+    fn read_rgb8(
+        &self,
+        path: &Path,
+        level: usize,
+        l: &Level,
+        (x, y, w, h): (u32, u32, u32, u32),
+    ) -> Result<Vec<u8>> {
+        let mut decoder = self.decoder(path, level)?;
         let mut out = vec![0u8; w as usize * h as usize * CHANNELS];
         let mut pixels = vec![0u8; l.tile_width as usize * l.tile_height as usize * CHANNELS];
         for ty in y / l.tile_height..=(y + h - 1) / l.tile_height {
@@ -611,9 +862,12 @@ impl Slide {
                 decoder.read_chunk_bytes(index, &mut pixels).map_err(|e| {
                     Error::Data(format!(
                         "{}: level {level} tile {index} (column {tx}, row {ty}) is unreadable: {e}",
-                        self.path.display()
+                        path.display()
                     ))
                 })?;
+                if self.ycbcr[level] {
+                    ycbcr_to_rgb(&mut pixels);
+                }
                 // The tile's pixels inside the level (edge tiles come cropped, rows `cols` wide).
                 let (x0, y0) = (tx * l.tile_width, ty * l.tile_height);
                 let cols = (l.width - x0).min(l.tile_width) as usize;
@@ -636,7 +890,7 @@ impl Slide {
     }
 
     /// A decoder on `level`'s image: an idle one if there is one, else a new one.
-    fn decoder(&self, level: usize) -> Result<TiffDecoder> {
+    fn decoder(&self, path: &Path, level: usize) -> Result<TiffDecoder> {
         let image = self.images[level];
         let taken = {
             let mut idle = self.idle.lock().unwrap_or_else(|p| p.into_inner());
@@ -653,39 +907,61 @@ impl Slide {
                 });
                 (
                     0,
-                    Decoder::new(reader).map_err(|e| structure_error(&self.path, e))?,
+                    Decoder::new(reader).map_err(|e| structure_error(path, e))?,
                 )
             }
         };
         if on != image {
             decoder
                 .seek_to_image(image)
-                .map_err(|e| structure_error(&self.path, e))?;
+                .map_err(|e| structure_error(path, e))?;
         }
         Ok(decoder)
     }
 }
 
-/// Refuses levels this reader cannot turn into RGB images.
-fn check_layout(path: &Path, level: usize, decoder: &mut TiffDecoder) -> Result<()> {
+/// JPEG's YCbCr (JFIF: full range, BT.601) to RGB, in place on interleaved pixels, as libjpeg
+/// converts.
+fn ycbcr_to_rgb(pixels: &mut [u8]) {
+    for px in pixels.chunks_exact_mut(CHANNELS) {
+        let (y, cb, cr) = (px[0] as f32, px[1] as f32 - 128.0, px[2] as f32 - 128.0);
+        let clamp = |v: f32| v.round().clamp(0.0, 255.0) as u8;
+        px[0] = clamp(y + 1.402 * cr);
+        px[1] = clamp(y - 0.344_136 * cb - 0.714_136 * cr);
+        px[2] = clamp(y + 1.772 * cb);
+    }
+}
+
+/// Refuses levels this reader cannot turn into RGB images; says whether the level's tiles
+/// decode to YCbCr (JPEG-compressed YCbCr, Aperio's and most scanners' case; the JPEG tables
+/// a level shares, its JPEGTables tag, are read by the decoder).
+fn check_layout(path: &Path, level: usize, decoder: &mut TiffDecoder) -> Result<bool> {
     let refuse = |what: String| {
         Err(Error::Data(format!(
-            "{}: level {level} is {what}; only 8-bit RGB slides can be read",
+            "{}: level {level} is {what}; only 8-bit RGB slides (or JPEG-compressed YCbCr) can be read",
             path.display()
         )))
     };
-    match decoder.colortype() {
-        Ok(ColorType::RGB(8)) => {}
+    let compression = decoder
+        .find_tag_unsigned::<u16>(Tag::Compression)
+        .map_err(|e| structure_error(path, e))?;
+    // The JPEG decoder returns a tile's components as stored, without colour conversion: an
+    // RGB level's tiles come out RGB (Aperio stores RGB components under photometric RGB),
+    // a YCbCr level's YCbCr, which reads convert.
+    let jpeg = compression == Some(CompressionMethod::ModernJPEG.to_u16());
+    let ycbcr = match decoder.colortype() {
+        Ok(ColorType::RGB(8)) => false,
+        Ok(ColorType::YCbCr(8)) if jpeg => true,
         Ok(other) => return refuse(format!("{other:?}")),
         Err(e) => return refuse(format!("in an unsupported layout ({e})")),
-    }
+    };
     let planar = decoder
         .find_tag_unsigned::<u16>(Tag::PlanarConfiguration)
         .map_err(|e| structure_error(path, e))?;
     if planar == Some(PlanarConfiguration::Planar.to_u16()) {
         return refuse("stored as separate colour planes".into());
     }
-    Ok(())
+    Ok(ycbcr)
 }
 
 /// A TIFF structure that does not read, as an error naming the file.
@@ -799,27 +1075,7 @@ impl Slides {
             return Err(Error::Config("tile stride must be at least 1 pixel".into()));
         }
         let rows = read_labels(labels, task)?;
-        let mut paths = Vec::new();
-        let entries = std::fs::read_dir(dir)
-            .map_err(|e| Error::Data(format!("cannot read {}: {e}", dir.display())))?;
-        for entry in entries {
-            let path = entry
-                .map_err(|e| Error::Data(format!("cannot read {}: {e}", dir.display())))?
-                .path();
-            let ext = path
-                .extension()
-                .map(|e| e.to_string_lossy().to_ascii_lowercase());
-            if !path.is_dir() && matches!(ext.as_deref(), Some("tif" | "tiff")) {
-                paths.push(path);
-            }
-        }
-        paths.sort();
-        if paths.is_empty() {
-            return Err(Error::Data(format!(
-                "{} holds no .tif or .tiff slides",
-                dir.display()
-            )));
-        }
+        let paths = slide_files(dir)?;
         let mut slides = Vec::new();
         let mut tiles = Vec::new();
         let mut regions = Vec::new();

@@ -62,6 +62,62 @@ impl Spec {
     }
 }
 
+impl Spec {
+    /// How far, in input pixels, the inputs an output pixel depends on may lie beyond it (a
+    /// bound): each k×k window at a map of s input pixels per pixel reaches s·(k−1)/2 further,
+    /// pooling and strides only group pixels, and each ×2 upsampling lets a pixel depend on
+    /// its coarse parent's block, up to s/2 further. Outputs at least this far from a
+    /// window's border do not see its zero padding.
+    pub fn receptive_radius(self) -> usize {
+        // r: the reach so far; s: input pixels per pixel of the current map.
+        let (mut r, mut s) = (0, 1);
+        let window = |r: &mut usize, k: usize, s: usize| *r += s * (k - 1) / 2;
+        let up = |r: &mut usize, s: &mut usize| {
+            *s /= 2;
+            *r += *s;
+        };
+        match self {
+            Spec::Plain { depth, .. } => {
+                window(&mut r, 3, s);
+                window(&mut r, 3, s);
+                for _ in 0..depth {
+                    s *= 2;
+                    window(&mut r, 3, s);
+                    window(&mut r, 3, s);
+                }
+                for _ in 0..depth {
+                    up(&mut r, &mut s);
+                    window(&mut r, 3, s);
+                    window(&mut r, 3, s);
+                }
+            }
+            Spec::ResNet { blocks } => {
+                // The stem's 7×7/2 convolution and 3×3/2 max pool.
+                window(&mut r, 7, s);
+                s *= 2;
+                window(&mut r, 3, s);
+                s *= 2;
+                for (stage, &n) in blocks.iter().enumerate() {
+                    for block in 0..n {
+                        window(&mut r, 3, s);
+                        if stage > 0 && block == 0 {
+                            s *= 2;
+                        }
+                        window(&mut r, 3, s);
+                    }
+                }
+                for _ in 0..5 {
+                    up(&mut r, &mut s);
+                    window(&mut r, 3, s);
+                    window(&mut r, 3, s);
+                }
+                window(&mut r, 3, s);
+            }
+        }
+        r
+    }
+}
+
 /// `unet` → depth 4, width 64; `unet_d3_w16` → depth 3, width 16; `unet_resnet34`,
 /// `unet_resnet18`; `Ok(None)` when not a U-Net name.
 pub fn parse(name: &str) -> Result<Option<Spec>> {

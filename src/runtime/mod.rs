@@ -8,6 +8,7 @@ pub mod folder;
 mod model;
 mod rank;
 mod session;
+pub mod whole_slide;
 
 pub use checkpoint::{Checkpoint, Lineage, OptimizerState, TrainingState};
 pub use evaluation::{Evaluation, SampleScore};

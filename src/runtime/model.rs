@@ -153,6 +153,44 @@ impl Model {
         self
     }
 
+    /// The same model on `side`² inputs: a fully convolutional model (a U-Net) has the
+    /// same weights at every side, so its checkpoint's weights load into the graph built at
+    /// `side` (parameters and BN statistics). Refuses a side the model cannot take.
+    pub fn at_side(self, side: usize) -> Result<Model> {
+        let graph = crate::models::build(&self.graph.name, side, self.graph.classes())?;
+        let path = match self.weights {
+            Weights::Checkpoint(p) | Weights::StateDict(p) => p,
+        };
+        Ok(Model {
+            graph,
+            weights: Weights::StateDict(path),
+            session: None,
+            ..self
+        })
+    }
+
+    /// The class of every pixel of each image (each the model's side, in [0, 1] as
+    /// [`Model::predict`] takes them), row-major, in order.
+    pub fn segment(&mut self, images: Vec<Image>) -> Result<Vec<Vec<u32>>> {
+        if self.task() != Task::Segment {
+            return Err(Error::Config(format!(
+                "{} classifies images; segmenting needs a segmentation model",
+                self.graph.name
+            )));
+        }
+        let n = images.len();
+        let data = self.pipeline(images)?;
+        let mut per_sample = self.evaluate(&data, None, 1)?.per_sample;
+        per_sample.sort_by_key(|s| s.position);
+        if per_sample.len() != n {
+            return Err(Error::Internal(format!(
+                "{} maps for {n} images",
+                per_sample.len()
+            )));
+        }
+        Ok(per_sample.into_iter().map(|s| s.map).collect())
+    }
+
     /// The class names, in the order of [`Prediction::scores`]: as its checkpoint records
     /// them, else their numbers.
     pub fn classes(&self) -> Vec<String> {

@@ -1,7 +1,8 @@
 // Each test binary compiles this module and uses part of it.
 #![allow(dead_code)]
 
-//! Shared by the model tests: a whole model's gradients against central finite differences.
+//! Shared by the tests: a whole model's gradients against central finite differences; whether
+//! libopenslide is there.
 
 use gems::graph::{self, Graph, Params};
 use gems::ops::loss::Norm;
@@ -269,4 +270,21 @@ pub fn send_activations_late(schedule: &Schedule) -> Schedule {
         *tasks = out;
     }
     late
+}
+
+/// Whether libopenslide loads, for a test part that compares with it (`what`). Under
+/// scripts/test.sh (`GEMS_REQUIRE_OPENSLIDE=1`, which installs it) it must; elsewhere the part
+/// is skipped and says so on the terminal (written past the test harness's capture).
+pub fn openslide_present(what: &str) -> bool {
+    use std::io::Write;
+    match gems::data::openslide::available() {
+        Ok(()) => true,
+        Err(why) if std::env::var_os("GEMS_REQUIRE_OPENSLIDE").is_some() => {
+            panic!("{what}: {why}, and GEMS_REQUIRE_OPENSLIDE is set")
+        }
+        Err(why) => {
+            let _ = writeln!(std::io::stderr(), "SKIPPED: {what}: {why}");
+            false
+        }
+    }
 }

@@ -7,7 +7,7 @@ use clap::{Args, Parser, Subcommand};
 
 use gems::backend::cuda::ConvImpl;
 use gems::backend::{CopyMode, DeviceKind};
-use gems::data::slide::TileConfig;
+use gems::data::slide::{SlideReader, TileConfig};
 use gems::data::{DataConfig, SourceSpec, Task};
 use gems::memory::parse_bytes;
 use gems::optim::schedule::Decay;
@@ -331,8 +331,17 @@ pub struct PredictArgs {
     #[command(flatten)]
     pub slides: SlideArgs,
     /// The folder to write predictions.csv (and segmentation maps) into; made if missing.
+    /// With slides:DIR and no --labels, a U-Net segments each whole slide at --level in
+    /// windows --stride apart (default 512) with --margin of context, writing
+    /// <slide>.classes.tiff (a pyramidal TIFF of class numbers, 255 for background; near-white
+    /// window centres above --tissue, default 0.8, are background), <slide>.classes.png (an
+    /// overview: the slide under the classes' colours) and classes.csv.
     #[arg(long, value_name = "DIR")]
     pub out: PathBuf,
+    /// Whole slides: pixels of context around each window's kept centre, a multiple of
+    /// 2^depth [default: the model's receptive radius rounded up to one].
+    #[arg(long)]
+    pub margin: Option<u32>,
     /// At most this many samples [default: all; 1000 of synthetic data].
     #[arg(long)]
     pub samples: Option<usize>,
@@ -470,6 +479,10 @@ pub struct SlideArgs {
     /// bright-field slides.
     #[arg(long, value_name = "BRIGHTNESS", value_parser = brightness)]
     pub tissue: Option<f32>,
+    /// What reads slides: auto (gems' own reader for .tif/.tiff/.svs, OpenSlide for the other
+    /// formats when libopenslide loads), openslide (libopenslide for all), or gems.
+    #[arg(long, value_name = "READER", default_value = "auto")]
+    pub slide_reader: SlideReader,
 }
 
 /// A number of threads: 1 to 1024 (more would only cost memory and start-up time).
@@ -490,7 +503,9 @@ fn brightness(s: &str) -> Result<f32, String> {
 
 impl SlideArgs {
     /// The source `data` names, cut into tiles of `image_size` unless told otherwise.
+    /// Opens slides with --slide-reader from now on.
     pub fn spec(&self, data: &DataSource, image_size: usize) -> anyhow::Result<SourceSpec> {
+        gems::data::slide::use_reader(self.slide_reader);
         let tiling = [
             ("--labels", self.labels.is_some()),
             ("--level", self.level != 0),

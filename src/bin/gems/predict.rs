@@ -2,12 +2,15 @@
 //! folder.
 
 use std::io::Write;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
+use gems::data::maps::NOTHING;
+use gems::data::slide::{self, Slide};
 use gems::data::{maps, Pipeline};
+use gems::runtime::whole_slide::{segment_slide, WholeSlide, WindowRules};
 use gems::{Evaluation, Model};
 
-use crate::cli::PredictArgs;
+use crate::cli::{DataSource, PredictArgs};
 use crate::eval::{configured, create, map_every, quoted, samples_of, write_predictions};
 
 pub fn predict(a: PredictArgs) -> anyhow::Result<()> {
@@ -16,6 +19,12 @@ pub fn predict(a: PredictArgs) -> anyhow::Result<()> {
     }
     if a.out.exists() && !a.out.is_dir() {
         anyhow::bail!("--out {} exists and is not a folder", a.out.display());
+    }
+    if let (DataSource::Slides(dir), None) = (&a.data, &a.slides.labels) {
+        return whole_slides(&a, dir);
+    }
+    if a.margin.is_some() {
+        anyhow::bail!("--margin is for whole slides: --data slides:DIR without --labels");
     }
     let model = configured(
         Model::load(&a.checkpoint)?,
@@ -51,6 +60,100 @@ pub fn predict(a: PredictArgs) -> anyhow::Result<()> {
         (_, true) => write_predictions(&a.out, &e, &order, a.map_level, every)?,
         (_, false) => write_maps(&a.out, &e, order.image_size())?,
     }
+    Ok(())
+}
+
+/// Whole-slide stride when --stride is not given: windows of 512² centres (plus margins)
+/// keep most of each window (about 2/3 for unet_d3's 56-pixel margins) at a few hundred MiB.
+const WHOLE_SLIDE_STRIDE: u32 = 512;
+/// Whole-slide tissue threshold when --tissue is not given (suits bright-field slides).
+const WHOLE_SLIDE_TISSUE: f32 = 0.8;
+/// Side of the tiles of the map TIFFs.
+const MAP_TILE: u32 = 256;
+
+/// Segments every slide of `dir` whole (see `--out`).
+fn whole_slides(a: &PredictArgs, dir: &Path) -> anyhow::Result<()> {
+    let unused = [
+        ("--tile-size", a.slides.tile_size.is_some()),
+        ("--samples", a.samples.is_some()),
+        ("--map-level", a.map_level.is_some()),
+    ];
+    if let Some((flag, _)) = unused.iter().find(|(_, given)| *given) {
+        anyhow::bail!(
+            "{flag} is for tiles of labelled slides; whole slides (slides:DIR without \
+             --labels) are cut into windows of --stride plus --margin"
+        );
+    }
+    slide::use_reader(a.slides.slide_reader);
+    let model = configured(
+        Model::load(&a.checkpoint)?,
+        &a.on,
+        a.conv,
+        a.skip_bad,
+        a.batch_size,
+    )?;
+    let name = model.graph().name.clone();
+    let rules = WindowRules::of(&name)?;
+    let opts = WholeSlide {
+        level: a.slides.level,
+        stride: a.slides.stride.unwrap_or(WHOLE_SLIDE_STRIDE),
+        margin: a.margin.unwrap_or(rules.default_margin()),
+        tissue: Some(a.slides.tissue.unwrap_or(WHOLE_SLIDE_TISSUE)),
+        tile: MAP_TILE,
+    };
+    rules.check(&name, opts.stride, opts.margin)?;
+    let side = opts.stride as usize + 2 * opts.margin as usize;
+    let mut model = model
+        .at_side(side)?
+        .configure(|c| c.device_memory = a.device_memory);
+    let slides = slide::slide_files(dir)?;
+    let outputs: Vec<(PathBuf, PathBuf)> = slides
+        .iter()
+        .map(|p| {
+            let stem = p.file_stem().unwrap_or_default().to_string_lossy();
+            (
+                a.out.join(format!("{stem}.classes.tiff")),
+                a.out.join(format!("{stem}.classes.png")),
+            )
+        })
+        .collect();
+    let all_outputs: Vec<PathBuf> = outputs
+        .iter()
+        .flat_map(|(t, p)| [t.clone(), p.clone()])
+        .collect();
+    gems::core::files::refuse_overwriting(&all_outputs, &slides)?;
+    std::fs::create_dir_all(&a.out)
+        .map_err(|err| anyhow::anyhow!("cannot create {}: {err}", a.out.display()))?;
+    println!(
+        "{name} at step {}: windows of {side}² ({}² kept, margin {}; receptive radius {}) at level {}",
+        model.steps(),
+        opts.stride,
+        opts.margin,
+        rules.radius,
+        opts.level
+    );
+    for (path, (tiff, png)) in slides.iter().zip(&outputs) {
+        let slide = Slide::open(path)?;
+        let map = segment_slide(&mut model, &slide, &opts, tiff, png)?;
+        let (w, h) = map.levels[0];
+        println!(
+            "{}: {w}×{h}, {} windows predicted, {} background; {} ({} levels), {}",
+            path.display(),
+            map.windows,
+            map.background,
+            tiff.display(),
+            map.levels.len(),
+            png.display()
+        );
+    }
+    let csv = a.out.join("classes.csv");
+    let mut out = create(&csv)?;
+    writeln!(out, "value,class")?;
+    for (i, c) in model.classes().iter().enumerate() {
+        writeln!(out, "{i},{}", quoted(c))?;
+    }
+    writeln!(out, "{NOTHING},background (no tissue)")?;
+    out.flush()?;
     Ok(())
 }
 
