@@ -14,6 +14,8 @@ use gems::ops::loss::Norm;
 use gems::ops::{batched, loss};
 use gems::optim::schedule::{Decay, LrSchedule};
 use gems::optim::{AdamConfig, CustomOptimizer, OptimizerKind, Sgd, SgdConfig};
+use gems::plan::calibrate::Calibration;
+use gems::plan::cost::{DeviceProfile, NodeCosts};
 use gems::plan::Layout;
 use gems::plan::{RunConfig, TrainConfig};
 use gems::schemes::admission::Admission;
@@ -265,14 +267,29 @@ fn every_scheme_matches_single_on_resnet_v2() {
 /// activations at a time (the count rule, m per rank) and what the overlapped pair needs: the
 /// second replica's forwards, admitted when a rank's free bytes hold them, keep more
 /// micro-batches in flight than the count rule allows, every rank within the cap (metered, and
-/// the real run's allocator holds it to it), a shorter predicted step, and the same training
-/// as one device.
+/// the real run's allocator holds it to it), a shorter predicted step where backward takes
+/// twice forward (a GPU's roofline; at this size the CPU's ops cost about a call each and
+/// the second replica gains nothing), and the same training as one device.
 #[test]
 fn mast_packed_by_bytes_under_a_cap_matches_single() {
     let model = &self::model("resnet20v2", 4);
+    let costs = NodeCosts::analytic(model, 1, DType::F64, &DeviceProfile::CPU);
+    let roofline = Calibration {
+        model: model.name.clone(),
+        image_size: model.image_size(),
+        classes: model.classes(),
+        micro_batch: 1,
+        dtype: DType::F64,
+        device: "roofline".into(),
+        forward: costs.forward,
+        backward: costs.backward,
+        data: 0.0,
+        optimizer: 0.0,
+    };
     for (p, m, order) in [(2, 4, Order::GPipe), (3, 2, Order::GPipe)] {
         let s = Scheme::new(Kind::Mast, p, m, 2, 1, order);
         let mut pair = RunConfig::new(train(m, DType::F64, LR), s);
+        pair.calibration = Some(std::sync::Arc::new(roofline.clone()));
         // One split for every variant: the one balanced by cost.
         let layout = Layout::new(model, &pair).unwrap();
         pair.balance = Some(layout.partition.balance(&layout.graph));
