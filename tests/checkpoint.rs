@@ -421,6 +421,98 @@ fn weights_go_out_as_a_plain_state_dict_and_come_back_in() {
 }
 
 #[test]
+fn a_unet_exports_its_weights_and_preprocessing_travels_in_its_checkpoints() {
+    // The pairs of tests/data/unet_preprocess: four images of different shapes, two classes.
+    let pairs = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/unet_preprocess/pairs");
+    let data = format!("folder:{}", pairs.display());
+    let d = temp_dir("unet-export");
+    let p = |name: &str| d.join(name).to_str().unwrap().to_string();
+    let run = |args: &[&str]| {
+        let out = Command::new(env!("CARGO_BIN_EXE_gems"))
+            .args(args)
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr).into_owned();
+        assert!(out.status.success(), "gems {args:?}: {err}");
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    let model = ["--model", "unet_d2_w4", "--image-size", "16"];
+    // A segmentation model's initialization exports, and a run started from it is the run
+    // started from the model's own.
+    run(&[
+        &["export", "--classes", "2", "--out", &p("init.safetensors")],
+        &model[..],
+    ]
+    .concat());
+    let train = [
+        &["train", "--data", &data, "--normalize", "unit", "--resize"][..],
+        &["--steps", "2", "--batch-size", "2", "--lr", "0.05"],
+        &model,
+    ]
+    .concat();
+    run(&[&train[..], &["--checkpoint", &p("a")]].concat());
+    run(&[
+        &train[..],
+        &["--checkpoint", &p("b"), "--init", &p("init.safetensors")],
+    ]
+    .concat());
+    let (a, b) = (
+        d.join("a/step-000002.safetensors"),
+        d.join("b/step-000002.safetensors"),
+    );
+    let weights = |path: &Path| {
+        let mut t = tensors(path);
+        t.retain(|n, _| !n.starts_with("optimizer."));
+        t
+    };
+    let differ = |x: &Path, y: &Path| {
+        let (x, y) = (weights(x), weights(y));
+        let mut names: Vec<&String> = x.keys().filter(|n| x.get(*n) != y.get(*n)).collect();
+        names.sort();
+        names.into_iter().cloned().collect::<Vec<_>>()
+    };
+    assert_eq!(differ(&a, &b), Vec::<String>::new());
+    // A trained U-Net's weights go out as they are in its checkpoint.
+    run(&[
+        "export",
+        "--checkpoint",
+        a.to_str().unwrap(),
+        "--out",
+        &p("w.safetensors"),
+    ]);
+    assert_eq!(differ(&a, &d.join("w.safetensors")), Vec::<String>::new());
+    // The checkpoint's preprocessing is evaluation's: plain weights score alike only when
+    // told it. Scores are each sample's loss in full, and the summary's head.
+    let csv = p("scores.csv");
+    let score = |args: &[&str]| {
+        let out = run(&[&["eval", "--data", &data, "--per-sample", &csv][..], args].concat());
+        let head = out.lines().next().unwrap().split(": ").next().unwrap();
+        let losses: Vec<f64> = (std::fs::read_to_string(&csv).unwrap().lines().skip(1))
+            .map(|row| row.rsplit(',').next().unwrap().parse().unwrap())
+            .collect();
+        (head.to_string(), losses)
+    };
+    let (head, ckpt) = score(&["--checkpoint", a.to_str().unwrap()]);
+    assert!(head.ends_with("at step 2 (f32)"), "{head}");
+    let exported = p("w.safetensors");
+    let init = [&["--init", &exported][..], &model].concat();
+    let told = [&init[..], &["--normalize", "unit", "--resize"]].concat();
+    assert_eq!(score(&told).1, ckpt);
+    let imagenet = score(&init).1;
+    assert!(
+        imagenet.iter().zip(&ckpt).all(|(x, y)| x != y),
+        "{imagenet:?}"
+    );
+    // --dtype evaluates a checkpoint in another dtype, its weights converted.
+    let (head, in_f64) = score(&["--checkpoint", a.to_str().unwrap(), "--dtype", "f64"]);
+    assert!(head.ends_with("at step 2 (f64)"), "{head}");
+    for (x, y) in in_f64.iter().zip(&ckpt) {
+        assert!(x != y && (x - y).abs() < 1e-5 * y, "f64 {x}, f32 {y}");
+    }
+    std::fs::remove_dir_all(d).ok();
+}
+
+#[test]
 fn weights_from_pytorch_score_as_pytorch_scores_them() {
     // tests/data/torch_init (scripts/make_init_fixture.py): resnet20v2 weights initialised by
     // PyTorch, BN statistics random, stored in f16, and each image's loss as PyTorch computes

@@ -20,6 +20,7 @@ pub fn predict(a: PredictArgs) -> anyhow::Result<()> {
     let model = configured(
         Model::load(&a.checkpoint)?,
         &a.on,
+        None,
         a.conv,
         a.skip_bad,
         a.batch_size,
