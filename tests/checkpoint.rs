@@ -513,6 +513,60 @@ fn a_unet_exports_its_weights_and_preprocessing_travels_in_its_checkpoints() {
 }
 
 #[test]
+fn num_batches_tracked_comes_in_counts_steps_as_pytorch_and_goes_out() {
+    // tests/data/unet_tracked (scripts/make_tracked_fixture.py): a state_dict whose BNs counted
+    // different numbers of batches, and each count after PyTorch trained some steps.
+    let fixture = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data");
+    let weights = fixture.join("unet_tracked/weights.safetensors");
+    let expected: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(fixture.join("unet_tracked/expected.json")).unwrap(),
+    )
+    .unwrap();
+    let steps = expected["steps"].as_u64().unwrap() as usize;
+    let trained = expected["tracked"].as_object().unwrap();
+    let d = temp_dir("tracked");
+    let counts = |path: &Path| -> std::collections::BTreeMap<String, i64> {
+        tensors(path)
+            .into_iter()
+            .filter(|(n, _)| n.ends_with(".num_batches_tracked"))
+            .map(|(n, (_, _, b))| (n, i64::from_le_bytes(b.try_into().unwrap())))
+            .collect()
+    };
+    let theirs = counts(&weights);
+    // Read and written back as they are.
+    let g = models::build("unet_d2_w4", 16, 2).unwrap();
+    let config = RunConfig::new(TrainConfig::new(2, steps + 2), Scheme::single(1));
+    let mut s = Session::new(&g, config, Dataset::scenes(16, 2, 0).unwrap()).unwrap();
+    s.load_weights(&weights).unwrap();
+    s.save_weights(d.join("same.safetensors")).unwrap();
+    assert_eq!(counts(&d.join("same.safetensors")), theirs);
+    // Each training step adds one to every BN's count, as PyTorch's training forwards do.
+    for _ in 0..steps {
+        s.step().unwrap();
+    }
+    s.save(d.join("trained.safetensors")).unwrap();
+    let ours = counts(&d.join("trained.safetensors"));
+    assert_eq!(ours.len(), trained.len());
+    for (name, n) in trained {
+        assert_eq!(ours[name], n.as_i64().unwrap(), "{name}");
+    }
+    // A checkpoint's counts resume and export as they stand.
+    let mut resumed = Session::new(
+        &g,
+        RunConfig::new(TrainConfig::new(2, steps + 2), Scheme::single(1)),
+        Dataset::scenes(16, 2, 0).unwrap(),
+    )
+    .unwrap();
+    resumed.restore(d.join("trained.safetensors")).unwrap();
+    resumed.step().unwrap();
+    resumed.save_weights(d.join("resumed.safetensors")).unwrap();
+    for (name, n) in counts(&d.join("resumed.safetensors")) {
+        assert_eq!(n, ours[&name] + 1, "{name}");
+    }
+    std::fs::remove_dir_all(d).ok();
+}
+
+#[test]
 fn weights_from_pytorch_score_as_pytorch_scores_them() {
     // tests/data/torch_init (scripts/make_init_fixture.py): resnet20v2 weights initialised by
     // PyTorch, BN statistics random, stored in f16, and each image's loss as PyTorch computes

@@ -54,7 +54,7 @@ fn parameters_are_named_and_shaped_as_the_reference_state_dicts() {
             assert_eq!(a, b, "{name}: entry {i}");
         }
         assert_eq!(ours.len(), entries.len(), "{name}");
-        // num_batches_tracked (not kept by gems): one per BN node.
+        // num_batches_tracked: one per BN node, in the order gems carries them.
         let bns: Vec<String> = g
             .nodes
             .iter()
