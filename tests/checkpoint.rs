@@ -7,6 +7,7 @@ use std::process::Command;
 
 use gems::optim::schedule::{Decay, LrSchedule};
 use gems::optim::SgdConfig;
+use gems::schemes::{Kind, Order};
 use gems::{models, Dataset, RunConfig, Scheme, Session, TrainConfig};
 
 use safetensors::tensor::TensorView;
@@ -550,6 +551,17 @@ fn num_batches_tracked_comes_in_counts_steps_as_pytorch_and_goes_out() {
     for (name, n) in trained {
         assert_eq!(ours[name], n.as_i64().unwrap(), "{name}");
     }
+    // The same under MAST over 2 ranks (two replicas, two micro-batches each): a step is one
+    // update of the running statistics whatever the scheme.
+    let mast = Scheme::new(Kind::Mast, 2, 2, 2, 1, Order::GPipe);
+    let config = RunConfig::new(TrainConfig::new(2, steps), mast);
+    let mut spread = Session::new(&g, config, Dataset::scenes(16, 2, 0).unwrap()).unwrap();
+    spread.load_weights(&weights).unwrap();
+    for _ in 0..steps {
+        spread.step().unwrap();
+    }
+    spread.save(d.join("mast.safetensors")).unwrap();
+    assert_eq!(counts(&d.join("mast.safetensors")), ours);
     // A checkpoint's counts resume and export as they stand.
     let mut resumed = Session::new(
         &g,
