@@ -12,7 +12,7 @@ use std::time::Duration;
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use gems::data::loader::Loader;
 use gems::data::slide::{make_slide, MakeSlide, Slides, TileConfig};
-use gems::data::transform::Transform;
+use gems::data::transform::{Normalize, Transform};
 use gems::data::{Pipeline, Source};
 
 const SIDE: u32 = 1024;
@@ -65,7 +65,8 @@ fn jpeg_folder(dir: &Path, slides: &Slides) -> gems::data::folder::Folder {
 fn throughput(c: &mut Criterion, name: &str, source: Arc<dyn Source>) {
     let transform = Transform {
         augment: true,
-        normalize: true,
+        normalize: Normalize::ImageNet,
+        resize: false,
     };
     let pipeline = Arc::new(Pipeline::new(
         source,

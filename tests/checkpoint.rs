@@ -7,6 +7,7 @@ use std::process::Command;
 
 use gems::optim::schedule::{Decay, LrSchedule};
 use gems::optim::SgdConfig;
+use gems::schemes::{Kind, Order};
 use gems::{models, Dataset, RunConfig, Scheme, Session, TrainConfig};
 
 use safetensors::tensor::TensorView;
@@ -417,6 +418,163 @@ fn weights_go_out_as_a_plain_state_dict_and_come_back_in() {
         !ok && err.contains("tensor 'fc.weight' has shape [10, 256], the model's [5, 256]"),
         "{err}"
     );
+    std::fs::remove_dir_all(d).ok();
+}
+
+#[test]
+fn a_unet_exports_its_weights_and_preprocessing_travels_in_its_checkpoints() {
+    // The pairs of tests/data/unet_preprocess: four images of different shapes, two classes.
+    let pairs = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/unet_preprocess/pairs");
+    let data = format!("folder:{}", pairs.display());
+    let d = temp_dir("unet-export");
+    let p = |name: &str| d.join(name).to_str().unwrap().to_string();
+    let run = |args: &[&str]| {
+        let out = Command::new(env!("CARGO_BIN_EXE_gems"))
+            .args(args)
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr).into_owned();
+        assert!(out.status.success(), "gems {args:?}: {err}");
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    let model = ["--model", "unet_d2_w4", "--image-size", "16"];
+    // A segmentation model's initialization exports, and a run started from it is the run
+    // started from the model's own.
+    run(&[
+        &["export", "--classes", "2", "--out", &p("init.safetensors")],
+        &model[..],
+    ]
+    .concat());
+    let train = [
+        &["train", "--data", &data, "--normalize", "unit", "--resize"][..],
+        &["--steps", "2", "--batch-size", "2", "--lr", "0.05"],
+        &model,
+    ]
+    .concat();
+    run(&[&train[..], &["--checkpoint", &p("a")]].concat());
+    run(&[
+        &train[..],
+        &["--checkpoint", &p("b"), "--init", &p("init.safetensors")],
+    ]
+    .concat());
+    let (a, b) = (
+        d.join("a/step-000002.safetensors"),
+        d.join("b/step-000002.safetensors"),
+    );
+    let weights = |path: &Path| {
+        let mut t = tensors(path);
+        t.retain(|n, _| !n.starts_with("optimizer."));
+        t
+    };
+    let differ = |x: &Path, y: &Path| {
+        let (x, y) = (weights(x), weights(y));
+        let mut names: Vec<&String> = x.keys().filter(|n| x.get(*n) != y.get(*n)).collect();
+        names.sort();
+        names.into_iter().cloned().collect::<Vec<_>>()
+    };
+    assert_eq!(differ(&a, &b), Vec::<String>::new());
+    // A trained U-Net's weights go out as they are in its checkpoint.
+    run(&[
+        "export",
+        "--checkpoint",
+        a.to_str().unwrap(),
+        "--out",
+        &p("w.safetensors"),
+    ]);
+    assert_eq!(differ(&a, &d.join("w.safetensors")), Vec::<String>::new());
+    // The checkpoint's preprocessing is evaluation's: plain weights score alike only when
+    // told it. Scores are each sample's loss in full, and the summary's head.
+    let csv = p("scores.csv");
+    let score = |args: &[&str]| {
+        let out = run(&[&["eval", "--data", &data, "--per-sample", &csv][..], args].concat());
+        let head = out.lines().next().unwrap().split(": ").next().unwrap();
+        let losses: Vec<f64> = (std::fs::read_to_string(&csv).unwrap().lines().skip(1))
+            .map(|row| row.rsplit(',').next().unwrap().parse().unwrap())
+            .collect();
+        (head.to_string(), losses)
+    };
+    let (head, ckpt) = score(&["--checkpoint", a.to_str().unwrap()]);
+    assert!(head.ends_with("at step 2 (f32)"), "{head}");
+    let exported = p("w.safetensors");
+    let init = [&["--init", &exported][..], &model].concat();
+    let told = [&init[..], &["--normalize", "unit", "--resize"]].concat();
+    assert_eq!(score(&told).1, ckpt);
+    let imagenet = score(&init).1;
+    assert!(
+        imagenet.iter().zip(&ckpt).all(|(x, y)| x != y),
+        "{imagenet:?}"
+    );
+    // --dtype evaluates a checkpoint in another dtype, its weights converted.
+    let (head, in_f64) = score(&["--checkpoint", a.to_str().unwrap(), "--dtype", "f64"]);
+    assert!(head.ends_with("at step 2 (f64)"), "{head}");
+    for (x, y) in in_f64.iter().zip(&ckpt) {
+        assert!(x != y && (x - y).abs() < 1e-5 * y, "f64 {x}, f32 {y}");
+    }
+    std::fs::remove_dir_all(d).ok();
+}
+
+#[test]
+fn num_batches_tracked_comes_in_counts_steps_as_pytorch_and_goes_out() {
+    // tests/data/unet_tracked (scripts/make_tracked_fixture.py): a state_dict whose BNs counted
+    // different numbers of batches, and each count after PyTorch trained some steps.
+    let fixture = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data");
+    let weights = fixture.join("unet_tracked/weights.safetensors");
+    let expected: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(fixture.join("unet_tracked/expected.json")).unwrap(),
+    )
+    .unwrap();
+    let steps = expected["steps"].as_u64().unwrap() as usize;
+    let trained = expected["tracked"].as_object().unwrap();
+    let d = temp_dir("tracked");
+    let counts = |path: &Path| -> std::collections::BTreeMap<String, i64> {
+        tensors(path)
+            .into_iter()
+            .filter(|(n, _)| n.ends_with(".num_batches_tracked"))
+            .map(|(n, (_, _, b))| (n, i64::from_le_bytes(b.try_into().unwrap())))
+            .collect()
+    };
+    let theirs = counts(&weights);
+    // Read and written back as they are.
+    let g = models::build("unet_d2_w4", 16, 2).unwrap();
+    let config = RunConfig::new(TrainConfig::new(2, steps + 2), Scheme::single(1));
+    let mut s = Session::new(&g, config, Dataset::scenes(16, 2, 0).unwrap()).unwrap();
+    s.load_weights(&weights).unwrap();
+    s.save_weights(d.join("same.safetensors")).unwrap();
+    assert_eq!(counts(&d.join("same.safetensors")), theirs);
+    // Each training step adds one to every BN's count, as PyTorch's training forwards do.
+    for _ in 0..steps {
+        s.step().unwrap();
+    }
+    s.save(d.join("trained.safetensors")).unwrap();
+    let ours = counts(&d.join("trained.safetensors"));
+    assert_eq!(ours.len(), trained.len());
+    for (name, n) in trained {
+        assert_eq!(ours[name], n.as_i64().unwrap(), "{name}");
+    }
+    // The same under MAST over 2 ranks (two replicas, two micro-batches each): a step is one
+    // update of the running statistics whatever the scheme.
+    let mast = Scheme::new(Kind::Mast, 2, 2, 2, 1, Order::GPipe);
+    let config = RunConfig::new(TrainConfig::new(2, steps), mast);
+    let mut spread = Session::new(&g, config, Dataset::scenes(16, 2, 0).unwrap()).unwrap();
+    spread.load_weights(&weights).unwrap();
+    for _ in 0..steps {
+        spread.step().unwrap();
+    }
+    spread.save(d.join("mast.safetensors")).unwrap();
+    assert_eq!(counts(&d.join("mast.safetensors")), ours);
+    // A checkpoint's counts resume and export as they stand.
+    let mut resumed = Session::new(
+        &g,
+        RunConfig::new(TrainConfig::new(2, steps + 2), Scheme::single(1)),
+        Dataset::scenes(16, 2, 0).unwrap(),
+    )
+    .unwrap();
+    resumed.restore(d.join("trained.safetensors")).unwrap();
+    resumed.step().unwrap();
+    resumed.save_weights(d.join("resumed.safetensors")).unwrap();
+    for (name, n) in counts(&d.join("resumed.safetensors")) {
+        assert_eq!(n, ours[&name] + 1, "{name}");
+    }
     std::fs::remove_dir_all(d).ok();
 }
 

@@ -391,6 +391,9 @@ fn resume_accepts_the_checkpoints_values_and_refuses_others() {
         "3",
         "--loss-reduction",
         "pytorch",
+        "--normalize",
+        "0.5,0.5,0.5/0.25,0.25,0.25",
+        "--resize",
         "--data",
         "synthetic",
         "--checkpoint",
@@ -409,6 +412,7 @@ fn resume_accepts_the_checkpoints_values_and_refuses_others() {
         ("--image-size", "64", "32"),
         ("--optimizer", "sgd", "adamw"),
         ("--loss-reduction", "sample-mean", "pytorch"),
+        ("--normalize", "unit", "0.5,0.5,0.5/0.25,0.25,0.25"),
     ] {
         let (ok, _, err) = gems(&[&["train", flag, ours][..], &resume].concat());
         assert!(!ok);

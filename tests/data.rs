@@ -9,7 +9,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use gems::data::loader::Loader;
-use gems::data::transform::{Transform, MEAN, STD};
+use gems::data::transform::{Normalize, Transform, MEAN, STD};
 use gems::data::{DataConfig, Image, Pipeline, Source, SourceSpec, Task, UNLABELLED};
 use gems::schemes::{Kind, Order, Scheme};
 
@@ -231,7 +231,8 @@ fn loader_hands_out_batches_in_order_and_stays_bounded() {
     });
     let transform = Transform {
         augment: false,
-        normalize: false,
+        normalize: Normalize::Unit,
+        resize: false,
     };
     let p = Arc::new(Pipeline::new(source.clone(), 2, transform, 0, false, false));
     let requests: Vec<(u64, usize)> = (0..20).map(|i| (i * 3, 3)).collect();

@@ -298,6 +298,20 @@ fn mistyped_flags_are_refused_in_their_own_words() {
         "--tissue cuts slides into tiles",
     );
     refused(&["train", "--resume", "/dev/null"], "not a regular file");
+    refused(
+        &["train", "--normalize", "0.5,0.5/0.2,0.2,0.2"],
+        "the normalization's mean takes 3 values (R, G, B), not 2",
+    );
+    refused(
+        &[
+            "eval",
+            "--init",
+            "w.safetensors",
+            "--normalize",
+            "0,0,0/0.2,0,0.2",
+        ],
+        "the normalization's standard deviations are positive, not 0",
+    );
 }
 
 #[test]
@@ -1061,6 +1075,23 @@ fn damaged_or_unusable_weights_are_refused_by_tensor_name() {
             "1",
         ],
         "a running variance cannot be negative",
+    );
+    // A BN's count of batches below zero.
+    let uncounted = d.join("uncounted.safetensors");
+    rewrite_tensors(&step2, &uncounted, |n, data| {
+        if n == "bn.num_batches_tracked" {
+            data.copy_from_slice(&(-1i64).to_le_bytes());
+        }
+    });
+    refused(
+        &[
+            "train",
+            "--init",
+            uncounted.to_str().unwrap(),
+            "--steps",
+            "1",
+        ],
+        "tensor 'bn.num_batches_tracked' counts -1 batches",
     );
     // A PyTorch file (torch.save writes a zip) is refused with how to convert it.
     let pth = d.join("model.pth");

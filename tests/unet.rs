@@ -54,7 +54,7 @@ fn parameters_are_named_and_shaped_as_the_reference_state_dicts() {
             assert_eq!(a, b, "{name}: entry {i}");
         }
         assert_eq!(ours.len(), entries.len(), "{name}");
-        // num_batches_tracked (not kept by gems): one per BN node.
+        // num_batches_tracked: one per BN node, in the order gems carries them.
         let bns: Vec<String> = g
             .nodes
             .iter()
@@ -310,4 +310,69 @@ fn unet_resnet34_computes_what_smp_computes() {
     let want = read(&SafeTensors::deserialize(&want).unwrap(), "logits");
     let worst = worst_relative(&got, &want);
     assert!(worst < 1e-12, "largest difference from smp {worst}");
+}
+
+#[test]
+fn images_divided_by_255_score_as_a_pytorch_pipeline_scores_them() {
+    // tests/data/unet_preprocess (scripts/make_preprocess_fixture.py): images of four shapes
+    // with masks, and each one's loss under milesial's UNet (unet_forward's weights) on inputs
+    // x/255, cut to the centred square or resized whole with PyTorch's antialiased bilinear.
+    let dir = format!("{}/tests/data", env!("CARGO_MANIFEST_DIR"));
+    let expected: std::collections::BTreeMap<String, std::collections::BTreeMap<String, f64>> =
+        serde_json::from_str(
+            &std::fs::read_to_string(format!("{dir}/unet_preprocess/expected.json")).unwrap(),
+        )
+        .unwrap();
+    let out = std::env::temp_dir().join(format!("gems-unet-preprocess-{}", std::process::id()));
+    std::fs::create_dir_all(&out).unwrap();
+    for (how, extra) in [("crop", None), ("resize", Some("--resize"))] {
+        let csv = out.join(format!("{how}.csv"));
+        let run = std::process::Command::new(env!("CARGO_BIN_EXE_gems"))
+            .args([
+                "eval",
+                "--init",
+                &format!("{dir}/unet_forward/weights.safetensors"),
+            ])
+            .args([
+                "--model",
+                "unet_d2_w4",
+                "--image-size",
+                "16",
+                "--dtype",
+                "f64",
+            ])
+            .args(["--normalize", "unit"])
+            .args(extra)
+            .arg("--data")
+            .arg(format!("folder:{dir}/unet_preprocess/pairs"))
+            .arg("--per-sample")
+            .arg(&csv)
+            .output()
+            .unwrap();
+        assert!(
+            run.status.success(),
+            "{}",
+            String::from_utf8_lossy(&run.stderr)
+        );
+        let want = &expected[how];
+        let rows = std::fs::read_to_string(&csv).unwrap();
+        let mut seen = 0;
+        for row in rows.lines().skip(1) {
+            let fields: Vec<&str> = row.split(',').collect();
+            let stem = fields[0]
+                .rsplit('/')
+                .next()
+                .unwrap()
+                .trim_end_matches(".png");
+            let (ours, theirs) = (fields[3].parse::<f64>().unwrap(), want[stem]);
+            // Inputs decoded to f32 (v/255), the rest in f64.
+            assert!(
+                (ours - theirs).abs() <= 1e-6 * theirs,
+                "{how} {stem}: gems {ours}, PyTorch {theirs}"
+            );
+            seen += 1;
+        }
+        assert_eq!(seen, want.len(), "{how}");
+    }
+    std::fs::remove_dir_all(out).ok();
 }

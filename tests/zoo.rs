@@ -42,7 +42,7 @@ fn parameters_are_named_and_shaped_as_torchvision_state_dict() {
             assert_eq!(a, b, "{}: entry {i}", arch.name());
         }
         assert_eq!(ours.len(), entries.len(), "{}", arch.name());
-        // num_batches_tracked (not kept by gems yet): one scalar per BN node.
+        // num_batches_tracked: one scalar per BN node, in the order gems carries them.
         let bns: Vec<String> = g
             .nodes
             .iter()

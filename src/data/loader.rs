@@ -170,7 +170,10 @@ impl Drop for Loader {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::data::{transform::Transform, Image, Source};
+    use crate::data::{
+        transform::{Normalize, Transform},
+        Image, Source,
+    };
     use rayon::prelude::*;
 
     /// Images whose pixels are summed on a pool, as a source decoding in parallel would.
@@ -215,7 +218,8 @@ mod tests {
         let source = Arc::new(Parallel(vec!["0".into()], pool.clone()));
         let transform = Transform {
             augment: false,
-            normalize: false,
+            normalize: Normalize::Unit,
+            resize: false,
         };
         let pipeline = Arc::new(Pipeline::new(source, 2, transform, 0, false, false));
         let (done, finished) = std::sync::mpsc::channel();

@@ -12,7 +12,7 @@ use super::folder::{Folder, Pairs};
 use super::order::Epochs;
 use super::slide::{self, Slides, TileConfig};
 use super::synthetic::{SceneStream, Scenes, Stream, Synthetic};
-use super::transform::Transform;
+use super::transform::{Normalize, Transform};
 use super::{Image, Mask, Source, Task, TilePlace, CHANNELS, UNLABELLED};
 use crate::core::rng::{splitmix64, uniform};
 use crate::{Error, Result};
@@ -74,6 +74,14 @@ pub struct DataConfig {
     /// A class per image or per pixel (configurations saved before segmentation classify).
     #[serde(default)]
     pub task: Task,
+    /// How decoded images' channels are scaled (configurations saved before the choice
+    /// normalized with ImageNet's statistics).
+    #[serde(default)]
+    pub normalize: Normalize,
+    /// Images not of the model's side are resampled whole instead of cut to their centred
+    /// square (configurations saved before the choice cut).
+    #[serde(default)]
+    pub resize: bool,
 }
 
 impl Default for DataConfig {
@@ -88,21 +96,31 @@ impl Default for DataConfig {
             workers: 2,
             prefetch: 4,
             task: Task::Classify,
+            normalize: Normalize::ImageNet,
+            resize: false,
         }
     }
 }
 
 impl DataConfig {
     /// How this data's samples become model inputs outside training (evaluation,
-    /// prediction): the centred square, decoded files normalized per channel ([`MEAN`],
-    /// [`STD`]); synthetic images are generated centred and stay as they are.
-    ///
-    /// [`MEAN`]: super::transform::MEAN
-    /// [`STD`]: super::transform::STD
+    /// prediction): as [`DataConfig::transform`] gives them, without augmentation.
     pub fn held_out_transform(&self) -> Transform {
+        self.transform(false)
+    }
+
+    /// How this data's samples become model inputs (augmented while `training` if asked):
+    /// decoded files normalized and fitted to the model's side as configured; synthetic
+    /// images are generated centred and at the model's side, and stay as they are.
+    pub fn transform(&self, training: bool) -> Transform {
+        let synthetic = self.source == SourceSpec::Synthetic;
         Transform {
-            augment: false,
-            normalize: self.source != SourceSpec::Synthetic,
+            augment: training && self.augment,
+            normalize: match synthetic {
+                true => Normalize::Unit,
+                false => self.normalize,
+            },
+            resize: self.resize && !synthetic,
         }
     }
 }
@@ -180,7 +198,8 @@ impl Dataset {
         let pipeline = |source: Arc<dyn Source>, training| {
             let transform = Transform {
                 augment: augment && training,
-                normalize: false,
+                normalize: Normalize::Unit,
+                resize: false,
             };
             Arc::new(Pipeline::new(
                 source, image_size, transform, seed, false, training,
@@ -195,10 +214,11 @@ impl Dataset {
         }
     }
 
-    /// A caller's `source` as `image_size`² inputs normalized per channel, the fraction
-    /// `held_out` of its samples (chosen by a hash of `seed` and the index, as folders' are)
-    /// held out for evaluation and the rest in shuffled epochs drawn from `seed`; with
-    /// `held_out` 0, all of it for training (an unbounded source has no fraction to hold out).
+    /// A caller's `source` as `image_size`² inputs prepared as [`Transform::default`] says
+    /// (the centred square, ImageNet's normalization), the fraction `held_out` of its samples
+    /// (chosen by a hash of `seed` and the index, as folders' are) held out for evaluation and
+    /// the rest in shuffled epochs drawn from `seed`; with `held_out` 0, all of it for training
+    /// (an unbounded source has no fraction to hold out).
     pub fn from_source(
         source: Arc<dyn Source>,
         image_size: usize,
@@ -210,7 +230,7 @@ impl Dataset {
             held_out,
             seed,
             skip_bad: false,
-            augment: false,
+            transform: Transform::default(),
         };
         split.dataset(source, vec![])
     }
@@ -222,7 +242,8 @@ struct Split {
     held_out: f64,
     seed: u64,
     skip_bad: bool,
-    augment: bool,
+    /// How training samples become inputs (held-out ones are not augmented).
+    transform: Transform,
 }
 
 impl Split {
@@ -235,8 +256,8 @@ impl Split {
         // are.
         let pipeline = |source: Arc<dyn Source>, subset, training: bool| {
             let transform = Transform {
-                augment: training && self.augment,
-                normalize: true,
+                augment: training && self.transform.augment,
+                ..self.transform
             };
             let p = Pipeline::new(
                 source,
@@ -333,7 +354,7 @@ pub fn open(c: &DataConfig, image_size: usize, classes: usize, seed: u64) -> Res
         held_out: c.val,
         seed,
         skip_bad: c.skip_bad,
-        augment: c.augment,
+        transform: c.transform(true),
     };
     split.dataset(source, skipped)
 }

@@ -1,6 +1,7 @@
-//! From a decoded image to the model's input: a square window (random position, size and
-//! flips when augmenting; the centred largest square otherwise), resampled to the model's
-//! side with an antialiasing linear filter, then normalized per channel.
+//! From a decoded image to the model's input: a window (random position, size and flips when
+//! augmenting; otherwise the centred largest square, or with `resize` the whole image),
+//! resampled to the model's side with an antialiasing linear filter, then normalized per
+//! channel.
 
 use rand::Rng;
 
@@ -14,14 +15,109 @@ pub const STD: [f32; CHANNELS] = [0.229, 0.224, 0.225];
 /// The smallest side of a random crop, as a fraction of the image's shorter side.
 const MIN_CROP: f64 = 0.8;
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+/// How an input's channels are scaled once resampled. Decoded images hold planes in [0, 1]
+/// (8-bit values divided by 255); each variant says what the model sees.
+#[derive(Clone, Copy, Debug, Default, PartialEq, serde::Serialize, serde::Deserialize)]
+pub enum Normalize {
+    /// (x − [`MEAN`]) / [`STD`]: ImageNet's statistics, as torchvision's pretrained models
+    /// expect.
+    #[default]
+    ImageNet,
+    /// The planes as decoded, in [0, 1]: 0–255 values divided by 255 (milesial's U-Net).
+    Unit,
+    /// The 0–255 values themselves.
+    Raw,
+    /// (x − mean) / std per channel, both on the [0, 1] scale of decoded planes.
+    PerChannel {
+        /// Per channel (R, G, B).
+        mean: [f32; CHANNELS],
+        /// Per channel (R, G, B), each positive.
+        std: [f32; CHANNELS],
+    },
+}
+
+impl Normalize {
+    /// Channel `c`'s (mean, scale): the model sees (x − mean) · scale. A product rather than
+    /// a division per value: a division costs several.
+    fn channel(&self, c: usize) -> (f32, f32) {
+        match self {
+            Normalize::ImageNet => (MEAN[c], 1.0 / STD[c]),
+            Normalize::Unit => (0.0, 1.0),
+            Normalize::Raw => (0.0, 255.0),
+            Normalize::PerChannel { mean, std } => (mean[c], 1.0 / std[c]),
+        }
+    }
+}
+
+impl std::fmt::Display for Normalize {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let list = |v: &[f32]| v.iter().map(f32::to_string).collect::<Vec<_>>().join(",");
+        match self {
+            Normalize::ImageNet => write!(f, "imagenet"),
+            Normalize::Unit => write!(f, "unit"),
+            Normalize::Raw => write!(f, "none"),
+            Normalize::PerChannel { mean, std } => write!(f, "{}/{}", list(mean), list(std)),
+        }
+    }
+}
+
+impl std::str::FromStr for Normalize {
+    type Err = String;
+
+    /// `imagenet`, `unit`, `none`, or `M1,M2,M3/S1,S2,S3`: a mean and a standard deviation
+    /// per channel (R, G, B) on the [0, 1] scale, each deviation positive.
+    fn from_str(s: &str) -> Result<Normalize, String> {
+        match s {
+            "imagenet" => return Ok(Normalize::ImageNet),
+            "unit" => return Ok(Normalize::Unit),
+            "none" => return Ok(Normalize::Raw),
+            _ => {}
+        }
+        let usage = "imagenet, unit, none, or a mean and a standard deviation per channel \
+                     on the [0, 1] scale, MEAN,MEAN,MEAN/STD,STD,STD (e.g. \
+                     0.485,0.456,0.406/0.229,0.224,0.225)";
+        let (mean, std) = s
+            .split_once('/')
+            .ok_or_else(|| format!("the normalization is {usage}, not '{s}'"))?;
+        let channels = |what: &str, list: &str| -> Result<[f32; CHANNELS], String> {
+            let values = list
+                .split(',')
+                .map(|v| v.trim().parse::<f32>())
+                .collect::<Result<Vec<f32>, _>>()
+                .map_err(|_| format!("the normalization's {what} '{list}' is not numbers"))?;
+            let values: [f32; CHANNELS] = values.try_into().map_err(|v: Vec<f32>| {
+                format!(
+                    "the normalization's {what} takes {CHANNELS} values (R, G, B), not {}",
+                    v.len()
+                )
+            })?;
+            match values.iter().all(|v| v.is_finite()) {
+                true => Ok(values),
+                false => Err(format!("the normalization's {what} '{list}' is not finite")),
+            }
+        };
+        let (mean, std) = (channels("mean", mean)?, channels("std", std)?);
+        if let Some(bad) = std.iter().find(|&&s| s <= 0.0) {
+            return Err(format!(
+                "the normalization's standard deviations are positive, not {bad}"
+            ));
+        }
+        Ok(Normalize::PerChannel { mean, std })
+    }
+}
+
+#[derive(Clone, Copy, Debug, Default, PartialEq, serde::Serialize, serde::Deserialize)]
 /// How a decoded image becomes a model's input.
 pub struct Transform {
     /// Random crop and horizontal and vertical flips (training); the centred square otherwise.
     pub augment: bool,
-    /// Subtract [`MEAN`] and divide by [`STD`] (decoded files; synthetic data is already
-    /// centred).
-    pub normalize: bool,
+    /// How the channels are scaled (synthetic data is generated centred: [`Normalize::Unit`]
+    /// keeps it as it is).
+    pub normalize: Normalize,
+    /// The whole image resampled to the model's side (both dimensions, so a non-square image
+    /// is stretched) instead of its centred largest square; augmenting, the random crop keeps
+    /// the image's proportions.
+    pub resize: bool,
 }
 
 impl Transform {
@@ -46,43 +142,52 @@ impl Transform {
     /// is in the same state, so each target lines up with its input pixel.
     pub fn append_mask(&self, mask: &Mask, size: usize, rng: &mut impl Rng, out: &mut Vec<u32>) {
         let Window {
-            side,
+            height,
+            width,
             y0,
             x0,
             flip_x,
             flip_y,
-        } = Window::draw(self.augment, mask.height, mask.width, rng);
+        } = self.window(mask.height, mask.width, rng);
         // The source pixel holding each output pixel's centre.
-        let nearest = |from: usize, o: usize| {
-            let centre = from as f64 + (o as f64 + 0.5) * side as f64 / size as f64;
-            (centre as usize).clamp(from, from + side - 1)
+        let nearest = |from: usize, span: usize, o: usize| {
+            let centre = from as f64 + (o as f64 + 0.5) * span as f64 / size as f64;
+            (centre as usize).clamp(from, from + span - 1)
         };
         let flip = |o: usize, flipped: bool| if flipped { size - 1 - o } else { o };
-        let cols: Vec<usize> = (0..size).map(|tx| nearest(x0, flip(tx, flip_x))).collect();
+        let cols: Vec<usize> = (0..size)
+            .map(|tx| nearest(x0, width, flip(tx, flip_x)))
+            .collect();
         out.reserve(size * size);
         for ty in 0..size {
-            let row = &mask.labels[nearest(y0, flip(ty, flip_y)) * mask.width..][..mask.width];
+            let y = nearest(y0, height, flip(ty, flip_y));
+            let row = &mask.labels[y * mask.width..][..mask.width];
             out.extend(cols.iter().map(|&x| row[x]));
         }
+    }
+
+    /// The window of a `height × width` image an input shows (see [`Window::draw`]).
+    fn window(&self, height: usize, width: usize, rng: &mut impl Rng) -> Window {
+        Window::draw(self.augment, self.resize, height, width, rng)
     }
 
     /// Hands `emit` the rows of `img` prepared as a `size`² model input, in CHW order.
     fn rows(&self, img: &Image, size: usize, rng: &mut impl Rng, mut emit: impl FnMut(&[f32])) {
         let Window {
-            side,
+            height,
+            width,
             y0,
             x0,
             flip_x,
             flip_y,
-        } = Window::draw(self.augment, img.height, img.width, rng);
+        } = self.window(img.height, img.width, rng);
         let plane = img.height * img.width;
         let mut row = vec![0.0f32; size];
         // Normalizes and flips a resampled row, then hands it on.
         let mut finish = |row: &mut [f32], c: usize| {
-            if self.normalize {
-                // A product rather than a division per value: a division costs several.
-                let scale = 1.0 / STD[c];
-                row.iter_mut().for_each(|v| *v = (*v - MEAN[c]) * scale);
+            if self.normalize != Normalize::Unit {
+                let (mean, scale) = self.normalize.channel(c);
+                row.iter_mut().for_each(|v| *v = (*v - mean) * scale);
             }
             if flip_x {
                 row.reverse();
@@ -91,7 +196,7 @@ impl Transform {
         };
         // Output rows in order: which window row each comes from.
         let source_row = |ty: usize| if flip_y { size - 1 - ty } else { ty };
-        if side == size {
+        if (height, width) == (size, size) {
             // Nothing to resample (a tile cut at the model's side): copy, flip, normalize.
             for c in 0..CHANNELS {
                 let src = &img.pixels[c * plane..(c + 1) * plane];
@@ -103,10 +208,10 @@ impl Transform {
             }
             return;
         }
-        let rows = Filter::new(y0, side, size);
-        let cols = Filter::new(x0, side, size);
+        let rows = Filter::new(y0, height, size);
+        let cols = Filter::new(x0, width, size);
         // Columns first, into a size-wide strip of the window's rows.
-        let mut strip = vec![0.0f32; side * size];
+        let mut strip = vec![0.0f32; height * size];
         for c in 0..CHANNELS {
             let src = &img.pixels[c * plane..(c + 1) * plane];
             for (y, out) in (y0..).zip(strip.chunks_exact_mut(size)) {
@@ -126,9 +231,10 @@ impl Transform {
     }
 }
 
-/// The square of an image an input shows (side, top, left) and its flips.
+/// The rectangle of an image an input shows (its height, width, top and left) and its flips.
 struct Window {
-    side: usize,
+    height: usize,
+    width: usize,
     y0: usize,
     x0: usize,
     flip_x: bool,
@@ -136,25 +242,40 @@ struct Window {
 }
 
 impl Window {
-    /// The window of a `height × width` image: drawn from `rng` when augmenting, the centred
-    /// largest square otherwise. Inputs and targets both draw it here, so they line up.
-    fn draw(augment: bool, height: usize, width: usize, rng: &mut impl Rng) -> Window {
+    /// The window of a `height × width` image: drawn from `rng` when augmenting (a square, or
+    /// with `resize` a rectangle of the image's proportions), else the centred largest square
+    /// (with `resize`, the whole image). Inputs and targets both draw it here, so they line up.
+    fn draw(
+        augment: bool,
+        resize: bool,
+        height: usize,
+        width: usize,
+        rng: &mut impl Rng,
+    ) -> Window {
         let short = height.min(width);
+        // The window's sides: the image's (resizing), else its shorter side's square.
+        let (full_h, full_w) = match resize {
+            true => (height, width),
+            false => (short, short),
+        };
         if !augment {
             return Window {
-                side: short,
-                y0: (height - short) / 2,
-                x0: (width - short) / 2,
+                height: full_h,
+                width: full_w,
+                y0: (height - full_h) / 2,
+                x0: (width - full_w) / 2,
                 flip_x: false,
                 flip_y: false,
             };
         }
-        let side =
-            ((short as f64 * rng.random_range(MIN_CROP..=1.0)).round() as usize).clamp(1, short);
+        let scale = rng.random_range(MIN_CROP..=1.0);
+        let side = |full: usize| ((full as f64 * scale).round() as usize).clamp(1, full);
+        let (h, w) = (side(full_h), side(full_w));
         Window {
-            side,
-            y0: rng.random_range(0..=height - side),
-            x0: rng.random_range(0..=width - side),
+            height: h,
+            width: w,
+            y0: rng.random_range(0..=height - h),
+            x0: rng.random_range(0..=width - w),
             flip_x: rng.random_bool(0.5),
             flip_y: rng.random_bool(0.5),
         }
@@ -276,7 +397,8 @@ mod tests {
 
     const PLAIN: Transform = Transform {
         augment: false,
-        normalize: false,
+        normalize: Normalize::Unit,
+        resize: false,
     };
 
     #[test]
@@ -317,7 +439,8 @@ mod tests {
         let img = ramp(40, 40);
         let t = Transform {
             augment: true,
-            normalize: true,
+            normalize: Normalize::ImageNet,
+            resize: false,
         };
         let run = |seed| {
             let mut out = vec![0.0; 3 * 16 * 16];
@@ -338,6 +461,108 @@ mod tests {
             assert!(out[c * 16..(c + 1) * 16]
                 .iter()
                 .all(|v| (v - want).abs() < 1e-6));
+        }
+    }
+
+    #[test]
+    fn normalizations_parse_print_and_scale() {
+        let grey = Image {
+            height: 4,
+            width: 4,
+            pixels: vec![0.5; 3 * 16],
+        };
+        let custom = "0.5,0.25,0/0.5,0.25,2";
+        let cases = [
+            ("imagenet", [f32::NAN; 3]),
+            ("unit", [0.5; 3]),
+            ("none", [127.5; 3]),
+            (custom, [0.0, 1.0, 0.25]),
+        ];
+        for (text, want) in cases {
+            let n: Normalize = text.parse().unwrap();
+            assert_eq!(n.to_string(), text);
+            let t = Transform {
+                normalize: n,
+                ..PLAIN
+            };
+            let mut out = vec![0.0; 3 * 4];
+            t.apply(&grey, 2, &mut ChaCha8Rng::seed_from_u64(0), &mut out);
+            for c in 0..3 {
+                let want = match n {
+                    Normalize::ImageNet => (0.5 - MEAN[c]) / STD[c],
+                    _ => want[c],
+                };
+                assert!(
+                    out[c * 4..(c + 1) * 4]
+                        .iter()
+                        .all(|v| (v - want).abs() < 1e-5 * want.abs().max(1.0)),
+                    "{text}: channel {c} {:?}, not {want}",
+                    &out[c * 4..(c + 1) * 4]
+                );
+            }
+        }
+        assert_eq!(Normalize::default(), Normalize::ImageNet);
+        for (bad, why) in [
+            ("0.5,0.5/0.2,0.2,0.2", "takes 3 values"),
+            ("0.5,0.5,0.5/0.2,0.2,0.2,0.2", "takes 3 values"),
+            ("0.5,0.5,0.5/0.2,0,0.2", "positive, not 0"),
+            ("0.5,0.5,0.5/0.2,-1,0.2", "positive, not -1"),
+            ("0.5,0.5,0.5/0.2,inf,0.2", "not finite"),
+            ("nan,0.5,0.5/0.2,0.2,0.2", "not finite"),
+            ("0.5,x,0.5/0.2,0.2,0.2", "not numbers"),
+            ("imagenet2", "imagenet, unit, none"),
+        ] {
+            let err = bad.parse::<Normalize>().unwrap_err();
+            assert!(err.contains(why), "{bad}: {err}");
+        }
+    }
+
+    #[test]
+    fn resizing_resamples_the_whole_image_and_its_mask() {
+        // 6×12, each value its column: the centred square is columns 3..9 copied; resized, the
+        // whole width is halved, each output the mean of its two columns (the triangle over
+        // four pixels, symmetric about their centre), at the edges over the pixels there are.
+        let (h, w) = (6, 12);
+        let img = Image {
+            height: h,
+            width: w,
+            pixels: (0..3 * h * w).map(|i| (i % w) as f32).collect(),
+        };
+        let rng = || ChaCha8Rng::seed_from_u64(0);
+        let mut cut = vec![0.0; 3 * 36];
+        PLAIN.apply(&img, 6, &mut rng(), &mut cut);
+        assert_eq!(cut[..6], [3.0, 4.0, 5.0, 6.0, 7.0, 8.0]);
+        let resize = Transform {
+            resize: true,
+            ..PLAIN
+        };
+        let mut whole = vec![0.0; 3 * 36];
+        resize.apply(&img, 6, &mut rng(), &mut whole);
+        let edge = (0.75 * 0.0 + 0.75 * 1.0 + 0.25 * 2.0) / 1.75;
+        let want = [edge, 2.5, 4.5, 6.5, 8.5, 11.0 - edge];
+        for (got, want) in whole.chunks_exact(6).zip(std::iter::repeat(want)) {
+            for (g, w) in got.iter().zip(want) {
+                assert!((g - w).abs() < 1e-5, "{got:?} vs {want:?}");
+            }
+        }
+        // Masks take the label of the pixel holding each output's centre: column 2x + 1.
+        let mask = Mask {
+            height: h,
+            width: w,
+            labels: (0..(h * w) as u32).collect(),
+        };
+        let mut targets = Vec::new();
+        resize.append_mask(&mask, 6, &mut rng(), &mut targets);
+        let want: Vec<u32> = (0..6)
+            .flat_map(|y| (0..6).map(move |x| (y * w + 2 * x + 1) as u32))
+            .collect();
+        assert_eq!(targets, want);
+        // Augmenting, the random window keeps the image's proportions.
+        for seed in 0..20 {
+            let mut r = ChaCha8Rng::seed_from_u64(seed);
+            let win = Window::draw(true, true, 20, 40, &mut r);
+            assert!(win.width.abs_diff(2 * win.height) <= 1, "seed {seed}");
+            assert!(win.y0 + win.height <= 20 && win.x0 + win.width <= 40);
         }
     }
 
@@ -398,7 +623,8 @@ mod tests {
         };
         let t = Transform {
             augment: true,
-            normalize: true,
+            normalize: Normalize::ImageNet,
+            resize: false,
         };
         for seed in 0..8 {
             let mut written = vec![0.0; 3 * 24 * 24];
@@ -435,7 +661,8 @@ mod tests {
         };
         let t = Transform {
             augment: true,
-            normalize: false,
+            normalize: Normalize::Unit,
+            resize: false,
         };
         let mut exact = 0;
         for seed in 0..200 {
@@ -448,8 +675,8 @@ mod tests {
             t.append_mask(&mask, 16, &mut b, &mut targets);
             // Both drew the same numbers.
             assert_eq!(a.random::<u64>(), b.random::<u64>());
-            let window = Window::draw(true, h, w, &mut ChaCha8Rng::seed_from_u64(seed));
-            if window.side == 16 {
+            let window = Window::draw(true, false, h, w, &mut ChaCha8Rng::seed_from_u64(seed));
+            if window.height == 16 {
                 exact += 1;
                 let first: Vec<u32> = pixels[..256].iter().map(|&v| v as u32).collect();
                 assert_eq!(first, targets, "seed {seed}");

@@ -1,6 +1,7 @@
 //! Checkpoints in safetensors, independent of the scheme that wrote them. A checkpoint holds
 //! the whole model's parameters and BN running statistics under their dotted
-//! (torchvision-style) names, `<bn>.num_batches_tracked`, the optimizer's state of each
+//! (torchvision-style) names, `<bn>.num_batches_tracked` (read from imported weights, one
+//! more each step), the optimizer's state of each
 //! trainable parameter under PyTorch's names (`optimizer.<name>.momentum_buffer` for SGD,
 //! `optimizer.<name>.exp_avg` and `.exp_avg_sq` for Adam and AdamW, and the parameter's steps
 //! as `optimizer.<name>.step`), and in its metadata the model (name, image side,
@@ -46,6 +47,10 @@ pub struct TrainingState {
     pub position: u64,
     /// fp16's dynamic loss scale (`None` for other precisions).
     pub loss_scale: Option<LossScale>,
+    /// Each BN node's `num_batches_tracked` (PyTorch's count of its training forwards), in
+    /// the graph's order of BN nodes: a step adds one, as one forward of the step's batch
+    /// would in PyTorch.
+    pub batches_tracked: Vec<u64>,
 }
 
 /// One parameter's optimizer state on the host.
@@ -181,7 +186,7 @@ fn custom_state_names(st: &SafeTensors, g: &Graph) -> Vec<String> {
 }
 
 /// Names of the BN nodes, whose `num_batches_tracked` the checkpoint carries.
-fn batchnorm_nodes(g: &Graph) -> impl Iterator<Item = &str> {
+pub fn batchnorm_nodes(g: &Graph) -> impl Iterator<Item = &str> {
     g.nodes
         .iter()
         .filter(|n| matches!(n.op, Op::BatchNorm(_)))
@@ -321,11 +326,11 @@ fn serialize(
             dtype,
         ));
     }
-    for bn in batchnorm_nodes(g) {
+    for (bn, &n) in batchnorm_nodes(g).zip(&state.batches_tracked) {
         owned.push((
             format!("{bn}.num_batches_tracked"),
             vec![],
-            (state.step as i64).to_le_bytes().to_vec(),
+            (n as i64).to_le_bytes().to_vec(),
             Dtype::I64,
         ));
     }
@@ -627,9 +632,10 @@ impl Checkpoint {
             };
             optimizer.push(Some(OptimizerState { steps, tensors }));
         }
+        let mut batches_tracked = Vec::new();
         for bn in batchnorm_nodes(g) {
             let name = format!("{bn}.num_batches_tracked");
-            read(&name, &[], Dtype::I64)?;
+            batches_tracked.push(batch_count(&name, read(&name, &[], Dtype::I64)?).map_err(bad)?);
             expected.insert(name);
         }
         if let Some(extra) = st.names().into_iter().find(|n| !expected.contains(*n)) {
@@ -652,16 +658,29 @@ impl Checkpoint {
             // Checkpoints from before data positions were recorded trained one batch a step.
             position: self.get_or("position", (step * self.get::<usize>("batch_size")?) as u64)?,
             loss_scale,
+            batches_tracked,
         })
     }
 }
 
+/// The count a `num_batches_tracked` tensor `name` holds: one i64, not negative.
+fn batch_count(name: &str, t: TensorView<'_>) -> std::result::Result<u64, String> {
+    let one: Option<[u8; 8]> = match (t.dtype(), t.shape()) {
+        (Dtype::I64, [] | [1]) => t.data().try_into().ok(),
+        _ => None,
+    };
+    let n = one
+        .map(i64::from_le_bytes)
+        .ok_or_else(|| format!("tensor '{name}' is not one i64"))?;
+    u64::try_from(n).map_err(|_| format!("tensor '{name}' counts {n} batches"))
+}
+
 /// The weights in a plain safetensors state_dict at `path` (torchvision's names, as PyTorch's
 /// `save_file(model.state_dict())` writes them; a gems checkpoint also reads), indexed like
-/// `g`'s parameters and converted to `dtype` from any float type. `num_batches_tracked` and
-/// optimizer entries are ignored; a parameter missing, of another shape, or a tensor `g` does
-/// not have is refused by name.
-pub fn read_weights(path: &Path, g: &Graph, dtype: DType) -> Result<Vec<Storage>> {
+/// `g`'s parameters and converted to `dtype` from any float type, and each BN node's
+/// `num_batches_tracked` (0 where the file has none). Optimizer entries are ignored; a
+/// parameter missing, of another shape, or a tensor `g` does not have is refused by name.
+pub fn read_weights(path: &Path, g: &Graph, dtype: DType) -> Result<(Vec<Storage>, Vec<u64>)> {
     let bad = |why: String| Error::BadInput {
         path: path.to_path_buf(),
         why,
@@ -735,7 +754,16 @@ pub fn read_weights(path: &Path, g: &Graph, dtype: DType) -> Result<Vec<Storage>
             g.name
         )));
     }
-    Ok(values)
+    let batches_tracked = batchnorm_nodes(g)
+        .map(|bn| {
+            let name = format!("{bn}.num_batches_tracked");
+            match st.tensor(&name) {
+                Ok(t) => batch_count(&name, t).map_err(bad),
+                Err(_) => Ok(0),
+            }
+        })
+        .collect::<Result<_>>()?;
+    Ok((values, batches_tracked))
 }
 
 /// The metadata key of the per-tensor checksums: a JSON object of name → CRC-32 (hex).

@@ -21,6 +21,7 @@
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
+use crate::core::DType;
 use crate::data::images::Images;
 use crate::data::transform::Transform;
 use crate::data::{Dataset, Image, Pipeline, Task, CHANNELS};
@@ -36,15 +37,15 @@ use crate::{Error, Result};
 
 /// Where a model's weights come from.
 enum Weights {
-    /// A gems checkpoint ([`Session::restore`]).
-    Checkpoint(PathBuf),
+    /// A gems checkpoint ([`Session::restore`]) written in `dtype`.
+    Checkpoint { path: PathBuf, dtype: DType },
     /// A plain state_dict ([`Session::load_weights`]).
     StateDict(PathBuf),
 }
 
 /// A trained model ready to predict: its graph, its weights, and how its training data
-/// became inputs (the transform evaluation applies: the centred square, resampled to the
-/// model's side, normalized as training normalized).
+/// became inputs (the transform evaluation applies: the centred square, or the whole image
+/// if training resized, resampled to the model's side, normalized as training normalized).
 ///
 /// Predictions run in micro-batches of the configured batch size ([`Model::configure`]);
 /// when a micro-batch does not fit the device's memory cap, the model halves it and tries
@@ -98,6 +99,7 @@ impl Model {
         let (name, side, classes) = ckpt.model()?;
         let graph = models::build(&name, side, classes)?;
         let config = ckpt.config()?;
+        let dtype = config.dtype;
         Ok(Model {
             transform: config.data.held_out_transform(),
             names: ckpt.class_names()?.filter(|n| n.len() == classes),
@@ -105,14 +107,17 @@ impl Model {
             config,
             scheme: Scheme::single(1),
             graph,
-            weights: Weights::Checkpoint(path.to_path_buf()),
+            weights: Weights::Checkpoint {
+                path: path.to_path_buf(),
+                dtype,
+            },
             session: None,
         })
     }
 
     /// `graph` with the weights of the plain safetensors state_dict at `path` (torchvision's
     /// names), taking inputs normalized as torchvision's pretrained models do (ImageNet's
-    /// mean and deviation), on the CPU, in micro-batches of 8.
+    /// mean and deviation; [`Model::prepare`] changes it), on the CPU, in micro-batches of 8.
     pub fn from_state_dict(path: impl AsRef<Path>, graph: Graph) -> Result<Model> {
         let path = path.as_ref();
         if !path.is_file() {
@@ -122,10 +127,7 @@ impl Model {
             });
         }
         Ok(Model {
-            transform: Transform {
-                augment: false,
-                normalize: true,
-            },
+            transform: Transform::default(),
             names: None,
             steps: 0,
             config: TrainConfig::new(8, 1),
@@ -144,6 +146,22 @@ impl Model {
         self
     }
 
+    /// The same preparing images with `transform` (its normalization, and whether an image
+    /// not of the model's side is resized or cut to its centred square) instead of what the
+    /// weights were trained with; predictions never augment.
+    pub fn prepare(mut self, transform: Transform) -> Model {
+        self.transform = Transform {
+            augment: false,
+            ..transform
+        };
+        self
+    }
+
+    /// How images are prepared: the centred square (or the whole image resized), normalized.
+    pub fn transform(&self) -> Transform {
+        self.transform
+    }
+
     /// The same running under `scheme` over ranks that are threads of this process: with
     /// spatial tiles ([`Scheme::with_spatial`]), an image too large for one device's memory
     /// predicts over several; a pipeline splits the model's layers.
@@ -159,7 +177,7 @@ impl Model {
     pub fn at_side(self, side: usize) -> Result<Model> {
         let graph = crate::models::build(&self.graph.name, side, self.graph.classes())?;
         let path = match self.weights {
-            Weights::Checkpoint(p) | Weights::StateDict(p) => p,
+            Weights::Checkpoint { path, .. } | Weights::StateDict(path) => path,
         };
         Ok(Model {
             graph,
@@ -310,8 +328,13 @@ impl Model {
                 };
                 let mut s = Session::new(&self.graph, config, data)?;
                 match &self.weights {
-                    Weights::Checkpoint(path) => s.restore(path)?,
-                    Weights::StateDict(path) => s.load_weights(path)?,
+                    Weights::Checkpoint { path, dtype } if *dtype == self.config.dtype => {
+                        s.restore(path)?
+                    }
+                    // Configured for another dtype: its weights and BN statistics converted.
+                    Weights::Checkpoint { path, .. } | Weights::StateDict(path) => {
+                        s.load_weights(path)?
+                    }
                 }
                 s
             }

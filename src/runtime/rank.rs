@@ -28,7 +28,7 @@ use crate::ops::tiles::{self, Tiles};
 use crate::ops::{batched, loss};
 use crate::optim::{self, LossScale, Optimizer, Stepper};
 use crate::plan::{Layout, RunConfig};
-use crate::runtime::checkpoint::{OptimizerState, TrainingState};
+use crate::runtime::checkpoint::{batchnorm_nodes, OptimizerState, TrainingState};
 use crate::runtime::evaluation::{evaluated_output, Evaluation, SampleScore, Tally};
 use crate::schemes::schedule::{self, Pass, Task, Timed};
 use crate::schemes::Scheme;
@@ -129,6 +129,8 @@ pub(crate) struct Rank {
     /// Steps done, and the position in the data's epoch order of the next step's first image.
     step: usize,
     position: u64,
+    /// Each BN node's `num_batches_tracked` (see [`TrainingState::batches_tracked`]).
+    batches_tracked: Vec<u64>,
     /// The step being run.
     current: RankStep,
     /// The step's total weight of labelled places, where this rank scores a loss reduced as
@@ -267,6 +269,7 @@ impl Rank {
             .precision
             .scales_loss()
             .then(|| LossScale::new(c.train.loss_scale));
+        let batchnorms = batchnorm_nodes(&layout.graph).count();
         Ok(Rank {
             c,
             layout,
@@ -288,6 +291,7 @@ impl Rank {
             loss_scale,
             step: 0,
             position: 0,
+            batches_tracked: vec![0; batchnorms],
             current: RankStep::default(),
             step_weight: 0.0,
         })
@@ -430,6 +434,8 @@ impl Rank {
         self.synchronize()?;
         self.step += 1;
         self.position += (self.c.images_per_step()) as u64;
+        // Each BN's running statistics took one update from the step's whole batch.
+        self.batches_tracked.iter_mut().for_each(|n| *n += 1);
         let mut done = std::mem::take(&mut self.current);
         done.halo_wait = self.tiles.as_ref().map_or(0.0, Tiles::take_waited);
         done.seconds = step_start.elapsed().as_secs_f64();
@@ -558,6 +564,7 @@ impl Rank {
             step: self.step,
             position: self.position,
             loss_scale: self.loss_scale.clone(),
+            batches_tracked: self.batches_tracked.clone(),
         }))
     }
 
@@ -580,6 +587,7 @@ impl Rank {
             copy.optimizer.load_states(&self.device, states)?;
         }
         (self.step, self.position) = (state.step, state.position);
+        self.batches_tracked.clone_from(&state.batches_tracked);
         if let (Some(mine), Some(theirs)) = (&mut self.loss_scale, &state.loss_scale) {
             *mine = theirs.clone();
         }

@@ -381,7 +381,8 @@ impl Session {
 
     /// Starts from the weights of the safetensors state_dict at `path` (torchvision's names;
     /// see [`checkpoint::read_weights`]) instead of the model's initialization: parameters
-    /// and BN running statistics, with the optimizer's state zero. Before the first step only.
+    /// and BN running statistics and `num_batches_tracked`, with the optimizer's state zero.
+    /// Before the first step only.
     pub fn load_weights(&mut self, path: impl AsRef<Path>) -> Result<()> {
         if self.step > 0 {
             return Err(Error::Config(
@@ -389,7 +390,7 @@ impl Session {
             ));
         }
         let (g, dtype) = (&self.layout.graph, self.config.train.dtype);
-        let values = checkpoint::read_weights(path.as_ref(), g, dtype)?;
+        let (values, batches_tracked) = checkpoint::read_weights(path.as_ref(), g, dtype)?;
         let t = &self.config.train;
         let names = t
             .optimizer
@@ -426,6 +427,7 @@ impl Session {
             step: 0,
             position: 0,
             loss_scale: None,
+            batches_tracked,
         });
         self.all(move |r| r.load_state(&state))?;
         Ok(())

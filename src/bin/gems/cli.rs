@@ -8,6 +8,7 @@ use clap::{Args, Parser, Subcommand};
 use gems::backend::cuda::ConvImpl;
 use gems::backend::{CopyMode, DeviceKind};
 use gems::data::slide::{SlideReader, TileConfig};
+use gems::data::transform::Normalize;
 use gems::data::{DataConfig, SourceSpec, Task};
 use gems::memory::parse_bytes;
 use gems::optim::schedule::Decay;
@@ -283,6 +284,23 @@ pub struct EvalArgs {
     /// Classes of --init's model when the data does not name them (synthetic data).
     #[arg(long, requires = "init")]
     pub classes: Option<usize>,
+    /// How --init's weights expect images scaled: imagenet, unit, none or
+    /// MEAN,MEAN,MEAN/STD,STD,STD, as `gems train --normalize` (a checkpoint records its own).
+    #[arg(
+        long,
+        requires = "init",
+        default_value = "imagenet",
+        value_name = "HOW"
+    )]
+    pub normalize: Normalize,
+    /// For --init's weights: resample whole images to --image-size instead of cutting their
+    /// centred square, as `gems train --resize` (a checkpoint records its own).
+    #[arg(long, requires = "init")]
+    pub resize: bool,
+    /// f32 or f64: the parameters' dtype to evaluate in, the weights converted (16-bit
+    /// activations: --precision) [default: the checkpoint's; f32 for --init].
+    #[arg(long, value_parser = parameter_dtype)]
+    pub dtype: Option<DType>,
     /// Evaluate on every sample of this data (synthetic, folder:DIR or slides:DIR) instead
     /// of the checkpoint's held-out split.
     #[arg(long)]
@@ -554,6 +572,20 @@ pub struct DataArgs {
     /// Random crops and horizontal/vertical flips of training images.
     #[arg(long)]
     pub augment: bool,
+    /// How decoded images' 0–255 values are scaled for the model: imagenet (divided by 255,
+    /// then ImageNet's mean 0.485,0.456,0.406 subtracted and its standard deviation
+    /// 0.229,0.224,0.225 divided by, as torchvision's pretrained models expect), unit (divided
+    /// by 255 only: planes in [0, 1], as milesial's U-Net), none (the 0–255 values as they
+    /// are), or MEAN,MEAN,MEAN/STD,STD,STD per channel (R, G, B) on the [0, 1] scale.
+    /// Recorded in checkpoints; eval and predict use it. Synthetic data is generated
+    /// centred and ignores it.
+    #[arg(long, default_value = "imagenet", value_name = "HOW")]
+    pub normalize: Normalize,
+    /// Resample a whole image that is not of --image-size to it (both sides, so a non-square
+    /// image is stretched; masks by nearest pixel) instead of cutting its centred largest
+    /// square. Recorded in checkpoints; eval and predict use it.
+    #[arg(long)]
+    pub resize: bool,
     /// Hold out this fraction of the samples and report loss and accuracy on them at the end
     /// (and every --val-every steps).
     #[arg(long, default_value_t = 0.0)]
@@ -586,6 +618,8 @@ impl DataArgs {
             workers: self.workers,
             prefetch: self.prefetch,
             task,
+            normalize: self.normalize,
+            resize: self.resize,
         })
     }
 }

@@ -8,9 +8,10 @@ use std::sync::Arc;
 use gems::backend::cuda::ConvImpl;
 use gems::data::maps::{self, ClassMap};
 use gems::data::slide::Slide;
+use gems::data::transform::Transform;
 use gems::data::{DataConfig, Pipeline, SourceSpec};
 use gems::runtime::Checkpoint;
-use gems::{models, Model, RunConfig, Scheme, Session, TrainConfig};
+use gems::{models, DType, Model, RunConfig, Scheme, Session, TrainConfig};
 
 use crate::cli::{DataSource, DeviceArgs, EvalArgs, ExportArgs, SlideArgs};
 use crate::train::report_skipped;
@@ -38,10 +39,21 @@ pub fn eval(a: EvalArgs) -> anyhow::Result<()> {
                 .init
                 .as_ref()
                 .expect("clap requires --checkpoint or --init");
-            Model::from_state_dict(file, graph)?
+            Model::from_state_dict(file, graph)?.prepare(Transform {
+                normalize: a.normalize,
+                resize: a.resize,
+                ..Transform::default()
+            })
         }
     };
-    let mut model = configured(model, &a.on, a.conv, a.skip_bad, Some(a.batch_size))?;
+    let mut model = configured(
+        model,
+        &a.on,
+        a.dtype,
+        a.conv,
+        a.skip_bad,
+        Some(a.batch_size),
+    )?;
     if let Some(weights) = &a.class_weights {
         let classes = model.graph().classes();
         if weights.len() != classes {
@@ -88,9 +100,10 @@ pub fn eval(a: EvalArgs) -> anyhow::Result<()> {
     }
     let pixels = e.per_pixel;
     println!(
-        "{} at step {}: loss {:.4}, {}accuracy {:.1}% on {} {what}",
+        "{} at step {} ({}): loss {:.4}, {}accuracy {:.1}% on {} {what}",
         model.graph().name,
         model.steps(),
+        model.config().dtype.name(),
         e.loss,
         if pixels { "pixel " } else { "" },
         100.0 * e.accuracy,
@@ -149,11 +162,13 @@ pub fn eval(a: EvalArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// `model` computing where `on` says, with `conv` convolutions, in micro-batches of `batch`
-/// (default: the checkpoint's), leaving unreadable samples out with `skip_bad`.
+/// `model` computing where `on` says, in `dtype` (default: the checkpoint's), with `conv`
+/// convolutions, in micro-batches of `batch` (default: the checkpoint's), leaving unreadable
+/// samples out with `skip_bad`.
 pub fn configured(
     model: Model,
     on: &DeviceArgs,
+    dtype: Option<DType>,
     conv: ConvImpl,
     skip_bad: bool,
     batch: Option<usize>,
@@ -161,6 +176,7 @@ pub fn configured(
     let on = on.for_checkpoint()?;
     let task = models::task(&model.graph().name)?;
     Ok(model.configure(|c| {
+        c.dtype = dtype.unwrap_or(c.dtype);
         on(c);
         c.data.task = task;
         c.data.skip_bad = skip_bad;
@@ -169,11 +185,11 @@ pub fn configured(
     }))
 }
 
-/// The samples of `source` to score with `model`, in order, and how many: every sample of a
-/// finite data set (the first epoch of its order holds each once), at most `samples`; of an
-/// endless stream, `samples` (default 1000) of its held-out stream. A data set's classes are
-/// matched to the checkpoint's by name (plain weights, and checkpoints from before names were
-/// recorded, match by position).
+/// The samples of `source` to score with `model`, prepared as it prepares images, in order,
+/// and how many: every sample of a finite data set (the first epoch of its order holds each
+/// once), at most `samples`; of an endless stream, `samples` (default 1000) of its held-out
+/// stream. A data set's classes are matched to the checkpoint's by name (plain weights, and
+/// checkpoints from before names were recorded, match by position).
 pub fn samples_of(
     model: &Model,
     source: &DataSource,
@@ -182,10 +198,13 @@ pub fn samples_of(
 ) -> anyhow::Result<(Arc<Pipeline>, Option<usize>)> {
     let c = model.config();
     let (side, classes) = (model.graph().image_size(), model.graph().classes());
+    let prepared = model.transform();
     let config = DataConfig {
         source: slides.spec(source, side)?,
         augment: false,
         val: 0.0,
+        normalize: prepared.normalize,
+        resize: prepared.resize,
         ..c.data.clone()
     };
     let mut data = gems::data::open(&config, side, classes, c.seed)?;
@@ -221,7 +240,14 @@ pub fn export(a: ExportArgs) -> anyhow::Result<()> {
                 seed: a.seed,
                 ..TrainConfig::new(1, 1)
             };
-            let data = gems::Dataset::synthetic(a.image_size, a.classes, a.seed);
+            // The session never steps; its data only has to be of the model's task (synthetic
+            // scenes for a segmentation model, images for a classifier).
+            let task = models::task(&a.model)?;
+            let synthetic = DataConfig {
+                task,
+                ..DataConfig::default()
+            };
+            let data = gems::data::open(&synthetic, a.image_size, a.classes, a.seed)?;
             let mut session = Session::new(&graph, RunConfig::new(train, Scheme::single(1)), data)?;
             session.save_weights(&a.out)?;
             format!("{}'s initial weights (seed {})", a.model, a.seed)

@@ -29,6 +29,7 @@ pub fn predict(a: PredictArgs) -> anyhow::Result<()> {
     let model = configured(
         Model::load(&a.checkpoint)?,
         &a.on,
+        None,
         a.conv,
         a.skip_bad,
         a.batch_size,
@@ -88,6 +89,7 @@ fn whole_slides(a: &PredictArgs, dir: &Path) -> anyhow::Result<()> {
     let model = configured(
         Model::load(&a.checkpoint)?,
         &a.on,
+        None,
         a.conv,
         a.skip_bad,
         a.batch_size,

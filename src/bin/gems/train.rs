@@ -394,6 +394,12 @@ fn check_repeated(
             DataSource::of(&t.data.source).to_string(),
         ),
         ("augment", on(a.input.augment), on(t.data.augment)),
+        (
+            "normalize",
+            a.input.normalize.to_string(),
+            t.data.normalize.to_string(),
+        ),
+        ("resize", on(a.input.resize), on(t.data.resize)),
         ("val", a.input.val.to_string(), t.data.val.to_string()),
         (
             "labels",
