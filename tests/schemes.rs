@@ -555,6 +555,41 @@ fn spatial_matches_single_on_amoebanet_d() {
     );
 }
 
+#[test]
+fn spatial_matches_single_on_unet() {
+    // Decoders on tiles: each 2×2/2 transposed convolution reads a halo where a tile's first
+    // output row is odd. At 40², 3 rows of tiles split every map unevenly, and 2x2 splits
+    // the 5×5 bottom unevenly.
+    let mp = Scheme::new(Kind::Mp, 2, 1, 1, 1, Order::GPipe);
+    spatial(
+        "unet_d3_w4",
+        40,
+        &[
+            (Scheme::single(1).with_spatial(tiles(2, 2)), 2),
+            (Scheme::single(1).with_spatial(tiles(3, 1)), 2),
+            (mp.with_spatial(tiles(2, 2)), 2),
+            (mp.with_spatial(tiles(3, 1)), 2),
+        ],
+    );
+}
+
+#[test]
+fn spatial_matches_single_on_unet_resnet18() {
+    // Nearest upsampling on tiles (an adaptive pool to twice the side), from maps smaller
+    // than the grid (whole on every tile) back into tiles.
+    let mp = Scheme::new(Kind::Mp, 2, 1, 1, 1, Order::GPipe);
+    spatial(
+        "unet_resnet18",
+        64,
+        &[
+            (Scheme::single(1).with_spatial(tiles(2, 2)), 2),
+            (Scheme::single(1).with_spatial(tiles(3, 1)), 2),
+            (mp.with_spatial(tiles(2, 2)), 2),
+            (mp.with_spatial(tiles(3, 1)), 2),
+        ],
+    );
+}
+
 /// The old single-device trainer's loop, written out over the graph API: the whole batch in
 /// one forward and backward, BN statistics committed after forward, SGD. Returns the steps'
 /// losses and the final parameters.

@@ -300,6 +300,24 @@ fn extract(d: &Device, src: &Tensor, from: &Rect, r: &Rect) -> Result<Tensor> {
     Ok(out)
 }
 
+/// The `r` part of `x` (which holds `from`) as an activation of its own.
+pub fn within(d: &Device, x: &Tensor, from: &Rect, r: &Rect) -> Result<Tensor> {
+    let (n, c, _, _) = x.shape().nchw();
+    let (h, w) = r.size();
+    let mut out = d.empty(Shape::new([n, c, h, w]), x.dtype(), Category::Activations)?;
+    copy_rect(d, x, from, &mut out, r, r)?;
+    Ok(out)
+}
+
+/// `x` (which holds `at`) inside the larger rectangle `into`, zeros elsewhere.
+pub fn embed(d: &Device, x: &Tensor, at: &Rect, into: &Rect) -> Result<Tensor> {
+    let (n, c, _, _) = x.shape().nchw();
+    let (h, w) = into.size();
+    let mut out = d.zeros(Shape::new([n, c, h, w]), x.dtype(), Category::Activations)?;
+    copy_rect(d, x, at, &mut out, into, at)?;
+    Ok(out)
+}
+
 /// Tile `t` of a whole map `x` split by `grid`.
 pub fn cut(d: &Device, x: &Tensor, grid: Grid, t: usize) -> Result<Tensor> {
     let (_, _, h, w) = x.shape().nchw();
@@ -572,6 +590,42 @@ pub fn window_rect(
         rows: (rows.0.max(lo.0), rows.1.min(hi.0)),
         cols: (cols.0.max(lo.1), cols.1.min(hi.1)),
     }
+}
+
+/// The rows (or columns) of an input of length `len` that a transposed convolution's outputs
+/// `out` take from: input i adds into outputs i·stride − pad + [0, kernel). Never empty for an
+/// output inside the map.
+pub fn transposed_rows(
+    out: (isize, isize),
+    stride: usize,
+    pad: usize,
+    kernel: usize,
+    len: usize,
+) -> (isize, isize) {
+    let (s, p, k) = (stride as isize, pad as isize, kernel as isize);
+    let first = (out.0 + p - (k - 1)).div_euclid(s).max(0);
+    let end = ((out.1 - 1 + p).div_euclid(s) + 1).min(len as isize);
+    (first, end)
+}
+
+/// The rows (or columns) of an adaptive average pool from `len` to `out_len` that output
+/// rows `out` read, and the output rows those input rows make on their own: `out` widened to
+/// whole periods of the pool's pattern (`out_len`/g outputs from `len`/g inputs, g their
+/// greatest common divisor), where the pool over just those input rows computes the same
+/// windows as over the whole map. One period is the whole map when the sizes share no
+/// factor.
+pub fn adaptive_rows(
+    out: (isize, isize),
+    len: usize,
+    out_len: usize,
+) -> ((isize, isize), (isize, isize)) {
+    let g = num_integer::gcd(len, out_len) as isize;
+    let (period_out, period_in) = (out_len as isize / g, len as isize / g);
+    let (first, end) = (out.0 / period_out, (out.1 + period_out - 1) / period_out);
+    (
+        (first * period_in, end * period_in),
+        (first * period_out, end * period_out),
+    )
 }
 
 /// Every rank's input rectangle for a window op whose whole input is `input` and output
