@@ -788,6 +788,33 @@ fn spatial_auto_takes_the_fastest_grid_that_fits() {
     assert!(e.contains("does not fit"), "{e}");
 }
 
+/// A U-Net's decoder runs on tiles, the loss too: on a 2x2 grid at 1024² (metered, nothing
+/// computed), each rank holds at most 0.28 of the activations one device holds (at most 0.25
+/// with no halo and no transient buffer).
+#[test]
+fn unet_activations_on_2x2_tiles_are_a_quarter_and_a_halo() {
+    let single = config("unet", 1024, 1, Scheme::single(1), None);
+    let tiled = config(
+        "unet",
+        1024,
+        1,
+        Scheme::single(1).with_spatial(grid(2, 2)),
+        None,
+    );
+    let activations = |r: &Run| {
+        let ranks = memory::per_rank(r).unwrap();
+        let most = ranks
+            .iter()
+            .map(|m| m.at_peak.get(gems::Category::Activations));
+        most.max().unwrap() as f64
+    };
+    let ratio = activations(&tiled) / activations(&single);
+    assert!(ratio <= 0.28, "{ratio}");
+    let layout = Layout::new(&tiled.g, &tiled.c).unwrap();
+    let region = layout.tiled.expect("a spatial stage");
+    assert!(region.end.is_none(), "{region}");
+}
+
 /// Where a spatial stage's tiles stop is named with the op and why; a grid so fine that most
 /// of the stage would run as gathered copies on every tile rank is refused before any work.
 #[test]

@@ -323,7 +323,8 @@ fn every_scheme_matches_single_on_amoebanet_d() {
 
 /// `--loss-reduction pytorch` divides each micro-batch's weighted loss by the whole step's
 /// weight, summed over every group's and replica's images: pipelines, MAST, data-parallel
-/// groups and spatial tiles train as one device does on the same micro-batches.
+/// groups and spatial tiles (the logits too) train as one device does on the same
+/// micro-batches.
 #[test]
 fn pytorch_loss_reduction_matches_single_on_unet() {
     let model = &model("unet_d3_w4", 4);
@@ -339,6 +340,8 @@ fn pytorch_loss_reduction_matches_single_on_unet() {
             Scheme::new(Kind::Mp, 2, 1, 1, 1, Order::GPipe).with_spatial(tiles(1, 2)),
             2,
         ),
+        // The logits in tiles: each tile's places, divided by the whole step's weight.
+        (Scheme::single(2).with_spatial(tiles(2, 2)), 4),
     ] {
         check_with(model, scheme, config(batch));
     }

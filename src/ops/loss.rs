@@ -7,6 +7,7 @@
 //! places divided by their Σ w. The host folds either into one weight per place (0 where
 //! unlabelled), and the backend sums weight · `(−log p[label])` over the places.
 
+use super::tiles::Rect;
 use crate::backend::LossGeom;
 use crate::data::UNLABELLED;
 use crate::memory::Category;
@@ -101,6 +102,70 @@ pub fn softmax_cross_entropy(
         labels,
         weights,
     })
+}
+
+/// [`softmax_cross_entropy`] of a part of N×K×H×W logits (a tile): `logits` hold the
+/// rectangle `part` of maps of size `hw`, `labels` the whole maps'. Places are weighed as in
+/// the whole maps (`norm` over the whole samples), so the parts' losses add up to the whole
+/// maps' loss and each place's gradient is what it is in the whole.
+pub fn softmax_cross_entropy_part(
+    device: &Device,
+    logits: &Tensor,
+    labels: &[u32],
+    hw: (usize, usize),
+    part: &Rect,
+    class_weights: Option<&[f64]>,
+    norm: Norm,
+) -> Result<CrossEntropy> {
+    let g = geometry(logits.shape())?;
+    if logits.shape().dims()[2..] != [part.size().0, part.size().1] {
+        return Err(Error::Shape(format!(
+            "logits {} do not hold a {:?} part of {hw:?} maps",
+            logits.shape(),
+            part.size()
+        )));
+    }
+    let whole = LossGeom {
+        positions: hw.0 * hw.1,
+        ..g
+    };
+    let (labels, weights) = place_weights(&whole, labels, class_weights, norm)?;
+    let (labels, weights) = (part_of(&labels, hw, part), part_of(&weights, hw, part));
+    let mut probs = device.empty(
+        logits.shape().clone(),
+        logits.dtype().compute(),
+        Category::Activations,
+    )?;
+    let loss = device.backend().softmax_cross_entropy(
+        logits.storage(),
+        &labels,
+        &weights,
+        probs.storage_mut()?,
+        &g,
+    )?;
+    Ok(CrossEntropy {
+        loss,
+        probs,
+        labels,
+        weights,
+    })
+}
+
+/// The places of rectangle `part` of every sample's `hw` map among `places` (sample-major,
+/// row-major), in the same order.
+pub fn part_of<T: Copy>(places: &[T], hw: (usize, usize), part: &Rect) -> Vec<T> {
+    let (rows, cols) = (
+        part.rows.0 as usize..part.rows.1 as usize,
+        part.cols.0 as usize..part.cols.1 as usize,
+    );
+    places
+        .chunks(hw.0 * hw.1)
+        .flat_map(|sample| {
+            rows.clone()
+                .flat_map(move |r| &sample[r * hw.1 + cols.start..r * hw.1 + cols.end])
+        })
+        .copied()
+        .collect()
 }
 
 impl CrossEntropy {
