@@ -365,6 +365,7 @@ impl Op {
             }
             Op::ConvTranspose2d(c) => Some(c.tile_needs(grid, input, output)),
             Op::AdaptiveAvgPool(p) => Some(p.tile_needs(grid, input)),
+            Op::Pad2d(p) => Some(p.tile_needs(grid, output)),
             _ => None,
         }
     }
