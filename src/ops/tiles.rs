@@ -786,6 +786,75 @@ mod tests {
         }
     }
 
+    /// A transposed convolution's tile reads every input row that adds into it, and its first
+    /// row adds no later than the tile's first output row (the adjoint's padding is ≥ 0).
+    #[test]
+    fn transposed_rows_hold_every_input_that_adds_into_the_tile() {
+        for len in 1usize..12 {
+            for (k, s, p) in [
+                (2, 2, 0),
+                (3, 2, 1),
+                (4, 2, 1),
+                (2, 3, 0),
+                (5, 1, 2),
+                (1, 2, 0),
+            ] {
+                let Some(out_len) = ((len - 1) * s + k).checked_sub(2 * p) else {
+                    continue;
+                };
+                for o0 in 0..out_len {
+                    for o1 in o0 + 1..=out_len {
+                        let (first, end) =
+                            transposed_rows((o0 as isize, o1 as isize), s, p, k, len);
+                        assert!(0 <= first && first < end && end <= len as isize);
+                        assert!(first * s as isize <= o0 as isize + p as isize);
+                        for i in 0..len as isize {
+                            let adds = (0..k as isize).any(|t| {
+                                (o0 as isize..o1 as isize)
+                                    .contains(&(i * s as isize - p as isize + t))
+                            });
+                            assert!(
+                                !adds || (first..end).contains(&i),
+                                "{len} {k} {s} {p} {o0} {o1} {i}"
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// An adaptive pool over the input rows of whole periods computes the whole map's windows
+    /// for every output row of those periods, which hold the tile's.
+    #[test]
+    fn adaptive_rows_compute_the_whole_maps_windows() {
+        use crate::backend::PoolGeom;
+        for len in 1..14 {
+            for out_len in 1..30 {
+                for o0 in 0..out_len {
+                    for o1 in o0 + 1..=out_len {
+                        let (rows, wide) = adaptive_rows((o0 as isize, o1 as isize), len, out_len);
+                        assert!(0 <= wide.0 && wide.0 <= o0 as isize && o1 as isize <= wide.1);
+                        assert!(
+                            wide.1 <= out_len as isize && 0 <= rows.0 && rows.1 <= len as isize
+                        );
+                        let (n, m) = ((rows.1 - rows.0) as usize, (wide.1 - wide.0) as usize);
+                        for o in wide.0..wide.1 {
+                            let local = PoolGeom::adaptive_window((o - wide.0) as usize, n, m);
+                            let whole = PoolGeom::adaptive_window(o as usize, len, out_len);
+                            let at = rows.0 as usize;
+                            assert_eq!(
+                                local.start + at..local.end + at,
+                                whole,
+                                "{len} {out_len} {o}"
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+
     #[test]
     fn grids_parse_and_refuse() {
         assert_eq!("2x3".parse::<Grid>().unwrap(), Grid { rows: 2, cols: 3 });
