@@ -790,6 +790,33 @@ fn spatial_auto_takes_the_fastest_grid_that_fits() {
     assert!(e.contains("does not fit"), "{e}");
 }
 
+/// A U-Net's decoder runs on tiles, the loss too: on a 2x2 grid at 1024² (metered, nothing
+/// computed), each rank holds at most 0.28 of the activations one device holds (at most 0.25
+/// with no halo and no transient buffer).
+#[test]
+fn unet_activations_on_2x2_tiles_are_a_quarter_and_a_halo() {
+    let single = config("unet", 1024, 1, Scheme::single(1), None);
+    let tiled = config(
+        "unet",
+        1024,
+        1,
+        Scheme::single(1).with_spatial(grid(2, 2)),
+        None,
+    );
+    let activations = |r: &Run| {
+        let ranks = memory::per_rank(r).unwrap();
+        let most = ranks
+            .iter()
+            .map(|m| m.at_peak.get(gems::Category::Activations));
+        most.max().unwrap() as f64
+    };
+    let ratio = activations(&tiled) / activations(&single);
+    assert!(ratio <= 0.28, "{ratio}");
+    let layout = Layout::new(&tiled.g, &tiled.c).unwrap();
+    let region = layout.tiled.expect("a spatial stage");
+    assert!(region.end.is_none(), "{region}");
+}
+
 /// Where a spatial stage's tiles stop is named with the op and why; a grid so fine that most
 /// of the stage would run as gathered copies on every tile rank is refused before any work.
 #[test]
@@ -810,10 +837,20 @@ fn tiles_say_where_they_stop_and_a_grid_too_fine_is_refused() {
         text.contains("layer3.0") && text.contains("([256, 8, 8]) has fewer rows or columns"),
         "{text}"
     );
-    // A U-Net's upsampling has no tile rule: named, not the grid's fault.
+    // A U-Net's decoder (transposed convolutions) stays on tiles: tiled to the logits.
     let unet = region("unet_d3_w8", 64, grid(2, 2)).unwrap();
-    assert!(!unet.too_fine(), "{unet}");
-    assert!(unet.to_string().contains("conv-transpose 2x2/2"), "{unet}");
+    assert!(unet.end.is_none() && unet.share > 0.999, "{unet}");
+    // Bilinear resizing has no tile rule: named, not the grid's fault.
+    let (mut b, x) = gems::GraphBuilder::new("resized", "Resized", gems::Shape::new([3, 16, 16]));
+    let conv = gems::ops::conv::Conv2d::new(4, 3, 1, 1);
+    let x = b.conv("conv1", x, conv.clone()).unwrap();
+    let x = b.upsample_bilinear("up", x, 2, false).unwrap();
+    let x = b.conv("conv2", x, conv).unwrap();
+    let g = b.finish(vec![gems::graph::Output::new(x)]).unwrap();
+    let c = RunConfig::new(TrainConfig::new(2, 2), mp.with_spatial(grid(2, 2)));
+    let resized = Layout::new(&g, &c).unwrap().tiled.expect("a spatial stage");
+    assert!(!resized.too_fine(), "{resized}");
+    assert!(resized.to_string().contains("up ("), "{resized}");
     // Most of the work gathered on every one of 1,024 ranks: refused, naming the op.
     let e = region("resnet20v2", 32, grid(32, 32))
         .unwrap_err()

@@ -340,7 +340,8 @@ fn every_scheme_matches_single_on_amoebanet_d() {
 
 /// `--loss-reduction pytorch` divides each micro-batch's weighted loss by the whole step's
 /// weight, summed over every group's and replica's images: pipelines, MAST, data-parallel
-/// groups and spatial tiles train as one device does on the same micro-batches.
+/// groups and spatial tiles (the logits too) train as one device does on the same
+/// micro-batches.
 #[test]
 fn pytorch_loss_reduction_matches_single_on_unet() {
     let model = &model("unet_d3_w4", 4);
@@ -356,6 +357,8 @@ fn pytorch_loss_reduction_matches_single_on_unet() {
             Scheme::new(Kind::Mp, 2, 1, 1, 1, Order::GPipe).with_spatial(tiles(1, 2)),
             2,
         ),
+        // The logits in tiles: each tile's places, divided by the whole step's weight.
+        (Scheme::single(2).with_spatial(tiles(2, 2)), 4),
     ] {
         check_with(model, scheme, config(batch));
     }
@@ -570,6 +573,86 @@ fn spatial_matches_single_on_amoebanet_d() {
             ),
         ],
     );
+}
+
+#[test]
+fn spatial_matches_single_on_unet() {
+    // Decoders on tiles: each 2×2/2 transposed convolution reads a halo where a tile's first
+    // output row is odd. At 40², 3 rows of tiles split every map unevenly, and 2x2 splits
+    // the 5×5 bottom unevenly.
+    let mp = Scheme::new(Kind::Mp, 2, 1, 1, 1, Order::GPipe);
+    spatial(
+        "unet_d3_w4",
+        40,
+        &[
+            (Scheme::single(1).with_spatial(tiles(2, 2)), 2),
+            (Scheme::single(1).with_spatial(tiles(3, 1)), 2),
+            (mp.with_spatial(tiles(2, 2)), 2),
+            (mp.with_spatial(tiles(3, 1)), 2),
+        ],
+    );
+}
+
+#[test]
+fn spatial_matches_single_on_unet_resnet18() {
+    // Nearest upsampling on tiles (an adaptive pool to twice the side), from maps smaller
+    // than the grid (whole on every tile) back into tiles.
+    let mp = Scheme::new(Kind::Mp, 2, 1, 1, 1, Order::GPipe);
+    spatial(
+        "unet_resnet18",
+        64,
+        &[
+            (Scheme::single(1).with_spatial(tiles(2, 2)), 2),
+            (Scheme::single(1).with_spatial(tiles(3, 1)), 2),
+            (mp.with_spatial(tiles(2, 2)), 2),
+            (mp.with_spatial(tiles(3, 1)), 2),
+        ],
+    );
+}
+
+/// Transposed convolutions of other geometries (padding, output padding, a kernel smaller
+/// than the stride, which leaves rows no input reaches), padding and cropping, and adaptive
+/// pools whose sizes divide or share no factor, all on tiles of odd sides.
+#[test]
+fn decoder_ops_of_every_geometry_match_single_on_tiles() {
+    use gems::graph::{GraphBuilder, Output};
+    use gems::ops::conv::{Conv2d, ConvTranspose2d};
+    use gems::ops::shape::Pad2d;
+    use gems::ops::Op;
+    let up = |c_out, k, stride, pad, output_padding| ConvTranspose2d {
+        c_out,
+        kernel: (k, k),
+        stride: (stride, stride),
+        pad: (pad, pad),
+        output_padding: (output_padding, output_padding),
+        groups: 1,
+        bias: true,
+    };
+    let (mut b, x) = GraphBuilder::new("decoder", "Decoder", gems::Shape::new([3, 19, 19]));
+    let x = b.conv("conv1", x, Conv2d::new(6, 3, 1, 1)).unwrap();
+    let x = b.conv_transpose("up1", x, up(5, 3, 2, 1, 1)).unwrap(); // 38²
+    let x = b.conv("conv2", x, Conv2d::new(6, 3, 2, 1)).unwrap(); // 19²
+    let x = b.conv_transpose("up2", x, up(4, 2, 3, 0, 0)).unwrap(); // 56²
+    let x = b.adaptive_avg_pool("half", x, (28, 28)).unwrap();
+    let crop = Pad2d {
+        top: -1,
+        bottom: 2,
+        left: 1,
+        right: -2,
+    };
+    let x = b.op("pad", Op::Pad2d(crop), &[x]).unwrap(); // 29×27
+    let x = b.adaptive_avg_pool("pool", x, (10, 9)).unwrap();
+    let x = b.conv_transpose("up3", x, up(4, 4, 2, 1, 0)).unwrap(); // 20×18
+    let x = b.global_avg_pool("gap", x).unwrap();
+    let logits = b.linear("fc", x, 4, true).unwrap();
+    let g = b.finish(vec![Output::new(logits)]).unwrap();
+    for grid in [tiles(2, 2), tiles(3, 1)] {
+        let s = Scheme::single(1).with_spatial(grid);
+        let layout = Layout::new(&g, &RunConfig::new(train(2, DType::F64, LR), s)).unwrap();
+        let region = layout.tiled.expect("a spatial stage");
+        assert!(region.end.is_none(), "{region}");
+        check_at(&g, s, 2, LR);
+    }
 }
 
 /// The old single-device trainer's loop, written out over the graph API: the whole batch in

@@ -443,6 +443,59 @@ impl ConvTranspose2d {
             w_out: w,
         })
     }
+
+    /// On tiles of an `input` map whose output is `output`: every rank's input rectangle, the
+    /// input pixels that add into its output tile.
+    pub fn tile_needs(
+        &self,
+        grid: tiles::Grid,
+        input: (usize, usize),
+        output: (usize, usize),
+    ) -> Vec<tiles::Rect> {
+        let (s, p, k) = (self.stride, self.pad, self.kernel);
+        (0..grid.tiles())
+            .map(|q| {
+                let out = grid.owned(q, output);
+                tiles::Rect {
+                    rows: tiles::transposed_rows(out.rows, s.0, p.0, k.0, input.0),
+                    cols: tiles::transposed_rows(out.cols, s.1, p.1, k.1, input.1),
+                }
+            })
+            .collect()
+    }
+
+    /// The adjoint convolution's geometry computing output rectangle `out` of the whole map
+    /// from the input rectangle `src` (what adds into `out`): the adjoint's input is `out`,
+    /// padded where `src`'s first pixel adds before `out`'s first, its output `src`. `x` is
+    /// the shape of an input tile (its batch).
+    fn rect_geom(
+        &self,
+        t: &tiles::OnTiles,
+        x: &Shape,
+        src: &tiles::Rect,
+        out: &tiles::Rect,
+    ) -> Result<ConvGeom> {
+        let whole = Shape::new([
+            x.dim(0),
+            t.inputs[0].dim(0),
+            t.inputs[0].dim(1),
+            t.inputs[0].dim(2),
+        ]);
+        let before =
+            |o: isize, i: isize, s: usize, p: usize| (o + p as isize - i * s as isize) as usize;
+        let ((h, w), (h_out, w_out)) = (out.size(), src.size());
+        Ok(ConvGeom {
+            h,
+            w,
+            h_out,
+            w_out,
+            pad: (
+                before(out.rows.0, src.rows.0, self.stride.0, self.pad.0),
+                before(out.cols.0, src.cols.0, self.stride.1, self.pad.1),
+            ),
+            ..self.geom(&whole)?
+        })
+    }
 }
 
 impl fmt::Display for ConvTranspose2d {
@@ -516,12 +569,28 @@ impl Operator for ConvTranspose2d {
 
     fn forward(&self, ctx: &Ctx, xs: &[&Tensor], params: &mut [Tensor]) -> Result<(Tensor, Saved)> {
         let x = xs[0];
-        let g = self.geom(x.shape())?;
+        // On tiles: the input pixels that add into this rank's output tile, gathered; the
+        // halo's pieces are kept, backward rebuilds the gathered input from them and `x`.
+        let (src, g, pieces) = match &ctx.tiles {
+            Some(t) => {
+                let (hw, needs) = (
+                    t.input_hw(0),
+                    self.tile_needs(t.tiles.grid, t.input_hw(0), t.output_hw()),
+                );
+                let need = needs[t.tiles.tile()];
+                let mut halo = tiles::Halo::send(ctx, t.tiles, x, hw, &needs)?;
+                halo.receive(ctx, t.tiles)?;
+                let src = halo.region(ctx, x, &need)?;
+                let g = self.rect_geom(t, x.shape(), &need, &t.tiles.own(t.output_hw()))?;
+                (src, g, halo.into_pieces())
+            }
+            None => (x.clone(), self.geom(x.shape())?, Vec::new()),
+        };
         let be = ctx.device.backend();
         let mut y = ctx.output(Shape::new([g.n, g.c_in, g.h, g.w]), x)?;
         let mut ws = ctx.workspace(be.conv2d_workspace(&g), x.dtype().compute())?;
         be.conv2d_backward_data(
-            x.storage(),
+            src.storage(),
             params[0].storage(),
             y.storage_mut()?,
             ws.storage_mut()?,
@@ -535,7 +604,7 @@ impl Operator for ConvTranspose2d {
             };
             be.add_channel_bias(y.storage_mut()?, params[1].storage(), &cg)?;
         }
-        Ok((y, Saved(vec![x.clone()])))
+        Ok((y, Saved([vec![x.clone()], pieces].concat())))
     }
 
     fn backward(
@@ -545,10 +614,44 @@ impl Operator for ConvTranspose2d {
         params: &[Tensor],
         grads: &mut [Tensor],
     ) -> Result<Vec<Option<Tensor>>> {
-        let (x, dy) = (&b.saved.0[0], &b.dy);
-        let g = self.geom(x.shape())?;
+        let mut saved = b.saved.0;
+        let x = saved.remove(0);
+        let dy = &b.dy;
+        let (x, g, tiled) = match &ctx.tiles {
+            Some(t) => {
+                let hw = t.input_hw(0);
+                let needs = self.tile_needs(t.tiles.grid, hw, t.output_hw());
+                let need = needs[t.tiles.tile()];
+                let halo = tiles::Halo::received(t.tiles, hw, &needs, saved);
+                let g = self.rect_geom(t, x.shape(), &need, &t.tiles.own(t.output_hw()))?;
+                (halo.region(ctx, &x, &need)?, g, Some((t, hw, needs)))
+            }
+            None => {
+                let g = self.geom(x.shape())?;
+                (x, g, None)
+            }
+        };
         let be = ctx.device.backend();
         let mut ws = ctx.workspace(be.conv2d_workspace(&g), x.dtype().compute())?;
+        // The input gradient first, so that its halo travels back while the filter's is
+        // computed.
+        let (mut dx, mut returning) = (None, None);
+        if b.need[0] {
+            let mut d = ctx.output(x.shape().clone(), &x)?;
+            be.conv2d_forward(
+                dy.storage(),
+                params[0].storage(),
+                d.storage_mut()?,
+                ws.storage_mut()?,
+                &g,
+            )?;
+            match &tiled {
+                Some((t, hw, needs)) => {
+                    returning = Some(tiles::Returning::send(ctx, t.tiles, d, *hw, needs)?)
+                }
+                None => dx = Some(d),
+            }
+        }
         if b.weights {
             // The adjoint's weight gradient: its input is dy, its output gradient x.
             be.conv2d_backward_filter(
@@ -567,19 +670,10 @@ impl Operator for ConvTranspose2d {
                 be.channel_sum(dy.storage(), grads[1].storage_mut()?, &cg)?;
             }
         }
-        let dx = if b.need[0] {
-            let mut dx = ctx.output(b.inputs[0].clone(), x)?;
-            be.conv2d_forward(
-                dy.storage(),
-                params[0].storage(),
-                dx.storage_mut()?,
-                ws.storage_mut()?,
-                &g,
-            )?;
-            Some(dx)
-        } else {
-            None
-        };
+        drop((ws, x));
+        if let (Some(r), Some((t, _, needs))) = (returning, &tiled) {
+            dx = Some(r.add_received(ctx, t.tiles, needs)?);
+        }
         Ok(vec![dx])
     }
 
@@ -587,6 +681,10 @@ impl Operator for ConvTranspose2d {
         let c_out = self.c_out / self.groups;
         let macs = inputs[0].numel() * c_out * self.kernel.0 * self.kernel.1;
         2 * macs as u64 + if self.bias { output.numel() as u64 } else { 0 }
+    }
+
+    fn on_tiles(&self) -> TileRule {
+        TileRule::Tiled
     }
 
     fn splits_weights(&self) -> bool {

@@ -7,6 +7,7 @@
 //! places divided by their Σ w. The host folds either into one weight per place (0 where
 //! unlabelled), and the backend sums weight · `(−log p[label])` over the places.
 
+use super::tiles::Rect;
 use crate::backend::LossGeom;
 use crate::data::UNLABELLED;
 use crate::memory::Category;
@@ -81,8 +82,41 @@ pub fn softmax_cross_entropy(
     class_weights: Option<&[f64]>,
     norm: Norm,
 ) -> Result<CrossEntropy> {
+    // A classifier's N×K logits are N×K×1×1 maps.
+    let hw = match logits.shape().dims() {
+        [_, _, h, w] => (*h, *w),
+        _ => (1, 1),
+    };
+    let whole = Rect::new(0..hw.0, 0..hw.1);
+    softmax_cross_entropy_part(device, logits, labels, hw, &whole, class_weights, norm)
+}
+
+/// [`softmax_cross_entropy`] of a part of N×K×H×W logits (a tile): `logits` hold the
+/// rectangle `part` of maps of size `hw`, `labels` the whole maps'. Places are weighed as in
+/// the whole maps (`norm` over the whole samples), so the parts' losses add up to the whole
+/// maps' loss and each place's gradient is what it is in the whole.
+pub fn softmax_cross_entropy_part(
+    device: &Device,
+    logits: &Tensor,
+    labels: &[u32],
+    hw: (usize, usize),
+    part: &Rect,
+    class_weights: Option<&[f64]>,
+    norm: Norm,
+) -> Result<CrossEntropy> {
     let g = geometry(logits.shape())?;
-    let (labels, weights) = place_weights(&g, labels, class_weights, norm)?;
+    if g.positions != part.size().0 * part.size().1 {
+        return Err(Error::Shape(format!(
+            "logits {} do not hold a {:?} part of {hw:?} maps",
+            logits.shape(),
+            part.size()
+        )));
+    }
+    let whole = LossGeom {
+        positions: hw.0 * hw.1,
+        ..g
+    };
+    let (labels, weights) = place_weights(&whole, labels, class_weights, norm, hw, part)?;
     let mut probs = device.empty(
         logits.shape().clone(),
         logits.dtype().compute(),
@@ -101,6 +135,22 @@ pub fn softmax_cross_entropy(
         labels,
         weights,
     })
+}
+
+/// The places of rectangle `part` of every sample's `hw` map among `places` (sample-major,
+/// row-major), in the same order.
+pub fn part_of<T: Copy>(places: &[T], hw: (usize, usize), part: &Rect) -> Vec<T> {
+    let rows = part.rows.0 as usize..part.rows.1 as usize;
+    let cols = part.cols.0 as usize..part.cols.1 as usize;
+    places
+        .chunks(hw.0 * hw.1)
+        .flat_map(|sample| {
+            let cols = cols.clone();
+            rows.clone()
+                .flat_map(move |r| &sample[r * hw.1 + cols.start..r * hw.1 + cols.end])
+        })
+        .copied()
+        .collect()
 }
 
 impl CrossEntropy {
@@ -243,37 +293,47 @@ fn class_weight(l: u32, class_weights: Option<&[f64]>) -> f64 {
     }
 }
 
-/// Each place's label for the backend (UNLABELLED as class 0) and weight: its class's weight
-/// divided by what `norm` says (N times its sample's total weight, or the total given; 0 where
-/// unlabelled, and where that divisor is 0), so that Σ weight · ℓ is the loss.
+/// The label for the backend (UNLABELLED as class 0) and the weight of each place of the
+/// rectangle `part` of the `hw` maps of `labels` (whole maps, `g` their geometry): its
+/// class's weight divided by what `norm` says (N times its sample's total weight over the
+/// whole map, or the total given; 0 where unlabelled, and where that divisor is 0), so that
+/// Σ weight · ℓ over every part is the loss.
 fn place_weights(
     g: &LossGeom,
     labels: &[u32],
     class_weights: Option<&[f64]>,
     norm: Norm,
+    hw: (usize, usize),
+    part: &Rect,
 ) -> Result<(Vec<u32>, Vec<f64>)> {
     check(g, labels, class_weights)?;
-    let mut weights: Vec<f64> = labels
-        .iter()
-        .map(|&l| class_weight(l, class_weights))
-        .collect();
-    let divide = |places: &mut [f64], by: f64| {
-        if by > 0.0 {
-            places.iter_mut().for_each(|w| *w /= by);
-        }
+    let divisors: Vec<f64> = match norm {
+        Norm::PerSample => labels
+            .chunks(g.positions)
+            .map(|sample| {
+                let total: f64 = sample.iter().map(|&l| class_weight(l, class_weights)).sum();
+                g.n as f64 * total
+            })
+            .collect(),
+        Norm::Total(total) => vec![total; g.n],
     };
-    match norm {
-        Norm::PerSample => {
-            for sample in weights.chunks_mut(g.positions) {
-                let total: f64 = sample.iter().sum();
-                divide(sample, g.n as f64 * total);
-            }
-        }
-        Norm::Total(total) => divide(&mut weights, total),
-    }
-    let labels = labels
+    let labels = part_of(labels, hw, part);
+    let per_sample = part.size().0 * part.size().1;
+    let weights = labels
         .iter()
-        .map(|&l| if l == UNLABELLED { 0 } else { l })
+        .enumerate()
+        .map(|(i, &l)| {
+            let (w, by) = (class_weight(l, class_weights), divisors[i / per_sample]);
+            if by > 0.0 {
+                w / by
+            } else {
+                w
+            }
+        })
+        .collect();
+    let labels = labels
+        .into_iter()
+        .map(|l| if l == UNLABELLED { 0 } else { l })
         .collect();
     Ok((labels, weights))
 }

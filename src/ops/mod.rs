@@ -340,48 +340,32 @@ impl Op {
     }
 }
 
-/// What a window op's outputs read of its input, per axis (rows, columns): output o reads
-/// o·stride − pad + [0, span).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Reach {
-    /// Stride.
-    pub stride: (usize, usize),
-    /// Padding on each side.
-    pub pad: (usize, usize),
-    /// Rows and columns one window covers (a dilated kernel's extent).
-    pub span: (usize, usize),
-}
-
-impl Reach {
-    /// Every tile's input rectangle in the map (the rows and columns its output tile's windows
-    /// read, padding left out) for an `input` map read into an `output` map split by `grid`.
-    pub fn needs(
+impl Op {
+    /// Every tile's input rectangle in the map, for an op that reads beyond its own tile on
+    /// tiles (a convolution, a pool, a transposed convolution, an adaptive pool): what its
+    /// output tile reads of an `input` map, padding left out, for an `output` map split by
+    /// `grid`. `None` for other ops.
+    pub fn tile_needs(
         &self,
         grid: tiles::Grid,
         input: (usize, usize),
         output: (usize, usize),
-    ) -> Vec<tiles::Rect> {
-        tiles::window_needs(grid, input, output, self.stride, self.pad, self.span, true)
-    }
-}
-
-impl Op {
-    /// What a window op (a convolution, a pool) reads of its input; `None` for other ops.
-    pub fn reach(&self) -> Option<Reach> {
-        let window = |w: &pool::Window| Reach {
-            stride: w.stride,
-            pad: w.pad,
-            span: w.kernel,
+    ) -> Option<Vec<tiles::Rect>> {
+        let window = |stride, pad, span| {
+            Some(tiles::window_needs(
+                grid, input, output, stride, pad, span, true,
+            ))
         };
         match self {
-            Op::Conv2d(c) => Some(Reach {
-                stride: c.stride,
-                pad: c.pad,
-                span: c.span(),
-            }),
-            Op::MaxPool(p) => Some(window(&p.0)),
-            Op::AvgPool(p) => Some(window(&p.0)),
-            Op::AvgPoolExcludePad(p) => Some(window(&p.0)),
+            Op::Conv2d(c) => window(c.stride, c.pad, c.span()),
+            Op::MaxPool(pool::MaxPool(w))
+            | Op::AvgPool(pool::AvgPool(w))
+            | Op::AvgPoolExcludePad(pool::AvgPoolExcludePad(w)) => {
+                window(w.stride, w.pad, w.kernel)
+            }
+            Op::ConvTranspose2d(c) => Some(c.tile_needs(grid, input, output)),
+            Op::AdaptiveAvgPool(p) => Some(p.tile_needs(grid, input)),
+            Op::Pad2d(p) => Some(p.tile_needs(grid, output)),
             _ => None,
         }
     }

@@ -423,6 +423,36 @@ impl AdaptiveAvgPool {
     /// The geometry the backend reads: kernel, stride and padding are unused.
     fn geom(&self, x: &Shape) -> PoolGeom {
         let (n, c, h, w) = x.nchw();
+        let (ho, wo) = self.out;
+        Self::rect_geom(n, c, &Rect::new(0..h, 0..w), &Rect::new(0..ho, 0..wo))
+    }
+
+    /// On tiles of an `input` map: the input rectangle output rectangle `out` reads, and the
+    /// output rectangle (holding `out`) the pool over just that input computes exactly
+    /// ([`tiles::adaptive_rows`]).
+    fn tile_rects(&self, out: &Rect, input: (usize, usize)) -> (Rect, Rect) {
+        let (rows, out_rows) = tiles::adaptive_rows(out.rows, input.0, self.out.0);
+        let (cols, out_cols) = tiles::adaptive_rows(out.cols, input.1, self.out.1);
+        (
+            Rect { rows, cols },
+            Rect {
+                rows: out_rows,
+                cols: out_cols,
+            },
+        )
+    }
+
+    /// On tiles: every rank's input rectangle.
+    pub fn tile_needs(&self, grid: tiles::Grid, input: (usize, usize)) -> Vec<Rect> {
+        (0..grid.tiles())
+            .map(|q| self.tile_rects(&grid.owned(q, self.out), input).0)
+            .collect()
+    }
+
+    /// The pool's geometry from input rectangle `src` to output rectangle `out` (windows as
+    /// on a map of `src`'s size), for a batch of `n` images of `c` channels.
+    fn rect_geom(n: usize, c: usize, src: &Rect, out: &Rect) -> PoolGeom {
+        let ((h, w), (h_out, w_out)) = (src.size(), out.size());
         PoolGeom {
             n,
             c,
@@ -432,8 +462,8 @@ impl AdaptiveAvgPool {
             kw: 0,
             stride: (0, 0),
             pad: (0, 0),
-            h_out: self.out.0,
-            w_out: self.out.1,
+            h_out,
+            w_out,
         }
     }
 }
@@ -450,12 +480,32 @@ impl Operator for AdaptiveAvgPool {
         _params: &mut [Tensor],
     ) -> Result<(Tensor, Saved)> {
         let x = xs[0];
-        let g = self.geom(x.shape());
-        let mut y = ctx.output(Shape::new([g.n, g.c, g.h_out, g.w_out]), x)?;
-        ctx.device
-            .backend()
-            .adaptive_avg_pool_forward(x.storage(), y.storage_mut()?, &g)?;
-        Ok((y, Saved::default()))
+        let be = ctx.device.backend();
+        let Some(t) = &ctx.tiles else {
+            let g = self.geom(x.shape());
+            let mut y = ctx.output(Shape::new([g.n, g.c, g.h_out, g.w_out]), x)?;
+            be.adaptive_avg_pool_forward(x.storage(), y.storage_mut()?, &g)?;
+            return Ok((y, Saved::default()));
+        };
+        // The pool over the input rows and columns of whole periods around this rank's
+        // output tile, then the tile cut from it.
+        let (n, c, _, _) = x.shape().nchw();
+        let hw = t.input_hw(0);
+        let needs = self.tile_needs(t.tiles.grid, hw);
+        let own = t.tiles.own(t.output_hw());
+        let (need, wide) = self.tile_rects(&own, hw);
+        let src = tiles::gather(ctx, t.tiles, x, hw, &needs)?;
+        let g = Self::rect_geom(n, c, &need, &wide);
+        let mut y = ctx.output(Shape::new([n, c, g.h_out, g.w_out]), x)?;
+        be.adaptive_avg_pool_forward(src.storage(), y.storage_mut()?, &g)?;
+        drop(src);
+        if wide == own {
+            return Ok((y, Saved::default()));
+        }
+        Ok((
+            tiles::within(ctx.device, &y, &wide, &own)?,
+            Saved::default(),
+        ))
     }
 
     fn backward(
@@ -465,12 +515,31 @@ impl Operator for AdaptiveAvgPool {
         _params: &[Tensor],
         _grads: &mut [Tensor],
     ) -> Result<Vec<Option<Tensor>>> {
-        let g = self.geom(&b.inputs[0]);
-        let mut dx = ctx.output(b.inputs[0].clone(), &b.dy)?;
-        ctx.device
-            .backend()
-            .adaptive_avg_pool_backward(b.dy.storage(), dx.storage_mut()?, &g)?;
-        Ok(vec![Some(dx)])
+        let be = ctx.device.backend();
+        let Some(t) = &ctx.tiles else {
+            let g = self.geom(&b.inputs[0]);
+            let mut dx = ctx.output(b.inputs[0].clone(), &b.dy)?;
+            be.adaptive_avg_pool_backward(b.dy.storage(), dx.storage_mut()?, &g)?;
+            return Ok(vec![Some(dx)]);
+        };
+        // The output tile's gradient within the whole periods forward computed (zeros
+        // outside the tile), to the input rectangle they read, whose halo goes back.
+        let (n, c, _, _) = b.dy.shape().nchw();
+        let hw = t.input_hw(0);
+        let own = t.tiles.own(t.output_hw());
+        let (need, wide) = self.tile_rects(&own, hw);
+        let dy = match wide == own {
+            true => b.dy,
+            false => tiles::embed(ctx.device, &b.dy, &own, &wide)?,
+        };
+        let g = Self::rect_geom(n, c, &need, &wide);
+        let mut dsrc = ctx.output(Shape::new([n, c, g.h, g.w]), &dy)?;
+        be.adaptive_avg_pool_backward(dy.storage(), dsrc.storage_mut()?, &g)?;
+        drop(dy);
+        let needs = self.tile_needs(t.tiles.grid, hw);
+        Ok(vec![Some(tiles::scatter_add(
+            ctx, t.tiles, dsrc, hw, &needs,
+        )?)])
     }
 
     fn flops(&self, inputs: &[&Shape], _output: &Shape) -> u64 {
@@ -482,6 +551,10 @@ impl Operator for AdaptiveAvgPool {
         };
         let (c, h, w) = (inputs[0].dim(0), inputs[0].dim(1), inputs[0].dim(2));
         (c * span(h, self.out.0) * span(w, self.out.1)) as u64
+    }
+
+    fn on_tiles(&self) -> TileRule {
+        TileRule::Tiled
     }
 
     fn saves(&self, _inputs: &[&Shape]) -> SavesFor {

@@ -1,5 +1,6 @@
-//! Ops that only rearrange: flatten (a view) and channel concatenation.
+//! Ops that only rearrange: flatten (a view), channel concatenation, padding and cropping.
 
+use super::tiles::{self, Rect, TileRule};
 use super::{chw, Backward, Ctx, Operator, Saved, SavesFor};
 use crate::tensor::{Shape, Tensor};
 use crate::Result;
@@ -129,7 +130,7 @@ impl Operator for Concat {
     }
 
     fn on_tiles(&self) -> super::tiles::TileRule {
-        super::tiles::TileRule::Pointwise
+        TileRule::Pointwise
     }
 
     fn saves(&self, _inputs: &[&Shape]) -> SavesFor {
@@ -181,6 +182,22 @@ impl Pad2d {
     }
 }
 
+impl Pad2d {
+    /// On tiles of an `output` map: every rank's input rectangle, its output tile moved back
+    /// by the padding (reaching outside the map where the tile holds padding).
+    pub fn tile_needs(&self, grid: tiles::Grid, output: (usize, usize)) -> Vec<Rect> {
+        (0..grid.tiles())
+            .map(|q| {
+                let out = grid.owned(q, output);
+                Rect {
+                    rows: (out.rows.0 - self.top, out.rows.1 - self.top),
+                    cols: (out.cols.0 - self.left, out.cols.1 - self.left),
+                }
+            })
+            .collect()
+    }
+}
+
 impl Operator for Pad2d {
     fn infer(&self, inputs: &[&Shape]) -> std::result::Result<Shape, String> {
         let (c, h, w) = chw(inputs[0])?;
@@ -202,6 +219,12 @@ impl Operator for Pad2d {
         _params: &mut [Tensor],
     ) -> Result<(Tensor, Saved)> {
         let x = xs[0];
+        if let Some(t) = &ctx.tiles {
+            // The output tile is the input's rectangle under it: gathered, zeros outside.
+            let needs = self.tile_needs(t.tiles.grid, t.output_hw());
+            let y = tiles::gather(ctx, t.tiles, x, t.input_hw(0), &needs)?;
+            return Ok((y, Saved::default()));
+        }
         let (n, c, h, w) = x.shape().nchw();
         let out = self
             .infer(&[&Shape::new([c, h, w])])
@@ -230,6 +253,11 @@ impl Operator for Pad2d {
         _params: &[Tensor],
         _grads: &mut [Tensor],
     ) -> Result<Vec<Option<Tensor>>> {
+        if let Some(t) = &ctx.tiles {
+            let needs = self.tile_needs(t.tiles.grid, t.output_hw());
+            let dx = tiles::scatter_add(ctx, t.tiles, b.dy, t.input_hw(0), &needs)?;
+            return Ok(vec![Some(dx)]);
+        }
         let (n, c, h, w) = b.inputs[0].nchw();
         let (_, _, ho, wo) = b.dy.shape().nchw();
         // Every input element lands in at most one output element: copy back, zeros elsewhere.
@@ -250,6 +278,10 @@ impl Operator for Pad2d {
 
     fn flops(&self, _inputs: &[&Shape], _output: &Shape) -> u64 {
         0
+    }
+
+    fn on_tiles(&self) -> TileRule {
+        TileRule::Tiled
     }
 
     fn saves(&self, _inputs: &[&Shape]) -> SavesFor {

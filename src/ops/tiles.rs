@@ -300,6 +300,24 @@ fn extract(d: &Device, src: &Tensor, from: &Rect, r: &Rect) -> Result<Tensor> {
     Ok(out)
 }
 
+/// The `r` part of `x` (which holds `from`) as an activation of its own.
+pub fn within(d: &Device, x: &Tensor, from: &Rect, r: &Rect) -> Result<Tensor> {
+    let (n, c, _, _) = x.shape().nchw();
+    let (h, w) = r.size();
+    let mut out = d.empty(Shape::new([n, c, h, w]), x.dtype(), Category::Activations)?;
+    copy_rect(d, x, from, &mut out, r, r)?;
+    Ok(out)
+}
+
+/// `x` (which holds `at`) inside the larger rectangle `into`, zeros elsewhere.
+pub fn embed(d: &Device, x: &Tensor, at: &Rect, into: &Rect) -> Result<Tensor> {
+    let (n, c, _, _) = x.shape().nchw();
+    let (h, w) = into.size();
+    let mut out = d.zeros(Shape::new([n, c, h, w]), x.dtype(), Category::Activations)?;
+    copy_rect(d, x, at, &mut out, into, at)?;
+    Ok(out)
+}
+
 /// Tile `t` of a whole map `x` split by `grid`.
 pub fn cut(d: &Device, x: &Tensor, grid: Grid, t: usize) -> Result<Tensor> {
     let (_, _, h, w) = x.shape().nchw();
@@ -574,6 +592,42 @@ pub fn window_rect(
     }
 }
 
+/// The rows (or columns) of an input of length `len` that a transposed convolution's outputs
+/// `out` take from: input i adds into outputs i·stride − pad + [0, kernel). Never empty for an
+/// output inside the map.
+pub fn transposed_rows(
+    out: (isize, isize),
+    stride: usize,
+    pad: usize,
+    kernel: usize,
+    len: usize,
+) -> (isize, isize) {
+    let (s, p, k) = (stride as isize, pad as isize, kernel as isize);
+    let first = (out.0 + p - (k - 1)).div_euclid(s).max(0);
+    let end = ((out.1 - 1 + p).div_euclid(s) + 1).min(len as isize);
+    (first, end)
+}
+
+/// The rows (or columns) of an adaptive average pool from `len` to `out_len` that output
+/// rows `out` read, and the output rows those input rows make on their own: `out` widened to
+/// whole periods of the pool's pattern (`out_len`/g outputs from `len`/g inputs, g their
+/// greatest common divisor), where the pool over just those input rows computes the same
+/// windows as over the whole map. One period is the whole map when the sizes share no
+/// factor.
+pub fn adaptive_rows(
+    out: (isize, isize),
+    len: usize,
+    out_len: usize,
+) -> ((isize, isize), (isize, isize)) {
+    let g = num_integer::gcd(len, out_len) as isize;
+    let (period_out, period_in) = (out_len as isize / g, len as isize / g);
+    let (first, end) = (out.0 / period_out, (out.1 + period_out - 1) / period_out);
+    (
+        (first * period_in, end * period_in),
+        (first * period_out, end * period_out),
+    )
+}
+
 /// Every rank's input rectangle for a window op whose whole input is `input` and output
 /// `output`: what the windows of its output tile read ([`window_rect`]).
 pub fn window_needs(
@@ -726,6 +780,75 @@ mod tests {
                             }
                         }
                         assert!(seen.iter().all(|&n| n == 1), "{seen:?}");
+                    }
+                }
+            }
+        }
+    }
+
+    /// A transposed convolution's tile reads every input row that adds into it, and its first
+    /// row adds no later than the tile's first output row (the adjoint's padding is ≥ 0).
+    #[test]
+    fn transposed_rows_hold_every_input_that_adds_into_the_tile() {
+        for len in 1usize..12 {
+            for (k, s, p) in [
+                (2, 2, 0),
+                (3, 2, 1),
+                (4, 2, 1),
+                (2, 3, 0),
+                (5, 1, 2),
+                (1, 2, 0),
+            ] {
+                let Some(out_len) = ((len - 1) * s + k).checked_sub(2 * p) else {
+                    continue;
+                };
+                for o0 in 0..out_len {
+                    for o1 in o0 + 1..=out_len {
+                        let (first, end) =
+                            transposed_rows((o0 as isize, o1 as isize), s, p, k, len);
+                        assert!(0 <= first && first < end && end <= len as isize);
+                        assert!(first * s as isize <= o0 as isize + p as isize);
+                        for i in 0..len as isize {
+                            let adds = (0..k as isize).any(|t| {
+                                (o0 as isize..o1 as isize)
+                                    .contains(&(i * s as isize - p as isize + t))
+                            });
+                            assert!(
+                                !adds || (first..end).contains(&i),
+                                "{len} {k} {s} {p} {o0} {o1} {i}"
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// An adaptive pool over the input rows of whole periods computes the whole map's windows
+    /// for every output row of those periods, which hold the tile's.
+    #[test]
+    fn adaptive_rows_compute_the_whole_maps_windows() {
+        use crate::backend::PoolGeom;
+        for len in 1..14 {
+            for out_len in 1..30 {
+                for o0 in 0..out_len {
+                    for o1 in o0 + 1..=out_len {
+                        let (rows, wide) = adaptive_rows((o0 as isize, o1 as isize), len, out_len);
+                        assert!(0 <= wide.0 && wide.0 <= o0 as isize && o1 as isize <= wide.1);
+                        assert!(
+                            wide.1 <= out_len as isize && 0 <= rows.0 && rows.1 <= len as isize
+                        );
+                        let (n, m) = ((rows.1 - rows.0) as usize, (wide.1 - wide.0) as usize);
+                        for o in wide.0..wide.1 {
+                            let local = PoolGeom::adaptive_window((o - wide.0) as usize, n, m);
+                            let whole = PoolGeom::adaptive_window(o as usize, len, out_len);
+                            let at = rows.0 as usize;
+                            assert_eq!(
+                                local.start + at..local.end + at,
+                                whole,
+                                "{len} {out_len} {o}"
+                            );
+                        }
                     }
                 }
             }

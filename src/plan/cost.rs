@@ -211,17 +211,22 @@ impl Exchange {
             forward_sums: vec![0.0; n],
             backward_sums: vec![0.0; n],
         };
-        let hw = |v: usize| {
-            let d = g.values[v].shape.dims();
-            (d[0], (d[1], d[2]))
+        // Channels and (H, W) of a map; None for a vector (a global pool's output).
+        let hw = |v: usize| match g.values[v].shape.dims() {
+            [c, h, w] => Some((*c, (*h, *w))),
+            _ => None,
         };
         for (i, node) in g.nodes.iter().enumerate() {
             if !grid.is_split() || !runs_on_tiles(g, grid, i) {
                 continue;
             }
-            if let Some(reach) = node.op.reach() {
-                let ((c, input), (_, output)) = (hw(node.inputs[0]), hw(node.output));
-                let needs = reach.needs(grid, input, output);
+            let halo =
+                hw(node.inputs[0])
+                    .zip(hw(node.output))
+                    .and_then(|((c, input), (_, output))| {
+                        Some((c, input, node.op.tile_needs(grid, input, output)?))
+                    });
+            if let Some((c, input, needs)) = halo {
                 // Each piece of a neighbour's tile inside a rank's rectangle is one message.
                 e.halo[i] = (0..grid.tiles())
                     .map(|t| {

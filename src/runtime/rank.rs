@@ -677,21 +677,57 @@ impl Rank {
                 loss::Reduction::Pytorch => (loss::Norm::Total(self.step_weight), 1.0),
             };
             let weights = c.train.class_weights.as_deref();
-            // Every tile scores the whole logits the same; the first reports them.
-            let reports = self.tile == 0;
             for (o, logits) in losses.iter().zip(&outs[n_out..]) {
-                let logits = &self.whole(o.value, logits)?;
-                let ce =
-                    loss::softmax_cross_entropy(&self.device, logits, &targets, weights, norm)?;
-                if reports {
-                    self.current.loss += o.weight * ce.loss / parts;
-                }
-                if reports && g.outputs.first() == Some(o) && self.data.is_some() {
-                    let predicted = loss::predictions(&ce.probs)?;
-                    for (&p, &t) in predicted.iter().zip(&targets) {
-                        self.current.correct += usize::from(p == t);
-                        self.current.scored += usize::from(t != UNLABELLED);
+                // Logits split into tiles are scored on each tile, as parts of the whole
+                // maps; the loss and the counts are summed over the tile group.
+                let shape = &g.values[o.value].shape;
+                let tiled = self
+                    .tiles
+                    .as_ref()
+                    .filter(|_| self.split_at(self.slot, o.value));
+                let (ce, labels) = match tiled {
+                    Some(t) => {
+                        let hw = (shape.dim(1), shape.dim(2));
+                        let own = t.own(hw);
+                        let ce = loss::softmax_cross_entropy_part(
+                            &self.device,
+                            logits,
+                            &targets,
+                            hw,
+                            &own,
+                            weights,
+                            norm,
+                        )?;
+                        (ce, loss::part_of(&targets, hw, &own))
                     }
+                    None => {
+                        let ce = loss::softmax_cross_entropy(
+                            &self.device,
+                            logits,
+                            &targets,
+                            weights,
+                            norm,
+                        )?;
+                        (ce, targets.clone())
+                    }
+                };
+                let (mut correct, mut scored) = (0, 0);
+                if g.outputs.first() == Some(o) && self.data.is_some() {
+                    let predicted = loss::predictions(&ce.probs)?;
+                    for (&p, &t) in predicted.iter().zip(&labels) {
+                        correct += usize::from(p == t);
+                        scored += usize::from(t != UNLABELLED);
+                    }
+                }
+                let mut sums = vec![ce.loss, correct as f64, scored as f64];
+                if let Some(t) = tiled {
+                    sums = t.sum(sums)?;
+                }
+                // Every tile of a group has the same sums; the first reports them.
+                if self.tile == 0 {
+                    self.current.loss += o.weight * sums[0] / parts;
+                    self.current.correct += sums[1] as usize;
+                    self.current.scored += sums[2] as usize;
                 }
                 let scale = self.loss_scale.as_ref().map_or(1.0, LossScale::factor);
                 let d = ce.backward(
@@ -699,7 +735,7 @@ impl Rank {
                     o.weight / parts * scale,
                     c.train.activations(),
                 )?;
-                seeds.push((o.value, self.own_part(o.value, d)?));
+                seeds.push((o.value, d));
             }
         }
         self.device.backend().synchronize()?;
@@ -847,16 +883,6 @@ impl Rank {
                 tiles::all_gather(&ctx, t, x, (shape.dim(1), shape.dim(2)))
             }
             _ => Ok(x.clone()),
-        }
-    }
-
-    /// This rank's part of value `v`'s whole `x`: its tile where `v` is split.
-    fn own_part(&self, v: ValueId, x: Tensor) -> Result<Tensor> {
-        match &self.tiles {
-            Some(t) if self.split_at(self.slot, v) => {
-                tiles::cut(&self.device, &x, t.grid, t.tile())
-            }
-            _ => Ok(x),
         }
     }
 

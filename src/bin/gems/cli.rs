@@ -878,7 +878,8 @@ pub struct SchemeArgs {
     pub dp: usize,
     /// Spatial parallelism: each sample of the first stage split into an RxC grid of tiles
     /// (e.g. 2x2), one rank each, exactly as one device computes it (halo exchange, batch norm
-    /// over the whole map); with mast or master the mirrored replica's first stage too. `auto`:
+    /// over the whole map; a U-Net's decoder and per-pixel loss on tiles too); with mast or
+    /// master the mirrored replica's first stage too. `auto`:
     /// of the grids (the squarest of each tile count) whose plan fits --device-memory, the one
     /// with the least predicted step (halo exchanges and statistics' sums counted).
     #[arg(long, default_value = "1x1", value_name = "RxC")]
