@@ -9,6 +9,7 @@ use std::ops::Range;
 
 use crate::backend::cuda::ConvImpl;
 use crate::backend::DeviceKind;
+use crate::graph::policy::Keep;
 use crate::graph::Graph;
 use crate::memory::{ByCategory, Category, Held, MemoryStats};
 use crate::ops::tiles::Grid;
@@ -390,26 +391,37 @@ pub fn choose_offload(
     prefetch: usize,
 ) -> Result<Chosen> {
     let layout = Layout::new(g, c)?;
-    let choices = offload::candidates(
-        g,
-        &layout.costs,
-        c.micro_batch(),
-        c.train.activations(),
-        link,
-        prefetch,
-    );
-    let policy = |k: usize| offload::take(g.nodes.len(), &choices, k, prefetch);
-    let with = |k: usize| {
+    let candidates = |keeps: &[Keep]| {
+        offload::candidates(
+            g,
+            &layout.costs,
+            (c.micro_batch(), c.train.activations()),
+            link,
+            prefetch,
+            keeps,
+        )
+    };
+    let policy =
+        |choices: &[offload::Choice], k: usize| offload::take(g.nodes.len(), choices, k, prefetch);
+    let fits_with = |choices: &[offload::Choice], k: usize| {
         let mut t = c.clone();
-        t.train.saves = policy(k);
+        t.train.saves = policy(choices, k);
         fits(g, &t, cap)
     };
+    // Each node's cheaper of offload and recompute; where even all of them cannot hold the
+    // cap, every node offloaded (recomputing keeps a node's input on the device).
+    let mut choices = candidates(&[Keep::Host, Keep::Recompute]);
+    if !fits_with(&choices, choices.len())? {
+        choices = candidates(&[Keep::Host]);
+    }
+    let policy = |k: usize| policy(&choices, k);
+    let with = |k: usize| fits_with(&choices, k);
     if !with(choices.len())? {
         let mut t = c.clone();
         t.train.saves = policy(choices.len());
         let peak = per_rank(g, &t)?.iter().map(|m| m.peak).max().unwrap_or(0);
         return Err(Error::Config(format!(
-            "even with every saved tensor offloaded or recomputed a rank needs {}, over the {} cap: use more stages or a smaller batch",
+            "even with every saved tensor offloaded a rank needs {}, over the {} cap: use more stages or a smaller batch",
             crate::memory::human_bytes(peak),
             crate::memory::human_bytes(cap)
         )));

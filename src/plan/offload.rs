@@ -75,15 +75,15 @@ fn node_exposed(
     }
 }
 
-/// Every node that saves something, with its cheaper of offload and recompute, cheapest
-/// exposed time per byte first.
+/// Every node that saves something, with the cheapest of `keeps` for it (offload,
+/// recompute), cheapest exposed time per byte first.
 pub fn candidates(
     g: &Graph,
     costs: &NodeCosts,
-    micro: usize,
-    dtype: crate::tensor::DType,
+    (micro, dtype): (usize, crate::tensor::DType),
     link: &HostLink,
     prefetch: usize,
+    keeps: &[Keep],
 ) -> Vec<Choice> {
     let mut out: Vec<Choice> = (0..g.nodes.len())
         .filter_map(|i| {
@@ -92,11 +92,11 @@ pub fn candidates(
                 return None;
             }
             let cost = |k| node_exposed(costs, i, bytes, k, link, prefetch);
-            let (keep, exposed) = [Keep::Host, Keep::Recompute]
-                .into_iter()
-                .map(|k| (k, cost(k)))
+            let (keep, exposed) = keeps
+                .iter()
+                .map(|&k| (k, cost(k)))
                 .min_by(|a, b| a.1.total_cmp(&b.1))
-                .expect("two choices");
+                .expect("a choice");
             Some(Choice {
                 node: i,
                 keep,
