@@ -26,15 +26,7 @@ pub fn predict(a: PredictArgs) -> anyhow::Result<()> {
     if a.margin.is_some() {
         anyhow::bail!("--margin is for whole slides: --data slides:DIR without --labels");
     }
-    let model = configured(
-        Model::load(&a.checkpoint)?,
-        &a.on,
-        None,
-        a.conv,
-        a.skip_bad,
-        a.batch_size,
-    )?;
-    let mut model = model.configure(|c| c.device_memory = a.device_memory);
+    let mut model = loaded(&a)?;
     let (order, samples) = samples_of(&model, &a.data, &a.slides, a.samples)?;
     let segments = model.graph().positions() > 1;
     // Slides' maps are drawn at about one map pixel per kept prediction; other samples keep
@@ -64,6 +56,19 @@ pub fn predict(a: PredictArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// The checkpoint's model, configured as the flags say.
+fn loaded(a: &PredictArgs) -> anyhow::Result<Model> {
+    let model = configured(
+        Model::load(&a.checkpoint)?,
+        &a.on,
+        None,
+        a.conv,
+        a.skip_bad,
+        a.batch_size,
+    )?;
+    Ok(model.configure(|c| c.device_memory = a.device_memory))
+}
+
 /// Whole-slide stride when --stride is not given: windows of 512² centres (plus margins)
 /// keep most of each window (about 2/3 for unet_d3's 56-pixel margins) at a few hundred MiB.
 const WHOLE_SLIDE_STRIDE: u32 = 512;
@@ -86,14 +91,7 @@ fn whole_slides(a: &PredictArgs, dir: &Path) -> anyhow::Result<()> {
         );
     }
     slide::use_reader(a.slides.slide_reader);
-    let model = configured(
-        Model::load(&a.checkpoint)?,
-        &a.on,
-        None,
-        a.conv,
-        a.skip_bad,
-        a.batch_size,
-    )?;
+    let model = loaded(a)?;
     let name = model.graph().name.clone();
     let rules = WindowRules::of(&name)?;
     let opts = WholeSlide {
@@ -105,9 +103,7 @@ fn whole_slides(a: &PredictArgs, dir: &Path) -> anyhow::Result<()> {
     };
     rules.check(&name, opts.stride, opts.margin)?;
     let side = opts.stride as usize + 2 * opts.margin as usize;
-    let mut model = model
-        .at_side(side)?
-        .configure(|c| c.device_memory = a.device_memory);
+    let mut model = model.at_side(side)?;
     let slides = slide::slide_files(dir)?;
     let outputs: Vec<(PathBuf, PathBuf)> = slides
         .iter()
