@@ -346,6 +346,10 @@ pub struct PredictArgs {
     /// The samples to predict (synthetic, folder:DIR or slides:DIR), in the data's order.
     #[arg(long)]
     pub data: DataSource,
+    /// f32 or f64: the parameters' dtype to predict in, the weights converted (16-bit
+    /// activations: --precision) [default: the checkpoint's].
+    #[arg(long, value_parser = parameter_dtype)]
+    pub dtype: Option<DType>,
     #[command(flatten)]
     pub slides: SlideArgs,
     /// The folder to write predictions.csv (and segmentation maps) into; made if missing.

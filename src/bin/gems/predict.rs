@@ -42,9 +42,10 @@ pub fn predict(a: PredictArgs) -> anyhow::Result<()> {
     let csv = a.out.join("predictions.csv");
     write_csv(&csv, &e, &order, &model.classes())?;
     println!(
-        "{} at step {}: {} predictions in {}",
+        "{} at step {} ({}): {} predictions in {}",
         model.graph().name,
         model.steps(),
+        model.config().dtype.name(),
         e.samples,
         csv.display()
     );
@@ -61,7 +62,7 @@ fn loaded(a: &PredictArgs) -> anyhow::Result<Model> {
     let model = configured(
         Model::load(&a.checkpoint)?,
         &a.on,
-        None,
+        a.dtype,
         a.conv,
         a.skip_bad,
         a.batch_size,
