@@ -511,28 +511,23 @@ fn a_unet_exports_its_weights_and_preprocessing_travels_in_its_checkpoints() {
         assert!(x != y && (x - y).abs() < 1e-5 * y, "f64 {x}, f32 {y}");
     }
     // And predicts in it.
-    let ckpt = a.to_str().unwrap();
-    let out = run(&[
-        "predict",
-        "--checkpoint",
-        ckpt,
-        "--data",
-        &data,
-        "--out",
-        &p("pred"),
-    ]);
+    let predict = |dtype: &[&str]| {
+        let ckpt = a.to_str().unwrap();
+        let out = p("pred");
+        let args = [
+            "predict",
+            "--checkpoint",
+            ckpt,
+            "--data",
+            &data,
+            "--out",
+            &out,
+        ];
+        run(&[&args[..], dtype].concat())
+    };
+    let out = predict(&[]);
     assert!(out.contains("at step 2 (f32)"), "{out}");
-    let out = run(&[
-        "predict",
-        "--checkpoint",
-        ckpt,
-        "--data",
-        &data,
-        "--out",
-        &p("pred"),
-        "--dtype",
-        "f64",
-    ]);
+    let out = predict(&["--dtype", "f64"]);
     assert!(out.contains("at step 2 (f64)"), "{out}");
     std::fs::remove_dir_all(d).ok();
 }

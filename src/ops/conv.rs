@@ -315,49 +315,18 @@ impl Operator for Conv2d {
                 (x, g, None)
             }
         };
-        let be = ctx.device.backend();
-        let mut ws = ctx.workspace(be.conv2d_workspace(&g), x.dtype().compute())?;
-        // The input gradient first, so that its halo travels back while the filter's is
-        // computed.
-        let (mut dx, mut returning) = (None, None);
-        if b.need[0] {
-            let mut d = ctx.output(x.shape().clone(), &x)?;
-            be.conv2d_backward_data(
-                dy.storage(),
-                params[0].storage(),
-                d.storage_mut()?,
-                ws.storage_mut()?,
-                &g,
-            )?;
-            match &tiled {
-                Some((t, hw, needs)) => {
-                    returning = Some(tiles::Returning::send(ctx, t.tiles, d, *hw, needs)?)
-                }
-                None => dx = Some(d),
-            }
-        }
-        if b.weights {
-            be.conv2d_backward_filter(
-                x.storage(),
-                dy.storage(),
-                grads[0].storage_mut()?,
-                ws.storage_mut()?,
-                &g,
-            )?;
-            if self.bias {
-                let cg = ChannelGeom {
-                    n: g.n,
-                    c: g.c_out,
-                    hw: g.h_out * g.w_out,
-                };
-                be.channel_sum(dy.storage(), grads[1].storage_mut()?, &cg)?;
-            }
-        }
-        drop((ws, x));
-        if let (Some(r), Some((t, _, needs))) = (returning, &tiled) {
-            dx = Some(r.add_received(ctx, t.tiles, needs)?);
-        }
-        Ok(vec![dx])
+        let bias = self.bias.then_some(ChannelGeom {
+            n: g.n,
+            c: g.c_out,
+            hw: g.h_out * g.w_out,
+        });
+        let passes = Passes {
+            need_input: b.need[0],
+            weights: b.weights,
+            adjoint: false,
+            bias,
+        };
+        backward_passes(ctx, x, dy, &g, tiled, params, grads, passes)
     }
 
     fn flops(&self, inputs: &[&Shape], output: &Shape) -> u64 {
@@ -631,50 +600,18 @@ impl Operator for ConvTranspose2d {
                 (x, g, None)
             }
         };
-        let be = ctx.device.backend();
-        let mut ws = ctx.workspace(be.conv2d_workspace(&g), x.dtype().compute())?;
-        // The input gradient first, so that its halo travels back while the filter's is
-        // computed.
-        let (mut dx, mut returning) = (None, None);
-        if b.need[0] {
-            let mut d = ctx.output(x.shape().clone(), &x)?;
-            be.conv2d_forward(
-                dy.storage(),
-                params[0].storage(),
-                d.storage_mut()?,
-                ws.storage_mut()?,
-                &g,
-            )?;
-            match &tiled {
-                Some((t, hw, needs)) => {
-                    returning = Some(tiles::Returning::send(ctx, t.tiles, d, *hw, needs)?)
-                }
-                None => dx = Some(d),
-            }
-        }
-        if b.weights {
-            // The adjoint's weight gradient: its input is dy, its output gradient x.
-            be.conv2d_backward_filter(
-                dy.storage(),
-                x.storage(),
-                grads[0].storage_mut()?,
-                ws.storage_mut()?,
-                &g,
-            )?;
-            if self.bias {
-                let cg = ChannelGeom {
-                    n: g.n,
-                    c: g.c_in,
-                    hw: g.h * g.w,
-                };
-                be.channel_sum(dy.storage(), grads[1].storage_mut()?, &cg)?;
-            }
-        }
-        drop((ws, x));
-        if let (Some(r), Some((t, _, needs))) = (returning, &tiled) {
-            dx = Some(r.add_received(ctx, t.tiles, needs)?);
-        }
-        Ok(vec![dx])
+        let bias = self.bias.then_some(ChannelGeom {
+            n: g.n,
+            c: g.c_in,
+            hw: g.h * g.w,
+        });
+        let passes = Passes {
+            need_input: b.need[0],
+            weights: b.weights,
+            adjoint: true,
+            bias,
+        };
+        backward_passes(ctx, x, dy, &g, tiled, params, grads, passes)
     }
 
     fn flops(&self, inputs: &[&Shape], output: &Shape) -> u64 {
@@ -697,4 +634,73 @@ impl Operator for ConvTranspose2d {
             ..Default::default()
         }
     }
+}
+
+/// What a convolution's backward computes: the input's gradient, the filter's, and the
+/// bias's over these channels; `adjoint` for a transposed convolution, whose geometry `g` is
+/// the convolution it is the adjoint of (its output is `g`'s input).
+struct Passes {
+    need_input: bool,
+    weights: bool,
+    adjoint: bool,
+    bias: Option<ChannelGeom>,
+}
+
+/// Every tile's input rectangle, with the whole input's (H, W), where the op runs on tiles.
+type TiledInput<'a, 'b> = Option<(&'a tiles::OnTiles<'b>, (usize, usize), Vec<tiles::Rect>)>;
+
+/// The backward passes both convolutions share once `x` (on tiles, its gathered region) and
+/// `g` are known: the input's gradient first, so that its halo travels back while the
+/// filter's is computed, then the filter's and the bias's, then the returned halo added.
+#[allow(clippy::too_many_arguments)]
+fn backward_passes(
+    ctx: &Ctx,
+    x: Tensor,
+    dy: &Tensor,
+    g: &ConvGeom,
+    tiled: TiledInput,
+    params: &[Tensor],
+    grads: &mut [Tensor],
+    p: Passes,
+) -> Result<Vec<Option<Tensor>>> {
+    let be = ctx.device.backend();
+    let mut ws = ctx.workspace(be.conv2d_workspace(g), x.dtype().compute())?;
+    let (mut dx, mut returning) = (None, None);
+    if p.need_input {
+        let mut d = ctx.output(x.shape().clone(), &x)?;
+        let (w, out, ws) = (params[0].storage(), d.storage_mut()?, ws.storage_mut()?);
+        match p.adjoint {
+            false => be.conv2d_backward_data(dy.storage(), w, out, ws, g)?,
+            // The adjoint's input gradient is the convolution of dy.
+            true => be.conv2d_forward(dy.storage(), w, out, ws, g)?,
+        }
+        match &tiled {
+            Some((t, hw, needs)) => {
+                returning = Some(tiles::Returning::send(ctx, t.tiles, d, *hw, needs)?)
+            }
+            None => dx = Some(d),
+        }
+    }
+    if p.weights {
+        // The adjoint's weight gradient: its input is dy, its output gradient x.
+        let (input, output_grad) = match p.adjoint {
+            false => (&x, dy),
+            true => (dy, &x),
+        };
+        be.conv2d_backward_filter(
+            input.storage(),
+            output_grad.storage(),
+            grads[0].storage_mut()?,
+            ws.storage_mut()?,
+            g,
+        )?;
+        if let Some(cg) = &p.bias {
+            be.channel_sum(dy.storage(), grads[1].storage_mut()?, cg)?;
+        }
+    }
+    drop((ws, x));
+    if let (Some(r), Some((t, _, needs))) = (returning, &tiled) {
+        dx = Some(r.add_received(ctx, t.tiles, needs)?);
+    }
+    Ok(vec![dx])
 }

@@ -244,14 +244,10 @@ impl Layout {
                 &DeviceProfile::CPU,
             ),
         };
-        let tiles = TileCosts::new(
-            &graph,
-            &c.scheme,
-            &costs,
-            micro,
-            t.activations(),
-            &Link::CPU,
-        );
+        let tiles_of = |costs: &NodeCosts| {
+            TileCosts::new(&graph, &c.scheme, costs, micro, t.activations(), &Link::CPU)
+        };
+        let tiles = tiles_of(&costs);
         let partition = match &c.balance {
             Some(b) if b.len() != c.scheme.model_stages() => {
                 return Err(Error::Config(format!(
@@ -300,17 +296,9 @@ impl Layout {
         let shared = {
             let slower = sharing_threads(&graph, micro, t.activations(), c.scheme.world());
             let costs = costs.scaled(&slower);
-            let tiles = TileCosts::new(
-                &graph,
-                &c.scheme,
-                &costs,
-                micro,
-                t.activations(),
-                &Link::CPU,
-            );
             crate::schemes::schedule::time(
                 &c.scheme,
-                &tiles.stage_costs(&costs, stages),
+                &tiles_of(&costs).stage_costs(&costs, stages),
                 &schedule.schedule(&c.scheme),
             )?
         };
