@@ -91,17 +91,6 @@ impl NodeCosts {
         }
     }
 
-    /// Each node's costs times its factor in `by` (data unchanged).
-    pub fn scaled(&self, by: &[f64]) -> NodeCosts {
-        let times = |v: &[f64]| v.iter().zip(by).map(|(t, k)| t * k).collect();
-        NodeCosts {
-            forward: times(&self.forward),
-            backward: times(&self.backward),
-            weight: times(&self.weight),
-            data: self.data,
-        }
-    }
-
     /// Forward + backward seconds per node.
     pub fn total(&self) -> Vec<f64> {
         self.forward

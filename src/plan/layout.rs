@@ -11,7 +11,7 @@ use crate::plan::cuts::crossing;
 use crate::plan::memory;
 use crate::plan::partition::{self, Partition};
 use crate::schemes::admission::Admission;
-use crate::schemes::schedule::Timeline;
+use crate::schemes::schedule::{StageCosts, Timeline};
 use crate::tensor::DType;
 use crate::{Error, Result};
 
@@ -37,8 +37,8 @@ pub struct Layout {
     pub optimizer: f64,
     /// Each rank's tasks for one step, with their predicted times.
     pub schedule: Timeline,
-    /// The same tasks timed for ranks that share this CPU's threads (see
-    /// [`Layout::predicted_step`]).
+    /// The same tasks timed for ranks that share this CPU's threads: the ranks computing at
+    /// each moment split them (see [`Layout::predicted_step`]).
     pub shared: Timeline,
     /// What admitted its forwards (nothing where the caller wrote the tasks).
     pub admission: Admission,
@@ -50,33 +50,6 @@ pub struct Layout {
 /// on.
 fn cpu_fit() -> &'static crate::plan::fitted::FittedCosts {
     crate::plan::fitted::cpu_for(rayon::current_num_threads())
-}
-
-/// How much slower each node of `graph` runs when `ranks` ranks share this CPU's threads
-/// than on all of them, by the committed fit: each rank gets `threads / ranks` of them, and
-/// below one a share of one.
-fn sharing_threads(graph: &Graph, micro: usize, dtype: DType, ranks: usize) -> Vec<f64> {
-    let threads = rayon::current_num_threads();
-    let each = threads as f64 / ranks.max(1) as f64;
-    let (all, few) = (
-        cpu_fit(),
-        crate::plan::fitted::cpu_for(each.floor().max(1.0) as usize),
-    );
-    let share = each.min(1.0);
-    graph
-        .nodes
-        .iter()
-        .map(|n| {
-            let time = |fit: &crate::plan::fitted::FittedCosts| {
-                fit.node(graph, n, micro, dtype).map(|(f, b)| f + b)
-            };
-            match (time(all), time(few)) {
-                (Some(a), Some(f)) if a > 0.0 => f / a / share,
-                // A family the fit has not seen: as if it scaled perfectly with threads.
-                _ => threads as f64 / each,
-            }
-        })
-        .collect()
 }
 
 /// How much of a spatial stage runs on tiles: the ops from its input on run on each rank's
@@ -292,13 +265,19 @@ impl Layout {
             Some(_) => Admission::Free,
             None => c.admission(bytes.as_deref()),
         };
-        let schedule = c.timeline(&tiles.stage_costs(&costs, stages), bytes.as_deref())?;
+        let alone = tiles.stage_costs(&costs, stages);
+        let schedule = c.timeline(&alone, bytes.as_deref())?;
+        // Ranks on one CPU share its pool of threads: while k of a pipeline's P ranks compute,
+        // so do k of every data-parallel group's and every tile's, k·world/P in all, and each
+        // gets that share of the pool.
         let shared = {
-            let slower = sharing_threads(&graph, micro, t.activations(), c.scheme.world());
-            let costs = costs.scaled(&slower);
-            crate::schemes::schedule::time(
+            let per_position = c.scheme.world() as f64 / c.scheme.stages as f64;
+            let sharing: Vec<StageCosts> = (1..=c.scheme.stages)
+                .map(|k| alone.slower(k as f64 * per_position))
+                .collect();
+            crate::schemes::schedule::time_shared(
                 &c.scheme,
-                &tiles_of(&costs).stage_costs(&costs, stages),
+                &sharing,
                 &schedule.schedule(&c.scheme),
             )?
         };
@@ -325,8 +304,8 @@ impl Layout {
 
     /// Predicted seconds of a step: the schedule, then the optimizer. With `shared_device`,
     /// the ranks are threads of this process sharing its CPU (or processes sharing one
-    /// machine): each op runs on the rank's share of the threads, as slow as the committed
-    /// fit says an op runs on that many, and every rank's optimizer step follows; otherwise
+    /// machine): the ranks computing at each moment share its threads, each op as slow as
+    /// their number times its time on all of them, and every rank's optimizer step follows; otherwise
     /// each rank is a device of its own and the step ends with the fullest rank's optimizer.
     pub fn predicted_step(&self, shared_device: bool) -> f64 {
         if shared_device {

@@ -181,6 +181,17 @@ impl StageCosts {
         }
     }
 
+    /// The same passes `by` times as long (the transfers unchanged).
+    pub fn slower(&self, by: f64) -> StageCosts {
+        let times = |v: &[f64]| v.iter().map(|t| t * by).collect();
+        StageCosts {
+            forward: times(&self.forward),
+            backward: times(&self.backward),
+            weight: times(&self.weight),
+            transfer: self.transfer.clone(),
+        }
+    }
+
     /// Seconds of `t`'s pass (none for a message task: a send is posted, a receive's wait is
     /// its message's travel).
     pub fn of(&self, t: &Task) -> f64 {
@@ -679,7 +690,13 @@ impl Schedule {
                 }
             }
         }
-        time_listed(scheme, &StageCosts::uniform(stages, 1.0, 2.0), self, origin).map(|_| ())
+        time_listed(
+            scheme,
+            &[StageCosts::uniform(stages, 1.0, 2.0)],
+            self,
+            origin,
+        )
+        .map(|_| ())
     }
 }
 
@@ -747,51 +764,101 @@ fn finished(done: &HashMap<Task, f64>, t: &Task) -> Option<f64> {
 /// schedule whose ranks all wait for messages no task can send is a deadlock, reported with
 /// each waiting rank's task.
 pub fn time(scheme: &Scheme, costs: &StageCosts, schedule: &Schedule) -> Result<Timeline> {
+    time_shared(scheme, std::slice::from_ref(costs), schedule)
+}
+
+/// [`time`] for ranks that share one processor's threads: `costs[k - 1]` is what each pass
+/// costs while k of the ranks compute at once (the last entry for more), so a rank that
+/// computes while others wait runs on the threads they leave (processor sharing). A task's
+/// work left carries over when the number computing changes.
+pub fn time_shared(scheme: &Scheme, costs: &[StageCosts], schedule: &Schedule) -> Result<Timeline> {
     let (listed, origin) = schedule.listing_messages();
     time_listed(scheme, costs, &listed, &origin)
 }
 
-/// [`time`] of a schedule that lists its messages, naming tasks by their `origin` index.
+/// [`time_shared`] of a schedule that lists its messages, naming tasks by their `origin`
+/// index.
 fn time_listed(
     scheme: &Scheme,
-    costs: &StageCosts,
+    costs: &[StageCosts],
     schedule: &Schedule,
     origin: &[Vec<usize>],
 ) -> Result<Timeline> {
-    let p = schedule.ranks.len();
+    let (p, stages) = (schedule.ranks.len(), scheme.model_stages());
+    let sharing = |k: usize| &costs[k.clamp(1, costs.len()) - 1];
     let mut next = vec![0usize; p];
-    let mut free_at = vec![0.0f64; p];
+    // Each computing rank's task: its start and when it ends if as many keep computing.
+    let mut running: Vec<Option<(f64, f64)>> = vec![None; p];
     let mut done: HashMap<Task, f64> = HashMap::new();
     let mut out: Vec<Vec<Timed>> = vec![Vec::new(); p];
-    let total: usize = schedule.ranks.iter().map(Vec::len).sum();
-    for _ in 0..total {
-        let mut best: Option<(f64, usize)> = None;
-        for r in 0..p {
-            let Some(t) = schedule.ranks[r].get(next[r]) else {
-                continue;
-            };
-            let mut ready = 0.0f64;
-            let mut waiting = false;
-            for d in needs(t, scheme.model_stages()) {
-                match finished(&done, &d) {
-                    Some(e) if scheme.place(d.replica, d.stage) == r => ready = ready.max(e),
-                    Some(e) => ready = ready.max(e + costs.transfer[t.stage.min(d.stage)]),
-                    None => waiting = true,
+    let (mut now, mut computing) = (0.0f64, 0usize);
+    let mut left: usize = schedule.ranks.iter().map(Vec::len).sum();
+    while left > 0 {
+        // Start what can start now (a message task ends as it starts); note when the next
+        // input arrives.
+        let mut arrival = f64::INFINITY;
+        let mut started = true;
+        while started {
+            started = false;
+            for r in 0..p {
+                let Some(&t) = schedule.ranks[r].get(next[r]) else {
+                    continue;
+                };
+                if running[r].is_some() {
+                    continue;
+                }
+                let mut ready = Some(0.0f64);
+                for d in needs(&t, stages) {
+                    let end = finished(&done, &d);
+                    let moved = match scheme.place(d.replica, d.stage) == r {
+                        true => 0.0,
+                        false => costs[0].transfer[t.stage.min(d.stage)],
+                    };
+                    ready = ready.zip(end).map(|(a, e)| a.max(e + moved));
+                }
+                match ready {
+                    Some(at) if at > now => arrival = arrival.min(at),
+                    Some(_) if t.pass.computes() => {
+                        running[r] = Some((now, f64::NAN));
+                        started = true;
+                    }
+                    Some(_) => {
+                        next[r] += 1;
+                        left -= 1;
+                        done.insert(t, now);
+                        out[r].push(Timed {
+                            task: t,
+                            start: now,
+                            end: now,
+                        });
+                        started = true;
+                    }
+                    None => {}
                 }
             }
-            if waiting {
-                continue;
-            }
-            let start = free_at[r].max(ready);
-            if best.is_none_or(|b| start < b.0) {
-                best = Some((start, r));
+        }
+        // Re-project the computing ranks' ends at the new share of the threads.
+        let before = sharing(computing);
+        computing = running.iter().flatten().count();
+        let after = sharing(computing);
+        for r in 0..p {
+            if let Some((_, end)) = &mut running[r] {
+                let t = &schedule.ranks[r][next[r]];
+                *end = match end.is_nan() {
+                    true => now + after.of(t),
+                    false if std::ptr::eq(before, after) => *end,
+                    false => now + (*end - now) / before.of(t) * after.of(t),
+                };
             }
         }
-        let Some((start, r)) = best else {
+        let ending = (running.iter().flatten())
+            .map(|&(_, end)| end)
+            .fold(f64::INFINITY, f64::min);
+        if ending.is_infinite() && arrival.is_infinite() {
             let stuck: Vec<String> = (0..p)
                 .filter_map(|r| {
                     let t = schedule.ranks[r].get(next[r])?;
-                    let on = needs(t, scheme.model_stages())
+                    let on = needs(t, stages)
                         .into_iter()
                         .find(|d| finished(&done, d).is_none())
                         .map(|d| format!(", waiting for {d}"))
@@ -803,17 +870,18 @@ fn time_listed(
                 "the schedule is refused: it deadlocks: {}",
                 stuck.join("; ")
             )));
-        };
-        let t = schedule.ranks[r][next[r]];
-        next[r] += 1;
-        let end = start + costs.of(&t);
-        free_at[r] = end;
-        done.insert(t, end);
-        out[r].push(Timed {
-            task: t,
-            start,
-            end,
-        });
+        }
+        now = ending.min(arrival);
+        for r in 0..p {
+            if let Some((start, end)) = running[r].filter(|&(_, end)| end <= now) {
+                let task = schedule.ranks[r][next[r]];
+                next[r] += 1;
+                left -= 1;
+                running[r] = None;
+                done.insert(task, end);
+                out[r].push(Timed { task, start, end });
+            }
+        }
     }
     Ok(Timeline { ranks: out })
 }
@@ -1516,6 +1584,46 @@ mod tests {
                 "{:?}",
                 most_held(&t)
             );
+        }
+    }
+
+    #[test]
+    fn ranks_sharing_threads_take_what_the_waiting_ones_leave() {
+        // Perfect sharing: k ranks computing at once each run k times slower. Some rank always
+        // computes (whatever the others wait for is running), so every order's step is the
+        // pipeline's whole work at one rank's speed, bubbles or not.
+        for (order, v) in [
+            (Order::GPipe, 1),
+            (Order::OneFOneB, 1),
+            (Order::Interleaved, 2),
+            (Order::ZbH1, 1),
+            (Order::ZbV, 2),
+        ] {
+            // Interleaved takes micro-batches in rounds of P.
+            let (p, m) = (3, 6);
+            let sch = scheme(Kind::Mp, p, m, 1, order).with_virtual_stages(v);
+            let n = sch.model_stages();
+            let alone = StageCosts::uniform(n, 1.0 / v as f64, 2.0 / v as f64);
+            let s = build(&sch, &alone, &Admission::Free)
+                .unwrap()
+                .schedule(&sch);
+            let sharing: Vec<StageCosts> = (1..=p).map(|k| alone.slower(k as f64)).collect();
+            let shared = time_shared(&sch, &sharing, &s).unwrap();
+            let work = (m * p) as f64 * 3.0;
+            assert!(
+                (shared.makespan() - work).abs() < 1e-9 * work,
+                "{order:?}: {} against the work's {work}",
+                shared.makespan()
+            );
+            // Every rank at a third of the threads throughout pays for the bubble.
+            let thirds = time(&sch, &alone.slower(p as f64), &s).unwrap();
+            assert!(
+                thirds.makespan() > work * 1.1,
+                "{order:?}: {}",
+                thirds.makespan()
+            );
+            // The same tasks in the same order on each rank.
+            assert_eq!(shared.schedule(&sch), s.with_messages());
         }
     }
 
