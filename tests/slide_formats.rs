@@ -6,7 +6,8 @@
 
 use std::path::{Path, PathBuf};
 
-use gems::data::slide::{make_slide, MakeSlide, Slide, SlideReader};
+use gems::data::openslide;
+use gems::data::slide::{self, make_slide, MakeSlide, Slide, SlideReader};
 
 mod common;
 
@@ -132,4 +133,53 @@ fn openslide_reads_generated_slides_as_gems_reads_them() {
     assert!(e.contains("not a slide OpenSlide recognises"), "{e}");
     std::fs::remove_file(&text).unwrap();
     std::fs::remove_file(&path).unwrap();
+}
+
+#[test]
+fn a_folder_of_dicom_files_is_one_slide_read_through_openslide() {
+    let dir = tempfile::tempdir().unwrap();
+    let case = dir.path().join("case 7");
+    std::fs::create_dir(&case).unwrap();
+    for file in ["level1.dcm", "level0.DCM"] {
+        std::fs::write(case.join(file), b"not DICOM").unwrap();
+    }
+    // A folder without DICOM files (a MIRAX slide's data, say) is no slide of its own.
+    std::fs::create_dir(dir.path().join("b")).unwrap();
+    std::fs::write(dir.path().join("b/data0.dat"), b"").unwrap();
+    std::fs::write(dir.path().join("b.svs"), b"").unwrap();
+    let found = slide::slide_files(dir.path()).unwrap();
+    assert_eq!(found, [dir.path().join("b.svs"), case.clone()]);
+    assert_eq!(
+        found
+            .iter()
+            .map(|p| slide::slide_name(p))
+            .collect::<Vec<_>>(),
+        ["b", "case 7"]
+    );
+    // The series' folder itself as the data folder: one slide.
+    assert_eq!(slide::slide_files(&case).unwrap(), [case.clone()]);
+    let e = Slide::open_with(&case, SlideReader::Gems)
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(
+        e.contains("case 7") && e.contains("only OpenSlide reads DICOM"),
+        "{e}"
+    );
+    if !common::openslide_present("a DICOM folder opened through OpenSlide") {
+        return;
+    }
+    // OpenSlide opens the series through its first file, and refuses this one by name.
+    let e = Slide::open_with(&case, SlideReader::OpenSlide)
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(e.contains("level0.DCM"), "{e}");
+    let version = openslide::version().unwrap();
+    if version.split('.').next().unwrap().parse::<u32>().unwrap() < 4 {
+        assert!(
+            e.contains(&format!("OpenSlide {version} reads no DICOM")),
+            "{e}"
+        );
+    }
 }

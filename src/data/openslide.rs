@@ -1,4 +1,4 @@
-//! Slides in every format OpenSlide reads (.svs, .ndpi, .mrxs, .scn, DICOM, …) through
+//! Slides in every format OpenSlide reads (.svs, .ndpi, .mrxs, .scn, DICOM folders, …) through
 //! libopenslide, loaded at run time: the same binary runs without it, reading tiled TIFF with
 //! gems' own reader.
 
@@ -23,6 +23,7 @@ struct Api {
     get_level_downsample: unsafe extern "C" fn(Handle, i32) -> f64,
     get_property_value: unsafe extern "C" fn(Handle, *const c_char) -> *const c_char,
     read_region: unsafe extern "C" fn(Handle, *mut u32, i64, i64, i32, i64, i64),
+    get_version: unsafe extern "C" fn() -> *const c_char,
     /// Kept loaded for the process's life: the pointers above point into it.
     _library: libloading::Library,
 }
@@ -60,6 +61,7 @@ fn bind(library: libloading::Library) -> std::result::Result<Api, libloading::Er
         let get_level_downsample = *library.get(b"openslide_get_level_downsample\0")?;
         let get_property_value = *library.get(b"openslide_get_property_value\0")?;
         let read_region = *library.get(b"openslide_read_region\0")?;
+        let get_version = *library.get(b"openslide_get_version\0")?;
         Ok(Api {
             open,
             close,
@@ -69,6 +71,7 @@ fn bind(library: libloading::Library) -> std::result::Result<Api, libloading::Er
             get_level_downsample,
             get_property_value,
             read_region,
+            get_version,
             _library: library,
         })
     }
@@ -77,6 +80,14 @@ fn bind(library: libloading::Library) -> std::result::Result<Api, libloading::Er
 /// Whether libopenslide loads on this machine; else why not (the names tried).
 pub fn available() -> std::result::Result<(), String> {
     api().map(|_| ()).map_err(str::to_string)
+}
+
+/// The loaded libopenslide's version (e.g. "3.4.1"), if it loads.
+pub fn version() -> Option<String> {
+    let api = api().ok()?;
+    // SAFETY: OpenSlide returns a static NUL-terminated string.
+    let v = unsafe { (api.get_version)() };
+    (!v.is_null()).then(|| unsafe { CStr::from_ptr(v) }.to_string_lossy().into_owned())
 }
 
 /// One level as OpenSlide reports it.
@@ -114,8 +125,17 @@ impl OpenSlide {
         // SAFETY: a NUL-terminated path; the handle is closed on drop.
         let handle = unsafe { (api.open)(name.as_ptr()) };
         if handle.is_null() {
+            let dicom = path
+                .extension()
+                .is_some_and(|e| e.eq_ignore_ascii_case("dcm"));
+            let major = |v: &String| v.split('.').next()?.parse::<u32>().ok();
+            let old = version().filter(|v| major(v).is_some_and(|m| m < 4));
+            let why = match old {
+                Some(v) if dicom => format!(": OpenSlide {v} reads no DICOM (4.0 and later do)"),
+                _ => String::new(),
+            };
             return Err(Error::Data(format!(
-                "{} is not a slide OpenSlide recognises",
+                "{} is not a slide OpenSlide recognises{why}",
                 path.display()
             )));
         }

@@ -546,22 +546,56 @@ const TIFF_EXTENSIONS: [&str; 3] = ["tif", "tiff", "svs"];
 /// File extensions only OpenSlide opens (its single-file formats and the index files of its
 /// multi-file ones).
 const OPENSLIDE_EXTENSIONS: [&str; 7] = ["ndpi", "mrxs", "scn", "vms", "vmu", "svslide", "bif"];
+/// The extension of DICOM files: a DICOM slide is a folder of them (a series, a file per
+/// level), which OpenSlide opens from any one of them.
+const DICOM_EXTENSION: &str = "dcm";
 
-/// Whether `path` names a slide the chosen reader may open, by its extension.
-pub fn is_slide_file(path: &Path) -> bool {
-    let ext = path
-        .extension()
-        .map(|e| e.to_string_lossy().to_ascii_lowercase());
-    let Some(ext) = ext.as_deref() else {
-        return false;
-    };
-    !path.is_dir()
-        && (TIFF_EXTENSIONS.contains(&ext)
-            || (chosen_reader() != SlideReader::Gems && OPENSLIDE_EXTENSIONS.contains(&ext)))
+fn extension(path: &Path) -> Option<String> {
+    path.extension()
+        .map(|e| e.to_string_lossy().to_ascii_lowercase())
 }
 
-/// The slides in `dir` ([`is_slide_file`]), sorted; refuses a folder with none.
+/// The first (by name) DICOM file directly in `dir`, if it holds any: the file a DICOM
+/// slide is opened through.
+fn dicom_series(dir: &Path) -> Option<PathBuf> {
+    let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
+        .ok()?
+        .filter_map(|e| Some(e.ok()?.path()))
+        .filter(|p| p.is_file() && extension(p).as_deref() == Some(DICOM_EXTENSION))
+        .collect();
+    files.sort();
+    files.into_iter().next()
+}
+
+/// Whether `path` is a slide the chosen reader may open: a file by its extension, or a
+/// folder of DICOM files (read through OpenSlide).
+pub fn is_slide(path: &Path) -> bool {
+    if path.is_dir() {
+        return chosen_reader() != SlideReader::Gems && dicom_series(path).is_some();
+    }
+    extension(path).is_some_and(|ext| {
+        TIFF_EXTENSIONS.contains(&ext.as_str())
+            || (chosen_reader() != SlideReader::Gems
+                && OPENSLIDE_EXTENSIONS.contains(&ext.as_str()))
+    })
+}
+
+/// What outputs and label rows call the slide at `path`: a file's stem, a DICOM folder's
+/// name.
+pub fn slide_name(path: &Path) -> String {
+    let name = match path.is_dir() {
+        true => path.file_name(),
+        false => path.file_stem(),
+    };
+    name.unwrap_or_default().to_string_lossy().into_owned()
+}
+
+/// The slides in `dir` ([`is_slide`]), sorted; `dir` itself where it is a folder of DICOM
+/// files; refuses a folder with none.
 pub fn slide_files(dir: &Path) -> Result<Vec<PathBuf>> {
+    if is_slide(dir) {
+        return Ok(vec![dir.to_path_buf()]);
+    }
     let mut paths = Vec::new();
     let entries = std::fs::read_dir(dir)
         .map_err(|e| Error::Data(format!("cannot read {}: {e}", dir.display())))?;
@@ -569,7 +603,7 @@ pub fn slide_files(dir: &Path) -> Result<Vec<PathBuf>> {
         let path = entry
             .map_err(|e| Error::Data(format!("cannot read {}: {e}", dir.display())))?
             .path();
-        if is_slide_file(&path) {
+        if is_slide(&path) {
             paths.push(path);
         }
     }
@@ -577,7 +611,10 @@ pub fn slide_files(dir: &Path) -> Result<Vec<PathBuf>> {
     if paths.is_empty() {
         let openslide = match chosen_reader() {
             SlideReader::Gems => String::new(),
-            _ => format!(", .{}", OPENSLIDE_EXTENSIONS.join(", .")),
+            _ => format!(
+                ", .{} or folders of .{DICOM_EXTENSION} files",
+                OPENSLIDE_EXTENSIONS.join(", .")
+            ),
         };
         return Err(Error::Data(format!(
             "{} holds no slides (.tif, .tiff, .svs{openslide})",
@@ -623,37 +660,42 @@ impl Slide {
 
     /// Opens a slide with `reader` (see [`Slide::open`]).
     pub fn open_with(path: &Path, reader: SlideReader) -> Result<Slide> {
+        let tiff = !path.is_dir()
+            && extension(path).is_some_and(|e| TIFF_EXTENSIONS.contains(&e.as_str()));
         match reader {
+            SlideReader::Gems if path.is_dir() => Err(Error::Data(format!(
+                "{} is a folder (a DICOM slide): only OpenSlide reads DICOM",
+                path.display()
+            ))),
             SlideReader::Gems => Slide::open_tiff(path),
             SlideReader::OpenSlide => Slide::open_openslide(path),
-            SlideReader::Auto => {
-                let ext = path
-                    .extension()
-                    .map(|e| e.to_string_lossy().to_ascii_lowercase());
-                if ext.as_deref().is_some_and(|e| TIFF_EXTENSIONS.contains(&e)) {
-                    return Slide::open_tiff(path);
+            SlideReader::Auto if tiff => Slide::open_tiff(path),
+            SlideReader::Auto => match openslide::available() {
+                Ok(()) => Slide::open_openslide(path),
+                Err(why) => {
+                    OPENSLIDE_MISSING.call_once(|| {
+                        eprintln!("note: {why}; gems reads TIFF slides with its own reader only")
+                    });
+                    Err(Error::Data(format!(
+                        "{}: only OpenSlide reads this format, and {why}",
+                        path.display()
+                    )))
                 }
-                match openslide::available() {
-                    Ok(()) => Slide::open_openslide(path),
-                    Err(why) => {
-                        OPENSLIDE_MISSING.call_once(|| {
-                            eprintln!(
-                                "note: {why}; gems reads TIFF slides with its own reader only"
-                            )
-                        });
-                        Err(Error::Data(format!(
-                            "{}: only OpenSlide reads this format, and {why}",
-                            path.display()
-                        )))
-                    }
-                }
-            }
+            },
         }
     }
 
     /// Opens a slide through libopenslide.
     fn open_openslide(path: &Path) -> Result<Slide> {
-        let slide = OpenSlide::open(path)?;
+        let slide = match path.is_dir() {
+            true => OpenSlide::open(&dicom_series(path).ok_or_else(|| {
+                Error::Data(format!(
+                    "{} holds no .{DICOM_EXTENSION} files",
+                    path.display()
+                ))
+            })?)?,
+            false => OpenSlide::open(path)?,
+        };
         let levels = slide
             .levels()
             .iter()
@@ -1188,11 +1230,7 @@ impl Slides {
         let (level, size) = (self.config.level, self.config.tile);
         let rgb = slide.read_rgb8(level, t.x, t.y, size, size)?;
         let folder = dir.join(&self.classes[t.label as usize]);
-        let stem = slide
-            .path()
-            .file_stem()
-            .unwrap_or_default()
-            .to_string_lossy();
+        let stem = slide_name(slide.path());
         let path = folder.join(format!("{stem}_level{level}_{}_{}.png", t.x, t.y));
         std::fs::create_dir_all(&folder)
             .map_err(|e| Error::Data(format!("cannot write {}: {e}", path.display())))?;
@@ -1403,8 +1441,7 @@ impl Labels {
 
     /// The key of the rows for the slide at `path`: its file name, else its stem.
     fn key_for(&self, path: &Path) -> Option<String> {
-        let stem = path.file_stem().map(|s| s.to_string_lossy().into_owned());
-        [Some(file_name(path)), stem]
+        [Some(file_name(path)), Some(slide_name(path))]
             .into_iter()
             .flatten()
             .find(|k| self.by_slide.contains_key(k))

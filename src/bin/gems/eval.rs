@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use gems::backend::cuda::ConvImpl;
 use gems::data::maps::{self, ClassMap};
-use gems::data::slide::Slide;
+use gems::data::slide::{self, Slide};
 use gems::data::transform::Transform;
 use gems::data::{DataConfig, Pipeline, SourceSpec};
 use gems::runtime::Checkpoint;
@@ -277,7 +277,7 @@ fn refuse_overwriting_inputs(a: &EvalArgs, order: &Pipeline) -> anyhow::Result<(
     if let Some(dir) = &a.predictions {
         outputs.push(dir.join("tiles.csv"));
         for slide in &slides {
-            let stem = slide.file_stem().unwrap_or_default().to_string_lossy();
+            let stem = slide::slide_name(slide);
             outputs.push(dir.join(format!("{stem}.png")));
             outputs.push(dir.join(format!("{stem}.tiff")));
         }
@@ -448,11 +448,7 @@ pub fn write_predictions(
     }
     csv.flush()?;
     for (slide, map) in &maps {
-        let stem = slide
-            .path()
-            .file_stem()
-            .unwrap_or_default()
-            .to_string_lossy();
+        let stem = slide::slide_name(slide.path());
         let (png, tiff) = (
             dir.join(format!("{stem}.png")),
             dir.join(format!("{stem}.tiff")),

@@ -109,7 +109,7 @@ fn whole_slides(a: &PredictArgs, dir: &Path) -> anyhow::Result<()> {
     let outputs: Vec<(PathBuf, PathBuf)> = slides
         .iter()
         .map(|p| {
-            let stem = p.file_stem().unwrap_or_default().to_string_lossy();
+            let stem = slide::slide_name(p);
             (
                 a.out.join(format!("{stem}.classes.tiff")),
                 a.out.join(format!("{stem}.classes.png")),
