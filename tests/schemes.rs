@@ -837,6 +837,84 @@ fn spread_evaluation_equals_single_device_evaluation_of_the_same_weights() {
     }
 }
 
+/// Evaluation on tiles: each tile scores the pixels it owns and the tile group sums the
+/// counts, so a U-Net's confusion counts, loss and per-sample results under 2x2 and 3x1 tiles
+/// (of 40², whose maps no grid divides evenly) are the single device's for the same weights,
+/// and no rank ever holds the other tiles' logits: the most bytes a rank had in transit at
+/// once stay below them.
+#[test]
+fn spatial_evaluation_equals_single_device_evaluation_without_gathering_logits() {
+    let (side, classes, batch, samples) = (40, 3, 4, 7);
+    let g = models::build("unet_d3_w4", side, classes).unwrap();
+    // Trained until it predicts every class somewhere.
+    let steps = 6;
+    let mut config = train(batch, DType::F64, 0.1);
+    config.schedule.total = steps;
+    let mut single = session(&g, RunConfig::new(config.clone(), Scheme::single(1)));
+    for _ in 0..steps {
+        single.step().unwrap();
+    }
+    let path = std::env::temp_dir().join(format!(
+        "gems-schemes-tiled-eval-{}.safetensors",
+        std::process::id()
+    ));
+    single.save(&path).unwrap();
+    let data = DataConfig {
+        task: Task::Segment,
+        ..config.data.clone()
+    };
+    let held_out = gems::data::open(&data, side, classes, config.seed)
+        .unwrap()
+        .val
+        .unwrap();
+    // Every third pixel's class kept, as prediction maps keep them.
+    let want = single.predict(&held_out, Some(samples), 3).unwrap();
+    assert_eq!(want.samples, samples);
+    assert!((0..classes).all(|c| want.confusion.iter().any(|row| row[c] > 0)));
+    for grid in [tiles(2, 2), tiles(3, 1)] {
+        let s = Scheme::single(1).with_spatial(grid);
+        let mut tiled = session(&g, RunConfig::new(config.clone(), s));
+        tiled.restore(&path).unwrap();
+        let got = tiled.predict(&held_out, Some(samples), 3).unwrap();
+        assert_eq!(got.confusion, want.confusion, "{grid}");
+        assert_eq!(got.accuracy, want.accuracy, "{grid}");
+        assert!(
+            (got.loss - want.loss).abs() <= 1e-12 * want.loss,
+            "{grid}: loss {} against {}",
+            got.loss,
+            want.loss
+        );
+        assert_eq!(got.per_sample.len(), want.per_sample.len(), "{grid}");
+        for (a, b) in got.per_sample.iter().zip(&want.per_sample) {
+            let p = a.position;
+            assert_eq!(
+                (p, a.label, a.predicted, &a.scores, &a.map),
+                (b.position, b.label, b.predicted, &b.scores, &b.map),
+                "{grid}: sample {p}"
+            );
+            assert!(
+                (a.loss - b.loss).abs() <= 1e-12 * b.loss,
+                "{grid}: sample {p}: loss {} against {}",
+                a.loss,
+                b.loss
+            );
+        }
+        // Logits gathered onto a rank would arrive as the other tiles' parts, all at once.
+        let bytes = |px: usize| (px * classes * batch * DType::F64.size()) as u64;
+        for (rank, m) in tiled.memory().unwrap().iter().enumerate() {
+            let (h, w) = grid.owned(rank, (side, side)).size();
+            let others = bytes(side * side - h * w);
+            let in_transit = m.category_peaks.get(gems::memory::Category::Communication);
+            assert!(
+                in_transit < others,
+                "{grid}: rank {rank} had {in_transit} bytes in transit, the other tiles' \
+                 logits are {others}"
+            );
+        }
+    }
+    std::fs::remove_file(&path).ok();
+}
+
 #[test]
 fn spread_evaluation_scores_every_held_out_sample_once() {
     let data = held_out_folder("once");
