@@ -691,6 +691,23 @@ fn softmax_cross_entropy_gradients_and_definition() {
         let per = loss::per_sample(&x, &labels, cw).unwrap();
         let mean = per.iter().sum::<f64>() / per.len() as f64;
         assert!((mean - want).abs() <= 1e-12 * want, "{dims:?} per sample");
+        if let [_, _, h, w] = dims[..] {
+            // The tiles' shares of a sample's loss add up to it.
+            let grid = gems::ops::tiles::Grid { rows: 2, cols: 2 };
+            let mut sum = vec![0.0; per.len()];
+            for t in 0..grid.tiles() {
+                let tile = gems::ops::tiles::cut(&d, &x, grid, t).unwrap();
+                let part = grid.owned(t, (h, w));
+                let shares = loss::per_sample_part(&tile, &labels, (h, w), &part, cw).unwrap();
+                sum.iter_mut().zip(shares).for_each(|(s, p)| *s += p);
+            }
+            for (a, b) in sum.iter().zip(&per) {
+                assert!(
+                    (a - b).abs() <= 1e-12 * b,
+                    "{dims:?}: tiles {a} against {b}"
+                );
+            }
+        }
         for (s, &l) in per.iter().enumerate() {
             let sample = shape.numel() / shape.dim(0);
             let places = labels.len() / shape.dim(0);

@@ -171,10 +171,9 @@ impl Conv2d {
         Ok(y)
     }
 
-    /// Forward on tiles, the halo exchange overlapped with the interior: this tile's border
-    /// goes to the ranks that read it, the outputs whose windows lie in the tile are computed
-    /// while the halo travels, then the rest, in up to four strips. Returns the output tile
-    /// and the halo's pieces (backward rebuilds the gathered input from them and `x`).
+    /// Forward on tiles, the halo exchange overlapped with the interior
+    /// ([`tiles::overlapped`]): the output tile and the halo's pieces (backward rebuilds the
+    /// gathered input from them and `x`).
     fn forward_tiles(
         &self,
         ctx: &Ctx,
@@ -182,25 +181,17 @@ impl Conv2d {
         x: &Tensor,
         w: &Tensor,
     ) -> Result<(Tensor, Vec<Tensor>)> {
-        let hw = t.input_hw(0);
-        let mut halo = tiles::Halo::send(ctx, t.tiles, x, hw, &self.needs(t))?;
-        let out = t.tiles.own(t.output_hw());
-        let own = t.tiles.own(hw);
-        let inner = tiles::interior(&out, &own, hw, self.stride, self.pad, self.span());
-        let mut parts = Vec::with_capacity(5);
-        if !inner.is_empty() {
-            parts.push((inner, self.forward_rect(ctx, t, &halo, x, w, &inner)?));
-        }
-        halo.receive(ctx, t.tiles)?;
-        for r in tiles::around(&out, &inner) {
-            let y = self.forward_rect(ctx, t, &halo, x, w, &r)?;
-            parts.push((r, y));
-        }
-        let y = match parts.len() {
-            1 => parts.pop().expect("one part").1,
-            _ => tiles::join(ctx.device, &parts, &out)?,
-        };
-        Ok((y, halo.into_pieces()))
+        let needs = self.needs(t);
+        tiles::overlapped(
+            ctx,
+            t,
+            x,
+            &needs,
+            self.stride,
+            self.pad,
+            self.span(),
+            |halo, out| self.forward_rect(ctx, t, halo, x, w, out),
+        )
     }
 }
 

@@ -190,23 +190,54 @@ pub fn per_sample(
     labels: &[u32],
     class_weights: Option<&[f64]>,
 ) -> Result<Vec<f64>> {
+    let hw = match logits.shape().dims() {
+        [_, _, h, w] => (*h, *w),
+        _ => (1, 1),
+    };
+    let whole = Rect::new(0..hw.0, 0..hw.1);
+    per_sample_part(logits, labels, hw, &whole, class_weights)
+}
+
+/// Each sample's share of its loss as [`softmax_cross_entropy`] defines it, from the logits
+/// of the rectangle `part` of `hw` maps (all of it for a classifier's N×K), in f64 on the
+/// host: Σ w·ℓ over the part's labelled places divided by the whole sample's Σ w (`labels`
+/// are the whole maps'), so the parts' shares add up to the sample's loss.
+pub fn per_sample_part(
+    logits: &Tensor,
+    labels: &[u32],
+    hw: (usize, usize),
+    part: &Rect,
+    class_weights: Option<&[f64]>,
+) -> Result<Vec<f64>> {
     let g = geometry(logits.shape())?;
-    check(&g, labels, class_weights)?;
+    let whole = LossGeom {
+        positions: hw.0 * hw.1,
+        ..g
+    };
+    check(&whole, labels, class_weights)?;
+    if g.positions != part.size().0 * part.size().1 {
+        return Err(Error::Shape(format!(
+            "logits {} do not hold a {:?} part of {hw:?} maps",
+            logits.shape(),
+            part.size()
+        )));
+    }
+    let mine = part_of(labels, hw, part);
     let x = logits.to_f64_vec()?;
     Ok((0..g.n)
         .map(|s| {
-            let (mut sum, mut total) = (0.0, 0.0);
+            let sample = &labels[s * whole.positions..][..whole.positions];
+            let total: f64 = sample.iter().map(|&l| class_weight(l, class_weights)).sum();
+            let mut sum = 0.0;
             for pos in 0..g.positions {
-                let label = labels[s * g.positions + pos];
+                let label = mine[s * g.positions + pos];
                 if label == UNLABELLED {
                     continue;
                 }
                 let at = |j: usize| x[(s * g.k + j) * g.positions + pos];
                 let max = (0..g.k).map(at).fold(f64::NEG_INFINITY, f64::max);
                 let lse = max + (0..g.k).map(|j| (at(j) - max).exp()).sum::<f64>().ln();
-                let w = class_weights.map_or(1.0, |cw| cw[label as usize]);
-                sum += w * (lse - at(label as usize));
-                total += w;
+                sum += class_weight(label, class_weights) * (lse - at(label as usize));
             }
             if total > 0.0 {
                 sum / total

@@ -96,19 +96,11 @@ impl Window {
 }
 
 impl Window {
-    /// On tiles: every rank's input rectangle (what its output tile's windows read) and this
-    /// rank's geometry on its rectangle, for an input tile of shape `x`. With `counted_padding`
-    /// (average pools) the rectangle holds the padding as zeros and has none of its own, so a
-    /// window's divisor is what it is on the whole map; otherwise padding stays implicit, only
-    /// where the rectangle starts at the map's edge.
-    fn tile_geom(
-        &self,
-        t: &OnTiles,
-        x: &Shape,
-        counted_padding: bool,
-    ) -> Result<(Vec<Rect>, PoolGeom)> {
-        let (n, c, _, _) = x.nchw();
-        let needs = tiles::window_needs(
+    /// On tiles: every rank's input rectangle, what its output tile's windows read. With
+    /// `counted_padding` (average pools) a rectangle holds the padding as zeros, so a window's
+    /// divisor is what it is on the whole map; otherwise padding stays implicit.
+    fn tile_needs(&self, t: &OnTiles, counted_padding: bool) -> Vec<Rect> {
+        tiles::window_needs(
             t.tiles.grid,
             t.input_hw(0),
             t.output_hw(),
@@ -116,12 +108,17 @@ impl Window {
             self.pad,
             self.kernel,
             !counted_padding,
-        );
-        let me = needs[t.tiles.tile()];
-        let out = t.tiles.own(t.output_hw());
+        )
+    }
+
+    /// The geometry computing output rectangle `out` of the whole map from a tensor holding
+    /// the input rectangle `src` (what `out`'s windows read, from their first row and column
+    /// on, or from the map's edge): padding only where the windows start before `src`, and
+    /// `out`'s size, for a batch of `n` images of `c` channels.
+    fn rect_geom(&self, n: usize, c: usize, src: &Rect, out: &Rect) -> PoolGeom {
         let first = |o: isize, s: usize, p: usize| o * s as isize - p as isize;
-        let ((h, w), (h_out, w_out)) = (me.size(), out.size());
-        let g = PoolGeom {
+        let ((h, w), (h_out, w_out)) = (src.size(), out.size());
+        PoolGeom {
             n,
             c,
             h,
@@ -130,34 +127,55 @@ impl Window {
             kw: self.kernel.1,
             stride: self.stride,
             pad: (
-                (me.rows.0 - first(out.rows.0, self.stride.0, self.pad.0)) as usize,
-                (me.cols.0 - first(out.cols.0, self.stride.1, self.pad.1)) as usize,
+                (src.rows.0 - first(out.rows.0, self.stride.0, self.pad.0)) as usize,
+                (src.cols.0 - first(out.cols.0, self.stride.1, self.pad.1)) as usize,
             ),
             h_out,
             w_out,
-        };
-        Ok((needs, g))
+        }
     }
 
-    /// The input (gathered on tiles) and its geometry.
-    fn input(
+    /// The output of `pool` (a kernel computing an output from an input and its geometry)
+    /// on `x`, and on tiles the halo's pieces: the output tile computed rectangle by
+    /// rectangle, the halo exchange overlapped with the interior ([`tiles::overlapped`]).
+    fn forward(
         &self,
         ctx: &Ctx,
         x: &Tensor,
         counted_padding: bool,
-    ) -> Result<(Tensor, PoolGeom, Option<Vec<Rect>>)> {
-        match &ctx.tiles {
-            Some(t) => {
-                let (needs, g) = self.tile_geom(t, x.shape(), counted_padding)?;
-                let x = tiles::gather(ctx, t.tiles, x, t.input_hw(0), &needs)?;
-                Ok((x, g, Some(needs)))
-            }
-            None => Ok((x.clone(), self.geom(x.shape())?, None)),
-        }
+        pool: impl Fn(&Tensor, &PoolGeom) -> Result<Tensor>,
+    ) -> Result<(Tensor, Vec<Tensor>)> {
+        let Some(t) = &ctx.tiles else {
+            return Ok((pool(x, &self.geom(x.shape())?)?, Vec::new()));
+        };
+        let (n, c, _, _) = x.shape().nchw();
+        let hw = t.input_hw(0);
+        let needs = self.tile_needs(t, counted_padding);
+        tiles::overlapped(
+            ctx,
+            t,
+            x,
+            &needs,
+            self.stride,
+            self.pad,
+            self.kernel,
+            |halo, out| {
+                let reads = tiles::window_rect(
+                    out,
+                    hw,
+                    self.stride,
+                    self.pad,
+                    self.kernel,
+                    !counted_padding,
+                );
+                let (src, at) = halo.source(ctx, x, &reads)?;
+                pool(&src, &self.rect_geom(n, c, &at, out))
+            },
+        )
     }
 
-    /// The geometry backward runs with, for an input of shape `x` (a tile on tiles), and on
-    /// tiles every rank's rectangle.
+    /// The geometry backward runs with, for an input of shape `x` (a tile on tiles: from the
+    /// rank's input rectangle to its output tile), and on tiles every rank's rectangle.
     fn backward_geom(
         &self,
         ctx: &Ctx,
@@ -166,7 +184,10 @@ impl Window {
     ) -> Result<(PoolGeom, Option<Vec<Rect>>)> {
         match &ctx.tiles {
             Some(t) => {
-                let (needs, g) = self.tile_geom(t, x, counted_padding)?;
+                let (n, c, _, _) = x.nchw();
+                let needs = self.tile_needs(t, counted_padding);
+                let out = t.tiles.own(t.output_hw());
+                let g = self.rect_geom(n, c, &needs[t.tiles.tile()], &out);
                 Ok((g, Some(needs)))
             }
             None => Ok((self.geom(x)?, None)),
@@ -216,12 +237,15 @@ impl Operator for MaxPool {
         xs: &[&Tensor],
         _params: &mut [Tensor],
     ) -> Result<(Tensor, Saved)> {
-        let (x, g, _) = self.0.input(ctx, xs[0], false)?;
-        let mut y = ctx.output(Shape::new([g.n, g.c, g.h_out, g.w_out]), &x)?;
-        ctx.device
-            .backend()
-            .max_pool_forward(x.storage(), y.storage_mut()?, &g)?;
-        Ok((y, Saved(vec![x])))
+        let x = xs[0];
+        let (y, pieces) = self.0.forward(ctx, x, false, |src, g| {
+            let mut y = ctx.output(Shape::new([g.n, g.c, g.h_out, g.w_out]), src)?;
+            ctx.device
+                .backend()
+                .max_pool_forward(src.storage(), y.storage_mut()?, g)?;
+            Ok(y)
+        })?;
+        Ok((y, Saved([vec![x.clone()], pieces].concat())))
     }
 
     fn backward(
@@ -231,10 +255,19 @@ impl Operator for MaxPool {
         _params: &[Tensor],
         _grads: &mut [Tensor],
     ) -> Result<Vec<Option<Tensor>>> {
-        // On tiles, x is the gathered input: this tile and its halo.
-        let x = &b.saved.0[0];
+        // On tiles, the input tile and the halo's pieces: the input forward read, rebuilt.
+        let mut saved = b.saved.0;
+        let x = saved.remove(0);
         let (g, needs) = self.0.backward_geom(ctx, &b.inputs[0], false)?;
-        let mut dx = ctx.output(x.shape().clone(), x)?;
+        let x = match (&ctx.tiles, &needs) {
+            (Some(t), Some(needs)) => {
+                let hw = t.input_hw(0);
+                let halo = tiles::Halo::received(t.tiles, hw, needs, saved);
+                halo.region(ctx, &x, &needs[t.tiles.tile()])?
+            }
+            _ => x,
+        };
+        let mut dx = ctx.output(x.shape().clone(), &x)?;
         ctx.device.backend().max_pool_backward(
             x.storage(),
             b.dy.storage(),
@@ -271,11 +304,13 @@ impl Operator for AvgPool {
         xs: &[&Tensor],
         _params: &mut [Tensor],
     ) -> Result<(Tensor, Saved)> {
-        let (x, g, _) = self.0.input(ctx, xs[0], true)?;
-        let mut y = ctx.output(Shape::new([g.n, g.c, g.h_out, g.w_out]), &x)?;
-        ctx.device
-            .backend()
-            .avg_pool_forward(x.storage(), y.storage_mut()?, &g)?;
+        let (y, _) = self.0.forward(ctx, xs[0], true, |src, g| {
+            let mut y = ctx.output(Shape::new([g.n, g.c, g.h_out, g.w_out]), src)?;
+            ctx.device
+                .backend()
+                .avg_pool_forward(src.storage(), y.storage_mut()?, g)?;
+            Ok(y)
+        })?;
         Ok((y, Saved::default()))
     }
 
@@ -569,38 +604,40 @@ impl Operator for AdaptiveAvgPool {
 pub struct AvgPoolExcludePad(pub Window);
 
 impl AvgPoolExcludePad {
-    /// kh·kw / (input elements covered) for every output element of the batch (of geometry
-    /// `g`), as workspace: on tiles, of this rank's output tile of the whole map's windows.
-    fn scale(&self, ctx: &Ctx, g: &PoolGeom, like: &Tensor) -> Result<Tensor> {
-        let (whole, first) = match &ctx.tiles {
+    /// kh·kw / (input elements covered) for every element of `like` (an output, or its
+    /// gradient, of the input `x`), as workspace: on tiles, of this rank's output tile of the
+    /// whole map's windows.
+    fn scale(&self, ctx: &Ctx, x: &Shape, like: &Tensor) -> Result<Tensor> {
+        let (n, c, h, w) = x.nchw();
+        let (_, _, h_out, w_out) = like.shape().nchw();
+        let ((h, w), first) = match &ctx.tiles {
             Some(t) => {
-                let (h, w) = t.input_hw(0);
-                let g = self.0.geom(&Shape::new([g.n, g.c, h, w]))?;
                 let out = t.tiles.own(t.output_hw());
-                (g, (out.rows.0 as usize, out.cols.0 as usize))
+                (t.input_hw(0), (out.rows.0 as usize, out.cols.0 as usize))
             }
-            None => (*g, (0, 0)),
+            None => ((h, w), (0, 0)),
         };
+        let whole = self.0.geom(&Shape::new([n, c, h, w]))?;
         let covered = |o: usize, s: usize, p: usize, k: usize, n: usize| {
             let start = (o * s) as isize - p as isize;
             ((start + k as isize).min(n as isize) - start.max(0)) as f64
         };
-        let mut plane = Vec::with_capacity(g.h_out * g.w_out);
-        for oh in first.0..first.0 + g.h_out {
+        let mut plane = Vec::with_capacity(h_out * w_out);
+        for oh in first.0..first.0 + h_out {
             let rows = covered(oh, whole.stride.0, whole.pad.0, whole.kh, whole.h);
-            for ow in first.1..first.1 + g.w_out {
+            for ow in first.1..first.1 + w_out {
                 let cols = covered(ow, whole.stride.1, whole.pad.1, whole.kw, whole.w);
-                plane.push((g.kh * g.kw) as f64 / (rows * cols));
+                plane.push((whole.kh * whole.kw) as f64 / (rows * cols));
             }
         }
-        let hw = g.h_out * g.w_out;
+        let hw = h_out * w_out;
         let plane = ctx.device.upload(
             Shape::new([hw]),
             &plane,
             like.dtype(),
             crate::memory::Category::Workspace,
         )?;
-        let mut all = ctx.workspace(g.n * g.c * hw, like.dtype())?;
+        let mut all = ctx.workspace(n * c * hw, like.dtype())?;
         // Source stride 0: the one plane repeated for every (n, c).
         ctx.device.backend().copy_channels(
             plane.storage(),
@@ -608,7 +645,7 @@ impl AvgPoolExcludePad {
             (0, 0),
             (1, 0),
             1,
-            g.n * g.c,
+            n * c,
             hw,
         )?;
         Ok(all)
@@ -635,14 +672,15 @@ impl Operator for AvgPoolExcludePad {
         xs: &[&Tensor],
         _params: &mut [Tensor],
     ) -> Result<(Tensor, Saved)> {
-        let (x, g, _) = self.0.input(ctx, xs[0], true)?;
         let be = ctx.device.backend();
-        let mut sum = ctx.workspace(g.n * g.c * g.h_out * g.w_out, x.dtype())?;
-        be.avg_pool_forward(x.storage(), sum.storage_mut()?, &g)?;
-        drop(x);
-        let scale = self.scale(ctx, &g, &sum)?;
-        let mut y = ctx.output(Shape::new([g.n, g.c, g.h_out, g.w_out]), &sum)?;
-        be.mul(sum.storage(), scale.storage(), y.storage_mut()?)?;
+        let (mean, _) = self.0.forward(ctx, xs[0], true, |src, g| {
+            let mut y = ctx.output(Shape::new([g.n, g.c, g.h_out, g.w_out]), src)?;
+            be.avg_pool_forward(src.storage(), y.storage_mut()?, g)?;
+            Ok(y)
+        })?;
+        let scale = self.scale(ctx, xs[0].shape(), &mean)?;
+        let mut y = ctx.output(mean.shape().clone(), &mean)?;
+        be.mul(mean.storage(), scale.storage(), y.storage_mut()?)?;
         Ok((y, Saved::default()))
     }
 
@@ -655,7 +693,7 @@ impl Operator for AvgPoolExcludePad {
     ) -> Result<Vec<Option<Tensor>>> {
         let (g, needs) = self.0.backward_geom(ctx, &b.inputs[0], true)?;
         let be = ctx.device.backend();
-        let scale = self.scale(ctx, &g, &b.dy)?;
+        let scale = self.scale(ctx, &b.inputs[0], &b.dy)?;
         let mut dsum = ctx.workspace(b.dy.numel(), b.dy.dtype())?;
         be.mul(b.dy.storage(), scale.storage(), dsum.storage_mut()?)?;
         drop(scale);

@@ -477,6 +477,43 @@ pub fn gather(
     halo.region(ctx, x, &needs[t.tile()])
 }
 
+/// A window op's output tile, the halo exchange overlapped with the interior: this tile's
+/// border goes to the ranks that read it (`needs`, every rank's input rectangle), the
+/// outputs whose windows (`stride`, `pad`, `span`) read only the tile are computed while the
+/// halo travels, then the rest, in up to four strips. `rect(halo, out)` computes output
+/// rectangle `out` from the input tile `x` and what `halo` holds (nothing yet for the
+/// interior). Returns the output tile and the halo's pieces (for [`Halo::received`]).
+#[allow(clippy::too_many_arguments)]
+pub fn overlapped(
+    ctx: &Ctx,
+    t: &OnTiles,
+    x: &Tensor,
+    needs: &[Rect],
+    stride: (usize, usize),
+    pad: (usize, usize),
+    span: (usize, usize),
+    mut rect: impl FnMut(&Halo, &Rect) -> Result<Tensor>,
+) -> Result<(Tensor, Vec<Tensor>)> {
+    let hw = t.input_hw(0);
+    let mut halo = Halo::send(ctx, t.tiles, x, hw, needs)?;
+    let out = t.tiles.own(t.output_hw());
+    let inner = interior(&out, &t.tiles.own(hw), hw, stride, pad, span);
+    let mut parts = Vec::with_capacity(5);
+    if !inner.is_empty() {
+        parts.push((inner, rect(&halo, &inner)?));
+    }
+    halo.receive(ctx, t.tiles)?;
+    for r in around(&out, &inner) {
+        let y = rect(&halo, &r)?;
+        parts.push((r, y));
+    }
+    let y = match parts.len() {
+        1 => parts.pop().expect("one part").1,
+        _ => join(ctx.device, &parts, &out)?,
+    };
+    Ok((y, halo.into_pieces()))
+}
+
 /// Halo gradients on their way back to the ranks that own those pixels (the first half of
 /// [`scatter_add`]): what this rank keeps is its own tile's part.
 pub struct Returning {
@@ -728,20 +765,31 @@ mod tests {
     }
 
     /// The interior reads only the own tile and is the largest part of the output tile that
-    /// does; with the strips around it, it covers the output tile once.
+    /// does; with the strips around it, it covers the output tile once. For convolutions, and
+    /// for pools in ceil mode, whose last window may run past the padded map.
     #[test]
     fn interior_and_strips_cover_the_output_tile() {
-        for side in [5, 9, 16, 17] {
-            for (k, s, p, d) in [
-                (3, 1, 1, 1),
-                (1, 1, 0, 1),
-                (3, 2, 1, 1),
-                (7, 2, 3, 1),
-                (3, 1, 2, 2),
-                (2, 2, 0, 1),
+        for side in [5usize, 9, 16, 17] {
+            for (k, s, p, d, ceil) in [
+                (3, 1, 1, 1, false),
+                (1, 1, 0, 1, false),
+                (3, 2, 1, 1, false),
+                (7, 2, 3, 1, false),
+                (3, 1, 2, 2, false),
+                (2, 2, 0, 1, false),
+                (3, 2, 1, 1, true),
+                (3, 2, 0, 1, true),
+                (2, 2, 0, 1, true),
             ] {
                 let span = d * (k - 1) + 1;
-                let out_len = (side + 2 * p - span) / s + 1;
+                let out_len = match ceil {
+                    false => (side + 2 * p - span) / s + 1,
+                    // PyTorch's rule: the last window starts inside the map or its left padding.
+                    true => {
+                        let out = (side + 2 * p - span).div_ceil(s) + 1;
+                        out - usize::from((out - 1) * s >= side + p)
+                    }
+                };
                 for grid in [
                     Grid { rows: 1, cols: 2 },
                     Grid { rows: 2, cols: 2 },

@@ -5,6 +5,7 @@
 use crate::data::{Pipeline, UNLABELLED};
 use crate::graph::{Graph, ValueId};
 use crate::ops::loss;
+use crate::ops::tiles::{Rect, Tiles};
 use crate::tensor::Device;
 use crate::tensor::Tensor;
 use crate::{Error, Result};
@@ -108,8 +109,10 @@ impl Tally {
     }
 
     /// Scores one batch's logits (N×K, or N×K×H×W per pixel) against its targets (one per
-    /// sample, or per pixel); its samples are at positions `first`, `first + 1`, … of the
-    /// data's order.
+    /// sample, or per pixel, of the whole maps); its samples are at positions `first`,
+    /// `first + 1`, … of the data's order. With `tile` (the group and the whole maps' H×W),
+    /// the logits are this rank's tile of the maps: it scores the pixels it owns and the
+    /// group sums every tile's counts, so each tile ends with the whole batch's.
     pub fn add(
         &mut self,
         device: &Device,
@@ -117,65 +120,109 @@ impl Tally {
         labels: &[u32],
         class_weights: Option<&[f64]>,
         first: u64,
+        tile: Option<(&Tiles, (usize, usize))>,
     ) -> Result<()> {
         let dims = logits.shape().dims().to_vec();
         let (n, k) = (dims[0], dims[1]);
-        let places: usize = dims[2..].iter().product();
-        let ce = loss::softmax_cross_entropy(
+        let hw = match (tile, &dims[..]) {
+            (Some((_, hw)), _) => hw,
+            (None, [_, _, h, w]) => (*h, *w),
+            (None, _) => (1, 1),
+        };
+        let part = match tile {
+            Some((t, hw)) => t.own(hw),
+            None => Rect::new(0..hw.0, 0..hw.1),
+        };
+        let (places, mine) = (hw.0 * hw.1, part.size().0 * part.size().1);
+        let ce = loss::softmax_cross_entropy_part(
             device,
             logits,
             labels,
+            hw,
+            &part,
             class_weights,
             loss::Norm::PerSample,
         )?;
-        self.loss += ce.loss * n as f64;
-        let losses = loss::per_sample(logits, labels, class_weights)?;
+        let losses = loss::per_sample_part(logits, labels, hw, &part, class_weights)?;
         let predicted = loss::predictions(&ce.probs)?;
+        let truths = loss::part_of(labels, hw, &part);
+        // A segmented sample's kept pixels: (row, column) of every `map_every`-th each way.
+        let kept: Vec<(usize, usize)> = match (places, self.map_every) {
+            (1, _) | (_, 0) => Vec::new(),
+            (_, every) => (every / 2..hw.0)
+                .step_by(every)
+                .flat_map(|y| (every / 2..hw.1).step_by(every).map(move |x| (y, x)))
+                .collect(),
+        };
+        // What the tiles sum: the loss and the confusion counts, then per sample its loss,
+        // its labelled pixels and its predictions per class, and its kept pixels' classes
+        // (each from the tile that owns it, 0 from the others).
+        let per_sample = 1 + 2 * k + kept.len();
+        let mut sums = vec![0.0; 1 + k * k + n * per_sample];
+        let (totals, samples) = sums.split_at_mut(1 + k * k);
+        totals[0] = ce.loss * n as f64;
+        let (h, w) = part.size();
+        for ((i, loss), sample) in losses
+            .into_iter()
+            .enumerate()
+            .zip(samples.chunks_mut(per_sample))
+        {
+            let truth = &truths[i * mine..][..mine];
+            let guess = &predicted[i * mine..][..mine];
+            sample[0] = loss;
+            let (present, rest) = sample[1..].split_at_mut(k);
+            let (chosen, map) = rest.split_at_mut(k);
+            for (&t, &p) in truth.iter().zip(guess) {
+                chosen[p as usize] += 1.0;
+                if t != UNLABELLED {
+                    totals[1 + t as usize * k + p as usize] += 1.0;
+                    present[t as usize] += 1.0;
+                }
+            }
+            for (slot, &(y, x)) in map.iter_mut().zip(&kept) {
+                let (r, c) = (y as isize - part.rows.0, x as isize - part.cols.0);
+                if (0..h as isize).contains(&r) && (0..w as isize).contains(&c) {
+                    *slot = guess[r as usize * w + c as usize] as f64;
+                }
+            }
+        }
+        if let Some((t, _)) = tile {
+            sums = t.sum(sums)?;
+        }
         // A classifier's probabilities, for each sample's scores.
         let probs = match places {
             1 => ce.probs.to_f64_vec()?,
             _ => Vec::new(),
         };
-        for (i, loss) in losses.into_iter().enumerate() {
-            let truth = &labels[i * places..][..places];
-            let guess = &predicted[i * places..][..places];
-            let (mut present, mut chosen) = (vec![0usize; k], vec![0usize; k]);
-            for (&t, &p) in truth.iter().zip(guess) {
-                chosen[p as usize] += 1;
-                if t != UNLABELLED {
-                    self.confusion[t as usize][p as usize] += 1;
-                    present[t as usize] += 1;
-                }
+        self.loss += sums[0];
+        for (t, row) in self.confusion.iter_mut().enumerate() {
+            for (p, count) in row.iter_mut().enumerate() {
+                *count += sums[1 + t * k + p] as usize;
             }
-            let most = |counts: &[usize]| {
+        }
+        for i in 0..n {
+            let at = 1 + k * k + i * per_sample;
+            let (present, chosen) = (&sums[at + 1..][..k], &sums[at + 1 + k..][..k]);
+            let map = &sums[at + 1 + 2 * k..at + per_sample];
+            let most = |counts: &[f64]| {
                 (0..k).fold(0, |b, c| if counts[c] > counts[b] { c } else { b }) as u32
             };
             let label = match places {
-                1 => truth[0],
-                _ if present.iter().all(|&c| c == 0) => UNLABELLED,
-                _ => most(&present),
+                1 => labels[i],
+                _ if present.iter().all(|&c| c == 0.0) => UNLABELLED,
+                _ => most(present),
             };
             let scores = match places {
                 1 => probs[i * k..][..k].iter().map(|&p| p as f32).collect(),
                 _ => chosen.iter().map(|&c| c as f32 / places as f32).collect(),
             };
-            let map = match (places, self.map_every) {
-                (1, _) | (_, 0) => Vec::new(),
-                (_, every) => {
-                    let (h, w) = (dims[2], dims[3]);
-                    let rows = (every / 2..h).step_by(every);
-                    rows.flat_map(|y| (every / 2..w).step_by(every).map(move |x| (y, x)))
-                        .map(|(y, x)| guess[y * w + x])
-                        .collect()
-                }
-            };
             self.samples.push(SampleScore {
                 position: first + i as u64,
                 label,
-                predicted: most(&chosen),
-                loss,
+                predicted: most(chosen),
+                loss: sums[at],
                 scores,
-                map,
+                map: map.iter().map(|&c| c as u32).collect(),
             });
         }
         Ok(())

@@ -874,27 +874,6 @@ impl Rank {
         }
     }
 
-    /// The whole of value `v` from this rank's `x`: gathered from the tiles where it is split.
-    fn whole(&self, v: ValueId, x: &Tensor) -> Result<Tensor> {
-        match &self.tiles {
-            Some(t) if self.split_at(self.slot, v) => {
-                let ctx = self.ctx();
-                let shape = &self.layout.graph.values[v].shape;
-                tiles::all_gather(&ctx, t, x, (shape.dim(1), shape.dim(2)))
-            }
-            _ => Ok(x.clone()),
-        }
-    }
-
-    fn ctx(&self) -> crate::ops::Ctx<'_> {
-        crate::ops::Ctx {
-            device: &self.device,
-            training: false,
-            seed: 0,
-            tiles: None,
-        }
-    }
-
     /// The shape of this rank's part of a micro-batch of `mb` images: its tile of them where
     /// they are split.
     fn input_shape(&self, mb: usize) -> Shape {
@@ -1017,17 +996,25 @@ impl Rank {
                 self.tiles.as_ref(),
             )?;
             if scores {
-                // Every tile has the same scores; the first counts them.
-                let logits = self.whole(out, &outs[n_out])?;
-                if self.tile == 0 {
-                    let targets = data.targets(at, len)?;
-                    let weights = c.train.class_weights.as_deref();
-                    tally.add(&self.device, &logits, &targets, weights, at)?;
-                }
+                // Logits split into tiles are scored on each tile, the counts summed over the
+                // group; whole ones are scored the same on every tile.
+                let shape = &g.values[out].shape;
+                let tile = self
+                    .tiles
+                    .as_ref()
+                    .filter(|_| self.split_at(self.slot, out))
+                    .map(|t| (t, (shape.dim(1), shape.dim(2))));
+                let targets = data.targets(at, len)?;
+                let weights = c.train.class_weights.as_deref();
+                tally.add(&self.device, &outs[n_out], &targets, weights, at, tile)?;
             }
             self.device.backend().synchronize()?;
             self.current.busy += start.elapsed().as_secs_f64();
             self.send(t, 0, &outs[..n_out])?;
+        }
+        // Every tile of a group ends with the same tally; the first reports it.
+        if self.tile != 0 {
+            tally = Tally::new(classes, map_every);
         }
         let mine = std::mem::take(&mut tally.samples);
         let sum = self.comm.sum_f64(tally.to_vec())?;
