@@ -146,6 +146,25 @@ fn a_unet_learns_the_regions_of_a_slide_and_maps_its_predictions() {
     ]);
     assert_eq!(number_after(&weighted, "mean IoU"), miou);
     assert_ne!(number_after(&weighted, "loss"), number_after(&eval, "loss"));
+    // Each map split into tiles, a rank each, scored on the tiles: the same report.
+    let on = |grid: &str| {
+        gems(&[
+            "eval",
+            "--checkpoint",
+            ckpt.join("step-000240.safetensors").to_str().unwrap(),
+            "--dtype",
+            "f64",
+            "--spatial",
+            grid,
+        ])
+    };
+    let whole = on("1x1");
+    assert!(whole.contains("mean IoU"), "{whole}");
+    for grid in ["2x2", "3x1"] {
+        let (tiled, said) = (on(grid), format!(", on {grid} tiles"));
+        assert!(tiled.contains(&said), "{tiled}");
+        assert_eq!(tiled.replace(&said, ""), whole, "{grid}");
+    }
     assert!(
         miou > 0.6 && miou > 3.0 * trivial,
         "mean IoU {miou} against a trivial {trivial}:\n{eval}"

@@ -157,7 +157,10 @@ fn a_folder_of_dicom_files_is_one_slide_read_through_openslide() {
         ["b", "case 7"]
     );
     // The series' folder itself as the data folder: one slide.
-    assert_eq!(slide::slide_files(&case).unwrap(), std::slice::from_ref(&case));
+    assert_eq!(
+        slide::slide_files(&case).unwrap(),
+        std::slice::from_ref(&case)
+    );
     let e = Slide::open_with(&case, SlideReader::Gems)
         .err()
         .unwrap()

@@ -233,6 +233,11 @@ impl Model {
         &self.graph
     }
 
+    /// How it runs over ranks ([`Model::spread`]; one device unless spread).
+    pub fn scheme(&self) -> &Scheme {
+        &self.scheme
+    }
+
     /// The configuration predictions run with; `batch_size` is the micro-batch that fits.
     pub fn config(&self) -> &TrainConfig {
         &self.config

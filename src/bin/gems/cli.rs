@@ -333,6 +333,11 @@ pub struct EvalArgs {
     pub skip_bad: bool,
     #[command(flatten)]
     pub on: DeviceArgs,
+    /// Each sample split into an RxC grid of tiles, one rank (a thread of this process) each:
+    /// the same numbers as one device, each rank holding about 1/(R·C) of the activations
+    /// (a U-Net is tiled from its input to its logits and scored on tiles).
+    #[arg(long, default_value = "1x1", value_name = "RxC")]
+    pub spatial: gems::ops::tiles::Grid,
     /// native, cudnn or cudnn-deterministic convolutions (GPU).
     #[arg(long, default_value = "native")]
     pub conv: ConvImpl,
@@ -383,6 +388,11 @@ pub struct PredictArgs {
     pub skip_bad: bool,
     #[command(flatten)]
     pub on: DeviceArgs,
+    /// Each sample split into an RxC grid of tiles, one rank (a thread of this process) each:
+    /// the same numbers as one device, each rank holding about 1/(R·C) of the activations
+    /// (a U-Net is tiled from its input to its logits and scored on tiles).
+    #[arg(long, default_value = "1x1", value_name = "RxC")]
+    pub spatial: gems::ops::tiles::Grid,
     /// native, cudnn or cudnn-deterministic convolutions (GPU).
     #[arg(long, default_value = "native")]
     pub conv: ConvImpl,

@@ -10,6 +10,7 @@ use gems::data::maps::{self, ClassMap};
 use gems::data::slide::{self, Slide};
 use gems::data::transform::Transform;
 use gems::data::{DataConfig, Pipeline, SourceSpec};
+use gems::ops::tiles::Grid;
 use gems::runtime::Checkpoint;
 use gems::{models, DType, Model, RunConfig, Scheme, Session, TrainConfig};
 
@@ -53,6 +54,7 @@ pub fn eval(a: EvalArgs) -> anyhow::Result<()> {
         a.conv,
         a.skip_bad,
         Some(a.batch_size),
+        a.spatial,
     )?;
     if let Some(weights) = &a.class_weights {
         let classes = model.graph().classes();
@@ -99,8 +101,13 @@ pub fn eval(a: EvalArgs) -> anyhow::Result<()> {
         write_predictions(dir, &e, &order, a.map_level, map_every)?;
     }
     let pixels = e.per_pixel;
+    let grid = model.scheme().spatial;
+    let tiles = match grid.is_split() {
+        true => format!(", on {grid} tiles"),
+        false => String::new(),
+    };
     println!(
-        "{} at step {} ({}): loss {:.4}, {}accuracy {:.1}% on {} {what}",
+        "{} at step {} ({}{tiles}): loss {:.4}, {}accuracy {:.1}% on {} {what}",
         model.graph().name,
         model.steps(),
         model.config().dtype.name(),
@@ -164,7 +171,7 @@ pub fn eval(a: EvalArgs) -> anyhow::Result<()> {
 
 /// `model` computing where `on` says, in `dtype` (default: the checkpoint's), with `conv`
 /// convolutions, in micro-batches of `batch` (default: the checkpoint's), leaving unreadable
-/// samples out with `skip_bad`.
+/// samples out with `skip_bad`, each sample split into `spatial`'s tiles.
 pub fn configured(
     model: Model,
     on: &DeviceArgs,
@@ -172,17 +179,22 @@ pub fn configured(
     conv: ConvImpl,
     skip_bad: bool,
     batch: Option<usize>,
+    spatial: Grid,
 ) -> anyhow::Result<Model> {
     let on = on.for_checkpoint()?;
     let task = models::task(&model.graph().name)?;
-    Ok(model.configure(|c| {
+    let model = model.configure(|c| {
         c.dtype = dtype.unwrap_or(c.dtype);
         on(c);
         c.data.task = task;
         c.data.skip_bad = skip_bad;
         c.conv = conv;
         c.batch_size = batch.unwrap_or(c.batch_size);
-    }))
+    });
+    Ok(match spatial.is_split() {
+        true => model.spread(Scheme::single(1).with_spatial(spatial)),
+        false => model,
+    })
 }
 
 /// The samples of `source` to score with `model`, prepared as it prepares images, in order,

@@ -66,6 +66,7 @@ fn loaded(a: &PredictArgs) -> anyhow::Result<Model> {
         a.conv,
         a.skip_bad,
         a.batch_size,
+        a.spatial,
     )?;
     Ok(model.configure(|c| c.device_memory = a.device_memory))
 }
