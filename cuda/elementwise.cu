@@ -25,7 +25,8 @@
  *                             per channel: no atomics, deterministic
  *   copy_channels_SUF         concat (and its backward): channels [src_off, src_off + count)
  *                             of src into [dst_off, dst_off + count) of dst (a bit copy)
- *   dropout_mask_SUF          mask[i] = uniform(seed, i) < p ? 0 : 1 / (1 - p), the CPU
+ *   dropout_mask_SUF          mask[i] = uniform(seed, j) < p ? 0 : 1 / (1 - p), j element i's
+ *                             index in the whole maps' mask (GemsDropout's window), the CPU
  *                             backend's generator, so masks match bit for bit; the mask is in
  *                             T: 1 / (1 - p) is computed as f32 (as T::of does) and then
  *                             rounded to T by the store
@@ -74,7 +75,12 @@ STAMP_BINARY(mul_f16, gems_f16, x0 * x1)
     extern "C" __global__ void dropout_mask_##SUF(T* mask, GemsDropout d) {                  \
         /* 1 / (1 - p) in double, rounded to f32 as T::of does; st then rounds it to T. */    \
         float keep = (float)(1.0 / (1.0 - d.p));                                              \
-        GEMS_FOR(i, d.numel) st(mask, i, uniform(d.seed, (uint64_t)i) < d.p ? 0.0f : keep);   \
+        GEMS_FOR(i, d.numel) {                                                                \
+            /* The element's index in the whole maps' mask. */                                \
+            const int64_t plane = i / (d.win_h * d.win_w), r = i / d.win_w % d.win_h;         \
+            const int64_t at = (plane * d.h + d.row + r) * d.w + d.col + i % d.win_w;         \
+            st(mask, i, uniform(d.seed, (uint64_t)at) < d.p ? 0.0f : keep);                   \
+        }                                                                                     \
     }                                                                                         \
     extern "C" __global__ void add_channel_bias_##SUF(T* y, const float* bias,               \
                                                       GemsChannelGeom g) {                    \

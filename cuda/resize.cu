@@ -4,17 +4,20 @@
  * family: interpolation reads a fixed 2 x 2 neighbourhood at a computed place, not a window.
  *
  *   resize_bilinear_forward_SUF(const T* x, T* y, GemsResizeGeom g)
- *                                        one thread per output element, 1-d grid-stride over
- *                                        n c h_out w_out, blockDim.x = 256: the four source
- *                                        pixels and weights of PyTorch's
- *                                        area_pixel_compute_source_index (in float).
+ *                                        one thread per element of the output window, 1-d
+ *                                        grid-stride over n c out_h out_w, blockDim.x = 256:
+ *                                        the four source pixels and weights of PyTorch's
+ *                                        area_pixel_compute_source_index (in float) on the
+ *                                        whole maps, read from the input window.
  *   resize_bilinear_backward_SUF(const T* dy, T* dx, GemsResizeGeom g)
- *                                        one thread per input element, 1-d grid-stride over
- *                                        n c h w, blockDim.x = 256: the input pixel gathers
- *                                        the output gradients that read it (no atomics, so
- *                                        the same bits every run) from the output rows and
- *                                        columns whose taps reach it, found by binary search
- *                                        (the source index grows with the output index).
+ *                                        one thread per element of the input window, 1-d
+ *                                        grid-stride over n c in_h in_w, blockDim.x = 256:
+ *                                        the input pixel gathers the output window's
+ *                                        gradients that read it (no atomics, so the same bits
+ *                                        every run) from the output rows and columns whose
+ *                                        taps reach it, found by binary search on the whole
+ *                                        output (the source index grows with the output
+ *                                        index) and cut to the window.
  *
  * SUF in {f32, bf16, f16} is the storage type T (float, gems_bf16, gems_f16); arithmetic is
  * f32 and each result is rounded to T once, when stored. Neighbouring threads take
@@ -79,38 +82,49 @@ __device__ __forceinline__ int resize_first_past(int i, int in, int out, int ac)
 
 template <typename T>
 __device__ void resize_bilinear_forward(const T* x, T* y, GemsResizeGeom g) {
-    GEMS_FOR(i, (int64_t)g.n * g.c * g.h_out * g.w_out) {
-        const int ow = (int)(i % g.w_out);
-        const int oh = (int)(i / g.w_out % g.h_out);
-        const int64_t plane = i / ((int64_t)g.w_out * g.h_out);
-        const T* p = x + plane * g.h * g.w;
-        const ResizeTap r = resize_source(oh, g.h, g.h_out, g.align_corners);
-        const ResizeTap c = resize_source(ow, g.w, g.w_out, g.align_corners);
-        const int64_t row0 = (int64_t)r.i0 * g.w, row1 = (int64_t)r.i1 * g.w;
+    GEMS_FOR(i, (int64_t)g.n * g.c * g.out_h * g.out_w) {
+        const int ow = (int)(i % g.out_w) + g.out_col;
+        const int oh = (int)(i / g.out_w % g.out_h) + g.out_row;
+        const int64_t plane = i / ((int64_t)g.out_w * g.out_h);
+        const T* p = x + plane * g.in_h * g.in_w;
+        ResizeTap r = resize_source(oh, g.h, g.h_out, g.align_corners);
+        ResizeTap c = resize_source(ow, g.w, g.w_out, g.align_corners);
+        /* Rows and columns of the input window. */
+        r.i0 -= g.in_row, r.i1 -= g.in_row, c.i0 -= g.in_col, c.i1 -= g.in_col;
+        const int64_t row0 = (int64_t)r.i0 * g.in_w, row1 = (int64_t)r.i1 * g.in_w;
         st(y, i,
            r.l0 * (c.l0 * ld(p, row0 + c.i0) + c.l1 * ld(p, row0 + c.i1)) +
                r.l1 * (c.l0 * ld(p, row1 + c.i0) + c.l1 * ld(p, row1 + c.i1)));
     }
 }
 
+/* The outputs along an axis that read input i, within the output window [at, at + len). */
+__device__ __forceinline__ void resize_readers(int i, int in, int out, int ac, int at, int len,
+                                               int* first, int* end) {
+    const int first_all = resize_first_reaching(i, in, out, ac);
+    const int end_all = resize_first_past(i, in, out, ac);
+    *first = first_all > at ? first_all : at;
+    *end = end_all < at + len ? end_all : at + len;
+}
+
 template <typename T>
 __device__ void resize_bilinear_backward(const T* dy, T* dx, GemsResizeGeom g) {
-    GEMS_FOR(i, (int64_t)g.n * g.c * g.h * g.w) {
-        const int iw = (int)(i % g.w);
-        const int ih = (int)(i / g.w % g.h);
-        const int64_t plane = i / ((int64_t)g.w * g.h);
-        const T* d = dy + plane * g.h_out * g.w_out;
-        const int oh0 = resize_first_reaching(ih, g.h, g.h_out, g.align_corners);
-        const int oh1 = resize_first_past(ih, g.h, g.h_out, g.align_corners);
-        const int ow0 = resize_first_reaching(iw, g.w, g.w_out, g.align_corners);
-        const int ow1 = resize_first_past(iw, g.w, g.w_out, g.align_corners);
+    GEMS_FOR(i, (int64_t)g.n * g.c * g.in_h * g.in_w) {
+        const int iw = (int)(i % g.in_w) + g.in_col;
+        const int ih = (int)(i / g.in_w % g.in_h) + g.in_row;
+        const int64_t plane = i / ((int64_t)g.in_w * g.in_h);
+        const T* d = dy + plane * g.out_h * g.out_w;
+        int oh0, oh1, ow0, ow1;
+        resize_readers(ih, g.h, g.h_out, g.align_corners, g.out_row, g.out_h, &oh0, &oh1);
+        resize_readers(iw, g.w, g.w_out, g.align_corners, g.out_col, g.out_w, &ow0, &ow1);
         float sum = 0.0f;
         for (int oh = oh0; oh < oh1; oh++) {
             const ResizeTap r = resize_source(oh, g.h, g.h_out, g.align_corners);
             float row = 0.0f;
             for (int ow = ow0; ow < ow1; ow++) {
                 const ResizeTap c = resize_source(ow, g.w, g.w_out, g.align_corners);
-                row += resize_weight(c, iw) * ld(d, (int64_t)oh * g.w_out + ow);
+                row += resize_weight(c, iw) *
+                       ld(d, (int64_t)(oh - g.out_row) * g.out_w + ow - g.out_col);
             }
             sum += resize_weight(r, ih) * row;
         }

@@ -138,12 +138,21 @@ typedef struct GemsAdamStep {
     double grad_scale;
 } GemsAdamStep;
 
-/* Dropout: mask[i] = 0 with probability p, else 1 / (1 - p); element i's draw is
- * uniform(seed, i), the CPU backend's counter-based splitmix64 generator. */
+/* Dropout: mask element i = 0 with probability p, else 1 / (1 - p). The mask holds the
+ * window of win_h x win_w at (row, col) of each plane of an h x w map (the backend's
+ * MaskGeom; the whole map: 0, 0, h, w); element (plane, r, c) of it draws
+ * uniform(seed, (plane * h + row + r) * w + col + c), the CPU backend's counter-based
+ * splitmix64 generator, so a pixel's draw does not depend on the window. */
 typedef struct GemsDropout {
     int64_t numel;
     double p;
     uint64_t seed;
+    int64_t h;
+    int64_t w;
+    int64_t row;
+    int64_t col;
+    int64_t win_h;
+    int64_t win_w;
 } GemsDropout;
 
 /* Softmax cross-entropy over n samples of k classes at `positions` places each (the backend's
@@ -156,7 +165,9 @@ typedef struct GemsLoss {
 } GemsLoss;
 
 /* Bilinear resizing of each plane from h x w to h_out x w_out (the backend's ResizeGeom);
- * align_corners is 0 or 1. */
+ * align_corners is 0 or 1. x (dx) holds the in_h x in_w window at (in_row, in_col) of each
+ * input plane, y (dy) the out_h x out_w window at (out_row, out_col) of each output plane;
+ * the taps follow the whole maps (h, w, h_out, w_out) and the input window holds them. */
 typedef struct GemsResizeGeom {
     int32_t n;
     int32_t c;
@@ -165,6 +176,14 @@ typedef struct GemsResizeGeom {
     int32_t h_out;
     int32_t w_out;
     int32_t align_corners;
+    int32_t in_row;
+    int32_t in_col;
+    int32_t in_h;
+    int32_t in_w;
+    int32_t out_row;
+    int32_t out_col;
+    int32_t out_h;
+    int32_t out_w;
 } GemsResizeGeom;
 
 /* Channel concatenation (and its backward, the split): copies channels

@@ -35,8 +35,8 @@ use std::cell::RefCell;
 
 use gems::backend::cuda::{self, ConvImpl};
 use gems::backend::{
-    AdamStep, ChannelGeom, ConvGeom, CopyMode, DeviceKind, GroupGeom, LossGeom, Nonlinearity,
-    PoolGeom, ResizeGeom, SgdStep,
+    AdamStep, ChannelGeom, ConvGeom, CopyMode, DeviceKind, GroupGeom, LossGeom, MapWindow,
+    MaskGeom, Nonlinearity, PoolGeom, ResizeGeom, SgdStep,
 };
 use gems::graph::policy::SavePolicy;
 use gems::ops::conv::ConvTranspose2d;
@@ -640,8 +640,10 @@ fn elementwise_matches(precision: Precision) {
         p.check(&format!("mul {name}"), &m, &mg, 0.0);
 
         let (mut mask, mut maskg) = p.output_as(n, dtype);
-        cpu.dropout_mask(&mut mask, 0.3, 99).unwrap();
-        gpu.dropout_mask(&mut maskg, 0.3, 99).unwrap();
+        cpu.dropout_mask(&mut mask, 0.3, 99, &MaskGeom::flat(n))
+            .unwrap();
+        gpu.dropout_mask(&mut maskg, 0.3, 99, &MaskGeom::flat(n))
+            .unwrap();
         p.check(&format!("dropout mask {name}"), &mask, &maskg, 0.0);
         let (mut dropped, mut droppedg) = p.output_as(n, dtype);
         cpu.mul(&a, &mask, &mut dropped).unwrap();
@@ -661,6 +663,47 @@ fn elementwise_matches(precision: Precision) {
         gpu.copy(&ag, &mut cg).unwrap();
         p.check(&format!("copy {name}"), &c, &cg, 0.0);
     }
+    // A tile's window of a mask: the same draws as the whole maps' mask at those pixels.
+    let (planes, h, w) = (6, 37, 29);
+    let window = MapWindow {
+        row: 5,
+        col: 7,
+        h: 20,
+        w: 11,
+    };
+    let (cpu, gpu) = (p.cpu.backend(), p.gpu.backend());
+    let (mut whole, _) = p.output_as(planes * h * w, dtype);
+    cpu.dropout_mask(&mut whole, 0.3, 99, &MaskGeom::flat(planes * h * w))
+        .unwrap();
+    let g = MaskGeom {
+        planes,
+        h,
+        w,
+        window,
+    };
+    let (mut mask, mut maskg) = p.output_as(planes * window.h * window.w, dtype);
+    cpu.dropout_mask(&mut mask, 0.3, 99, &g).unwrap();
+    gpu.dropout_mask(&mut maskg, 0.3, 99, &g).unwrap();
+    p.check(
+        &format!("{precision} dropout mask {g:?}"),
+        &mask,
+        &maskg,
+        0.0,
+    );
+    let whole = p.host(&whole);
+    let cut: Vec<f64> = (0..planes)
+        .flat_map(|q| (window.row..window.row + window.h).map(move |r| (q, r)))
+        .flat_map(|(q, r)| (window.col..window.col + window.w).map(move |c| (q * h + r) * w + c))
+        .map(|i| whole[i])
+        .collect();
+    assert_eq!(
+        p.host(&mask),
+        cut,
+        "{precision}: a window of the whole mask"
+    );
+    let short = MaskGeom { planes: 5, ..g };
+    assert!(gpu.dropout_mask(&mut maskg, 0.3, 99, &short).is_err());
+
     // An f32 bias on the activations, and its gradient.
     let g = ChannelGeom { n: 3, c: 5, hw: 77 };
     let numel = g.n * g.c * g.hw;
@@ -816,45 +859,93 @@ fn linear_matches(precision: Precision) {
 }
 
 /// Bilinear resizing in the activation type, enlarging and shrinking with and without
-/// align_corners; the backward (a gather on the GPU, a scatter on the CPU) gives the same bits
-/// on every run.
+/// align_corners, on the whole maps and on windows (a tile of the output from the input rows
+/// and columns it reads, or from a wider window); the backward (a gather on the GPU, a
+/// scatter on the CPU) gives the same bits on every run.
 fn resize_matches(precision: Precision) {
     let p = Pair::new(precision);
     let (dtype, tol) = (p.dtype, tol(precision));
+    // Part `i` of 2 of an axis of `len` (all of it when `len` is 1).
+    let half = |i: usize, len: usize| {
+        let n = len.min(2);
+        let (first, end) = (i.min(n - 1) * len / n, (i.min(n - 1) + 1) * len / n);
+        (first, end - first)
+    };
     for align_corners in [false, true] {
         for (n, c, h, w, h_out, w_out) in [
             (2, 3, 5, 7, 10, 14),
             (1, 4, 9, 6, 4, 5),
             (2, 2, 6, 1, 13, 3),
             (1, 2, 33, 31, 1, 64),
+            (2, 2, 19, 17, 38, 11),
         ] {
-            let g = ResizeGeom {
-                n,
-                c,
-                h,
-                w,
-                h_out,
-                w_out,
-                align_corners,
-            };
-            let (cpu, gpu) = (p.cpu.backend(), p.gpu.backend());
-            let (nx, ny) = (n * c * h * w, n * c * h_out * w_out);
-            let (x, xg) = p.input_as(nx, dtype);
-            let (dy, dyg) = p.input_as(ny, dtype);
-            let name = format!("{precision} bilinear {g:?}");
-            let (mut y, mut yg) = p.output_as(ny, dtype);
-            cpu.resize_bilinear_forward(&x, &mut y, &g).unwrap();
-            gpu.resize_bilinear_forward(&xg, &mut yg, &g).unwrap();
-            p.check(&name, &y, &yg, tol);
-            let (mut dx, mut dxg) = p.output_as(nx, dtype);
-            cpu.resize_bilinear_backward(&dy, &mut dx, &g).unwrap();
-            gpu.resize_bilinear_backward(&dyg, &mut dxg, &g).unwrap();
-            p.check(&format!("{name} backward"), &dx, &dxg, tol);
-            let (_, mut again) = p.output_as(nx, dtype);
-            gpu.resize_bilinear_backward(&dyg, &mut again, &g).unwrap();
-            assert_eq!(p.host(&dxg), p.host(&again), "{name}: backward run twice");
+            let whole = ResizeGeom::whole((n, c), (h, w), (h_out, w_out), align_corners);
+            let mut geoms = vec![whole];
+            for tile in 0..2 {
+                let ((row, th), (col, tw)) = (half(tile, h_out), half(1 - tile, w_out));
+                let output = MapWindow {
+                    row,
+                    col,
+                    h: th,
+                    w: tw,
+                };
+                let rows = ResizeGeom::reads(row..row + th, h, h_out, align_corners);
+                let cols = ResizeGeom::reads(col..col + tw, w, w_out, align_corners);
+                let input = MapWindow {
+                    row: rows.start,
+                    col: cols.start,
+                    h: rows.len(),
+                    w: cols.len(),
+                };
+                geoms.push(ResizeGeom {
+                    input,
+                    output,
+                    ..whole
+                });
+                // The whole input for a tile of the output.
+                geoms.push(ResizeGeom { output, ..whole });
+            }
+            for g in geoms {
+                let (cpu, gpu) = (p.cpu.backend(), p.gpu.backend());
+                let (nx, ny) = (
+                    n * c * g.input.h * g.input.w,
+                    n * c * g.output.h * g.output.w,
+                );
+                let (x, xg) = p.input_as(nx, dtype);
+                let (dy, dyg) = p.input_as(ny, dtype);
+                let name = format!("{precision} bilinear {g:?}");
+                let (mut y, mut yg) = p.output_as(ny, dtype);
+                cpu.resize_bilinear_forward(&x, &mut y, &g).unwrap();
+                gpu.resize_bilinear_forward(&xg, &mut yg, &g).unwrap();
+                p.check(&name, &y, &yg, tol);
+                let (mut dx, mut dxg) = p.output_as(nx, dtype);
+                cpu.resize_bilinear_backward(&dy, &mut dx, &g).unwrap();
+                gpu.resize_bilinear_backward(&dyg, &mut dxg, &g).unwrap();
+                p.check(&format!("{name} backward"), &dx, &dxg, tol);
+                let (_, mut again) = p.output_as(nx, dtype);
+                gpu.resize_bilinear_backward(&dyg, &mut again, &g).unwrap();
+                assert_eq!(p.host(&dxg), p.host(&again), "{name}: backward run twice");
+            }
         }
     }
+    // An input window missing the last row the output reads is refused, not read past.
+    let g = ResizeGeom::whole((1, 1), (5, 5), (10, 10), false);
+    let short = ResizeGeom {
+        input: MapWindow { h: 4, ..g.input },
+        ..g
+    };
+    let (x, xg) = p.input_as(20, dtype);
+    let (mut y, mut yg) = p.output_as(100, dtype);
+    assert!(p
+        .cpu
+        .backend()
+        .resize_bilinear_forward(&x, &mut y, &short)
+        .is_err());
+    assert!(p
+        .gpu
+        .backend()
+        .resize_bilinear_forward(&xg, &mut yg, &short)
+        .is_err());
 }
 
 /// The transposed convolution as its op runs it (the convolution's backward-data forward,

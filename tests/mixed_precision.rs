@@ -259,8 +259,9 @@ fn every_op_in_16_bits_is_the_f32_op_rounded_once() {
         be.relu_forward(&x16, &mut a).unwrap();
         be.relu_forward(&x32, &mut b).unwrap();
         rounded_once("relu", &a, &b);
-        be.dropout_mask(&mut a, 0.3, 9).unwrap();
-        be.dropout_mask(&mut b, 0.3, 9).unwrap();
+        let mask = gems::backend::MaskGeom::flat(xn);
+        be.dropout_mask(&mut a, 0.3, 9, &mask).unwrap();
+        be.dropout_mask(&mut b, 0.3, 9, &mask).unwrap();
         rounded_once("dropout mask", &a, &b);
         let pg = PoolGeom {
             n: 2,

@@ -840,17 +840,32 @@ fn tiles_say_where_they_stop_and_a_grid_too_fine_is_refused() {
     // A U-Net's decoder (transposed convolutions) stays on tiles: tiled to the logits.
     let unet = region("unet_d3_w8", 64, grid(2, 2)).unwrap();
     assert!(unet.end.is_none() && unet.share > 0.999, "{unet}");
-    // Bilinear resizing has no tile rule: named, not the grid's fault.
-    let (mut b, x) = gems::GraphBuilder::new("resized", "Resized", gems::Shape::new([3, 16, 16]));
-    let conv = gems::ops::conv::Conv2d::new(4, 3, 1, 1);
-    let x = b.conv("conv1", x, conv.clone()).unwrap();
-    let x = b.upsample_bilinear("up", x, 2, false).unwrap();
-    let x = b.conv("conv2", x, conv).unwrap();
-    let g = b.finish(vec![gems::graph::Output::new(x)]).unwrap();
-    let c = RunConfig::new(TrainConfig::new(2, 2), mp.with_spatial(grid(2, 2)));
-    let resized = Layout::new(&g, &c).unwrap().tiled.expect("a spatial stage");
-    assert!(!resized.too_fine(), "{resized}");
-    assert!(resized.to_string().contains("up ("), "{resized}");
+    // Bilinear resizing and dropout run on tiles; group normalization has no tile rule: it
+    // ends the region, named, not the grid's fault.
+    let resized = |norm: bool| {
+        let shape = gems::Shape::new([3, 16, 16]);
+        let (mut b, x) = gems::GraphBuilder::new("resized", "Resized", shape);
+        let conv = gems::ops::conv::Conv2d::new(4, 3, 1, 1);
+        let mut x = b.conv("conv1", x, conv.clone()).unwrap();
+        if norm {
+            x = b.group_norm("norm", x, 2).unwrap();
+        }
+        let x = b.dropout("drop", x, 0.2).unwrap();
+        let x = b.upsample_bilinear("up", x, 2, false).unwrap();
+        let x = b.conv("conv2", x, conv).unwrap();
+        let g = b.finish(vec![gems::graph::Output::new(x)]).unwrap();
+        let c = RunConfig::new(TrainConfig::new(2, 2), mp.with_spatial(grid(2, 2)));
+        Layout::new(&g, &c).unwrap().tiled.expect("a spatial stage")
+    };
+    let tiled = resized(false);
+    assert!(tiled.end.is_none(), "{tiled}");
+    assert_eq!(tiled.to_string(), "2x2 tiles to the end of the first stage");
+    let normed = resized(true);
+    assert!(!normed.too_fine(), "{normed}");
+    assert!(
+        normed.to_string().contains("norm (groupnorm 2)"),
+        "{normed}"
+    );
     // Most of the work gathered on every one of 1,024 ranks: refused, naming the op.
     let e = region("resnet20v2", 32, grid(32, 32))
         .unwrap_err()

@@ -700,6 +700,62 @@ fn decoder_ops_of_every_geometry_match_single_on_tiles() {
     }
 }
 
+/// A small U-Net whose resampling is bilinear (`align_corners` as given), to sizes no scale
+/// factor gives (23² → 11×12 shrinking, 5×6 → 11×12, 11×12 → 23²), with dropout in the
+/// encoder and the decoder.
+fn bilinear_unet(align_corners: bool) -> Graph {
+    use gems::graph::{GraphBuilder, Output};
+    use gems::ops::conv::Conv2d;
+    use gems::ops::pool::Window;
+    let (mut b, x) = GraphBuilder::new("bilinear-unet", "UNet", gems::Shape::new([3, 23, 23]));
+    let conv = |b: &mut GraphBuilder, name: &str, x, c_out| {
+        let x = b.conv(name, x, Conv2d::new(c_out, 3, 1, 1))?;
+        b.batchnorm_relu(&format!("{name}.bn"), x)
+    };
+    let x = conv(&mut b, "inc", x, 6).unwrap();
+    let skip1 = b.dropout("inc.drop", x, 0.25).unwrap();
+    let x = b
+        .resize_bilinear("down1", skip1, (11, 12), align_corners)
+        .unwrap();
+    let x = conv(&mut b, "conv1", x, 8).unwrap();
+    let skip2 = b.dropout("conv1.drop", x, 0.25).unwrap();
+    let x = b.max_pool("down2", skip2, Window::square(2, 2, 0)).unwrap();
+    let x = conv(&mut b, "bottom", x, 8).unwrap();
+    let x = b
+        .resize_bilinear("up2", x, (11, 12), align_corners)
+        .unwrap();
+    let x = b.concat("up2.cat", &[skip2, x]).unwrap();
+    let x = conv(&mut b, "up2.conv", x, 6).unwrap();
+    let x = b.dropout("up2.drop", x, 0.1).unwrap();
+    let x = b
+        .resize_bilinear("up1", x, (23, 23), align_corners)
+        .unwrap();
+    let x = b.concat("up1.cat", &[skip1, x]).unwrap();
+    let x = conv(&mut b, "up1.conv", x, 6).unwrap();
+    let x = b.global_avg_pool("gap", x).unwrap();
+    let logits = b.linear("fc", x, 4, true).unwrap();
+    b.finish(vec![Output::new(logits)]).unwrap()
+}
+
+/// Bilinear resizing and dropout on tiles of odd sides, with and without align_corners: each
+/// tile computes its output from the rows and columns its taps read and draws its part of
+/// one device's dropout masks, so the whole net stays on tiles and trains as one device does.
+#[test]
+fn bilinear_unet_with_dropout_matches_single_on_tiles() {
+    for align_corners in [true, false] {
+        let g = bilinear_unet(align_corners);
+        for grid in [tiles(2, 2), tiles(3, 1)] {
+            let s = Scheme::single(1).with_spatial(grid);
+            let layout = Layout::new(&g, &RunConfig::new(train(2, DType::F64, LR), s)).unwrap();
+            let region = layout.tiled.expect("a spatial stage");
+            assert!(region.end.is_none(), "{region}");
+            check_at(&g, s, 2, LR);
+        }
+    }
+    let mp = Scheme::new(Kind::Mp, 2, 1, 1, 1, Order::GPipe);
+    check_at(&bilinear_unet(true), mp.with_spatial(tiles(2, 2)), 2, LR);
+}
+
 /// The old single-device trainer's loop, written out over the graph API: the whole batch in
 /// one forward and backward, BN statistics committed after forward, SGD. Returns the steps'
 /// losses and the final parameters.

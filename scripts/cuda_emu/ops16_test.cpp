@@ -144,7 +144,7 @@ template <class T> void misc() {
     launch(uint3{2, 1, 1}, 256, [&] { K<T>::reluf(at.data(), yt.data(), (int64_t)N); }); for (size_t i = 0; i < N; i++) r[i] = std::max(0.0f, a[i]); check(ty, "relu forward", from(yt), r, 0);
     auto dxt = poison<T>(N); launch(uint3{2, 1, 1}, 256, [&] { K<T>::relub(yt.data(), bt.data(), dxt.data(), (int64_t)N); }); for (size_t i = 0; i < N; i++) r[i] = a[i] > 0 ? b[i] : 0; check(ty, "relu backward", from(dxt), r, 0);
     // dropout mask
-    size_t ND = 5000; auto mask = poison<T>(ND); GemsDropout d{(int64_t)ND, 0.3, 42};
+    size_t ND = 5000; auto mask = poison<T>(ND); GemsDropout d{(int64_t)ND, 0.3, 42, 1, (int64_t)ND, 0, 0, 1, (int64_t)ND};
     launch(uint3{3, 1, 1}, 256, [&] { K<T>::dropout(mask.data(), d); });
     std::vector<float> mr(ND); float keep = Ty<T>::from(Ty<T>::to((float)(1.0 / 0.7)));
     for (size_t i = 0; i < ND; i++) { double uu = (double)(sm(42 ^ sm(i)) >> 11) / 9007199254740992.0; mr[i] = uu < 0.3 ? 0.0f : keep; }

@@ -121,7 +121,7 @@ void misc() {
         check(nest ? "sgd nesterov (bit-exact)" : "sgd (bit-exact)", w, w2, 0); check("sgd buffer (bit-exact)", b, b2, 0);
     }
     // dropout mask
-    size_t N = 5000; std::vector<float> mask(N, NAN); GemsDropout d{(int64_t)N, 0.3, 42};
+    size_t N = 5000; std::vector<float> mask(N, NAN); GemsDropout d{(int64_t)N, 0.3, 42, 1, (int64_t)N, 0, 0, 1, (int64_t)N};
     launch(uint3{3, 1, 1}, 256, [&] { dropout_mask_f32(mask.data(), d); });
     std::vector<float> mr(N); float keep = (float)(1.0 / 0.7); size_t zeros = 0;
     for (size_t i = 0; i < N; i++) { double u = (double)(sm(42 ^ sm(i)) >> 11) / 9007199254740992.0; mr[i] = u < 0.3 ? 0.0f : keep; zeros += mr[i] == 0; }

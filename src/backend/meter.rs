@@ -6,8 +6,8 @@
 use std::sync::{Arc, OnceLock};
 
 use super::{
-    AdamStep, Backend, ChannelGeom, ConvGeom, DeviceKind, Event, GroupGeom, LossGeom, Nonlinearity,
-    PoolGeom, ResizeGeom, SgdStep,
+    AdamStep, Backend, ChannelGeom, ConvGeom, DeviceKind, Event, GroupGeom, LossGeom, MaskGeom,
+    Nonlinearity, PoolGeom, ResizeGeom, SgdStep,
 };
 use crate::backend::host::HostPool;
 use crate::backend::Storage;
@@ -339,7 +339,7 @@ impl Backend for Meter {
         Ok(())
     }
 
-    fn dropout_mask(&self, _mask: &mut Storage, _p: f64, _seed: u64) -> Result<()> {
+    fn dropout_mask(&self, _mask: &mut Storage, _p: f64, _seed: u64, _g: &MaskGeom) -> Result<()> {
         Ok(())
     }
 

@@ -94,26 +94,178 @@ impl PoolGeom {
     }
 }
 
+/// The part of an H×W map a tensor's planes hold: rows `row..row + h` and columns
+/// `col..col + w` of the whole map (a rank's tile of it, its halo, or all of it).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MapWindow {
+    /// First row, in the whole map.
+    pub row: usize,
+    /// First column, in the whole map.
+    pub col: usize,
+    /// Rows held.
+    pub h: usize,
+    /// Columns held.
+    pub w: usize,
+}
+
+impl MapWindow {
+    /// All of an `h`×`w` map.
+    pub fn whole(h: usize, w: usize) -> MapWindow {
+        MapWindow {
+            row: 0,
+            col: 0,
+            h,
+            w,
+        }
+    }
+
+    /// Whether it lies inside an `h`×`w` map.
+    fn inside(&self, h: usize, w: usize) -> bool {
+        self.row + self.h <= h && self.col + self.w <= w
+    }
+}
+
 /// Bilinear resizing of each plane of an NCHW batch from h × w to h_out × w_out, as PyTorch's
-/// `F.interpolate(mode="bilinear")` with an output size.
+/// `F.interpolate(mode="bilinear")` with an output size. The kernels may compute a window of
+/// the output from a window of the input (a tile and the rows and columns it reads): the
+/// taps follow the whole maps' geometry, so a window's values are the whole map's.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct ResizeGeom {
     /// Images in the batch.
     pub n: usize,
     /// Channels.
     pub c: usize,
-    /// Input height.
+    /// Height of the whole input.
     pub h: usize,
-    /// Input width.
+    /// Width of the whole input.
     pub w: usize,
-    /// Output height.
+    /// Height of the whole output.
     pub h_out: usize,
-    /// Output width.
+    /// Width of the whole output.
     pub w_out: usize,
     /// PyTorch's `align_corners`: corner pixels' centres map onto each other (scale
     /// (in − 1)/(out − 1)) rather than the corners of the images (scale in/out, half-pixel
     /// offset).
     pub align_corners: bool,
+    /// The part of each input plane x (and dx) holds: it must hold every row and column
+    /// the output window reads ([`ResizeGeom::reads`]).
+    pub input: MapWindow,
+    /// The part of each output plane y (and dy) holds.
+    pub output: MapWindow,
+}
+
+impl ResizeGeom {
+    /// The whole maps: an h×w input to h_out×w_out.
+    pub fn whole(
+        (n, c): (usize, usize),
+        (h, w): (usize, usize),
+        (h_out, w_out): (usize, usize),
+        align_corners: bool,
+    ) -> ResizeGeom {
+        ResizeGeom {
+            n,
+            c,
+            h,
+            w,
+            h_out,
+            w_out,
+            align_corners,
+            input: MapWindow::whole(h, w),
+            output: MapWindow::whole(h_out, w_out),
+        }
+    }
+
+    /// The input rows (or columns) of an axis of `len` that the taps of outputs `out` (of
+    /// `out_len`) read: from the first output's source index to the last's, and the row
+    /// after it. A row of margin on each side (two after) holds the taps however the source
+    /// position rounds in the kernels' floating point (within a row of the exact quotient),
+    /// so a window this wide never reads outside itself.
+    pub fn reads(
+        out: std::ops::Range<usize>,
+        len: usize,
+        out_len: usize,
+        align_corners: bool,
+    ) -> std::ops::Range<usize> {
+        if out.is_empty() || len == 0 {
+            return 0..0;
+        }
+        // ⌊src(o)⌋ exactly, in integers: (len − 1)·o / (out_len − 1) with align_corners,
+        // else (len·(2o + 1) − out_len) / (2·out_len), at least 0.
+        let floor = |o: usize| -> usize {
+            let (o, len, out_len) = (o as u128, len as u128, out_len as u128);
+            let f = match align_corners {
+                true if out_len > 1 => (len - 1) * o / (out_len - 1),
+                true => 0,
+                false => (len * (2 * o + 1)).saturating_sub(out_len) / (2 * out_len),
+            };
+            f as usize
+        };
+        floor(out.start).saturating_sub(1)..(floor(out.end - 1) + 3).min(len)
+    }
+
+    /// Whether the windows lie in their maps and the input window holds what the output
+    /// window reads, or what is wrong.
+    pub fn check(&self) -> Result<()> {
+        let (i, o) = (&self.input, &self.output);
+        let rows = Self::reads(o.row..o.row + o.h, self.h, self.h_out, self.align_corners);
+        let cols = Self::reads(o.col..o.col + o.w, self.w, self.w_out, self.align_corners);
+        let holds = |r: &std::ops::Range<usize>, at: usize, len: usize| {
+            r.is_empty() || (at <= r.start && r.end <= at + len)
+        };
+        if !i.inside(self.h, self.w)
+            || !o.inside(self.h_out, self.w_out)
+            || !holds(&rows, i.row, i.h)
+            || !holds(&cols, i.col, i.w)
+        {
+            return Err(crate::Error::Shape(format!(
+                "bilinear resize {}x{} -> {}x{}: input window {i:?} does not hold rows \
+                 {rows:?} and columns {cols:?} that output window {o:?} reads",
+                self.h, self.w, self.h_out, self.w_out
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// Where a dropout mask's elements lie in the mask of the whole maps: `planes` planes
+/// (samples × channels) of an `h`×`w` map, of which the mask holds `window` of each. Element
+/// (plane, r, c) of the mask takes draw (plane·h + window.row + r)·w + window.col + c, so a
+/// pixel's mask is the same whether its map is whole or split into tiles.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MaskGeom {
+    /// Planes of the mask (samples × channels).
+    pub planes: usize,
+    /// Height of the whole map.
+    pub h: usize,
+    /// Width of the whole map.
+    pub w: usize,
+    /// The part of each plane the mask holds.
+    pub window: MapWindow,
+}
+
+impl MaskGeom {
+    /// A whole mask of `numel` elements, element i taking draw i.
+    pub fn flat(numel: usize) -> MaskGeom {
+        MaskGeom {
+            planes: 1,
+            h: 1,
+            w: numel,
+            window: MapWindow::whole(1, numel),
+        }
+    }
+
+    /// Whether a mask of `numel` elements fits the geometry, or what is wrong.
+    pub fn check(&self, numel: usize) -> Result<()> {
+        let held = self.planes * self.window.h * self.window.w;
+        if held != numel || !self.window.inside(self.h, self.w) {
+            return Err(crate::Error::Shape(format!(
+                "dropout mask of {numel} elements against {} planes of window {:?} of a \
+                 {}x{} map",
+                self.planes, self.window, self.h, self.w
+            )));
+        }
+        Ok(())
+    }
 }
 
 /// A batch seen per channel: n × c × hw.
@@ -547,8 +699,9 @@ pub trait Backend: Send + Sync {
     fn add_assign(&self, y: &mut Storage, x: &Storage) -> Result<()>;
     /// y = x · mask (dropout).
     fn mul(&self, x: &Storage, mask: &Storage, y: &mut Storage) -> Result<()>;
-    /// mask = 0 with probability p, else 1/(1-p); element i's draw depends only on (seed, i).
-    fn dropout_mask(&self, mask: &mut Storage, p: f64, seed: u64) -> Result<()>;
+    /// mask = 0 with probability p, else 1/(1-p); each element's draw depends only on the
+    /// seed and its index in the whole maps' mask (see [`MaskGeom`]).
+    fn dropout_mask(&self, mask: &mut Storage, p: f64, seed: u64, g: &MaskGeom) -> Result<()>;
 
     /// The maximum of each window.
     fn max_pool_forward(&self, x: &Storage, y: &mut Storage, g: &PoolGeom) -> Result<()>;
@@ -577,9 +730,11 @@ pub trait Backend: Send + Sync {
         g: &PoolGeom,
     ) -> Result<()>;
 
-    /// Each plane resized bilinearly (see [`ResizeGeom`]).
+    /// Each plane resized bilinearly: the output window of the input window (see
+    /// [`ResizeGeom`]).
     fn resize_bilinear_forward(&self, x: &Storage, y: &mut Storage, g: &ResizeGeom) -> Result<()>;
-    /// dx (overwritten) = the adjoint of the resize applied to dy, the same bits every run.
+    /// dx (overwritten) = the adjoint of the resize applied to dy, the same bits every run:
+    /// the gradient of the input window from the output window's alone.
     fn resize_bilinear_backward(
         &self,
         dy: &Storage,

@@ -1,7 +1,11 @@
 //! Dropout: zeroes elements with probability p and scales the rest by 1/(1-p) in training;
-//! the identity in eval. The mask is drawn from the pass's seed, so runs repeat exactly.
+//! the identity in eval. The mask is drawn from the pass's seed, so runs repeat exactly. Each
+//! element draws by its place in the whole maps, so on tiles every rank draws exactly its part
+//! of the mask one device draws.
 
+use super::tiles::TileRule;
 use super::{Backward, Ctx, Operator, Saved, SavesFor};
+use crate::backend::MaskGeom;
 use crate::tensor::{Shape, Tensor};
 use crate::Result;
 
@@ -31,8 +35,20 @@ impl Operator for Dropout {
             return Ok((x.clone(), Saved::default()));
         }
         let be = ctx.device.backend();
+        let geom = match &ctx.tiles {
+            Some(t) => {
+                let ((n, c, _, _), (h, w)) = (x.shape().nchw(), t.output_hw());
+                MaskGeom {
+                    planes: n * c,
+                    h,
+                    w,
+                    window: t.tiles.own((h, w)).window(),
+                }
+            }
+            None => MaskGeom::flat(x.numel()),
+        };
         let mut mask = ctx.output(x.shape().clone(), x)?;
-        be.dropout_mask(mask.storage_mut()?, self.p, ctx.seed)?;
+        be.dropout_mask(mask.storage_mut()?, self.p, ctx.seed, &geom)?;
         let mut y = ctx.output(x.shape().clone(), x)?;
         be.mul(x.storage(), mask.storage(), y.storage_mut()?)?;
         Ok((y, Saved(vec![mask])))
@@ -57,6 +73,12 @@ impl Operator for Dropout {
 
     fn flops(&self, _inputs: &[&Shape], output: &Shape) -> u64 {
         output.numel() as u64
+    }
+
+    fn on_tiles(&self) -> TileRule {
+        // Pointwise, but the mask of a tile is its window of the whole maps' mask: the op
+        // needs to know its tile.
+        TileRule::Tiled
     }
 
     fn saves(&self, inputs: &[&Shape]) -> SavesFor {

@@ -342,9 +342,9 @@ impl Op {
 
 impl Op {
     /// Every tile's input rectangle in the map, for an op that reads beyond its own tile on
-    /// tiles (a convolution, a pool, a transposed convolution, an adaptive pool): what its
-    /// output tile reads of an `input` map, padding left out, for an `output` map split by
-    /// `grid`. `None` for other ops.
+    /// tiles (a convolution, a pool, a transposed convolution, an adaptive pool, a bilinear
+    /// resize): what its output tile reads of an `input` map, padding left out, for an
+    /// `output` map split by `grid`. `None` for other ops.
     pub fn tile_needs(
         &self,
         grid: tiles::Grid,
@@ -366,6 +366,7 @@ impl Op {
             Op::ConvTranspose2d(c) => Some(c.tile_needs(grid, input, output)),
             Op::AdaptiveAvgPool(p) => Some(p.tile_needs(grid, input)),
             Op::Pad2d(p) => Some(p.tile_needs(grid, output)),
+            Op::ResizeBilinear(r) => Some(r.tile_needs(grid, input)),
             _ => None,
         }
     }

@@ -16,6 +16,7 @@ use std::ops::Range;
 use std::str::FromStr;
 use std::time::Instant;
 
+use crate::backend::MapWindow;
 use crate::comm::Comm;
 use crate::memory::Category;
 use crate::tensor::{Device, Shape, Tensor};
@@ -132,6 +133,17 @@ impl Rect {
         Rect {
             rows: (self.rows.0.max(o.rows.0), self.rows.1.min(o.rows.1)),
             cols: (self.cols.0.max(o.cols.0), self.cols.1.min(o.cols.1)),
+        }
+    }
+
+    /// The rectangle as the backend's window of its map (it lies inside the map).
+    pub fn window(&self) -> MapWindow {
+        let (h, w) = self.size();
+        MapWindow {
+            row: self.rows.0.max(0) as usize,
+            col: self.cols.0.max(0) as usize,
+            h,
+            w,
         }
     }
 

@@ -3,7 +3,7 @@
 use rayon::prelude::*;
 
 use super::Float;
-use crate::backend::{AdamStep, ChannelGeom, LossGeom, Nonlinearity, SgdStep};
+use crate::backend::{AdamStep, ChannelGeom, LossGeom, MaskGeom, Nonlinearity, SgdStep};
 use crate::core::rng::uniform;
 
 /// Below this many elements a parallel loop costs more than it saves.
@@ -160,10 +160,14 @@ pub fn channel_sum<T: Float>(dy: &[T], db: &mut [T], g: &ChannelGeom) {
     }
 }
 
-pub fn dropout_mask<T: Float>(mask: &mut [T], p: f64, seed: u64) {
+pub fn dropout_mask<T: Float>(mask: &mut [T], p: f64, seed: u64, g: &MaskGeom) {
     let keep = T::of(1.0 / (1.0 - p));
+    let win = g.window;
     mask.par_iter_mut().enumerate().for_each(|(i, m)| {
-        *m = if uniform(seed, i as u64) < p {
+        // The element's index in the whole maps' mask.
+        let (plane, r, c) = (i / (win.h * win.w), i / win.w % win.h, i % win.w);
+        let at = (plane * g.h + win.row + r) * g.w + win.col + c;
+        *m = if uniform(seed, at as u64) < p {
             T::zero()
         } else {
             keep

@@ -34,8 +34,8 @@ use rayon::prelude::*;
 use std::sync::Arc;
 
 use super::{
-    AdamStep, Backend, ChannelGeom, ConvGeom, Event, GroupGeom, LossGeom, Nonlinearity, PoolGeom,
-    ResizeGeom, SgdStep, POISON,
+    AdamStep, Backend, ChannelGeom, ConvGeom, Event, GroupGeom, LossGeom, MaskGeom, Nonlinearity,
+    PoolGeom, ResizeGeom, SgdStep, POISON,
 };
 use crate::backend::host::{Block, HostPool};
 use crate::backend::Storage;
@@ -758,8 +758,9 @@ impl Backend for Cpu {
         Ok(())
     }
 
-    fn dropout_mask(&self, mask: &mut Storage, p: f64, seed: u64) -> Result<()> {
-        compute!(mask.dtype(), T, [], [mask] => elementwise::dropout_mask::<T>(mask, p, seed));
+    fn dropout_mask(&self, mask: &mut Storage, p: f64, seed: u64, g: &MaskGeom) -> Result<()> {
+        g.check(mask.len())?;
+        compute!(mask.dtype(), T, [], [mask] => elementwise::dropout_mask::<T>(mask, p, seed, g));
         Ok(())
     }
 
@@ -805,6 +806,7 @@ impl Backend for Cpu {
     }
 
     fn resize_bilinear_forward(&self, x: &Storage, y: &mut Storage, g: &ResizeGeom) -> Result<()> {
+        g.check()?;
         compute!(x.dtype(), T, [x], [y] => resize::forward::<T>(x, y, g));
         Ok(())
     }
@@ -815,6 +817,7 @@ impl Backend for Cpu {
         dx: &mut Storage,
         g: &ResizeGeom,
     ) -> Result<()> {
+        g.check()?;
         compute!(dy.dtype(), T, [dy], [dx] => resize::backward::<T>(dy, dx, g));
         Ok(())
     }

@@ -41,22 +41,45 @@ pub struct Tap<T> {
     pub l1: T,
 }
 
-fn taps<T: Float>(input: usize, out: usize, align_corners: bool) -> Vec<Tap<T>> {
-    (0..out)
-        .map(|o| source(o, input, out, align_corners))
+/// The taps of the outputs `at..at + len` of an axis of `out`, from an `input` axis whose
+/// window starts at `from`: source indices relative to the window (which holds them all,
+/// [`ResizeGeom::check`]).
+fn taps<T: Float>(
+    (at, len): (usize, usize),
+    from: usize,
+    input: usize,
+    out: usize,
+    align_corners: bool,
+) -> Vec<Tap<T>> {
+    (at..at + len)
+        .map(|o| {
+            let t = source::<T>(o, input, out, align_corners);
+            Tap {
+                i0: t.i0 - from,
+                i1: t.i1 - from,
+                ..t
+            }
+        })
         .collect()
 }
 
+/// The row and column taps of the output window.
+fn window_taps<T: Float>(g: &ResizeGeom) -> (Vec<Tap<T>>, Vec<Tap<T>>) {
+    let (i, o) = (&g.input, &g.output);
+    (
+        taps((o.row, o.h), i.row, g.h, g.h_out, g.align_corners),
+        taps((o.col, o.w), i.col, g.w, g.w_out, g.align_corners),
+    )
+}
+
 pub fn forward<T: Float>(x: &[T], y: &mut [T], g: &ResizeGeom) {
-    let (rows, cols) = (
-        taps::<T>(g.h, g.h_out, g.align_corners),
-        taps::<T>(g.w, g.w_out, g.align_corners),
-    );
-    y.par_chunks_mut(g.h_out * g.w_out)
-        .zip(x.par_chunks(g.h * g.w))
+    let (rows, cols) = window_taps::<T>(g);
+    let w = g.input.w;
+    y.par_chunks_mut(g.output.h * g.output.w)
+        .zip(x.par_chunks(g.input.h * w))
         .for_each(|(y, x)| {
-            for (r, yrow) in rows.iter().zip(y.chunks_mut(g.w_out)) {
-                let (x0, x1) = (&x[r.i0 * g.w..], &x[r.i1 * g.w..]);
+            for (r, yrow) in rows.iter().zip(y.chunks_mut(g.output.w)) {
+                let (x0, x1) = (&x[r.i0 * w..], &x[r.i1 * w..]);
                 for (c, y) in cols.iter().zip(yrow) {
                     *y = r.l0 * (c.l0 * x0[c.i0] + c.l1 * x0[c.i1])
                         + r.l1 * (c.l0 * x1[c.i0] + c.l1 * x1[c.i1]);
@@ -65,24 +88,62 @@ pub fn forward<T: Float>(x: &[T], y: &mut [T], g: &ResizeGeom) {
         });
 }
 
-/// The adjoint: each output gradient added to its four sources, plane by plane in output
-/// order (deterministic).
+/// The adjoint: each output gradient of the window added to its four sources, plane by plane
+/// in output order (deterministic).
 pub fn backward<T: Float>(dy: &[T], dx: &mut [T], g: &ResizeGeom) {
-    let (rows, cols) = (
-        taps::<T>(g.h, g.h_out, g.align_corners),
-        taps::<T>(g.w, g.w_out, g.align_corners),
-    );
-    dx.par_chunks_mut(g.h * g.w)
-        .zip(dy.par_chunks(g.h_out * g.w_out))
+    let (rows, cols) = window_taps::<T>(g);
+    let w = g.input.w;
+    dx.par_chunks_mut(g.input.h * w)
+        .zip(dy.par_chunks(g.output.h * g.output.w))
         .for_each(|(dx, dy)| {
             dx.fill(T::zero());
-            for (r, dyrow) in rows.iter().zip(dy.chunks(g.w_out)) {
+            for (r, dyrow) in rows.iter().zip(dy.chunks(g.output.w)) {
                 for (c, &d) in cols.iter().zip(dyrow) {
-                    dx[r.i0 * g.w + c.i0] += r.l0 * c.l0 * d;
-                    dx[r.i0 * g.w + c.i1] += r.l0 * c.l1 * d;
-                    dx[r.i1 * g.w + c.i0] += r.l1 * c.l0 * d;
-                    dx[r.i1 * g.w + c.i1] += r.l1 * c.l1 * d;
+                    dx[r.i0 * w + c.i0] += r.l0 * c.l0 * d;
+                    dx[r.i0 * w + c.i1] += r.l0 * c.l1 * d;
+                    dx[r.i1 * w + c.i0] += r.l1 * c.l0 * d;
+                    dx[r.i1 * w + c.i1] += r.l1 * c.l1 * d;
                 }
             }
         });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The rows a window of outputs reads ([`ResizeGeom::reads`]) hold the taps of each of its
+    /// outputs, as f64 and as f32 compute them, on odd and even sides, enlarging and
+    /// shrinking: a tile's halo is never a row short.
+    #[test]
+    fn reads_hold_every_tap_of_the_window() {
+        for align_corners in [false, true] {
+            for len in 1..14 {
+                for out_len in 1..30 {
+                    for o0 in 0..out_len {
+                        for o1 in o0 + 1..=out_len {
+                            let r = ResizeGeom::reads(o0..o1, len, out_len, align_corners);
+                            assert!(r.start < r.end && r.end <= len);
+                            for o in o0..o1 {
+                                let a = source::<f64>(o, len, out_len, align_corners);
+                                let b = source::<f32>(o, len, out_len, align_corners);
+                                for i in [a.i0, a.i1, b.i0, b.i1] {
+                                    assert!(
+                                        r.contains(&i),
+                                        "{len} -> {out_len} ac={align_corners}: outputs \
+                                         {o0}..{o1} read {r:?}, output {o} row {i}"
+                                    );
+                                }
+                            }
+                            // No more than the margin: a row before and two after
+                            // the exact taps, which f64 may place a row off.
+                            let first = source::<f64>(o0, len, out_len, align_corners).i0;
+                            let last = source::<f64>(o1 - 1, len, out_len, align_corners).i0;
+                            assert!(first <= r.start + 2 && r.end <= last + 4);
+                        }
+                    }
+                }
+            }
+        }
+    }
 }

@@ -40,8 +40,8 @@ use cudarc::driver::{
 };
 
 use super::{
-    AdamStep, Backend, ChannelGeom, ConvGeom, Event, GroupGeom, LossGeom, Nonlinearity, PoolGeom,
-    ResizeGeom, SgdStep, POISON,
+    AdamStep, Backend, ChannelGeom, ConvGeom, Event, GroupGeom, LossGeom, MaskGeom, Nonlinearity,
+    PoolGeom, ResizeGeom, SgdStep, POISON,
 };
 use crate::backend::host::{Block, HostPool};
 use crate::backend::Storage;
@@ -676,8 +676,10 @@ fn conv_params(g: &ConvGeom) -> Result<params::GemsConvGeom> {
     })
 }
 
-/// The resize kernels' parameters for `g`.
+/// The resize kernels' parameters for `g`, whose windows are checked.
 fn resize_params(g: &ResizeGeom) -> Result<params::GemsResizeGeom> {
+    g.check()?;
+    let (i, o) = (&g.input, &g.output);
     Ok(params::GemsResizeGeom {
         n: dim32(g.n, "batch")?,
         c: dim32(g.c, "channels")?,
@@ -686,6 +688,14 @@ fn resize_params(g: &ResizeGeom) -> Result<params::GemsResizeGeom> {
         h_out: dim32(g.h_out, "height")?,
         w_out: dim32(g.w_out, "width")?,
         align_corners: g.align_corners as i32,
+        in_row: dim32(i.row, "row")?,
+        in_col: dim32(i.col, "column")?,
+        in_h: dim32(i.h, "height")?,
+        in_w: dim32(i.w, "width")?,
+        out_row: dim32(o.row, "row")?,
+        out_col: dim32(o.col, "column")?,
+        out_h: dim32(o.h, "height")?,
+        out_w: dim32(o.w, "width")?,
     })
 }
 
@@ -1337,12 +1347,20 @@ impl Backend for Cuda {
         launch!(self, t.kernel("mul"), self.grid_1d(x.len()); t.arg(x)?, t.arg(mask)?, t.arg_mut(y)?, &n)
     }
 
-    fn dropout_mask(&self, mask: &mut Storage, p: f64, seed: u64) -> Result<()> {
+    fn dropout_mask(&self, mask: &mut Storage, p: f64, seed: u64, g: &MaskGeom) -> Result<()> {
+        g.check(mask.len())?;
         let t = Ty::of(mask)?;
+        let i64 = |v: usize| v as i64;
         let d = params::GemsDropout {
-            numel: mask.len() as i64,
+            numel: i64(mask.len()),
             p,
             seed,
+            h: i64(g.h),
+            w: i64(g.w),
+            row: i64(g.window.row),
+            col: i64(g.window.col),
+            win_h: i64(g.window.h),
+            win_w: i64(g.window.w),
         };
         let cfg = self.grid_1d(mask.len());
         launch!(self, t.kernel("dropout_mask"), cfg; t.arg_mut(mask)?, &d)
@@ -1407,7 +1425,7 @@ impl Backend for Cuda {
 
     fn resize_bilinear_forward(&self, x: &Storage, y: &mut Storage, g: &ResizeGeom) -> Result<()> {
         let (t, p) = (Ty::of(x)?, resize_params(g)?);
-        launch!(self, t.kernel("resize_bilinear_forward"), self.grid_1d(g.n * g.c * g.h_out * g.w_out);
+        launch!(self, t.kernel("resize_bilinear_forward"), self.grid_1d(g.n * g.c * g.output.h * g.output.w);
             t.arg(x)?, t.arg_mut(y)?, &p)
     }
 
@@ -1418,7 +1436,7 @@ impl Backend for Cuda {
         g: &ResizeGeom,
     ) -> Result<()> {
         let (t, p) = (Ty::of(dy)?, resize_params(g)?);
-        launch!(self, t.kernel("resize_bilinear_backward"), self.grid_1d(g.n * g.c * g.h * g.w);
+        launch!(self, t.kernel("resize_bilinear_backward"), self.grid_1d(g.n * g.c * g.input.h * g.input.w);
             t.arg(dy)?, t.arg_mut(dx)?, &p)
     }
 

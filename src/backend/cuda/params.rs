@@ -313,10 +313,16 @@ pub struct GemsDropout {
     pub numel: i64,
     pub p: f64,
     pub seed: u64,
+    pub h: i64,
+    pub w: i64,
+    pub row: i64,
+    pub col: i64,
+    pub win_h: i64,
+    pub win_w: i64,
 }
 #[allow(clippy::unnecessary_operation, clippy::identity_op)]
 const _: () = {
-    ["Size of GemsDropout"][::std::mem::size_of::<GemsDropout>() - 24usize];
+    ["Size of GemsDropout"][::std::mem::size_of::<GemsDropout>() - 72usize];
     ["Alignment of GemsDropout"][::std::mem::align_of::<GemsDropout>() - 8usize];
     [
         "Offset of field: GemsDropout::numel",
@@ -325,6 +331,24 @@ const _: () = {
     [
         "Offset of field: GemsDropout::seed",
     ][::std::mem::offset_of!(GemsDropout, seed) - 16usize];
+    [
+        "Offset of field: GemsDropout::h",
+    ][::std::mem::offset_of!(GemsDropout, h) - 24usize];
+    [
+        "Offset of field: GemsDropout::w",
+    ][::std::mem::offset_of!(GemsDropout, w) - 32usize];
+    [
+        "Offset of field: GemsDropout::row",
+    ][::std::mem::offset_of!(GemsDropout, row) - 40usize];
+    [
+        "Offset of field: GemsDropout::col",
+    ][::std::mem::offset_of!(GemsDropout, col) - 48usize];
+    [
+        "Offset of field: GemsDropout::win_h",
+    ][::std::mem::offset_of!(GemsDropout, win_h) - 56usize];
+    [
+        "Offset of field: GemsDropout::win_w",
+    ][::std::mem::offset_of!(GemsDropout, win_w) - 64usize];
 };
 #[repr(C)]
 #[derive(Debug, Default, Copy, Clone, PartialEq)]
@@ -357,10 +381,18 @@ pub struct GemsResizeGeom {
     pub h_out: i32,
     pub w_out: i32,
     pub align_corners: i32,
+    pub in_row: i32,
+    pub in_col: i32,
+    pub in_h: i32,
+    pub in_w: i32,
+    pub out_row: i32,
+    pub out_col: i32,
+    pub out_h: i32,
+    pub out_w: i32,
 }
 #[allow(clippy::unnecessary_operation, clippy::identity_op)]
 const _: () = {
-    ["Size of GemsResizeGeom"][::std::mem::size_of::<GemsResizeGeom>() - 28usize];
+    ["Size of GemsResizeGeom"][::std::mem::size_of::<GemsResizeGeom>() - 60usize];
     ["Alignment of GemsResizeGeom"][::std::mem::align_of::<GemsResizeGeom>() - 4usize];
     [
         "Offset of field: GemsResizeGeom::n",
@@ -383,6 +415,30 @@ const _: () = {
     [
         "Offset of field: GemsResizeGeom::align_corners",
     ][::std::mem::offset_of!(GemsResizeGeom, align_corners) - 24usize];
+    [
+        "Offset of field: GemsResizeGeom::in_row",
+    ][::std::mem::offset_of!(GemsResizeGeom, in_row) - 28usize];
+    [
+        "Offset of field: GemsResizeGeom::in_col",
+    ][::std::mem::offset_of!(GemsResizeGeom, in_col) - 32usize];
+    [
+        "Offset of field: GemsResizeGeom::in_h",
+    ][::std::mem::offset_of!(GemsResizeGeom, in_h) - 36usize];
+    [
+        "Offset of field: GemsResizeGeom::in_w",
+    ][::std::mem::offset_of!(GemsResizeGeom, in_w) - 40usize];
+    [
+        "Offset of field: GemsResizeGeom::out_row",
+    ][::std::mem::offset_of!(GemsResizeGeom, out_row) - 44usize];
+    [
+        "Offset of field: GemsResizeGeom::out_col",
+    ][::std::mem::offset_of!(GemsResizeGeom, out_col) - 48usize];
+    [
+        "Offset of field: GemsResizeGeom::out_h",
+    ][::std::mem::offset_of!(GemsResizeGeom, out_h) - 52usize];
+    [
+        "Offset of field: GemsResizeGeom::out_w",
+    ][::std::mem::offset_of!(GemsResizeGeom, out_w) - 56usize];
 };
 #[repr(C)]
 #[derive(Debug, Default, Copy, Clone, PartialEq)]
