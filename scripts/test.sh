@@ -21,7 +21,8 @@
 #      the race check (GEMS_EMU_RACECHECK) and chaos seed 2 (about 4 minutes on 2 cores). The rest of the GPU suite (16-bit steps, loss scale, training, offload,
 #      schemes, a cuDNN step and offload with cuDNN; about 30 minutes on 2 cores) runs with:
 #      cargo test --release --test cuda_ops -- --ignored
-#   3. without extra arguments, every example (examples/), the documentation's build, the
+#   3. without extra arguments, the kernels against the references of scripts/cuda_emu/run.sh,
+#      every example (examples/), the documentation's build, the
 #      commands of README.md and docs/*.md (scripts/docs_check.sh), the GPU script's dry run
 #      and, as root with network namespaces, two hosts on this machine (scripts/two_hosts.sh).
 #
@@ -298,6 +299,9 @@ GEMS_EMU_RACECHECK=1 GEMS_EMU_CHAOS=2 cargo test --release "${features[@]}" --te
     -- matches_cpu match_cpu --skip step
 
 if [ "$#" -eq 0 ]; then
+    # The kernels' sources against references of their own, compiled by g++ (about 10 s).
+    log "== scripts/cuda_emu/run.sh"
+    quiet scripts/cuda_emu/run.sh
     # Each example asserts what it prints (a cap held, a plan equal to the run it predicts).
     for example in custom_model plan_my_model pipeline_my_model custom_op my_schedule; do
         log "== example $example"

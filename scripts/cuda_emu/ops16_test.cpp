@@ -126,13 +126,14 @@ uint64_t sm(uint64_t z) { z += 0x9E3779B97F4A7C15ull; z = (z ^ (z >> 30)) * 0xBF
 template <class T> void misc() {
     const char* ty = Ty<T>::name; const double u = Ty<T>::u;
     int n = 5, k = 300; auto logits = rt<T>(rnd(n * k)); auto lt = to<T>(logits); std::vector<uint32_t> labels{0, 299, 17, 150, 3};
-    std::vector<float> probs(n * k, NAN), rl(n, NAN); auto dl = poison<T>(n * k); GemsLoss l{n, k, 1.0 / n};
-    launch(uint3{(unsigned)n, 1, 1}, 256, [&] { K<T>::sce(lt.data(), labels.data(), probs.data(), rl.data(), l); });
+    std::vector<float> weights{1.0f, 0.5f, 0.0f, 2.0f, 1.0f}, probs(n * k, NAN), block(1, NAN); auto dl = poison<T>(n * k); GemsLoss l{n, k, 1, 1.0 / n};
+    launch(uint3{1, 1, 1}, 256, [&] { K<T>::sce(lt.data(), labels.data(), weights.data(), probs.data(), block.data(), l); });
     std::vector<double> pr(n * k), lr(n);
     for (int i = 0; i < n; i++) { double m = -INFINITY, s = 0; for (int j = 0; j < k; j++) m = std::max(m, (double)logits[i * k + j]); for (int j = 0; j < k; j++) s += std::exp(logits[i * k + j] - m); for (int j = 0; j < k; j++) pr[i * k + j] = std::exp(logits[i * k + j] - m) / s; lr[i] = std::log(s) - (logits[i * k + labels[i]] - m); }
-    check(ty, "softmax probs (f32)", probs, pr, 1e-5); check(ty, "cross-entropy row losses", rl, lr, 1e-5);
-    launch(uint3{2, 1, 1}, 256, [&] { K<T>::sceb(probs.data(), labels.data(), dl.data(), l); });
-    std::vector<double> dr(n * k); for (int i = 0; i < n; i++) for (int j = 0; j < k; j++) dr[i * k + j] = (pr[i * k + j] - (labels[i] == (uint32_t)j)) / n;
+    std::vector<double> wl{0.0}; for (int i = 0; i < n; i++) wl[0] += weights[i] * lr[i];
+    check(ty, "softmax probs (f32)", probs, pr, 1e-5); check(ty, "cross-entropy weighted loss sum", block, wl, 1e-5);
+    launch(uint3{2, 1, 1}, 256, [&] { K<T>::sceb(probs.data(), labels.data(), weights.data(), dl.data(), l); });
+    std::vector<double> dr(n * k); for (int i = 0; i < n; i++) for (int j = 0; j < k; j++) dr[i * k + j] = weights[i] * (pr[i * k + j] - (labels[i] == (uint32_t)j)) / n;
     check(ty, "cross-entropy backward", from(dl), dr, 1e-5 + u);
     // elementwise
     size_t N = 1000; auto a = rt<T>(rnd(N)), b = rt<T>(rnd(N)); auto at = to<T>(a), bt = to<T>(b); auto yt = poison<T>(N);
