@@ -314,12 +314,21 @@ fn timeline_svg_is_valid_and_shows_every_task() {
     assert_eq!(sends, 2 * 2 * 2 * 2); // boundaries · replicas · micro-batches · (F, B)
     let curves = doc.descendants().filter(|n| n.has_tag_name("path")).count();
     assert_eq!(curves, 3, "one memory curve per rank");
+    // Each rank's REDUCEs (MAST: both stages it holds) and its STEP, boxes of their own.
+    let count = |class| {
+        (doc.descendants())
+            .filter(|n| n.attribute("class") == Some(class))
+            .count()
+    };
+    assert_eq!((count("reduce"), count("step")), (3 * 2 - 1, 3)); // the middle holds 1 stage
     assert!([
         "F forward",
         "B/BW backward",
         "W weight gradients",
         "RECV waiting",
-        "SEND posted"
+        "SEND posted",
+        "REDUCE gradient sums",
+        "STEP optimizer"
     ]
     .iter()
     .all(|l| svg.contains(l)));

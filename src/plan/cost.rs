@@ -150,6 +150,8 @@ impl NodeCosts {
             backward,
             weight: sum_over(&self.weight, stages),
             transfer: vec![0.0; stages.len()],
+            reduce: vec![],
+            step: vec![],
         }
     }
 }
@@ -347,6 +349,8 @@ impl TileCosts {
             backward: pick(&one.backward, &tiled.backward),
             weight: pick(&one.weight, &tiled.weight),
             transfer: one.transfer,
+            reduce: one.reduce,
+            step: one.step,
         }
     }
 
