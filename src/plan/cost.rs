@@ -189,6 +189,31 @@ impl Link {
     }
 }
 
+/// Seconds of each of `stages`' REDUCE under `scheme` with `groups` data-parallel groups: its
+/// parameters' gradients in `dtype` all-reduced over `link` among the ranks holding a copy
+/// (the pipeline positions holding it, MAST's mirrored pair, each with its tiles, in every
+/// group).
+pub fn reduce_costs(
+    g: &Graph,
+    scheme: &Scheme,
+    stages: &[Range<usize>],
+    dtype: DType,
+    groups: usize,
+    link: &Link,
+) -> Vec<f64> {
+    (stages.iter().enumerate())
+        .map(|(stage, nodes)| {
+            let mut slots: Vec<usize> = (0..scheme.replicas.min(2))
+                .map(|replica| scheme.place(replica, stage))
+                .collect();
+            slots.dedup();
+            let holders = groups * slots.iter().map(|&s| scheme.width(s)).sum::<usize>();
+            let bytes = g.trainable_in(nodes.clone()) * dtype.size();
+            link.all_reduce(bytes as f64, holders)
+        })
+        .collect()
+}
+
 /// What a rank of a tile group exchanges with the others per micro-batch, node by node: the
 /// halo rows and columns a window op reads from its neighbours (their gradients go back in
 /// backward, the same bytes), and the sums of statistics over the group (batch norm's, forward

@@ -6,12 +6,12 @@ use std::sync::Arc;
 
 use crate::graph::{Graph, Output, ValueId};
 use crate::plan::config::RunConfig;
-use crate::plan::cost::{DeviceProfile, Link, NodeCosts, TileCosts};
+use crate::plan::cost::{reduce_costs, DeviceProfile, Link, NodeCosts, TileCosts};
 use crate::plan::cuts::crossing;
 use crate::plan::memory;
 use crate::plan::partition::{self, Partition};
 use crate::schemes::admission::Admission;
-use crate::schemes::schedule::Timeline;
+use crate::schemes::schedule::{StageCosts, Timeline};
 use crate::tensor::DType;
 use crate::{Error, Result};
 
@@ -292,21 +292,47 @@ impl Layout {
             Some(_) => Admission::Free,
             None => c.admission(bytes.as_deref()),
         };
-        let schedule = c.timeline(&tiles.stage_costs(&costs, stages), bytes.as_deref())?;
-        let shared = {
-            let slower = sharing_threads(&graph, micro, t.activations(), c.scheme.world());
-            let costs = costs.scaled(&slower);
-            crate::schemes::schedule::time(
-                &c.scheme,
-                &tiles_of(&costs).stage_costs(&costs, stages),
-                &schedule.schedule(&c.scheme),
-            )?
-        };
-        let tiled = (grid.is_split()).then(|| TiledRegion::of(&graph, grid, stages[0].clone()));
         let optimizer = match &c.calibration {
             Some(cal) => cal.optimizer,
             None => cpu_fit().optimizer(&graph, t.dtype),
         };
+        let reduce = reduce_costs(&graph, &c.scheme, stages, t.dtype, c.scheme.dp, &Link::CPU);
+        // Each rank steps the optimizer over its copies' share of the parameters (by tensor).
+        let total = graph.params.len().max(1) as f64;
+        let step: Vec<f64> = (0..c.scheme.stages)
+            .map(|slot| {
+                let held: usize = (0..c.scheme.replicas.min(2))
+                    .flat_map(|replica| c.scheme.stages_at(replica, slot))
+                    .flat_map(|s| &graph.nodes[stages[s].clone()])
+                    .map(|n| n.params.len())
+                    .sum();
+                optimizer * held as f64 / total
+            })
+            .collect();
+        let schedule = c.timeline(
+            &StageCosts {
+                reduce: reduce.clone(),
+                step: step.clone(),
+                ..tiles.stage_costs(&costs, stages)
+            },
+            bytes.as_deref(),
+        )?;
+        let shared = {
+            let slower = sharing_threads(&graph, micro, t.activations(), c.scheme.world());
+            let costs = costs.scaled(&slower);
+            // Ranks sharing the CPU step their optimizers at once: together, every rank's.
+            let all = step.iter().sum::<f64>();
+            crate::schemes::schedule::time(
+                &c.scheme,
+                &StageCosts {
+                    reduce,
+                    step: vec![all; step.len()],
+                    ..tiles_of(&costs).stage_costs(&costs, stages)
+                },
+                &schedule.schedule(&c.scheme),
+            )?
+        };
+        let tiled = (grid.is_split()).then(|| TiledRegion::of(&graph, grid, stages[0].clone()));
         Ok(Layout {
             graph,
             partition,
@@ -323,21 +349,16 @@ impl Layout {
         })
     }
 
-    /// Predicted seconds of a step: the schedule, then the optimizer. With `shared_device`,
-    /// the ranks are threads of this process sharing its CPU (or processes sharing one
-    /// machine): each op runs on the rank's share of the threads, as slow as the committed
-    /// fit says an op runs on that many, and every rank's optimizer step follows; otherwise
-    /// each rank is a device of its own and the step ends with the fullest rank's optimizer.
+    /// Predicted seconds of a step: the schedule, its REDUCEs and STEPs (each rank's optimizer
+    /// over its copies' share of the parameters) included. With `shared_device`, the ranks are
+    /// threads of this process sharing its CPU (or processes sharing one machine): each op runs
+    /// on the rank's share of the threads, as slow as the committed fit says an op runs on
+    /// that many, and the ranks' STEPs take every rank's optimizer time together; otherwise
+    /// each rank is a device of its own and the step ends with the slowest rank's STEP.
     pub fn predicted_step(&self, shared_device: bool) -> f64 {
-        if shared_device {
-            self.shared.makespan() + self.optimizer
-        } else {
-            let total: usize = self.graph.params.len().max(1);
-            let most = (0..self.partition.stages.len())
-                .map(|s| self.param_ids(s).len())
-                .max()
-                .unwrap_or(0);
-            self.schedule.makespan() + self.optimizer * most as f64 / total as f64
+        match shared_device {
+            true => self.shared.makespan(),
+            false => self.schedule.makespan(),
         }
     }
 
