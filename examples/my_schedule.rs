@@ -8,7 +8,8 @@ use gems::plan::Layout;
 use gems::schemes::schedule::{Pass, Schedule, Task};
 use gems::{models, DType, Dataset, Kind, Order, RunConfig, Scheme, Session, TrainConfig};
 
-/// `schedule` with each BW split into its B, in place, and its W, at the end of the rank's list.
+/// `schedule` with each BW split into its B, in place, and its W, at the end of the rank's
+/// passes: its gradient sums (REDUCE) and optimizer step (STEP) follow the last W.
 fn defer_weights(schedule: &Schedule) -> Schedule {
     let mut late = schedule.clone();
     for tasks in &mut late.ranks {
@@ -19,7 +20,11 @@ fn defer_weights(schedule: &Schedule) -> Schedule {
         for t in tasks.iter_mut().filter(|t| t.pass == Pass::Backward) {
             t.pass = Pass::Input;
         }
-        tasks.extend(ws);
+        let (closing, mut passes): (Vec<Task>, Vec<Task>) =
+            tasks.iter().partition(|t| t.pass.is_collective());
+        passes.extend(ws);
+        passes.extend(closing);
+        *tasks = passes;
     }
     late
 }

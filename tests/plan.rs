@@ -284,6 +284,50 @@ fn simulated_weak_scaling_and_the_mast_gain() {
     }
 }
 
+/// A predicted step counts each stage's REDUCE as the all-reduce of its gradients over its
+/// holders (two data-parallel groups here, MAST's mirrored pair) and each rank's STEP as the
+/// optimizer over its copies' share of the parameters, once: the step ends with the last STEP.
+#[test]
+fn reductions_and_steps_cost_the_all_reduce_and_the_optimizer_once() {
+    use gems::plan::cost::{reduce_costs, Link};
+    use gems::schemes::schedule::{Pass, Task};
+    for scheme in [
+        Scheme::new(Kind::Mp, 2, 2, 1, 2, Order::OneFOneB),
+        Scheme::new(Kind::Mast, 2, 2, 2, 1, Order::GPipe),
+    ] {
+        let r = config("resnet20v2", 32, 4, scheme, None);
+        let layout = layout_of(&r);
+        let stages = &layout.partition.stages;
+        let dtype = r.train.dtype;
+        let want = reduce_costs(&r.g, &scheme, stages, dtype, scheme.dp, &Link::CPU);
+        let total = r.g.params.len() as f64;
+        for (rank, tasks) in layout.schedule.ranks.iter().enumerate() {
+            let seconds = |task: Task| {
+                let t = tasks.iter().find(|t| t.task == task).unwrap();
+                t.end - t.start
+            };
+            for s in scheme.holds(rank) {
+                assert!(want[s] > 0.0);
+                let got = seconds(Task::reduce(s));
+                assert!((got - want[s]).abs() <= 1e-9 * want[s], "{scheme:?}: {got}");
+            }
+            // Each copy's parameters: MAST's ranks hold two.
+            let held: usize = (0..scheme.replicas)
+                .flat_map(|replica| scheme.stages_at(replica, rank))
+                .map(|s| layout.param_ids(s).len())
+                .sum();
+            let step = seconds(Task::step());
+            let share = layout.optimizer * held as f64 / total;
+            assert!(
+                (step - share).abs() <= 1e-9 * share,
+                "{step} against {share}"
+            );
+            assert_eq!(tasks.last().unwrap().task.pass, Pass::Step);
+        }
+        assert_eq!(layout.predicted_step(false), layout.schedule.makespan());
+    }
+}
+
 #[test]
 fn timeline_svg_is_valid_and_shows_every_task() {
     use gems::plan::timeline;
@@ -314,12 +358,21 @@ fn timeline_svg_is_valid_and_shows_every_task() {
     assert_eq!(sends, 2 * 2 * 2 * 2); // boundaries · replicas · micro-batches · (F, B)
     let curves = doc.descendants().filter(|n| n.has_tag_name("path")).count();
     assert_eq!(curves, 3, "one memory curve per rank");
+    // Each rank's REDUCEs (MAST: both stages it holds) and its STEP, boxes of their own.
+    let count = |class| {
+        (doc.descendants())
+            .filter(|n| n.attribute("class") == Some(class))
+            .count()
+    };
+    assert_eq!((count("reduce"), count("step")), (3 * 2 - 1, 3)); // the middle holds 1 stage
     assert!([
         "F forward",
         "B/BW backward",
         "W weight gradients",
         "RECV waiting",
-        "SEND posted"
+        "SEND posted",
+        "REDUCE gradient sums",
+        "STEP optimizer"
     ]
     .iter()
     .all(|l| svg.contains(l)));

@@ -6,7 +6,7 @@
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
-use gems::schemes::schedule::{Schedule, Task};
+use gems::schemes::schedule::{Pass, Schedule, Task};
 
 mod common;
 
@@ -55,7 +55,23 @@ fn exported(dir: &Path) -> Schedule {
     );
     let text = String::from_utf8(out.stdout).unwrap();
     std::fs::write(dir.join("1f1b.json"), &text).unwrap();
-    Schedule::from_json(&text).unwrap()
+    let s = Schedule::from_json(&text).unwrap();
+    // It lists each stage's REDUCE right after the stage's last backward (and the send of
+    // its gradients), and the STEP last.
+    for (r, tasks) in s.ranks.iter().enumerate() {
+        let last_bw = tasks
+            .iter()
+            .rposition(|t| t.pass == Pass::Backward)
+            .unwrap();
+        let sends = (r > 0) as usize;
+        assert_eq!(
+            tasks[last_bw + 1 + sends..],
+            [Task::reduce(r), Task::step()]
+        );
+    }
+    assert!(text.contains("{\"kind\":\"REDUCE\",\"stage\":0}"), "{text}");
+    assert!(text.contains("{\"kind\":\"STEP\"}"), "{text}");
+    s
 }
 
 fn write(dir: &Path, name: &str, s: &Schedule) -> PathBuf {
@@ -138,6 +154,34 @@ fn an_exported_schedule_trains_and_a_broken_one_is_refused_naming_rank_and_task(
         err.contains("rank 0, task") && err.contains("before its B"),
         "{err}"
     );
+
+    // A REDUCE before the last backward of its stage.
+    let mut s = good.clone();
+    let r = s.ranks[0]
+        .iter()
+        .position(|t| *t == Task::reduce(0))
+        .unwrap();
+    let reduce = s.ranks[0].remove(r);
+    let b = s.ranks[0]
+        .iter()
+        .position(|t| *t == Task::backward(0, 3))
+        .unwrap();
+    s.ranks[0].insert(b, reduce);
+    let (ok, err) = train(dir.path(), &write(dir.path(), "early.json", &s), &[]);
+    assert!(!ok);
+    assert!(
+        err.contains(&format!(
+            "rank 0, task {b} (REDUCE of stage 0): comes before the BW"
+        )),
+        "{err}"
+    );
+
+    // No STEP on rank 1.
+    let mut s = good.clone();
+    s.ranks[1].pop();
+    let (ok, err) = train(dir.path(), &write(dir.path(), "no-step.json", &s), &[]);
+    assert!(!ok);
+    assert!(err.contains("rank 1 has no STEP"), "{err}");
 
     // Over the memory cap: the metered run of the file's own tasks is refused.
     let (ok, err) = train(

@@ -256,6 +256,65 @@ fn split_backward(name: &str, p: usize, m: usize) {
     check_run(model, c);
 }
 
+/// Gradient sums are tasks a schedule places. With two data-parallel groups, an interleaved
+/// pipeline written by hand with split backwards sums each stage's gradients right after its
+/// last W, while the rank still has its other chunk's passes to run; the same passes with
+/// every REDUCE at the end (put in place, the file listing none) sum them last. Both train
+/// as one device does.
+#[test]
+fn reductions_early_or_at_the_end_match_single() {
+    use gems::schemes::schedule::{Pass, Task};
+    let model = &self::model("resnet20v2", 4);
+    let (p, m) = (2, 2);
+    let scheme = Scheme::new(Kind::Mp, p, m, 1, 2, Order::Interleaved).with_virtual_stages(2);
+    let mut c = RunConfig::new(train(m, DType::F64, LR), scheme);
+    let built = Layout::new(model, &c).unwrap().schedule.schedule(&scheme);
+    // The passes alone, each BW split into its B and its W, in place.
+    let mut at_the_end = built.clone();
+    for tasks in &mut at_the_end.ranks {
+        *tasks = (tasks.iter().filter(|t| t.pass.computes()))
+            .flat_map(|&t| match t.pass {
+                Pass::Backward => vec![
+                    Task {
+                        pass: Pass::Input,
+                        ..t
+                    },
+                    Task {
+                        pass: Pass::Weight,
+                        ..t
+                    },
+                ],
+                _ => vec![t],
+            })
+            .collect();
+    }
+    // Each REDUCE right after its stage's last W, the STEP last.
+    let mut early = at_the_end.clone();
+    for tasks in &mut early.ranks {
+        let mut with = Vec::new();
+        for (i, &t) in tasks.iter().enumerate() {
+            with.push(t);
+            if t.pass == Pass::Weight && !tasks[i + 1..].iter().any(|u| u.stage == t.stage) {
+                with.push(Task::reduce(t.stage));
+            }
+        }
+        with.push(Task::step());
+        *tasks = with;
+    }
+    // Every rank sums its later chunk's gradients before its first chunk's passes end.
+    for tasks in &early.ranks {
+        let first = tasks.iter().position(|t| t.pass == Pass::Reduce).unwrap();
+        assert!(
+            tasks[first..].iter().any(|t| t.pass.computes()),
+            "{tasks:?}"
+        );
+    }
+    for schedule in [early, at_the_end] {
+        c.schedule = Some(std::sync::Arc::new(schedule));
+        check_run(model, c.clone());
+    }
+}
+
 #[test]
 fn pipeline_orders_and_hand_written_schedules_match_single_on_resnet110v2() {
     split_backward("resnet110v2", 4, 4);

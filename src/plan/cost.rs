@@ -139,6 +139,8 @@ impl NodeCosts {
             backward,
             weight: sum_over(&self.weight, stages),
             transfer: vec![0.0; stages.len()],
+            reduce: vec![],
+            step: vec![],
         }
     }
 }
@@ -174,6 +176,31 @@ impl Link {
         let hops = 2.0 * (n as f64).log2().ceil();
         hops * self.latency + 2.0 * (n - 1) as f64 / n as f64 * bytes / self.bytes_per_s
     }
+}
+
+/// Seconds of each of `stages`' REDUCE under `scheme` with `groups` data-parallel groups: its
+/// parameters' gradients in `dtype` all-reduced over `link` among the ranks holding a copy
+/// (the pipeline positions holding it, MAST's mirrored pair, each with its tiles, in every
+/// group).
+pub fn reduce_costs(
+    g: &Graph,
+    scheme: &Scheme,
+    stages: &[Range<usize>],
+    dtype: DType,
+    groups: usize,
+    link: &Link,
+) -> Vec<f64> {
+    (stages.iter().enumerate())
+        .map(|(stage, nodes)| {
+            let mut slots: Vec<usize> = (0..scheme.replicas.min(2))
+                .map(|replica| scheme.place(replica, stage))
+                .collect();
+            slots.dedup();
+            let holders = groups * slots.iter().map(|&s| scheme.width(s)).sum::<usize>();
+            let bytes = g.trainable_in(nodes.clone()) * dtype.size();
+            link.all_reduce(bytes as f64, holders)
+        })
+        .collect()
 }
 
 /// What a rank of a tile group exchanges with the others per micro-batch, node by node: the
@@ -336,6 +363,8 @@ impl TileCosts {
             backward: pick(&one.backward, &tiled.backward),
             weight: pick(&one.weight, &tiled.weight),
             transfer: one.transfer,
+            reduce: one.reduce,
+            step: one.step,
         }
     }
 

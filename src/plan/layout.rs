@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use crate::graph::{Graph, Output, ValueId};
 use crate::plan::config::RunConfig;
-use crate::plan::cost::{DeviceProfile, Link, NodeCosts, TileCosts};
+use crate::plan::cost::{reduce_costs, DeviceProfile, Link, NodeCosts, TileCosts};
 use crate::plan::cuts::crossing;
 use crate::plan::memory;
 use crate::plan::partition::{self, Partition};
@@ -265,11 +265,32 @@ impl Layout {
             Some(_) => Admission::Free,
             None => c.admission(bytes.as_deref()),
         };
-        let alone = tiles.stage_costs(&costs, stages);
+        let optimizer = match &c.calibration {
+            Some(cal) => cal.optimizer,
+            None => cpu_fit().optimizer(&graph, t.dtype),
+        };
+        let reduce = reduce_costs(&graph, &c.scheme, stages, t.dtype, c.scheme.dp, &Link::CPU);
+        // Each rank steps the optimizer over its copies' share of the parameters (by tensor).
+        let total = graph.params.len().max(1) as f64;
+        let step: Vec<f64> = (0..c.scheme.stages)
+            .map(|slot| {
+                let held: usize = (0..c.scheme.replicas.min(2))
+                    .flat_map(|replica| c.scheme.stages_at(replica, slot))
+                    .flat_map(|s| &graph.nodes[stages[s].clone()])
+                    .map(|n| n.params.len())
+                    .sum();
+                optimizer * held as f64 / total
+            })
+            .collect();
+        let alone = StageCosts {
+            reduce,
+            step,
+            ..tiles.stage_costs(&costs, stages)
+        };
         let schedule = c.timeline(&alone, bytes.as_deref())?;
-        // Ranks on one CPU share its pool of threads: while k of a pipeline's P ranks compute,
-        // so do k of every data-parallel group's and every tile's, k·world/P in all, and each
-        // gets that share of the pool.
+        // Ranks on one CPU share its pool of threads: while k of a pipeline's P ranks run
+        // tasks, so do k of every data-parallel group's and every tile's, k·world/P in all,
+        // and each gets that share of the pool.
         let shared = {
             let per_position = c.scheme.world() as f64 / c.scheme.stages as f64;
             let sharing: Vec<StageCosts> = (1..=c.scheme.stages)
@@ -282,10 +303,6 @@ impl Layout {
             )?
         };
         let tiled = (grid.is_split()).then(|| TiledRegion::of(&graph, grid, stages[0].clone()));
-        let optimizer = match &c.calibration {
-            Some(cal) => cal.optimizer,
-            None => cpu_fit().optimizer(&graph, t.dtype),
-        };
         Ok(Layout {
             graph,
             partition,
@@ -302,21 +319,16 @@ impl Layout {
         })
     }
 
-    /// Predicted seconds of a step: the schedule, then the optimizer. With `shared_device`,
-    /// the ranks are threads of this process sharing its CPU (or processes sharing one
-    /// machine): the ranks computing at each moment share its threads, each op as slow as
-    /// their number times its time on all of them, and every rank's optimizer step follows; otherwise
-    /// each rank is a device of its own and the step ends with the fullest rank's optimizer.
+    /// Predicted seconds of a step: the schedule, its REDUCEs and STEPs (each rank's optimizer
+    /// over its copies' share of the parameters) included. With `shared_device`, the ranks are
+    /// threads of this process sharing its CPU (or processes sharing one machine): the ranks
+    /// running tasks at each moment share its threads, each task as slow as their number
+    /// times its time on all of them; otherwise each rank is a device of its own and the step
+    /// ends with the slowest rank's STEP.
     pub fn predicted_step(&self, shared_device: bool) -> f64 {
-        if shared_device {
-            self.shared.makespan() + self.optimizer
-        } else {
-            let total: usize = self.graph.params.len().max(1);
-            let most = (0..self.partition.stages.len())
-                .map(|s| self.param_ids(s).len())
-                .max()
-                .unwrap_or(0);
-            self.schedule.makespan() + self.optimizer * most as f64 / total as f64
+        match shared_device {
+            true => self.shared.makespan(),
+            false => self.schedule.makespan(),
         }
     }
 

@@ -763,6 +763,8 @@ mod tests {
                 backward: (0..p).map(|_| rng.random_range(1.0..4.0)).collect(),
                 weight: vec![0.0; p],
                 transfer: vec![0.0; p],
+                reduce: vec![],
+                step: vec![],
             };
             let moments = footprint::moments(&schedule::build(&scheme, &costs, &bound).unwrap());
             let mirrored = replicas > 1;

@@ -1,14 +1,14 @@
 //! The simulator: a scheme's real schedule replayed with predicted costs instead of tensors,
-//! for any number of GPUs. A step is the pipeline schedule of one data-parallel group (stage
-//! costs from the cost model on a device profile, boundary transfers on the link between the
-//! two ranks, a tiled stage's halo exchanges and statistics' sums on the link between its tile
-//! ranks) followed by the gradient all-reduce of each stage over the ranks holding a copy of it
-//! (on the slowest link the group spans).
+//! for any number of GPUs. A step is the schedule of one data-parallel group (stage costs from
+//! the cost model on a device profile, boundary transfers on the link between the two ranks, a
+//! tiled stage's halo exchanges and statistics' sums on the link between its tile ranks), its
+//! REDUCEs where it places them: each stage's gradient all-reduce over the ranks holding a copy
+//! of it (on the slowest link the groups span).
 
 use std::fmt;
 use std::str::FromStr;
 
-use super::cost::{DeviceProfile, Link, NodeCosts, TileCosts};
+use super::cost::{reduce_costs, DeviceProfile, Link, NodeCosts, TileCosts};
 use crate::graph::Graph;
 use crate::plan::{Layout, RunConfig};
 use crate::{Error, Result};
@@ -108,11 +108,11 @@ pub struct Point {
     pub gpus: usize,
     /// D: data-parallel groups.
     pub groups: usize,
-    /// Seconds: the pipeline of one group, then the slowest stage's all-reduce.
+    /// Seconds of a step: the schedule of one group, its REDUCEs included.
     pub pipeline: f64,
     /// The share of the group's ranks' pipeline time spent idle (the schedule's bubble).
     pub bubble: f64,
-    /// Seconds of the slowest stage's gradient all-reduce.
+    /// Seconds of the slowest stage's gradient all-reduce (its REDUCE).
     pub all_reduce: f64,
     /// Seconds per micro-batch a rank of a tile group spends in halo exchanges, forward and
     /// backward, over its stages on tiles (0 without tiles).
@@ -145,18 +145,11 @@ pub fn step(c: &RunConfig, layout: &Layout, profile: &Profile, groups: usize) ->
             *t = profile.link(node_of(st) == node_of(st + 1)).send(1, bytes);
         }
     }
-    let bytes = crate::plan::memory::stage_bytes(c, g, &layout.partition)?;
-    let schedule = c.timeline(&sc, bytes.as_deref())?;
     let gpus = groups * s.group_size();
     let link = profile.link(gpus <= profile.gpus_per_node);
-    // A stage's gradients are summed over its tiles too.
-    let holders = |st: usize| groups * s.replicas.min(2) * s.width(st);
-    let all_reduce = (stages.iter().enumerate())
-        .map(|(st, r)| {
-            let params = g.trainable_in(r.clone());
-            link.all_reduce((params * dtype.size()) as f64, holders(st))
-        })
-        .fold(0.0, f64::max);
+    sc.reduce = reduce_costs(g, s, stages, dtype, groups, &link);
+    let bytes = crate::plan::memory::stage_bytes(c, g, &layout.partition)?;
+    let schedule = c.timeline(&sc, bytes.as_deref())?;
     let pipeline = schedule.makespan();
     let images = (s.replicas * c.train.batch_size * groups) as f64;
     let (halo, sums) = tiles.exchanges(stages);
@@ -165,10 +158,10 @@ pub fn step(c: &RunConfig, layout: &Layout, profile: &Profile, groups: usize) ->
         groups,
         pipeline,
         bubble: schedule.bubble(),
-        all_reduce,
+        all_reduce: sc.reduce.iter().copied().fold(0.0, f64::max),
         halo,
         sums,
-        images_per_s: images / (pipeline + all_reduce),
+        images_per_s: images / pipeline,
     })
 }
 

@@ -1,5 +1,6 @@
 //! Timeline pictures: ranks as rows, each task a box coloured by replica and pass (forward
-//! lighter, backward darker), idle time left blank, and under them each rank's device memory
+//! lighter, backward darker; a REDUCE and the STEP in colours of their own), idle time left
+//! blank, and under them each rank's device memory
 //! over time. The same drawing serves the predicted schedule (`gems plan --timeline`)
 //! and the measured one (`gems train --timeline`), so the two can be laid side by side.
 
@@ -16,6 +17,11 @@ const COLOURS: [(&str, &str); 4] = [
     ("#bcbddc", "#756bb1"),
 ];
 
+/// Colours of a REDUCE (gradients summed over a stage's holders) and of the STEP (the
+/// optimizer), the same for every replica.
+const REDUCE: &str = "#c51b8a";
+const STEP: &str = "#636363";
+
 /// `tasks[r]`: rank r's tasks with start and end in seconds. `held[r]`: rank r's device bytes
 /// over time, as (seconds, bytes) points ([`curve`]).
 pub fn svg(title: &str, tasks: &[Vec<Timed>], held: &[Vec<(f64, u64)>]) -> String {
@@ -25,9 +31,9 @@ pub fn svg(title: &str, tasks: &[Vec<Timed>], held: &[Vec<(f64, u64)>]) -> Strin
         .map(|t| t.end)
         .fold(0.0, f64::max)
         .max(1e-12);
-    let (left, width, row, gap) = (70.0, 900.0, 28.0, 6.0);
+    let (left, width, row, gap, top) = (70.0, 900.0, 28.0, 6.0, 50.0);
     let ranks = tasks.len();
-    let mem_top = 40.0 + ranks as f64 * (row + gap) + 30.0;
+    let mem_top = top + ranks as f64 * (row + gap) + 30.0;
     let mem_h = 90.0;
     let height = mem_top + mem_h + 40.0;
     let x = |t: f64| left + width * t / end;
@@ -42,27 +48,29 @@ pub fn svg(title: &str, tasks: &[Vec<Timed>], held: &[Vec<(f64, u64)>]) -> Strin
         r#"<text x="{left}" y="20" font-size="14">{}</text>"#,
         escape(title)
     );
-    // The legend: what each box is (replica 0's colours; others are shaded alike).
+    // The legend, a row under the title: what each box is (replica 0's colours; others are
+    // shaded alike).
     let (f, b) = COLOURS[0];
-    for (i, (label, fill, opacity)) in [
+    let mut lx = left;
+    for (label, fill, opacity) in [
         ("F forward", f, 1.0),
         ("B/BW backward", b, 1.0),
         ("W weight gradients", b, 0.45),
         ("RECV waiting", "grey", 1.0),
         ("SEND posted", "black", 1.0),
-    ]
-    .into_iter()
-    .enumerate()
-    {
-        let lx = left + 200.0 + i as f64 * 140.0;
+        ("REDUCE gradient sums", REDUCE, 1.0),
+        ("STEP optimizer", STEP, 1.0),
+    ] {
         let _ = writeln!(
             s,
-            r#"<rect x="{lx}" y="10" width="12" height="12" fill="{fill}" fill-opacity="{opacity}"/><text x="{}" y="20">{label}</text>"#,
+            r#"<rect x="{lx}" y="28" width="12" height="12" fill="{fill}" fill-opacity="{opacity}"/><text x="{}" y="38">{label}</text>"#,
             lx + 16.0
         );
+        // About 6.5 px a character at 11 px.
+        lx += 34.0 + 6.5 * label.len() as f64;
     }
     for (r, list) in tasks.iter().enumerate() {
-        let y = 40.0 + r as f64 * (row + gap);
+        let y = top + r as f64 * (row + gap);
         let _ = writeln!(s, r#"<text x="4" y="{}">rank {r}</text>"#, y + row * 0.65);
         let _ = writeln!(
             s,
@@ -71,11 +79,14 @@ pub fn svg(title: &str, tasks: &[Vec<Timed>], held: &[Vec<(f64, u64)>]) -> Strin
         for t in list {
             let (f, b) = COLOURS[t.task.replica % COLOURS.len()];
             // Forward light, backward dark, a weight pass (W) dark and faded; a send a tick at
-            // the moment it is posted, a receive's wait a thin grey bar.
-            let (fill, opacity) = match t.task.pass {
-                Pass::Forward => (f, 1.0),
-                Pass::Backward | Pass::Input => (b, 1.0),
-                Pass::Weight => (b, 0.45),
+            // the moment it is posted, a receive's wait a thin grey bar; a REDUCE and the STEP
+            // boxes of their own colours.
+            let (class, fill, opacity) = match t.task.pass {
+                Pass::Forward => ("task", f, 1.0),
+                Pass::Backward | Pass::Input => ("task", b, 1.0),
+                Pass::Weight => ("task", b, 0.45),
+                Pass::Reduce => ("reduce", REDUCE, 1.0),
+                Pass::Step => ("step", STEP, 1.0),
                 Pass::SendActivations | Pass::SendGradients => {
                     let _ = writeln!(
                         s,
@@ -104,15 +115,21 @@ pub fn svg(title: &str, tasks: &[Vec<Timed>], held: &[Vec<(f64, u64)>]) -> Strin
                     continue;
                 }
             };
-            let letter = t.task.pass.code();
+            let what = match t.task.pass.is_collective() {
+                true => t.task.to_string(),
+                false => format!(
+                    "{} replica {} stage {} micro-batch {}",
+                    t.task.pass.code(),
+                    t.task.replica,
+                    t.task.stage,
+                    t.task.micro
+                ),
+            };
             let w = (x(t.end) - x(t.start)).max(0.5);
             let _ = writeln!(
                 s,
-                r#"<rect class="task" x="{:.2}" y="{y}" width="{w:.2}" height="{row}" fill="{fill}" fill-opacity="{opacity}" stroke="white" stroke-width="0.5"><title>{letter} replica {} stage {} micro-batch {}: {:.4}–{:.4} s</title></rect>"#,
+                r#"<rect class="{class}" x="{:.2}" y="{y}" width="{w:.2}" height="{row}" fill="{fill}" fill-opacity="{opacity}" stroke="white" stroke-width="0.5"><title>{what}: {:.4}–{:.4} s</title></rect>"#,
                 x(t.start),
-                t.task.replica,
-                t.task.stage,
-                t.task.micro,
                 t.start,
                 t.end
             );

@@ -1,7 +1,8 @@
-//! One rank of a run: it executes its task list from the schedule on its own device, sends
-//! boundary activations downstream and their gradients upstream, then sums the gradients of
-//! each stage over the ranks that hold a copy of it, commits BN statistics in the reference
-//! order, and steps the optimizer. Every copy of a stage ends a step with the same bits.
+//! One rank of a run: it executes its task list from the schedule on its own device: passes,
+//! boundary activations sent downstream and their gradients upstream, each stage's REDUCE
+//! (its gradients summed over the ranks that hold a copy of it) and the STEP (BN statistics
+//! committed in the reference order, the optimizer). Every copy of a stage ends a step with
+//! the same bits.
 //!
 //! The reference for every scheme is `single` with the same micro-batches: a step processes
 //! M = D·η·m micro-batches of B/m images, numbered (group, replica, micro-batch); micro-batch g
@@ -254,8 +255,8 @@ impl Rank {
         // Only ranks that make images or score losses read data (never a metered run).
         let tasks = &layout.schedule.ranks[slot];
         let reads = tasks.iter().any(|t| {
-            (t.task.pass == Pass::Forward && t.task.stage == 0)
-                || !layout.losses[t.task.stage].is_empty()
+            t.task.pass == Pass::Forward
+                && (t.task.stage == 0 || !layout.losses[t.task.stage].is_empty())
         });
         let data = data.filter(|_| reads && !c.metered);
         if reads && !c.metered && data.is_none() {
@@ -376,7 +377,7 @@ impl Rank {
         }
     }
 
-    /// Runs one step: this rank's tasks, then the gradient sums and the optimizer.
+    /// Runs one step: this rank's tasks, the gradient sums and the optimizer among them.
     pub fn step(&mut self) -> Result<RankStep> {
         self.current = RankStep {
             rank: self.rank(),
@@ -423,6 +424,12 @@ impl Rank {
                     start
                 }
                 Pass::SendGradients => self.send_gradients(t)?,
+                Pass::Reduce => {
+                    let start = Instant::now();
+                    self.reduce(t.stage)?;
+                    start
+                }
+                Pass::Step => self.step_optimizer()?,
             };
             timeline.push(Timed {
                 task: t,
@@ -431,7 +438,6 @@ impl Rank {
             });
             held.push(self.device.mark());
         }
-        self.synchronize()?;
         self.step += 1;
         self.position += (self.c.images_per_step()) as u64;
         // Each BN's running statistics took one update from the step's whole batch.
@@ -1140,17 +1146,64 @@ impl Rank {
         Ok(start)
     }
 
-    /// Sums each stage's gradients over its copies, commits BN statistics in reference order,
-    /// and steps the optimizer.
-    fn synchronize(&mut self) -> Result<()> {
+    /// REDUCE of `stage`: the gradients of this rank's copies of it summed, then summed over
+    /// the ranks holding copies of it (a collective of `holders`), so that every copy holds the
+    /// step's whole gradient. A tile other than the first keeps only its share first.
+    fn reduce(&mut self, stage: usize) -> Result<()> {
+        let idx: Vec<usize> = (0..self.copies.len())
+            .filter(|&i| self.copies[i].stage == stage)
+            .collect();
+        let Some(&first) = idx.first() else {
+            return Err(Error::Internal(format!(
+                "a REDUCE of stage {stage}, which this rank holds no copy of"
+            )));
+        };
+        if self.tile > 0 {
+            self.keep_tile_shares(&idx)?;
+        }
+        for p in 0..self.copies[first].params.grads.len() {
+            if self.copies[first].params.grads[p].is_none() {
+                continue;
+            }
+            // Copies on this rank first (orientation order), then over the holders.
+            let mut acc = self.copies[first].params.grads[p]
+                .take()
+                .expect("trainable");
+            for &i in &idx[1..] {
+                let other = self.copies[i].params.grads[p].as_ref().expect("trainable");
+                self.device
+                    .backend()
+                    .add_assign(acc.storage_mut()?, other.storage())?;
+            }
+            if self.holders.size() > 1 {
+                self.holders.all_reduce_sum(&mut acc, &self.device)?;
+            }
+            for &i in &idx[1..] {
+                let grad = self.copies[i].params.grads[p]
+                    .as_mut()
+                    .expect("trainable")
+                    .storage_mut()?;
+                self.device.backend().copy(acc.storage(), grad)?;
+            }
+            self.copies[first].params.grads[p] = Some(acc);
+        }
+        Ok(())
+    }
+
+    /// STEP, the rank's last task: checks that every task ran, then the loss and the reduced
+    /// gradients finite everywhere, commits BN statistics, and steps the optimizer. Returns
+    /// when it started.
+    fn step_optimizer(&mut self) -> Result<Instant> {
+        let start = Instant::now();
         let left = self.received.len() + self.activations_out.len() + self.gradients_out.len();
         if !self.pending.is_empty() || !self.weights.is_empty() || left > 0 {
             return Err(Error::Internal(
                 "the step ended with tasks left undone (a schedule without every backward or message)".into(),
             ));
         }
-        // A non-finite loss or gradient anywhere: fp16 skips the step (below); any other run
-        // stops here, before a statistic or a weight changes.
+        // A non-finite loss or gradient anywhere (a sum keeps it non-finite, so the reduced
+        // gradients show every rank's): fp16 skips the step (below); any other run stops here,
+        // before a statistic or a weight changes.
         let mut here = !self.current.loss.is_finite();
         for copy in &self.copies {
             here |= LossScale::overflowed(&copy.params, &self.device)?;
@@ -1162,9 +1215,6 @@ impl Rank {
                 what: "the loss or a gradient is infinite or NaN".into(),
             });
         }
-        if self.tile > 0 {
-            self.keep_tile_shares()?;
-        }
         let mut stages: Vec<usize> = self.copies.iter().map(|c| c.stage).collect();
         stages.sort_unstable();
         stages.dedup();
@@ -1172,33 +1222,6 @@ impl Rank {
             let idx: Vec<usize> = (0..self.copies.len())
                 .filter(|&i| self.copies[i].stage == stage)
                 .collect();
-            let n = self.copies[idx[0]].params.grads.len();
-            for p in 0..n {
-                if self.copies[idx[0]].params.grads[p].is_none() {
-                    continue;
-                }
-                // Copies on this rank first (orientation order), then over the holders.
-                let mut acc = self.copies[idx[0]].params.grads[p]
-                    .take()
-                    .expect("trainable");
-                for &i in &idx[1..] {
-                    let other = self.copies[i].params.grads[p].as_ref().expect("trainable");
-                    self.device
-                        .backend()
-                        .add_assign(acc.storage_mut()?, other.storage())?;
-                }
-                if self.holders.size() > 1 {
-                    self.holders.all_reduce_sum(&mut acc, &self.device)?;
-                }
-                for &i in &idx[1..] {
-                    let grad = self.copies[i].params.grads[p]
-                        .as_mut()
-                        .expect("trainable")
-                        .storage_mut()?;
-                    self.device.backend().copy(acc.storage(), grad)?;
-                }
-                self.copies[idx[0]].params.grads[p] = Some(acc);
-            }
             // Every tile holds the same statistics (the whole batch's): the first sends them.
             let mine: Vec<(usize, RunningUpdate)> = idx
                 .iter()
@@ -1216,7 +1239,7 @@ impl Rank {
                 )?;
             }
         }
-        let start = Instant::now();
+        let optimizer = Instant::now();
         let lr = self.c.train.schedule.lr(self.step);
         let unscale = 1.0 / self.loss_scale.as_ref().map_or(1.0, LossScale::factor);
         let apply = match &mut self.loss_scale {
@@ -1242,8 +1265,8 @@ impl Rank {
             }
         }
         self.device.backend().synchronize()?;
-        self.current.busy += start.elapsed().as_secs_f64();
-        Ok(())
+        self.current.busy += optimizer.elapsed().as_secs_f64();
+        Ok(start)
     }
 
     /// The squared norm of every parameter's summed gradient, indexed by parameter id, the
@@ -1261,11 +1284,13 @@ impl Rank {
     }
 
     /// On a tile other than the first: zeros the gradients of parameters of nodes that ran on
-    /// whole values (the same on every tile), so that summing over the tiles counts them once
-    /// and the gradients of nodes that ran on tiles (each tile's share) in full.
-    fn keep_tile_shares(&mut self) -> Result<()> {
+    /// whole values (the same on every tile) in the copies `idx`, so that summing over the
+    /// tiles counts them once and the gradients of nodes that ran on tiles (each tile's share)
+    /// in full.
+    fn keep_tile_shares(&mut self, idx: &[usize]) -> Result<()> {
         let (g, grid) = (&self.layout.graph, self.c.scheme.spatial);
-        for copy in &mut self.copies {
+        for &i in idx {
+            let copy = &mut self.copies[i];
             for node in self.layout.partition.stages[copy.stage].clone() {
                 if graph::runs_on_tiles(g, grid, node) {
                     continue;

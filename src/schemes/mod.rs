@@ -411,6 +411,13 @@ impl Scheme {
             .collect()
     }
 
+    /// The model stages position `slot` holds a copy of, for any replica, in stage order.
+    pub fn holds(&self, slot: usize) -> Vec<usize> {
+        (0..self.model_stages())
+            .filter(|&s| (0..self.replicas.min(2)).any(|r| self.place(r, s) == slot))
+            .collect()
+    }
+
     /// Micro-batches per step over all replicas and groups: the reference's accumulation count.
     pub fn micro_batches_per_step(&self) -> usize {
         self.dp * self.replicas * self.parts

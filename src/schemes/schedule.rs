@@ -40,11 +40,18 @@ pub enum Pass {
     /// RECV_B: receives the gradients of its stage's outputs from the rank of the next stage,
     /// for its B or BW.
     RecvGradients,
+    /// REDUCE: a stage's parameter gradients, this rank's copies of it summed, then summed
+    /// over every rank holding a copy (its data-parallel groups, its tiles, MAST's mirrored
+    /// rank): a collective of those ranks, after every backward of the stage on the rank.
+    Reduce,
+    /// STEP: closes the step, last on every rank: the loss and the reduced gradients checked
+    /// finite, BN running statistics committed, the loss scale, clipping and the optimizer.
+    Step,
 }
 
 impl Pass {
     /// Every pass, in the order of their codes.
-    pub const ALL: [Pass; 8] = [
+    pub const ALL: [Pass; 10] = [
         Pass::Forward,
         Pass::Backward,
         Pass::Input,
@@ -53,9 +60,12 @@ impl Pass {
         Pass::RecvActivations,
         Pass::SendGradients,
         Pass::RecvGradients,
+        Pass::Reduce,
+        Pass::Step,
     ];
 
-    /// Its code in schedule files: `F`, `BW`, `B`, `W`, `SEND_F`, `RECV_F`, `SEND_B`, `RECV_B`.
+    /// Its code in schedule files: `F`, `BW`, `B`, `W`, `SEND_F`, `RECV_F`, `SEND_B`, `RECV_B`,
+    /// `REDUCE`, `STEP`.
     pub fn code(self) -> &'static str {
         match self {
             Pass::Forward => "F",
@@ -66,15 +76,34 @@ impl Pass {
             Pass::RecvActivations => "RECV_F",
             Pass::SendGradients => "SEND_B",
             Pass::RecvGradients => "RECV_B",
+            Pass::Reduce => "REDUCE",
+            Pass::Step => "STEP",
         }
     }
 
-    /// Whether it computes (F, BW, B, W) rather than moves a message.
+    /// Whether it computes a micro-batch's pass (F, BW, B, W).
     pub fn computes(self) -> bool {
         matches!(
             self,
             Pass::Forward | Pass::Backward | Pass::Input | Pass::Weight
         )
+    }
+
+    /// Whether it moves a message (SEND_F, RECV_F, SEND_B, RECV_B).
+    pub fn is_message(self) -> bool {
+        matches!(
+            self,
+            Pass::SendActivations
+                | Pass::RecvActivations
+                | Pass::SendGradients
+                | Pass::RecvGradients
+        )
+    }
+
+    /// Whether it is a collective closing the step's work on a stage or the rank (REDUCE,
+    /// STEP), rather than a pass of a micro-batch.
+    pub fn is_collective(self) -> bool {
+        matches!(self, Pass::Reduce | Pass::Step)
     }
 }
 
@@ -85,13 +114,15 @@ impl std::str::FromStr for Pass {
             .into_iter()
             .find(|p| p.code() == s)
             .ok_or_else(|| {
-                format!("unknown task kind '{s}' (F, B, W, BW, SEND_F, RECV_F, SEND_B, RECV_B)")
+                let codes: Vec<&str> = Pass::ALL.iter().map(|p| p.code()).collect();
+                format!("unknown task kind '{s}' ({})", codes.join(", "))
             })
     }
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
-/// One unit of a schedule: a pass of one micro-batch through one stage of one replica.
+/// One unit of a schedule: a pass of one micro-batch through one stage of one replica, a
+/// message of one, a stage's REDUCE (replica and micro-batch 0) or the rank's STEP (all 0).
 pub struct Task {
     /// Which pass.
     pub pass: Pass,
@@ -134,6 +165,20 @@ impl Task {
             ..Task::forward(stage, micro)
         }
     }
+    /// REDUCE of `stage`'s gradients.
+    pub fn reduce(stage: usize) -> Task {
+        Task {
+            pass: Pass::Reduce,
+            ..Task::forward(stage, 0)
+        }
+    }
+    /// STEP.
+    pub fn step() -> Task {
+        Task {
+            pass: Pass::Step,
+            ..Task::forward(0, 0)
+        }
+    }
     /// The same task of replica `replica`.
     pub fn of_replica(self, replica: usize) -> Task {
         Task { replica, ..self }
@@ -142,6 +187,11 @@ impl Task {
 
 impl std::fmt::Display for Task {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.pass {
+            Pass::Reduce => return write!(f, "REDUCE of stage {}", self.stage),
+            Pass::Step => return write!(f, "STEP"),
+            _ => {}
+        }
         write!(
             f,
             "{} of stage {}, micro-batch {}",
@@ -156,8 +206,9 @@ impl std::fmt::Display for Task {
     }
 }
 
-/// Predicted seconds of one micro-batch's passes per stage, and of moving its boundary
-/// tensors (activations forward, their gradients backward) from stage s to s + 1.
+/// Predicted seconds of one micro-batch's passes per stage, of moving its boundary tensors
+/// (activations forward, their gradients backward) from stage s to s + 1, of each stage's
+/// REDUCE and of each rank's STEP.
 #[derive(Clone, Debug, PartialEq)]
 pub struct StageCosts {
     /// Seconds of each stage's forward.
@@ -168,39 +219,53 @@ pub struct StageCosts {
     pub weight: Vec<f64>,
     /// Seconds to move a micro-batch's boundary tensors from stage s to s + 1.
     pub transfer: Vec<f64>,
+    /// Seconds of each stage's REDUCE: its gradients all-reduced over the ranks holding a
+    /// copy (a stage not listed: none).
+    pub reduce: Vec<f64>,
+    /// Seconds of each pipeline position's STEP: the optimizer over the copies it holds (a
+    /// position not listed: none).
+    pub step: Vec<f64>,
 }
 
 impl StageCosts {
-    /// Every stage costs `f` forward and `b` backward, a third of which is W.
+    /// Every stage costs `f` forward and `b` backward, a third of which is W; nothing else
+    /// costs time.
     pub fn uniform(stages: usize, f: f64, b: f64) -> Self {
         StageCosts {
             forward: vec![f; stages],
             backward: vec![b; stages],
             weight: vec![b / 3.0; stages],
             transfer: vec![0.0; stages],
+            reduce: vec![],
+            step: vec![],
         }
     }
 
-    /// The same passes `by` times as long (the transfers unchanged).
+    /// The same passes `by` times as long: what computes (F, B, W, the optimizer's STEP), not
+    /// what moves bytes (transfers, REDUCEs).
     pub fn slower(&self, by: f64) -> StageCosts {
         let times = |v: &[f64]| v.iter().map(|t| t * by).collect();
         StageCosts {
             forward: times(&self.forward),
             backward: times(&self.backward),
             weight: times(&self.weight),
-            transfer: self.transfer.clone(),
+            step: times(&self.step),
+            ..self.clone()
         }
     }
 
-    /// Seconds of `t`'s pass (none for a message task: a send is posted, a receive's wait is
-    /// its message's travel).
-    pub fn of(&self, t: &Task) -> f64 {
+    /// Seconds of `t`'s pass on pipeline position `rank` (none for a message task: a send is
+    /// posted, a receive's wait is its message's travel).
+    pub fn of(&self, t: &Task, rank: usize) -> f64 {
         let s = t.stage;
+        let listed = |v: &[f64], i: usize| v.get(i).copied().unwrap_or(0.0);
         match t.pass {
             Pass::Forward => self.forward[s],
             Pass::Backward => self.backward[s],
             Pass::Input => self.backward[s] - self.weight[s],
             Pass::Weight => self.weight[s],
+            Pass::Reduce => listed(&self.reduce, s),
+            Pass::Step => listed(&self.step, rank),
             _ => 0.0,
         }
     }
@@ -247,9 +312,15 @@ impl Timeline {
             .collect()
     }
 
-    /// The share of the ranks' time spent idle within the makespan (the pipeline's bubble).
+    /// The share of the ranks' time spent idle while micro-batches pass, from the step's start
+    /// to the last F, B, BW or W's end (the pipeline's bubble; a REDUCE among them idles its
+    /// rank, those after them and the STEP are not the pipeline's).
     pub fn bubble(&self) -> f64 {
-        let span = self.makespan() * self.ranks.len() as f64;
+        let passes = (self.ranks.iter().flatten())
+            .filter(|t| t.task.pass.computes())
+            .map(|t| t.end)
+            .fold(0.0, f64::max);
+        let span = passes * self.ranks.len() as f64;
         if span <= 0.0 {
             return 0.0;
         }
@@ -290,12 +361,14 @@ impl Timeline {
 }
 
 /// What each rank of a pipeline runs in one step, in order: per pipeline position, a list of
-/// tasks. Gradient sums and the optimizer step close every rank's list. Messages are tasks of
-/// their own (SEND_F, RECV_F, SEND_B, RECV_B): an F computes with what its RECV_F received and
-/// leaves its outputs to its SEND_F, a B or BW computes with its RECV_B's gradients and leaves
-/// its inputs' to its SEND_B; sends never block, receives wait for their message. A schedule
-/// may list none: [`Schedule::with_messages`] then puts each receive just before the task that
-/// needs it and each send just after the task that makes it. Which rank
+/// tasks. Messages are tasks of their own (SEND_F, RECV_F, SEND_B, RECV_B): an F computes with
+/// what its RECV_F received and leaves its outputs to its SEND_F, a B or BW computes with its
+/// RECV_B's gradients and leaves its inputs' to its SEND_B; sends never block, receives wait
+/// for their message. A schedule may list none: [`Schedule::with_messages`] then puts each
+/// receive just before the task that needs it and each send just after the task that makes
+/// it. Gradient sums and the optimizer step are tasks too: one REDUCE per stage a rank holds,
+/// after the stage's last backward there, and a STEP closing every rank's list; a schedule
+/// that lists none gets them at the end of each list ([`Schedule::with_reductions`]). Which rank
 /// holds which stage is the placement of a built-in order: stage s on rank s (MAST's second
 /// replica mirrored) for gpipe, 1f1b and zbh1; P·V stages looped over the ranks for
 /// interleaved; 2P stages in a V for zbv.
@@ -315,15 +388,17 @@ pub struct Schedule {
     pub ranks: Vec<Vec<Task>>,
 }
 
-/// A task as a schedule file writes it.
+/// A task as a schedule file writes it: a REDUCE names its stage alone, a STEP nothing.
 #[derive(serde::Serialize, serde::Deserialize)]
 #[serde(deny_unknown_fields)]
 struct FileTask {
     kind: String,
-    stage: usize,
-    micro_batch: usize,
-    #[serde(default)]
-    replica: usize,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    stage: Option<usize>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    micro_batch: Option<usize>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    replica: Option<usize>,
 }
 
 /// A schedule file: the sizes, then one list of tasks per rank.
@@ -378,7 +453,80 @@ impl Schedule {
 
     /// Whether it lists its messages (any SEND or RECV task).
     pub fn has_messages(&self) -> bool {
-        self.ranks.iter().flatten().any(|t| !t.pass.computes())
+        self.ranks.iter().flatten().any(|t| t.pass.is_message())
+    }
+
+    /// Whether it lists its gradient sums and optimizer step (any REDUCE or STEP task).
+    pub fn has_reductions(&self) -> bool {
+        self.ranks.iter().flatten().any(|t| t.pass.is_collective())
+    }
+
+    /// The scheme shape whose placement its tasks follow (the kind places nothing).
+    fn placed(&self) -> Scheme {
+        Scheme {
+            stages: self.stages,
+            parts: self.micro_batches,
+            replicas: self.replicas,
+            order: self.placement,
+            virtual_stages: self.virtual_stages,
+            ..Scheme::mp()
+        }
+    }
+
+    /// The schedule with its gradient sums and optimizer step as tasks: its own where it lists
+    /// any (checked by [`Schedule::validate`]), else at the end of every rank's list one REDUCE
+    /// per stage the rank holds, in stage order (the ranks holding copies of a stage reach
+    /// them in the same order), then the STEP.
+    pub fn with_reductions(&self) -> Schedule {
+        let mut out = self.clone();
+        if !self.has_reductions() {
+            let placed = self.placed();
+            for (r, list) in out.ranks.iter_mut().enumerate() {
+                list.extend(placed.holds(r).into_iter().map(Task::reduce));
+                list.push(Task::step());
+            }
+        }
+        out
+    }
+
+    /// The schedule with each stage's REDUCE right after the stage's last backward (BW or W)
+    /// on its rank and the STEP last on every rank: what a one-replica pipeline runs, whose
+    /// copies of a stage (data-parallel groups, tiles) all run the same list and so reach
+    /// their REDUCEs in the same order.
+    fn reducing_early(mut self) -> Schedule {
+        for list in &mut self.ranks {
+            let mut last: HashMap<usize, usize> = HashMap::new();
+            for (i, t) in list.iter().enumerate() {
+                if matches!(t.pass, Pass::Backward | Pass::Input | Pass::Weight) {
+                    last.insert(t.stage, i);
+                }
+            }
+            let mut with = Vec::with_capacity(list.len() + last.len() + 1);
+            for (i, &t) in list.iter().enumerate() {
+                with.push(t);
+                if last.get(&t.stage) == Some(&i) {
+                    with.push(Task::reduce(t.stage));
+                }
+            }
+            with.push(Task::step());
+            *list = with;
+        }
+        self
+    }
+
+    /// The schedule with every task it leaves implicit in place — its messages
+    /// ([`Schedule::with_messages`]), then its gradient sums and step
+    /// ([`Schedule::with_reductions`]) — and for each of its tasks the index in this schedule
+    /// of the task it is or was put in place for (what errors name; the rank's task count for
+    /// the REDUCEs and STEP put at its end).
+    fn listing(&self) -> (Schedule, Vec<Vec<usize>>) {
+        let (messages, mut origin) = self.listing_messages();
+        let listed = messages.with_reductions();
+        for (r, (list, origin)) in listed.ranks.iter().zip(&mut origin).enumerate() {
+            let end = self.ranks.get(r).map_or(0, Vec::len);
+            origin.resize(list.len(), end);
+        }
+        (listed, origin)
     }
 
     /// The schedule with its messages as tasks: its own where it lists any (checked by
@@ -434,7 +582,8 @@ impl Schedule {
     }
 
     /// The schedule as JSON: `{"stages": P, "micro_batches": m, "replicas": η, "ranks":
-    /// [[{"kind": "F", "stage": 0, "micro_batch": 0, "replica": 0}, …], …]}`.
+    /// [[{"kind": "F", "stage": 0, "micro_batch": 0, "replica": 0}, …, {"kind": "REDUCE",
+    /// "stage": 0}, {"kind": "STEP"}], …]}`.
     pub fn to_json(&self) -> String {
         let file = File {
             stages: self.stages,
@@ -445,11 +594,14 @@ impl Schedule {
             ranks: (self.ranks.iter())
                 .map(|r| {
                     r.iter()
-                        .map(|t| FileTask {
-                            kind: t.pass.code().into(),
-                            stage: t.stage,
-                            micro_batch: t.micro,
-                            replica: t.replica,
+                        .map(|t| {
+                            let pass_of_micro = !t.pass.is_collective();
+                            FileTask {
+                                kind: t.pass.code().into(),
+                                stage: (t.pass != Pass::Step).then_some(t.stage),
+                                micro_batch: pass_of_micro.then_some(t.micro),
+                                replica: pass_of_micro.then_some(t.replica),
+                            }
                         })
                         .collect()
                 })
@@ -475,7 +627,8 @@ impl Schedule {
     }
 
     /// Reads a schedule written as [`Schedule::to_json`] writes it (sizes are checked by
-    /// [`Schedule::validate`]).
+    /// [`Schedule::validate`]): every task names its stage but a STEP, and its micro-batch but
+    /// a REDUCE or STEP (ignored there), and its replica where it is not 0.
     pub fn from_json(text: &str) -> Result<Schedule> {
         let file: File = serde_json::from_str(text)
             .map_err(|e| Error::Config(format!("the schedule file is not valid: {e}")))?;
@@ -483,15 +636,27 @@ impl Schedule {
         for (r, tasks) in file.ranks.into_iter().enumerate() {
             let mut list = Vec::with_capacity(tasks.len());
             for (i, t) in tasks.into_iter().enumerate() {
-                let pass = t
+                let pass: Pass = t
                     .kind
                     .parse()
                     .map_err(|e| Error::Config(format!("rank {r}, task {i}: {e}")))?;
-                list.push(Task {
-                    pass,
-                    replica: t.replica,
-                    stage: t.stage,
-                    micro: t.micro_batch,
+                let named = |field: Option<usize>, what: &str| {
+                    field.ok_or_else(|| {
+                        Error::Config(format!(
+                            "rank {r}, task {i}: a {} task names its {what}",
+                            pass.code()
+                        ))
+                    })
+                };
+                list.push(match pass {
+                    Pass::Step => Task::step(),
+                    Pass::Reduce => Task::reduce(named(t.stage, "stage")?),
+                    _ => Task {
+                        pass,
+                        replica: t.replica.unwrap_or(0),
+                        stage: named(t.stage, "stage")?,
+                        micro: named(t.micro_batch, "micro_batch")?,
+                    },
                 });
             }
             ranks.push(list);
@@ -516,15 +681,19 @@ impl Schedule {
     /// W) of some stage missing or repeated; a B or BW before its F, a W before its B on the
     /// same rank; a message missing, repeated, or on the wrong side of the task that makes or
     /// needs it (messages it does not list are put in place first: [`Schedule::with_messages`]);
-    /// a rank waiting for a message no task will send (a deadlock, found by replaying the
-    /// message matching).
+    /// a REDUCE missing or repeated for a stage its rank holds, of a stage it does not hold, or
+    /// before a backward of its stage on its rank; a STEP missing or not last (REDUCEs and STEPs
+    /// it does not list are put in place first: [`Schedule::with_reductions`]); a rank waiting
+    /// for a message no task will send, or at a REDUCE its stage's other holder does not reach
+    /// in the same order (a deadlock, found by replaying the message matching and the
+    /// collectives).
     pub fn validate(&self, scheme: &Scheme) -> Result<()> {
-        let (listed, origin) = self.listing_messages();
+        let (listed, origin) = self.listing();
         listed.validate_listed(scheme, &origin)
     }
 
-    /// [`Schedule::validate`] of a schedule that lists its messages, naming tasks by their
-    /// `origin` index.
+    /// [`Schedule::validate`] of a schedule that lists its messages, REDUCEs and STEPs, naming
+    /// tasks by their `origin` index.
     fn validate_listed(&self, scheme: &Scheme, origin: &[Vec<usize>]) -> Result<()> {
         let ix = |r: usize, i: usize| origin[r][i];
         let bad = |m: String| Err(Error::Config(format!("the schedule is refused: {m}")));
@@ -564,6 +733,9 @@ impl Schedule {
         let mut at: HashMap<Task, (usize, usize)> = HashMap::new();
         for (r, tasks) in self.ranks.iter().enumerate() {
             for (i, t) in tasks.iter().enumerate() {
+                if t.pass.is_collective() {
+                    continue; // checked per rank below
+                }
                 let here = format!("rank {r}, task {} ({t})", ix(r, i));
                 if t.stage >= stages || t.micro >= self.micro_batches || t.replica >= self.replicas
                 {
@@ -690,6 +862,61 @@ impl Schedule {
                 }
             }
         }
+        // Each rank's REDUCEs (one per stage it holds, after the stage's backwards there) and
+        // its STEP, last.
+        for (r, tasks) in self.ranks.iter().enumerate() {
+            let holds = scheme.holds(r);
+            let mut reduced: HashMap<usize, usize> = HashMap::new();
+            for (i, t) in tasks.iter().enumerate() {
+                let here = format!("rank {r}, task {} ({t})", ix(r, i));
+                match t.pass {
+                    Pass::Reduce if (t.replica, t.micro) != (0, 0) => {
+                        return bad(format!(
+                        "{here}: a REDUCE is of a stage, not of a replica or micro-batch (give 0)"
+                    ))
+                    }
+                    Pass::Reduce if !holds.contains(&t.stage) => {
+                        return bad(format!(
+                            "{here}: rank {r} holds no copy of stage {}",
+                            t.stage
+                        ))
+                    }
+                    Pass::Reduce => {
+                        if let Some(j) = reduced.insert(t.stage, i) {
+                            return bad(format!("{here}: repeats task {}", ix(r, j)));
+                        }
+                        let backward = |u: &Task| {
+                            u.stage == t.stage
+                                && matches!(u.pass, Pass::Backward | Pass::Input | Pass::Weight)
+                        };
+                        if let Some(j) = (i + 1..tasks.len()).find(|&j| backward(&tasks[j])) {
+                            return bad(format!(
+                                "{here}: comes before the {} (task {}) whose gradients it sums",
+                                tasks[j],
+                                ix(r, j)
+                            ));
+                        }
+                    }
+                    Pass::Step if *t != Task::step() => {
+                        return bad(format!(
+                            "{here}: a STEP names no stage, replica or micro-batch (give 0)"
+                        ))
+                    }
+                    Pass::Step if i + 1 < tasks.len() => {
+                        return bad(format!("{here}: a STEP closes the rank's list, last"))
+                    }
+                    _ => {}
+                }
+            }
+            if let Some(s) = holds.iter().find(|s| !reduced.contains_key(s)) {
+                return bad(format!("rank {r} has no REDUCE of stage {s}"));
+            }
+            if tasks.last().map(|t| t.pass) != Some(Pass::Step) {
+                return bad(format!(
+                    "rank {r} has no STEP (the last task of every rank)"
+                ));
+            }
+        }
         time_listed(
             scheme,
             &[StageCosts::uniform(stages, 1.0, 2.0)],
@@ -742,6 +969,8 @@ fn needs(t: &Task, stages: usize) -> Vec<Task> {
         Pass::Backward | Pass::Input => vec![at(Pass::Forward, t.stage)],
         Pass::SendGradients | Pass::Weight => vec![at(Pass::Input, t.stage)],
         Pass::RecvGradients => vec![at(Pass::SendGradients, t.stage + 1)],
+        // What they wait for is the other ranks reaching them (see `time_listed`).
+        Pass::Reduce | Pass::Step => vec![],
     }
 }
 
@@ -758,26 +987,29 @@ fn finished(done: &HashMap<Task, f64>, t: &Task) -> Option<f64> {
     })
 }
 
-/// Replays `schedule`'s fixed per-rank orders, its messages listed
-/// ([`Schedule::with_messages`]), under `costs`: each task starts when its rank is free and
-/// what it waits for has ended (a receive's message, plus its transfer from another rank). A
-/// schedule whose ranks all wait for messages no task can send is a deadlock, reported with
-/// each waiting rank's task.
+/// Replays `schedule`'s fixed per-rank orders, its messages, REDUCEs and STEP listed
+/// ([`Schedule::with_messages`], [`Schedule::with_reductions`]), under `costs`: each task
+/// starts when its rank is free and what it waits for has ended (a receive's message, plus its
+/// transfer from another rank); a collective starts when every rank taking part has reached it
+/// (a REDUCE: the ranks of the pipeline holding its stage, MAST's mirrored pair; the STEP:
+/// every rank, whose finite check is a sum over the world). A schedule whose ranks all wait —
+/// for messages no task can send, or at collectives the others reach in another order — is a
+/// deadlock, reported with each waiting rank's task.
 pub fn time(scheme: &Scheme, costs: &StageCosts, schedule: &Schedule) -> Result<Timeline> {
     time_shared(scheme, std::slice::from_ref(costs), schedule)
 }
 
-/// [`time`] for ranks that share one processor's threads: `costs[k - 1]` is what each pass
-/// costs while k of the ranks compute at once (the last entry for more), so a rank that
+/// [`time`] for ranks that share one processor's threads: `costs[k - 1]` is what each task
+/// costs while k of the ranks run tasks at once (the last entry for more), so a rank that
 /// computes while others wait runs on the threads they leave (processor sharing). A task's
-/// work left carries over when the number computing changes.
+/// work left carries over when the number running changes.
 pub fn time_shared(scheme: &Scheme, costs: &[StageCosts], schedule: &Schedule) -> Result<Timeline> {
-    let (listed, origin) = schedule.listing_messages();
+    let (listed, origin) = schedule.listing();
     time_listed(scheme, costs, &listed, &origin)
 }
 
-/// [`time_shared`] of a schedule that lists its messages, naming tasks by their `origin`
-/// index.
+/// [`time_shared`] of a schedule that lists its messages, REDUCEs and STEP, naming tasks by
+/// their `origin` index.
 fn time_listed(
     scheme: &Scheme,
     costs: &[StageCosts],
@@ -786,16 +1018,25 @@ fn time_listed(
 ) -> Result<Timeline> {
     let (p, stages) = (schedule.ranks.len(), scheme.model_stages());
     let sharing = |k: usize| &costs[k.clamp(1, costs.len()) - 1];
+    // The ranks of the pipeline that take part in collective `t` of rank `r`: the data-parallel
+    // groups and tiles holding the same stages run the same list.
+    let takes_part = |t: &Task, r: usize| -> Vec<usize> {
+        match t.pass {
+            Pass::Step => (0..p).collect(),
+            _ if scheme.replicas >= 2 && p - 1 - r != r => vec![r, p - 1 - r],
+            _ => vec![r],
+        }
+    };
     let mut next = vec![0usize; p];
-    // Each computing rank's task: its start and when it ends if as many keep computing.
+    // Each running rank's task: its start and when it ends if as many keep running.
     let mut running: Vec<Option<(f64, f64)>> = vec![None; p];
     let mut done: HashMap<Task, f64> = HashMap::new();
     let mut out: Vec<Vec<Timed>> = vec![Vec::new(); p];
-    let (mut now, mut computing) = (0.0f64, 0usize);
+    let (mut now, mut busy) = (0.0f64, 0usize);
     let mut left: usize = schedule.ranks.iter().map(Vec::len).sum();
     while left > 0 {
-        // Start what can start now (a message task ends as it starts); note when the next
-        // input arrives.
+        // Start what can start now (a message task ends as it starts; a collective starts on
+        // every rank taking part once all have reached it); note when the next input arrives.
         let mut arrival = f64::INFINITY;
         let mut started = true;
         while started {
@@ -805,6 +1046,19 @@ fn time_listed(
                     continue;
                 };
                 if running[r].is_some() {
+                    continue;
+                }
+                if t.pass.is_collective() {
+                    let parts = takes_part(&t, r);
+                    let there = |q: usize| {
+                        running[q].is_none() && schedule.ranks[q].get(next[q]) == Some(&t)
+                    };
+                    if parts.iter().all(|&q| there(q)) {
+                        for q in parts {
+                            running[q] = Some((now, f64::NAN));
+                        }
+                        started = true;
+                    }
                     continue;
                 }
                 let mut ready = Some(0.0f64);
@@ -837,17 +1091,17 @@ fn time_listed(
                 }
             }
         }
-        // Re-project the computing ranks' ends at the new share of the threads.
-        let before = sharing(computing);
-        computing = running.iter().flatten().count();
-        let after = sharing(computing);
+        // Re-project the running ranks' ends at the new share of the threads.
+        let before = sharing(busy);
+        busy = running.iter().flatten().count();
+        let after = sharing(busy);
         for r in 0..p {
             if let Some((_, end)) = &mut running[r] {
                 let t = &schedule.ranks[r][next[r]];
                 *end = match end.is_nan() {
-                    true => now + after.of(t),
+                    true => now + after.of(t, r),
                     false if std::ptr::eq(before, after) => *end,
-                    false => now + (*end - now) / before.of(t) * after.of(t),
+                    false => now + (*end - now) / before.of(t, r) * after.of(t, r),
                 };
             }
         }
@@ -858,10 +1112,20 @@ fn time_listed(
             let stuck: Vec<String> = (0..p)
                 .filter_map(|r| {
                     let t = schedule.ranks[r].get(next[r])?;
-                    let on = needs(t, stages)
-                        .into_iter()
-                        .find(|d| finished(&done, d).is_none())
-                        .map(|d| format!(", waiting for {d}"))
+                    let absent = (t.pass.is_collective())
+                        .then(|| {
+                            let there = |&q: &usize| schedule.ranks[q].get(next[q]) == Some(t);
+                            takes_part(t, r).into_iter().find(|q| !there(q))
+                        })
+                        .flatten()
+                        .map(|q| format!(", waiting for rank {q} to reach it"));
+                    let on = absent
+                        .or_else(|| {
+                            needs(t, stages)
+                                .into_iter()
+                                .find(|d| finished(&done, d).is_none())
+                                .map(|d| format!(", waiting for {d}"))
+                        })
                         .unwrap_or_default();
                     Some(format!("rank {r} at task {} ({t}{on})", origin[r][next[r]]))
                 })
@@ -912,13 +1176,20 @@ fn stage_sequence(order: Order, stages: usize, stage: usize, m: usize) -> Vec<(P
 /// replica's forward waits until the earlier ones' forwards there are done); by bytes, a
 /// later replica's forward starts when the rank's free bytes hold it beside the most the
 /// earlier replicas will still hold there. Either way the first replica is never starved.
+/// With one replica each stage's REDUCE follows its last backward on its rank; MAST's and
+/// MASTER's mirrored ranks reach theirs at the end, in stage order.
 pub fn build(scheme: &Scheme, costs: &StageCosts, admission: &Admission) -> Result<Timeline> {
     let order = match scheme.order {
         Order::ZbH1 | Order::ZbV => zero_bubble(scheme, costs)?.schedule(scheme),
         Order::Interleaved => interleaved(scheme),
         Order::GPipe | Order::OneFOneB => replay(scheme, costs, admission, false)?.schedule(scheme),
     };
-    // Its messages as tasks, which keeps the times the order was built with.
+    let order = match scheme.replicas {
+        1 => order.reducing_early(),
+        _ => order.with_reductions(),
+    };
+    // Replayed with its messages as tasks: the times the order was built with, its REDUCEs'
+    // and STEPs' added.
     time(scheme, costs, &order)
 }
 
@@ -1042,7 +1313,7 @@ fn zero_bubble(scheme: &Scheme, costs: &StageCosts) -> Result<Timeline> {
                 held[r] -= 1;
             }
         }
-        let end = start + costs.of(&t);
+        let end = start + costs.of(&t, r);
         free_at[r] = end;
         done.insert(t, end);
         out[r].push(Timed {
@@ -1225,7 +1496,7 @@ fn replay(
         };
         let t = seqs[rank][c][next[rank][c]];
         next[rank][c] += 1;
-        let end = start + costs.of(&t);
+        let end = start + costs.of(&t, rank);
         free_at[rank] = end;
         match t.pass {
             Pass::Forward => {
@@ -1568,7 +1839,8 @@ mod tests {
                 );
                 // Chunk c of rank r is stage c·P + r (interleaved), or in a V.
                 for (r, tasks) in t.ranks.iter().enumerate() {
-                    assert!(tasks.iter().all(|t| sch.place(0, t.task.stage) == r));
+                    let staged = tasks.iter().filter(|t| t.task.pass != Pass::Step);
+                    assert!(staged.clone().all(|t| sch.place(0, t.task.stage) == r));
                 }
             }
             // ZB-V holds at most 2P chunk passes on any rank: 1F1B's first rank.
@@ -1825,6 +2097,153 @@ mod tests {
             "{}",
             refused(&s)
         );
+    }
+
+    /// The gradient sums and the optimizer step are tasks: a one-replica order reduces each
+    /// stage right after its last backward, MAST at the end in stage order, a schedule listing
+    /// none gets them at the end; each REDUCE once per stage held, after the stage's backwards,
+    /// the STEP last, and the mirrored ranks reach their REDUCEs in the same order.
+    #[test]
+    fn reductions_and_the_step_are_tasks_put_in_place_or_checked() {
+        let codes = |list: &[Task]| -> Vec<String> {
+            list.iter()
+                .filter(|t| !t.pass.is_message())
+                .map(|t| match t.pass {
+                    Pass::Reduce => format!("R{}", t.stage),
+                    Pass::Step => "S".into(),
+                    _ => format!("{}{}.{}", t.pass.code(), t.stage, t.micro),
+                })
+                .collect()
+        };
+        // ZB-V on 2 ranks: each rank holds two stages, the later one's W finishing first.
+        let zbv = scheme(Kind::Mp, 2, 2, 1, Order::ZbV);
+        let built = build(&zbv, &StageCosts::uniform(4, F, B), &Admission::Free)
+            .unwrap()
+            .schedule(&zbv);
+        let rank0 = codes(&built.ranks[0]);
+        let at = |c: &str| rank0.iter().position(|x| x == c).unwrap();
+        assert_eq!(at("R3"), at("W3.1").max(at("W3.0")) + 1, "{rank0:?}");
+        assert!(at("R3") < at("W0.1"), "{rank0:?}");
+        assert_eq!(rank0.last().unwrap(), "S");
+        assert_eq!(Schedule::from_json(&built.to_json()).unwrap(), built);
+        let refused = |s: &Schedule, sch: &Scheme| s.validate(sch).unwrap_err().to_string();
+        // A REDUCE before its stage's W.
+        let mut s = built.clone();
+        let r = s.ranks[0]
+            .iter()
+            .position(|t| t.pass == Pass::Reduce)
+            .unwrap();
+        let reduce = s.ranks[0].remove(r);
+        let w = (s.ranks[0].iter())
+            .rposition(|t| t.pass == Pass::Weight && t.stage == 3)
+            .unwrap();
+        s.ranks[0].insert(w, reduce);
+        let e = refused(&s, &zbv);
+        assert!(
+            e.contains(&format!(
+                "rank 0, task {w} (REDUCE of stage 3): comes before the W"
+            )) && e.contains("whose gradients it sums"),
+            "{e}"
+        );
+        // A missing STEP, a STEP not last, a REDUCE missing, repeated, or of a stage the rank
+        // does not hold.
+        let mut s = built.clone();
+        s.ranks[1].pop();
+        assert!(
+            refused(&s, &zbv).contains("rank 1 has no STEP"),
+            "{}",
+            refused(&s, &zbv)
+        );
+        s.ranks[1].insert(0, Task::step());
+        let e = refused(&s, &zbv);
+        assert!(e.contains("rank 1, task 0 (STEP): a STEP closes"), "{e}");
+        let mut s = built.clone();
+        s.ranks[0].retain(|t| *t != Task::reduce(0));
+        let e = refused(&s, &zbv);
+        assert!(e.contains("rank 0 has no REDUCE of stage 0"), "{e}");
+        let mut s = built.clone();
+        let last = s.ranks[0].len() - 1;
+        s.ranks[0].insert(last, Task::reduce(0));
+        let e = refused(&s, &zbv);
+        assert!(
+            e.contains(&format!("rank 0, task {last} (REDUCE of stage 0): repeats")),
+            "{e}"
+        );
+        s.ranks[0][last] = Task::reduce(1);
+        let e = refused(&s, &zbv);
+        assert!(e.contains("rank 0 holds no copy of stage 1"), "{e}");
+
+        // MAST on 2 ranks: each rank holds both stages; the REDUCEs close the lists in stage
+        // order, as they are put in place for a schedule that lists none.
+        let mast = scheme(Kind::Mast, 2, 2, 2, Order::GPipe);
+        let built = build(&mast, &StageCosts::uniform(2, F, B), &Admission::Free)
+            .unwrap()
+            .schedule(&mast);
+        for list in &built.ranks {
+            let end = [Task::reduce(0), Task::reduce(1), Task::step()];
+            assert_eq!(list[list.len() - 3..], end);
+        }
+        let mut bare = built.clone();
+        bare.ranks
+            .iter_mut()
+            .for_each(|l| l.retain(|t| t.pass.computes()));
+        assert_eq!(bare.with_messages().with_reductions(), built);
+        // Swapped on one of the mirrored ranks: each waits at a REDUCE the other reaches
+        // second.
+        let mut s = built.clone();
+        let n = s.ranks[1].len();
+        s.ranks[1].swap(n - 3, n - 2);
+        let e = refused(&s, &mast);
+        assert!(
+            e.contains("deadlocks")
+                && e.contains(&format!(
+                    "rank 0 at task {} (REDUCE of stage 0, waiting for rank 1 to reach it)",
+                    s.ranks[0].len() - 3
+                ))
+                && e.contains("(REDUCE of stage 1, waiting for rank 0 to reach it)"),
+            "{e}"
+        );
+    }
+
+    /// A REDUCE costs its stage's all-reduce and starts when its stage's other holder reaches
+    /// it; the STEP costs each rank's optimizer and starts when every rank has reached it; the
+    /// bubble is the passes'.
+    #[test]
+    fn reductions_and_the_step_take_their_costs() {
+        // GPipe, P = 2, m = 1: rank 0's BW ends at 6, rank 1's at 4.
+        let mp = scheme(Kind::Mp, 2, 1, 1, Order::GPipe);
+        let plain = StageCosts::uniform(2, F, B);
+        let costs = StageCosts {
+            reduce: vec![0.5, 1.0],
+            step: vec![0.25, 0.75],
+            ..plain.clone()
+        };
+        let (free, costed) = (
+            build(&mp, &plain, &Admission::Free).unwrap(),
+            build(&mp, &costs, &Admission::Free).unwrap(),
+        );
+        assert_eq!(free.makespan(), 6.0);
+        let at = |t: &Timeline, r: usize, task: Task| {
+            let x = t.ranks[r].iter().find(|x| x.task == task).unwrap();
+            (x.start, x.end)
+        };
+        assert_eq!(at(&costed, 0, Task::reduce(0)), (6.0, 6.5));
+        assert_eq!(at(&costed, 1, Task::reduce(1)), (4.0, 5.0));
+        assert_eq!(at(&costed, 0, Task::step()), (6.5, 6.75));
+        assert_eq!(at(&costed, 1, Task::step()), (6.5, 7.25));
+        assert_eq!(costed.makespan(), 7.25);
+        assert_eq!(costed.bubble(), free.bubble());
+        // MAST, P = 2: the mirrored ranks run each REDUCE together.
+        let mast = scheme(Kind::Mast, 2, 1, 2, Order::GPipe);
+        let t = build(&mast, &costs, &Admission::Free).unwrap();
+        for stage in 0..2 {
+            assert_eq!(
+                at(&t, 0, Task::reduce(stage)),
+                at(&t, 1, Task::reduce(stage))
+            );
+        }
+        let (start, end) = at(&t, 0, Task::reduce(1));
+        assert_eq!(end - start, 1.0);
     }
 
     #[test]

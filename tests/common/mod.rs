@@ -232,7 +232,8 @@ impl Optimizer for HeavyBall {
 }
 
 /// `schedule` with each BW split into its B, in place, and its W, at the end of the rank's
-/// list: 1F1B with every weight gradient deferred to the end of the step.
+/// passes (its REDUCEs and STEP follow the last W): 1F1B with every weight gradient deferred
+/// to the end of the step.
 pub fn defer_weights(schedule: &Schedule) -> Schedule {
     let mut late = schedule.clone();
     for tasks in &mut late.ranks {
@@ -243,14 +244,19 @@ pub fn defer_weights(schedule: &Schedule) -> Schedule {
         for t in tasks.iter_mut().filter(|t| t.pass == Pass::Backward) {
             t.pass = Pass::Input;
         }
-        tasks.extend(ws);
+        let (closing, mut passes): (Vec<Task>, Vec<Task>) =
+            tasks.iter().partition(|t| t.pass.is_collective());
+        passes.extend(ws);
+        passes.extend(closing);
+        *tasks = passes;
     }
     late
 }
 
 /// `schedule` with each rank's activations sent late: every SEND_F moved to just before the
-/// rank's next receive (or the end of its list). A rank blocks only in a receive, so what it
-/// sends before blocking still comes, and the schedule stays free of deadlock.
+/// rank's next receive or collective (REDUCE, STEP), or the end of its list. A rank blocks
+/// only there, so what it sends before blocking still comes, and the schedule stays free of
+/// deadlock.
 pub fn send_activations_late(schedule: &Schedule) -> Schedule {
     let mut late = schedule.with_messages();
     for tasks in &mut late.ranks {
@@ -259,7 +265,7 @@ pub fn send_activations_late(schedule: &Schedule) -> Schedule {
         for &t in tasks.iter() {
             match t.pass {
                 Pass::SendActivations => waiting.push(t),
-                Pass::RecvActivations | Pass::RecvGradients => {
+                Pass::RecvActivations | Pass::RecvGradients | Pass::Reduce | Pass::Step => {
                     out.append(&mut waiting);
                     out.push(t);
                 }

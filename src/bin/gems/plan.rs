@@ -381,7 +381,7 @@ pub fn simulate(a: SimulateArgs) -> anyhow::Result<()> {
         "{:>6} {:>7} {:>12} {:>7} {:>13} {:>11} {:>11} {:>13}",
         "gpus",
         "groups",
-        "pipeline s",
+        "step s",
         "bubble",
         "all-reduce s",
         "images/s",
