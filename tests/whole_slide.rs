@@ -242,6 +242,32 @@ fn gems_predict_segments_every_slide_of_a_folder() {
     let classes = std::fs::read_to_string(out.join("classes.csv")).unwrap();
     assert!(classes.starts_with("value,class\n0,"), "{classes}");
     assert!(classes.ends_with(&format!("{NOTHING},background (no tissue)\n")));
+    // Each window spread over 2x2 tiles, a rank each: the same map.
+    let in_f64 = |grid: &str| {
+        let out = dir.join(format!("out-{grid}"));
+        let printed = gems(&[
+            "predict",
+            "--checkpoint",
+            ckpt.to_str().unwrap(),
+            "--data",
+            &format!("slides:{}", slides.display()),
+            "--stride",
+            "128",
+            "--dtype",
+            "f64",
+            "--spatial",
+            grid,
+            "--out",
+            out.to_str().unwrap(),
+        ]);
+        (printed, read_labels(&out.join("a.classes.tiff"), 0))
+    };
+    let ((_, whole), (printed, tiled)) = (in_f64("1x1"), in_f64("2x2"));
+    assert!(
+        printed.contains(", on 2x2 tiles: windows of 240²"),
+        "{printed}"
+    );
+    assert_eq!(whole, tiled, "{printed}");
 
     // A slide with one tissue region at [64, 448) × [64, 320) (a 512-pixel cell inset by 64):
     // the 64² window centres of the top row and the left column are bare glass, background

@@ -101,16 +101,12 @@ pub fn eval(a: EvalArgs) -> anyhow::Result<()> {
         write_predictions(dir, &e, &order, a.map_level, map_every)?;
     }
     let pixels = e.per_pixel;
-    let grid = model.scheme().spatial;
-    let tiles = match grid.is_split() {
-        true => format!(", on {grid} tiles"),
-        false => String::new(),
-    };
     println!(
-        "{} at step {} ({}{tiles}): loss {:.4}, {}accuracy {:.1}% on {} {what}",
+        "{} at step {} ({}{}): loss {:.4}, {}accuracy {:.1}% on {} {what}",
         model.graph().name,
         model.steps(),
         model.config().dtype.name(),
+        on_tiles(&model),
         e.loss,
         if pixels { "pixel " } else { "" },
         100.0 * e.accuracy,
@@ -167,6 +163,15 @@ pub fn eval(a: EvalArgs) -> anyhow::Result<()> {
         println!("  {recall:5.1}%");
     }
     Ok(())
+}
+
+/// ", on RxC tiles" where `model` runs each sample on tiles, else nothing: for summaries.
+pub fn on_tiles(model: &Model) -> String {
+    let grid = model.scheme().spatial;
+    match grid.is_split() {
+        true => format!(", on {grid} tiles"),
+        false => String::new(),
+    }
 }
 
 /// `model` computing where `on` says, in `dtype` (default: the checkpoint's), with `conv`

@@ -11,7 +11,7 @@ use gems::runtime::whole_slide::{segment_slide, WholeSlide, WindowRules};
 use gems::{Evaluation, Model};
 
 use crate::cli::{DataSource, PredictArgs};
-use crate::eval::{configured, create, map_every, quoted, samples_of, write_predictions};
+use crate::eval::{configured, create, map_every, on_tiles, quoted, samples_of, write_predictions};
 
 pub fn predict(a: PredictArgs) -> anyhow::Result<()> {
     if a.batch_size == Some(0) {
@@ -42,10 +42,11 @@ pub fn predict(a: PredictArgs) -> anyhow::Result<()> {
     let csv = a.out.join("predictions.csv");
     write_csv(&csv, &e, &order, &model.classes())?;
     println!(
-        "{} at step {} ({}): {} predictions in {}",
+        "{} at step {} ({}{}): {} predictions in {}",
         model.graph().name,
         model.steps(),
         model.config().dtype.name(),
+        on_tiles(&model),
         e.samples,
         csv.display()
     );
@@ -125,8 +126,9 @@ fn whole_slides(a: &PredictArgs, dir: &Path) -> anyhow::Result<()> {
     std::fs::create_dir_all(&a.out)
         .map_err(|err| anyhow::anyhow!("cannot create {}: {err}", a.out.display()))?;
     println!(
-        "{name} at step {}: windows of {side}² ({}² kept, margin {}; receptive radius {}) at level {}",
+        "{name} at step {}{}: windows of {side}² ({}² kept, margin {}; receptive radius {}) at level {}",
         model.steps(),
+        on_tiles(&model),
         opts.stride,
         opts.margin,
         rules.radius,
