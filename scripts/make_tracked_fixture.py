@@ -16,7 +16,6 @@ Written with the standard library, numpy and torch (no safetensors package neede
 
 import json
 import os
-import struct
 import sys
 
 import torch
@@ -25,29 +24,12 @@ import torch.nn.functional as F
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from make_preprocess_fixture import load_safetensors  # noqa: E402
+from make_unet_fixture import save_safetensors  # noqa: E402
 from torch_reference import UNet  # noqa: E402
 
 DATA = os.path.join(HERE, "..", "tests", "data")
 OUT = os.path.join(DATA, "unet_tracked")
 STEPS = 3
-DTYPES = {torch.float32: "F32", torch.int64: "I64"}
-
-
-def save_safetensors(path, tensors):
-    """The safetensors layout: an 8-byte header length, a JSON header, the raw bytes."""
-    header, blobs, offset = {}, [], 0
-    for name, t in tensors.items():
-        raw = t.contiguous().numpy().tobytes()
-        header[name] = {"dtype": DTYPES[t.dtype], "shape": list(t.shape),
-                        "data_offsets": [offset, offset + len(raw)]}
-        blobs.append(raw)
-        offset += len(raw)
-    head = json.dumps(header, separators=(",", ":")).encode()
-    head += b" " * (-len(head) % 8)
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(head)) + head + b"".join(blobs))
-
-
 def main():
     state = load_safetensors(os.path.join(DATA, "unet_forward", "weights.safetensors"))
     tracked = [k for k in state if k.endswith(".num_batches_tracked")]

@@ -217,18 +217,23 @@ fn windows_off_the_pooling_grid_are_refused() {
 fn gems_predict_segments_every_slide_of_a_folder() {
     let dir = temp_dir("cli");
     let (slides, ckpt) = slide_and_model(&dir);
+    // `gems predict` of the slides in `folder` into `out`, windows `stride` apart.
+    let predict = |folder: &Path, stride: &str, out: &Path, more: &[&str]| {
+        let data = format!("slides:{}", folder.display());
+        let (ckpt, out) = (ckpt.to_str().unwrap(), out.to_str().unwrap());
+        let args = [
+            "predict",
+            "--checkpoint",
+            ckpt,
+            "--data",
+            &data,
+            "--stride",
+            stride,
+        ];
+        gems(&[&args[..], more, &["--out", out]].concat())
+    };
     let out = dir.join("out");
-    let printed = gems(&[
-        "predict",
-        "--checkpoint",
-        ckpt.to_str().unwrap(),
-        "--data",
-        &format!("slides:{}", slides.display()),
-        "--stride",
-        "128",
-        "--out",
-        out.to_str().unwrap(),
-    ]);
+    let printed = predict(&slides, "128", &out, &[]);
     assert!(
         printed.contains("margin 56; receptive radius 51"),
         "{printed}"
@@ -245,21 +250,7 @@ fn gems_predict_segments_every_slide_of_a_folder() {
     // Each window spread over 2x2 tiles, a rank each: the same map.
     let in_f64 = |grid: &str| {
         let out = dir.join(format!("out-{grid}"));
-        let printed = gems(&[
-            "predict",
-            "--checkpoint",
-            ckpt.to_str().unwrap(),
-            "--data",
-            &format!("slides:{}", slides.display()),
-            "--stride",
-            "128",
-            "--dtype",
-            "f64",
-            "--spatial",
-            grid,
-            "--out",
-            out.to_str().unwrap(),
-        ]);
+        let printed = predict(&slides, "128", &out, &["--dtype", "f64", "--spatial", grid]);
         (printed, read_labels(&out.join("a.classes.tiff"), 0))
     };
     let ((_, whole), (printed, tiled)) = (in_f64("1x1"), in_f64("2x2"));
@@ -284,17 +275,7 @@ fn gems_predict_segments_every_slide_of_a_folder() {
     };
     make_slide(&blank.join("b.tiff"), &opts).unwrap();
     let out = dir.join("out-blank");
-    let printed = gems(&[
-        "predict",
-        "--checkpoint",
-        ckpt.to_str().unwrap(),
-        "--data",
-        &format!("slides:{}", blank.display()),
-        "--stride",
-        "64",
-        "--out",
-        out.to_str().unwrap(),
-    ]);
+    let printed = predict(&blank, "64", &out, &[]);
     assert!(
         printed.contains("24 windows predicted, 11 background"),
         "{printed}"
