@@ -2052,3 +2052,40 @@ fn cudnn_with_16_bit_activations_is_refused_with_a_clear_error() {
         cuda::check_conv(precision, ConvImpl::Cudnn).unwrap();
     }
 }
+
+/// `gems plan` and `gems train` on a GPU, given no calibration, plan with the GPU's op times,
+/// measured the first time and kept: the same configuration reads the same profile back, another micro-batch measures
+/// its own, a CPU run prices by the fitted model.
+#[test]
+fn a_gpu_run_plans_with_op_times_measured_once() {
+    use gems::plan::calibrate::on_first_use;
+    let dir = tempfile::tempdir().unwrap();
+    let g = gems::models::build("resnet20v2", 32, 10).unwrap();
+    let config = |device, batch| {
+        let c = TrainConfig {
+            device,
+            ..TrainConfig::new(batch, 1)
+        };
+        RunConfig::new(c, Scheme::single(1))
+    };
+    let cuda = DeviceKind::Cuda { ordinal: 0 };
+    let kept = || std::fs::read_dir(dir.path()).unwrap().count();
+    let first = on_first_use(&g, &config(cuda, 1), Some(dir.path()))
+        .unwrap()
+        .expect("a GPU run is calibrated");
+    assert!(first.device.starts_with("cuda:0"), "{}", first.device);
+    assert_eq!((first.forward.len(), first.micro_batch), (g.nodes.len(), 1));
+    assert_eq!(kept(), 1);
+    let again = on_first_use(&g, &config(cuda, 1), Some(dir.path())).unwrap();
+    assert_eq!(
+        again.as_ref(),
+        Some(&first),
+        "read back, not measured again"
+    );
+    let other = on_first_use(&g, &config(cuda, 2), Some(dir.path())).unwrap();
+    assert_eq!(other.map(|c| c.micro_batch), Some(2));
+    assert_eq!(kept(), 2);
+    let cpu = on_first_use(&g, &config(DeviceKind::Cpu, 1), Some(dir.path())).unwrap();
+    assert!(cpu.is_none());
+    assert_eq!(kept(), 2);
+}

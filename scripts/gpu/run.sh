@@ -9,7 +9,11 @@
 #   offload    gems bench offload: GEMS's offload study (resnet50) in every copy mode
 #   mast       one MAST step of resnet110v2 at 1024² (P=2, η=2, m=2, B=2, both ranks on the one
 #              GPU: their metered peaks add up to about 50 GiB): the metered
-#              plan's peak per rank, then the measured one
+#              plan's peak per rank and its predicted step (op times measured on the GPU at
+#              first use), then the measured ones
+#   orders     every pipeline order of resnet110v2 at 1024² (mp, P=2, m=4, B=4, both ranks on
+#              the one GPU): bubble, peaks, predicted and measured step (gems plan --order all
+#              --measure 3; its log is mast.txt's end)
 # Results: at most 8 files directly under $OUT (summary.txt first; each log whole), and the
 # summary on the screen. Without a GPU (or with GEMS_GPU_DRY=1) every step still starts, with
 # short limits, and the summary says "no GPU" for those that need one: the test command runs
@@ -70,7 +74,7 @@ step() {
 quote() { grep -E "$2" "$1" 2>/dev/null | tail -n "${3:-12}" | sed 's/^/    /' >>"$summary"; }
 
 steps=("$@")
-[ ${#steps[@]} -eq 0 ] && steps=(info suite sanitizer kernels offload mast)
+[ ${#steps[@]} -eq 0 ] && steps=(info suite sanitizer kernels offload mast orders)
 note "gems GPU run, $(date -u +%FT%TZ), budget ${TOTAL_S} s, GPU: $([ $gpu = 1 ] && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || echo none)"
 for s in "${steps[@]}"; do
     case $s in
@@ -116,10 +120,16 @@ for s in "${steps[@]}"; do
         step "mast: one measured step" 60 "$OUT/mast.txt" \
             $G train --device cuda --model resnet110v2 --image-size 1024 --batch-size 2 \
             --scheme mast --split 2 --parts 2 --replicas 2 --steps 2 --warmup 0
-        quote "$OUT/mast.txt" 'rank [0-9]|peak memory|predicted|throughput' 10
+        quote "$OUT/mast.txt" 'rank [0-9]|peak memory|predicted|throughput|done:' 12
+        ;;
+    orders)
+        step "orders: resnet110v2 1024², mp P=2" 90 "$OUT/mast.txt" \
+            $G plan --device cuda --model resnet110v2 --image-size 1024 --batch-size 4 \
+            --scheme mp --split 2 --parts 4 --order all --measure 3
+        quote "$OUT/mast.txt" '^(orders|order|gpipe|1f1b|interleaved|zbh1|zbv)' 8
         ;;
     *)
-        echo "unknown step '$s' (info suite sanitizer kernels offload mast)" >&2
+        echo "unknown step '$s' (info suite sanitizer kernels offload mast orders)" >&2
         exit 2
         ;;
     esac

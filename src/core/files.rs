@@ -162,6 +162,15 @@ fn temporary(path: &Path) -> Result<PathBuf> {
     )))
 }
 
+/// Where gems keeps what it computed once for this machine (compiled kernels, GPU
+/// calibrations): `GEMS_CACHE_DIR`, else `$XDG_CACHE_HOME/gems`, else `~/.cache/gems`.
+pub fn cache_root() -> Option<PathBuf> {
+    std::env::var_os("GEMS_CACHE_DIR")
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("XDG_CACHE_HOME").map(|d| PathBuf::from(d).join("gems")))
+        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache/gems")))
+}
+
 /// The name of the file that `name`, a temporary file of [`write_atomically`] (an interrupted
 /// write's leftover), was to become; `None` for any other name.
 pub fn temporary_target(name: &str) -> Option<&str> {

@@ -8,7 +8,9 @@ use std::time::Instant;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
+use super::config::RunConfig;
 use super::cost::{weight_share, NodeCosts};
+use crate::backend::DeviceKind;
 use crate::graph::Graph;
 use crate::memory::Category;
 use crate::ops::{batched, Backward, Ctx};
@@ -135,6 +137,11 @@ pub fn calibrate(
     };
     // What training computes: no gradient for the model's input (the stem's backward-data).
     let mut requires_grad = vec![false; graph.values.len()];
+    // A GPU queues its work: each time ends when the device has finished it.
+    let elapsed = |start: Instant| -> Result<f64> {
+        device.backend().synchronize()?;
+        Ok(start.elapsed().as_secs_f64())
+    };
     graph.mark_requires_grad(0..graph.nodes.len(), &mut requires_grad);
     for node in &graph.nodes {
         let op = node.op.get();
@@ -182,9 +189,10 @@ pub fn calibrate(
         let refs: Vec<&Tensor> = xs.iter().collect();
         let (mut f, mut b) = (Vec::new(), Vec::new());
         for _ in 0..=repeats {
+            device.backend().synchronize()?;
             let start = Instant::now();
             let (y, saved) = op.forward(&ctx, &refs, &mut params)?;
-            f.push(start.elapsed().as_secs_f64());
+            f.push(elapsed(start)?);
             drop(y);
             let start = Instant::now();
             op.backward(
@@ -199,7 +207,7 @@ pub fn calibrate(
                 &params,
                 &mut grads,
             )?;
-            b.push(start.elapsed().as_secs_f64());
+            b.push(elapsed(start)?);
         }
         // The first run warms caches and the allocator.
         forward.push(median(f[1..].to_vec()));
@@ -222,7 +230,7 @@ pub fn calibrate(
             activations,
             Category::Activations,
         )?;
-        data.push(start.elapsed().as_secs_f64());
+        data.push(elapsed(start)?);
         drop(x);
     }
     let mut params = crate::graph::Params::init(graph, device, dtype, 1)?;
@@ -237,7 +245,7 @@ pub fn calibrate(
         let start = Instant::now();
         sgd.step(&mut params, device, 0.01, 1.0)?;
         params.zero_grads(device)?;
-        optimizer.push(start.elapsed().as_secs_f64());
+        optimizer.push(elapsed(start)?);
     }
     Ok(Calibration {
         data: median(data[1..].to_vec()),
@@ -251,4 +259,73 @@ pub fn calibrate(
         forward,
         backward,
     })
+}
+
+/// Where [`on_first_use`] keeps its profiles for runs that name none: the `calibrations`
+/// folder of the cache ([`cache_root`](crate::core::files::cache_root)).
+pub fn cache_dir() -> Option<std::path::PathBuf> {
+    Some(crate::core::files::cache_root()?.join("calibrations"))
+}
+
+/// What a run on a GPU can plan with when it names no calibration (`gems plan` and `gems
+/// train` do; a [`Session`](crate::Session) plans with [`RunConfig::calibration`] as given):
+/// every op of `graph` timed on the run's first GPU, at its micro-batch, the first time this
+/// configuration runs there, then kept in `keep_in` ([`cache_dir`] for the command line) and
+/// read back by later runs. The file's
+/// name holds a hash of the model, the GPU, its kernels' sources and this version of gems: a
+/// change to any of them measures afresh. `None` for a CPU run: the fitted CPU model prices
+/// it.
+pub fn on_first_use(
+    graph: &Graph,
+    c: &RunConfig,
+    keep_in: Option<&Path>,
+) -> Result<Option<Calibration>> {
+    let t = &c.train;
+    if t.device == DeviceKind::Cpu {
+        return Ok(None);
+    }
+    let device = Device::open(t.device, t.precision, t.conv, "calibration", 0, None)?;
+    let micro = c.micro_batch();
+    let key = {
+        use std::hash::{Hash, Hasher};
+        let mut h = std::collections::hash_map::DefaultHasher::new();
+        format!("{:?}{:?}", graph.nodes, graph.values).hash(&mut h);
+        device.backend().name().hash(&mut h);
+        crate::backend::cuda::kernels::SOURCES.hash(&mut h);
+        crate::backend::cuda::kernels::HEADER.hash(&mut h);
+        env!("CARGO_PKG_VERSION").hash(&mut h);
+        format!(
+            "{}-{}-{}-micro{micro}-{}-{:016x}.json",
+            graph.name,
+            graph.image_size(),
+            graph.classes(),
+            t.activations().name(),
+            h.finish()
+        )
+    };
+    let path = keep_in.map(|dir| dir.join(key));
+    let usable = |cal: &Calibration| {
+        cal.check(
+            &graph.name,
+            graph.image_size(),
+            graph.classes(),
+            micro,
+            t.activations(),
+        )
+        .is_ok()
+            && cal.forward.len() == graph.nodes.len()
+            && cal.backward.len() == graph.nodes.len()
+    };
+    if let Some(cal) = path.as_deref().and_then(|p| Calibration::load(p).ok()) {
+        if usable(&cal) {
+            return Ok(Some(cal));
+        }
+    }
+    let cal = calibrate(graph, micro, (t.dtype, t.activations()), &device, 3)?;
+    // A cache that cannot be written costs the next run another measurement, nothing more.
+    if let Some(p) = &path {
+        let _ = p.parent().map(std::fs::create_dir_all);
+        let _ = cal.save(p);
+    }
+    Ok(Some(cal))
 }

@@ -317,14 +317,10 @@ fn store(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
     stored
 }
 
-/// Where compiled kernels are kept: `GEMS_CACHE_DIR`, else `$XDG_CACHE_HOME/gems`, else
-/// `~/.cache/gems`; in its `kernels` folder.
+/// Where compiled kernels are kept: the `kernels` folder of
+/// [`cache_root`](crate::core::files::cache_root).
 pub fn cache_dir() -> Option<PathBuf> {
-    let root = std::env::var_os("GEMS_CACHE_DIR")
-        .map(PathBuf::from)
-        .or_else(|| std::env::var_os("XDG_CACHE_HOME").map(|d| PathBuf::from(d).join("gems")))
-        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache/gems")))?;
-    Some(root.join("kernels"))
+    Some(crate::core::files::cache_root()?.join("kernels"))
 }
 
 /// Identifies (source with headers, target, NVRTC version): any change compiles afresh.

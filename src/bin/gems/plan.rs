@@ -13,6 +13,14 @@ use gems::schemes::{Kind, Order};
 use crate::cli::{CalibrateArgs, FitCostsArgs, OrderChoice, SimulateArgs, TrainArgs};
 use crate::train::setup;
 
+/// Where the op times a plan predicts with come from.
+fn costs_source(c: &gems::RunConfig) -> String {
+    match &c.calibration {
+        Some(cal) => format!("op times measured on {}", cal.device),
+        None => "the fitted CPU model".into(),
+    }
+}
+
 /// The schedule `gems train` would run with these flags, as JSON on standard output.
 pub fn export_schedule(a: TrainArgs) -> anyhow::Result<()> {
     if a.spread.order == OrderChoice::All {
@@ -42,11 +50,7 @@ fn compare_orders(a: &TrainArgs) -> anyhow::Result<()> {
         s.replicas,
         s.dp,
         c.train.batch_size,
-        if c.calibration.is_some() {
-            "calibrated"
-        } else {
-            "the fitted CPU model"
-        }
+        costs_source(&c)
     );
     println!(
         "{:<12} {:>7} {:>22} {:>22} {:>15}  peak per rank (metered)",
@@ -168,11 +172,7 @@ pub fn plan(a: TrainArgs) -> anyhow::Result<()> {
         "predicted step {:.3} s, {:.1} images/s ({}; rank busy: {})",
         step,
         images / step,
-        if c.calibration.is_some() {
-            "calibrated"
-        } else {
-            "the fitted CPU model"
-        },
+        costs_source(&c),
         layout
             .schedule
             .busy()
@@ -280,7 +280,7 @@ pub fn calibrate(a: CalibrateArgs) -> anyhow::Result<()> {
     fit::check_fits(&g, &c)?;
     let t = &c.train;
     let micro = c.micro_batch();
-    let device = gems::Device::cpu("cpu:0", None);
+    let device = gems::Device::open(t.device, t.precision, t.conv, "calibration", 0, None)?;
     let started = Instant::now();
     let cal = gems::plan::calibrate::calibrate(
         &g,

@@ -146,7 +146,16 @@ pub fn setup(a: &TrainArgs) -> anyhow::Result<(Graph, RunConfig)> {
         spatial: a.spread.spatial == Tiling::Auto,
     };
     let resolved = fit::resolve(&graph, c, auto)?;
-    let c = resolved.config;
+    let mut c = resolved.config;
+    // A GPU run of threads plans with its GPU's op times (as `Session::new` would); a machine
+    // without the GPU still plans, with the fitted CPU model, and says so.
+    if a.spread.transport == Transport::Local && c.calibration.is_none() {
+        let cache = gems::plan::calibrate::cache_dir();
+        match gems::plan::calibrate::on_first_use(&graph, &c, cache.as_deref()) {
+            Ok(cal) => c.calibration = cal.map(Arc::new),
+            Err(e) => eprintln!("op times from the fitted CPU model: {e}"),
+        }
+    }
     if auto.spatial {
         println!("--spatial auto: {} tiles", c.scheme.spatial);
     }
