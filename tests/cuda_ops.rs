@@ -2060,7 +2060,7 @@ fn cudnn_with_16_bit_activations_is_refused_with_a_clear_error() {
 fn a_gpu_run_plans_with_op_times_measured_once() {
     use gems::plan::calibrate::on_first_use;
     let dir = tempfile::tempdir().unwrap();
-    let g = gems::models::build("resnet20v2", 32, 10).unwrap();
+    let g = smooth_cnn(32).unwrap();
     let config = |device, batch| {
         let c = TrainConfig {
             device,

@@ -99,23 +99,56 @@ impl Calibration {
     }
 }
 
-fn random(
-    device: &Device,
-    shape: Shape,
-    dtype: DType,
-    rng: &mut ChaCha8Rng,
-    positive: bool,
-) -> Result<Tensor> {
-    let data: Vec<f64> = (0..shape.numel())
-        .map(|_| {
-            if positive {
-                rng.random_range(0.5..1.5)
-            } else {
-                rng.random_range(-1.0..1.0)
-            }
-        })
-        .collect();
-    device.upload(shape, &data, dtype, Category::Activations)
+/// The tensors ops are timed on: values from a pool of random numbers (in ±1, or in 0.5..1.5
+/// for what must be positive). A large tensor (of [`Samples::SHARED`] elements or more, 16 MiB
+/// in f32, more than a CPU's cache holds for one core: cold in it either way) is made once per shape and shared by every
+/// node that reads that shape: making one per node would take longer than timing the ops on a
+/// GPU at large images. A smaller one is made afresh for each node, warm in the cache as a
+/// tensor just written by the previous op is in training.
+struct Samples<'a> {
+    device: &'a Device,
+    pool: Vec<f64>,
+    made: std::collections::HashMap<(Shape, DType, bool), Tensor>,
+}
+
+impl<'a> Samples<'a> {
+    fn new(device: &'a Device) -> Samples<'a> {
+        let mut rng = ChaCha8Rng::seed_from_u64(7);
+        // A prime length, so that rows of power-of-two sides do not repeat one another.
+        let pool = (0..65_521).map(|_| rng.random_range(-1.0..1.0)).collect();
+        Samples {
+            device,
+            pool,
+            made: Default::default(),
+        }
+    }
+
+    const SHARED: usize = 4 << 20;
+
+    /// An input of `shape` (shared by every reader when large).
+    fn input(&mut self, shape: Shape, dtype: DType, positive: bool) -> Result<Tensor> {
+        if shape.numel() < Self::SHARED {
+            return self.own(shape, dtype, positive);
+        }
+        let key = (shape, dtype, positive);
+        if let Some(t) = self.made.get(&key) {
+            return Ok(t.clone());
+        }
+        let t = self.own(key.0.clone(), dtype, positive)?;
+        self.made.insert(key, t.clone());
+        Ok(t)
+    }
+
+    /// A tensor of `shape` of the caller's own (parameters too: forward updates some in place).
+    fn own(&self, shape: Shape, dtype: DType, positive: bool) -> Result<Tensor> {
+        let pool = &self.pool;
+        let data: Vec<f64> = (0..shape.numel())
+            .map(|i| pool[i % pool.len()])
+            .map(|v| if positive { 1.0 + v / 2.0 } else { v })
+            .collect();
+        self.device
+            .upload(shape, &data, dtype, Category::Activations)
+    }
 }
 
 /// Times every node of `graph` (forward, then backward) on `device` at `micro` images, with
@@ -129,19 +162,19 @@ pub fn calibrate(
     device: &Device,
     repeats: usize,
 ) -> Result<Calibration> {
-    let mut rng = ChaCha8Rng::seed_from_u64(7);
+    let mut samples = Samples::new(device);
     let (mut forward, mut backward) = (Vec::new(), Vec::new());
+    // A GPU queues its work: each time ends when the device has finished it.
+    let elapsed = |start: Instant| -> Result<f64> {
+        device.backend().synchronize()?;
+        Ok(start.elapsed().as_secs_f64())
+    };
     let median = |mut v: Vec<f64>| {
         v.sort_by(f64::total_cmp);
         v[v.len() / 2]
     };
     // What training computes: no gradient for the model's input (the stem's backward-data).
     let mut requires_grad = vec![false; graph.values.len()];
-    // A GPU queues its work: each time ends when the device has finished it.
-    let elapsed = |start: Instant| -> Result<f64> {
-        device.backend().synchronize()?;
-        Ok(start.elapsed().as_secs_f64())
-    };
     graph.mark_requires_grad(0..graph.nodes.len(), &mut requires_grad);
     for node in &graph.nodes {
         let op = node.op.get();
@@ -152,31 +185,21 @@ pub fn calibrate(
             .collect();
         let xs = shapes
             .iter()
-            .map(|s| random(device, s.clone(), activations, &mut rng, false))
+            .map(|s| samples.input(s.clone(), activations, false))
             .collect::<Result<Vec<_>>>()?;
         let specs: Vec<_> = node.params.clone().map(|p| &graph.params[p].spec).collect();
         let mut params = specs
             .iter()
-            .map(|s| {
-                random(
-                    device,
-                    s.shape.clone(),
-                    dtype,
-                    &mut rng,
-                    s.suffix == "running_var",
-                )
-            })
+            .map(|s| samples.own(s.shape.clone(), dtype, s.suffix == "running_var"))
             .collect::<Result<Vec<_>>>()?;
         let mut grads = specs
             .iter()
             .filter(|s| s.trainable)
             .map(|s| device.zeros(s.shape.clone(), dtype, Category::Gradients))
             .collect::<Result<Vec<_>>>()?;
-        let dy = random(
-            device,
+        let dy = samples.input(
             batched(micro, &graph.values[node.output].shape),
             activations,
-            &mut rng,
             false,
         )?;
         let need: Vec<bool> = node.inputs.iter().map(|&v| requires_grad[v]).collect();
