@@ -54,7 +54,7 @@ fn compare_orders(a: &TrainArgs) -> anyhow::Result<()> {
     );
     println!(
         "{:<12} {:>7} {:>22} {:>22} {:>15}  peak per rank (metered)",
-        "order", "bubble", "step, a device a rank", "step, ranks on this CPU", "measured step"
+        "order", "bubble", "step, a device a rank", "step, a shared device", "measured step"
     );
     for order in Order::ALL {
         let mut c = c.clone();
@@ -165,7 +165,7 @@ pub fn plan(a: TrainArgs) -> anyhow::Result<()> {
             None => {}
         }
     }
-    // Local ranks share this machine.
+    // Local ranks share this machine's device.
     let step = layout.predicted_step(true);
     let images = (s.replicas * c.train.batch_size * s.dp) as f64;
     println!(
