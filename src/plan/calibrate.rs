@@ -100,11 +100,11 @@ impl Calibration {
 }
 
 /// The tensors ops are timed on: values from a pool of random numbers (in ±1, or in 0.5..1.5
-/// for what must be positive). A large tensor (of [`Samples::SHARED`] elements or more, 16 MiB
-/// in f32, more than a CPU's cache holds for one core: cold in it either way) is made once per shape and shared by every
-/// node that reads that shape: making one per node would take longer than timing the ops on a
-/// GPU at large images. A smaller one is made afresh for each node, warm in the cache as a
-/// tensor just written by the previous op is in training.
+/// for what must be positive). A large tensor ([`Samples::SHARED`] elements or more, 16 MiB in
+/// f32, more than a CPU's cache holds for one core: cold in it either way) is made once per
+/// shape and shared by every node that reads that shape: making one per node would take longer
+/// than timing the ops on a GPU at large images. A smaller one is made afresh for each node,
+/// warm in the cache as a tensor just written by the previous op is in training.
 struct Samples<'a> {
     device: &'a Device,
     pool: Vec<f64>,
@@ -294,10 +294,9 @@ pub fn cache_dir() -> Option<std::path::PathBuf> {
 /// train` do; a [`Session`](crate::Session) plans with [`RunConfig::calibration`] as given):
 /// every op of `graph` timed on the run's first GPU, at its micro-batch, the first time this
 /// configuration runs there, then kept in `keep_in` ([`cache_dir`] for the command line) and
-/// read back by later runs. The file's
-/// name holds a hash of the model, the GPU, its kernels' sources and this version of gems: a
-/// change to any of them measures afresh. `None` for a CPU run: the fitted CPU model prices
-/// it.
+/// read back by later runs. The file's name holds a hash of the model, the GPU, its kernels'
+/// sources and this version of gems: a change to any of them measures afresh. `None` for a
+/// CPU run: the fitted CPU model prices it.
 pub fn on_first_use(
     graph: &Graph,
     c: &RunConfig,

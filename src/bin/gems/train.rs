@@ -147,8 +147,9 @@ pub fn setup(a: &TrainArgs) -> anyhow::Result<(Graph, RunConfig)> {
     };
     let resolved = fit::resolve(&graph, c, auto)?;
     let mut c = resolved.config;
-    // A GPU run of threads plans with its GPU's op times (as `Session::new` would); a machine
-    // without the GPU still plans, with the fitted CPU model, and says so.
+    // A GPU run of threads plans with its GPU's op times, measured at first use and kept (the
+    // processes of an MPI run would each measure their own: they take --calibration); a
+    // machine without the GPU still plans, with the fitted CPU model, and says so.
     if a.spread.transport == Transport::Local && c.calibration.is_none() {
         let cache = gems::plan::calibrate::cache_dir();
         match gems::plan::calibrate::on_first_use(&graph, &c, cache.as_deref()) {
