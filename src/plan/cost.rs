@@ -217,6 +217,30 @@ pub fn reduce_costs(
         .collect()
 }
 
+/// Seconds of each pipeline position's STEP under `scheme` on a device of `p`: the optimizer
+/// over the parameters of the copies it holds, bound by memory traffic. Per parameter in
+/// `dtype` it reads the value, its gradient and its `states` state tensors (SGD with momentum
+/// keeps one, Adam two), writes the value and the states back and zeroes the gradient: (4 +
+/// 2·states) times the parameter's bytes, over the device's bandwidth.
+pub fn step_costs(
+    g: &Graph,
+    scheme: &Scheme,
+    stages: &[Range<usize>],
+    dtype: DType,
+    states: usize,
+    p: &DeviceProfile,
+) -> Vec<f64> {
+    (0..scheme.stages)
+        .map(|slot| {
+            let params: usize = (0..scheme.replicas.min(2))
+                .flat_map(|replica| scheme.stages_at(replica, slot))
+                .map(|s| g.trainable_in(stages[s].clone()))
+                .sum();
+            ((4 + 2 * states) * params * dtype.size()) as f64 / p.bytes_per_s
+        })
+        .collect()
+}
+
 /// What a rank of a tile group exchanges with the others per micro-batch, node by node: the
 /// halo rows and columns a window op reads from its neighbours (their gradients go back in
 /// backward, the same bytes), and the sums of statistics over the group (batch norm's, forward

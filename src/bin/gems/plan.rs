@@ -408,6 +408,12 @@ pub fn simulate(a: SimulateArgs) -> anyhow::Result<()> {
             1e3 * (p.halo + p.sums)
         );
     }
+    println!(
+        "each step ends with the optimizer (STEP): {:.3} ms on the slowest rank, its memory \
+         traffic over its copies' parameters at {:.0} GB/s",
+        1e3 * base.optimizer,
+        a.profile.device.bytes_per_s / 1e9
+    );
     let peak = fit::per_rank(&g, &c)?
         .iter()
         .map(|m| m.peak)
