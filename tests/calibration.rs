@@ -72,6 +72,8 @@ fn calibrated_step_time_predictions_hold() {
     let cal = Calibration {
         forward: per_op(|c| &c.forward),
         backward: per_op(|c| &c.backward),
+        input: per_op(|c| &c.input),
+        weight: per_op(|c| &c.weight),
         data: median(cals.iter().map(|c| c.data).collect()),
         optimizer: median(cals.iter().map(|c| c.optimizer).collect()),
         ..cals[0].clone()

@@ -351,6 +351,8 @@ fn mast_packed_by_bytes_under_a_cap_matches_single() {
         device: "roofline".into(),
         forward: costs.forward,
         backward: costs.backward,
+        input: vec![],
+        weight: vec![],
         data: 0.0,
         optimizer: 0.0,
     };

@@ -9,11 +9,11 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
 use super::config::RunConfig;
-use super::cost::{weight_share, NodeCosts};
+use super::cost::{halves, NodeCosts};
 use crate::backend::DeviceKind;
 use crate::graph::Graph;
 use crate::memory::Category;
-use crate::ops::{batched, Backward, Ctx};
+use crate::ops::{batched, Backward, Ctx, Saved};
 use crate::tensor::Device;
 use crate::tensor::{DType, Shape, Tensor};
 use crate::{Error, Result};
@@ -37,6 +37,16 @@ pub struct Calibration {
     pub forward: Vec<f64>,
     /// Each node's backward seconds, in node order.
     pub backward: Vec<f64>,
+    /// Each node's backward split as a zero-bubble order runs it, in node order: B, its input
+    /// gradients alone, for an op that [splits its backward](crate::ops::Operator::splits_weights)
+    /// (its whole backward, as `backward`, for any other op). Empty in a profile written
+    /// before backwards were timed split.
+    #[serde(default)]
+    pub input: Vec<f64>,
+    /// W, the parameter gradients alone, a second call after B (0 for an op that does not
+    /// split its backward); empty where `input` is.
+    #[serde(default)]
+    pub weight: Vec<f64>,
     /// Seconds to make and upload one micro-batch of synthetic images.
     pub data: f64,
     /// Seconds of one optimizer step over every parameter (SGD update and zeroing gradients).
@@ -44,14 +54,28 @@ pub struct Calibration {
 }
 
 impl Calibration {
-    /// The measured times as the planner's node costs for `g` (the graph measured).
+    /// The measured times as the planner's node costs for `g` (the graph measured): a split
+    /// backward's B and W as they were timed apart, or, in a profile without them, the fused
+    /// backward in [`halves`].
     pub fn costs(&self, g: &Graph) -> NodeCosts {
+        let n = self.backward.len();
+        let (input, weight) = match (self.input.len(), self.weight.len()) == (n, n) {
+            true => (self.input.clone(), self.weight.clone()),
+            false => halves(g, &self.backward),
+        };
         NodeCosts {
             forward: self.forward.clone(),
             backward: self.backward.clone(),
-            weight: weight_share(g, &self.backward),
+            input,
+            weight,
             data: self.data,
         }
+    }
+
+    /// Seconds of every node's backward, fused and split (B + W), summed over the model.
+    pub fn backward_sums(&self) -> (f64, f64) {
+        let split = self.input.iter().chain(&self.weight).sum();
+        (self.backward.iter().sum(), split)
     }
 
     /// Refuses a profile taken for another model, image, micro-batch or dtype.
@@ -151,9 +175,9 @@ impl<'a> Samples<'a> {
     }
 }
 
-/// Times every node of `graph` (forward, then backward) on `device` at `micro` images, with
-/// parameters in `dtype` and activations in `activations`, the median of `repeats` runs after
-/// one warm-up.
+/// Times every node of `graph` (forward, then backward, and for an op that splits its
+/// backward also its B and W calls apart) on `device` at `micro` images, with parameters in
+/// `dtype` and activations in `activations`, the median of `repeats` runs after one warm-up.
 #[allow(clippy::too_many_arguments)]
 pub fn calibrate(
     graph: &Graph,
@@ -164,6 +188,7 @@ pub fn calibrate(
 ) -> Result<Calibration> {
     let mut samples = Samples::new(device);
     let (mut forward, mut backward) = (Vec::new(), Vec::new());
+    let (mut input, mut weight) = (Vec::new(), Vec::new());
     // A GPU queues its work: each time ends when the device has finished it.
     let elapsed = |start: Instant| -> Result<f64> {
         device.backend().synchronize()?;
@@ -210,31 +235,54 @@ pub fn calibrate(
             tiles: None,
         };
         let refs: Vec<&Tensor> = xs.iter().collect();
-        let (mut f, mut b) = (Vec::new(), Vec::new());
+        let split = op.splits_weights();
+        let none = vec![false; need.len()];
+        let (mut f, mut b, mut bi, mut bw) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
         for _ in 0..=repeats {
             device.backend().synchronize()?;
             let start = Instant::now();
             let (y, saved) = op.forward(&ctx, &refs, &mut params)?;
             f.push(elapsed(start)?);
             drop(y);
-            let start = Instant::now();
-            op.backward(
-                &ctx,
-                Backward {
+            // One backward call: `weights` says whether it adds the parameter gradients.
+            let call = |saved, need: &[bool], weights, params: &[Tensor], grads: &mut [Tensor]| {
+                device.backend().synchronize()?;
+                let start = Instant::now();
+                let b = Backward {
                     saved,
                     dy: dy.clone(),
                     inputs: &shapes,
-                    need: &need,
-                    weights: true,
-                },
-                &params,
-                &mut grads,
-            )?;
-            b.push(elapsed(start)?);
+                    need,
+                    weights,
+                };
+                op.backward(&ctx, b, params, grads)?;
+                elapsed(start)
+            };
+            b.push(call(saved, &need, true, &params, &mut grads)?);
+            if split {
+                // As a zero-bubble order runs it: B (input gradients), then W, a second call
+                // on the same saved tensors with no input gradient asked for.
+                let (y, saved) = op.forward(&ctx, &refs, &mut params)?;
+                drop(y);
+                let again = Saved(saved.0.clone());
+                bi.push(call(saved, &need, false, &params, &mut grads)?);
+                bw.push(call(again, &none, true, &params, &mut grads)?);
+            }
         }
         // The first run warms caches and the allocator.
+        let fused = median(b[1..].to_vec());
         forward.push(median(f[1..].to_vec()));
-        backward.push(median(b[1..].to_vec()));
+        backward.push(fused);
+        match split {
+            true => {
+                input.push(median(bi[1..].to_vec()));
+                weight.push(median(bw[1..].to_vec()));
+            }
+            false => {
+                input.push(fused);
+                weight.push(0.0);
+            }
+        }
     }
     // Data and optimizer: what a step does besides its ops.
     let (image_size, classes) = (graph.image_size(), graph.classes());
@@ -281,6 +329,8 @@ pub fn calibrate(
         device: device.backend().name(),
         forward,
         backward,
+        input,
+        weight,
     })
 }
 
@@ -350,4 +400,131 @@ pub fn on_first_use(
         let _ = cal.save(p);
     }
     Ok(Some(cal))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::plan::cost::DeviceProfile;
+    use crate::plan::Layout;
+    use crate::schemes::{Kind, Order, Scheme};
+
+    fn splits(g: &Graph) -> Vec<bool> {
+        g.nodes
+            .iter()
+            .map(|n| n.op.get().splits_weights())
+            .collect()
+    }
+
+    /// An op that splits its backward is timed as B and W apart, besides fused; any other op
+    /// is all B. B alone is less than the fused backward, and W is measured.
+    #[test]
+    fn calibration_times_b_and_w_apart_where_backward_splits() {
+        let g = crate::models::build("resnet20v2", 32, 10).unwrap();
+        let device = Device::cpu("cpu", None);
+        let cal = calibrate(&g, 2, (DType::F32, DType::F32), &device, 1).unwrap();
+        let n = g.nodes.len();
+        assert_eq!((cal.input.len(), cal.weight.len()), (n, n));
+        let split = splits(&g);
+        let sum = |v: &[f64], on: bool| -> f64 {
+            (v.iter().zip(&split))
+                .filter(|(_, &s)| s == on)
+                .map(|(t, _)| t)
+                .sum()
+        };
+        for i in (0..n).filter(|&i| !split[i]) {
+            assert_eq!(
+                (cal.input[i], cal.weight[i]),
+                (cal.backward[i], 0.0),
+                "node {i}"
+            );
+        }
+        assert!(split.contains(&true));
+        assert!(sum(&cal.weight, true) > 0.0);
+        assert!(
+            sum(&cal.input, true) < sum(&cal.backward, true),
+            "B {} against the fused backward {}",
+            sum(&cal.input, true),
+            sum(&cal.backward, true)
+        );
+        let (fused, apart) = cal.backward_sums();
+        assert!(fused > 0.0 && apart > 0.0);
+    }
+
+    /// A profile written before B and W were timed still loads, and its plan splits each
+    /// backward in halves costing what the fused one does.
+    #[test]
+    fn a_profile_without_split_times_loads_and_splits_in_halves() {
+        let g = crate::models::build("resnet20v2", 32, 10).unwrap();
+        let text = serde_json::json!({
+            "model": g.name, "image_size": 32, "classes": 10, "micro_batch": 2,
+            "dtype": DType::F32, "device": "cpu (2 threads)",
+            "forward": vec![1.0; g.nodes.len()], "backward": vec![2.0; g.nodes.len()],
+            "data": 0.0, "optimizer": 0.0,
+        });
+        let path =
+            std::env::temp_dir().join(format!("gems-old-profile-{}.json", std::process::id()));
+        std::fs::write(&path, text.to_string()).unwrap();
+        let cal = Calibration::load(&path);
+        std::fs::remove_file(&path).unwrap();
+        let costs = cal.unwrap().costs(&g);
+        for (i, s) in splits(&g).into_iter().enumerate() {
+            let want = if s { (1.0, 1.0) } else { (2.0, 0.0) };
+            assert_eq!((costs.input[i], costs.weight[i]), want, "node {i}");
+        }
+    }
+
+    /// A calibrated plan prices a split backward's B and W as they were timed: where B + W
+    /// took 30% more than the fused backward, the zero-bubble orders' predicted step grows
+    /// (on a CPU the ranks share, by all that more) and the fused orders' does not move.
+    #[test]
+    fn a_calibrated_plan_prices_b_and_w_as_timed() {
+        let g = crate::models::build("resnet20v2", 32, 10).unwrap();
+        let costs = NodeCosts::analytic(&g, 2, DType::F32, &DeviceProfile::CPU);
+        let halved = Calibration {
+            model: g.name.clone(),
+            image_size: g.image_size(),
+            classes: g.classes(),
+            micro_batch: 2,
+            dtype: DType::F32,
+            device: "test".into(),
+            forward: costs.forward.clone(),
+            backward: costs.backward.clone(),
+            input: costs.input.clone(),
+            weight: costs.weight.clone(),
+            data: 0.0,
+            optimizer: 0.0,
+        };
+        let dearer = Calibration {
+            input: (costs.input.iter().zip(splits(&g)))
+                .map(|(t, s)| if s { 1.3 * t } else { *t })
+                .collect(),
+            weight: costs.weight.iter().map(|t| 1.3 * t).collect(),
+            ..halved.clone()
+        };
+        let step = |cal: &Calibration, order: Order, shared: bool| {
+            let s = Scheme::new(Kind::Mp, 2, 4, 1, 1, order);
+            let mut c = RunConfig::new(crate::plan::TrainConfig::new(8, 1), s);
+            c.calibration = Some(std::sync::Arc::new(cal.clone()));
+            Layout::new(&g, &c).unwrap().predicted_step(shared)
+        };
+        for shared in [false, true] {
+            for order in [Order::GPipe, Order::OneFOneB, Order::Interleaved] {
+                let (a, b) = (step(&halved, order, shared), step(&dearer, order, shared));
+                assert_eq!(a, b, "{order}");
+            }
+            for order in [Order::ZbH1, Order::ZbV] {
+                let (a, b) = (step(&halved, order, shared), step(&dearer, order, shared));
+                assert!(b > a, "{order}: {a} and, B and W 30% dearer, {b}");
+                // Ranks sharing one CPU take the step's work: 4 micro-batches' more B and W.
+                if shared {
+                    let more = 4.0 * (dearer.backward_sums().1 - halved.backward_sums().1);
+                    assert!(
+                        ((b - a) / more - 1.0).abs() < 1e-9,
+                        "{order}: {a} {b} {more}"
+                    );
+                }
+            }
+        }
+    }
 }

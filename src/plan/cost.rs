@@ -43,7 +43,12 @@ pub struct NodeCosts {
     pub forward: Vec<f64>,
     /// Backward seconds of each node for one micro-batch.
     pub backward: Vec<f64>,
-    /// Seconds of each node's backward a split backward leaves to its weight pass (W).
+    /// Seconds of each node's input-gradient pass (B) where backward is split: for an op that
+    /// [splits its backward](crate::ops::Operator::splits_weights), its first call; for any
+    /// other, its whole backward.
+    pub input: Vec<f64>,
+    /// Seconds of each node's weight pass (W) where backward is split: an op's second call (0
+    /// for an op that does not split its backward).
     pub weight: Vec<f64>,
     /// Seconds stage 0 spends making a micro-batch's images (0 in the roofline model).
     pub data: f64,
@@ -55,17 +60,20 @@ impl NodeCosts {
     pub fn analytic(g: &Graph, batch: usize, dtype: DType, p: &DeviceProfile) -> NodeCosts {
         let total = node_costs(g, batch, dtype, p);
         let backward: Vec<f64> = total.iter().map(|t| 2.0 * t / 3.0).collect();
+        let (input, weight) = halves(g, &backward);
         NodeCosts {
             forward: total.iter().map(|t| t / 3.0).collect(),
-            weight: weight_share(g, &backward),
             backward,
+            input,
+            weight,
             data: 0.0,
         }
     }
 
     /// The default CPU model: every node from `fit`, the committed fit of this project's
-    /// kernels; a node of a family the fit has not seen (a custom op) from the roofline of
-    /// `p`, split as [`NodeCosts::analytic`] splits it.
+    /// kernels, its backward split into B and W as the fit's family splits it; a node of a
+    /// family the fit has not seen (a custom op) from the roofline of `p`, split as
+    /// [`NodeCosts::analytic`] splits it.
     pub fn fitted(
         g: &Graph,
         batch: usize,
@@ -73,22 +81,25 @@ impl NodeCosts {
         fit: &FittedCosts,
         p: &DeviceProfile,
     ) -> NodeCosts {
-        let (forward, backward): (Vec<f64>, Vec<f64>) = g
-            .nodes
-            .iter()
-            .map(|n| {
-                fit.node(g, n, batch, dtype).unwrap_or_else(|| {
-                    let t = node_seconds(g, n, batch, dtype, p);
-                    (t / 3.0, 2.0 * t / 3.0)
-                })
-            })
-            .unzip();
-        NodeCosts {
-            forward,
-            weight: weight_share(g, &backward),
-            backward,
+        let mut c = NodeCosts {
+            forward: vec![],
+            backward: vec![],
+            input: vec![],
+            weight: vec![],
             data: fit.data(g, batch, dtype),
+        };
+        for n in &g.nodes {
+            let (f, b) = fit.node(g, n, batch, dtype).unwrap_or_else(|| {
+                let t = node_seconds(g, n, batch, dtype, p);
+                (t / 3.0, 2.0 * t / 3.0)
+            });
+            let (i, w) = fit.split(g, n, b).unwrap_or_else(|| halve(n, b));
+            c.forward.push(f);
+            c.backward.push(b);
+            c.input.push(i);
+            c.weight.push(w);
         }
+        c
     }
 
     /// Forward + backward seconds per node.
@@ -114,19 +125,21 @@ fn sum_over(v: &[f64], stages: &[Range<usize>]) -> Vec<f64> {
     stages.iter().map(|r| v[r.clone()].iter().sum()).collect()
 }
 
-/// Seconds of each node's `backward` its weight pass takes: half for an op that splits its
-/// backward (a convolution's filter gradient costs about what its data gradient does), none
-/// for the others.
-pub fn weight_share(g: &Graph, backward: &[f64]) -> Vec<f64> {
+/// Each node's `backward` split into B and W with nothing measured: half each for an op that
+/// splits its backward (a convolution's filter gradient costs about what its data gradient
+/// does), all B for the others; B + W costs what the fused backward does.
+pub fn halves(g: &Graph, backward: &[f64]) -> (Vec<f64>, Vec<f64>) {
     (g.nodes.iter().zip(backward))
-        .map(|(n, b)| {
-            if n.op.get().splits_weights() {
-                b / 2.0
-            } else {
-                0.0
-            }
-        })
-        .collect()
+        .map(|(n, &b)| halve(n, b))
+        .unzip()
+}
+
+/// Node `n`'s backward of `b` seconds split as [`halves`] splits it.
+fn halve(n: &Node, b: f64) -> (f64, f64) {
+    match n.op.get().splits_weights() {
+        true => (b / 2.0, b / 2.0),
+        false => (b, 0.0),
+    }
 }
 
 impl NodeCosts {
@@ -137,6 +150,7 @@ impl NodeCosts {
         StageCosts {
             forward,
             backward,
+            input: sum_over(&self.input, stages),
             weight: sum_over(&self.weight, stages),
             transfer: vec![0.0; stages.len()],
             reduce: vec![],
@@ -199,6 +213,30 @@ pub fn reduce_costs(
             let holders = groups * slots.iter().map(|&s| scheme.width(s)).sum::<usize>();
             let bytes = g.trainable_in(nodes.clone()) * dtype.size();
             link.all_reduce(bytes as f64, holders)
+        })
+        .collect()
+}
+
+/// Seconds of each pipeline position's STEP under `scheme` on a device of `p`: the optimizer
+/// over the parameters of the copies it holds, bound by memory traffic. Per parameter in
+/// `dtype` it reads the value, its gradient and its `states` state tensors (SGD with momentum
+/// keeps one, Adam two), writes the value and the states back and zeroes the gradient: (4 +
+/// 2·states) times the parameter's bytes, over the device's bandwidth.
+pub fn step_costs(
+    g: &Graph,
+    scheme: &Scheme,
+    stages: &[Range<usize>],
+    dtype: DType,
+    states: usize,
+    p: &DeviceProfile,
+) -> Vec<f64> {
+    (0..scheme.stages)
+        .map(|slot| {
+            let params: usize = (0..scheme.replicas.min(2))
+                .flat_map(|replica| scheme.stages_at(replica, slot))
+                .map(|s| g.trainable_in(stages[s].clone()))
+                .sum();
+            ((4 + 2 * states) * params * dtype.size()) as f64 / p.bytes_per_s
         })
         .collect()
 }
@@ -326,6 +364,9 @@ impl TileCosts {
             backward: (whole.backward.iter().enumerate())
                 .map(|(i, &t)| share(i, t) + exchange.halo[i] + exchange.backward_sums[i])
                 .collect(),
+            input: (whole.input.iter().enumerate())
+                .map(|(i, &t)| share(i, t) + exchange.halo[i] + exchange.backward_sums[i])
+                .collect(),
             weight: (whole.weight.iter().enumerate())
                 .map(|(i, &t)| share(i, t))
                 .collect(),
@@ -361,6 +402,7 @@ impl TileCosts {
         StageCosts {
             forward: pick(&one.forward, &tiled.forward),
             backward: pick(&one.backward, &tiled.backward),
+            input: pick(&one.input, &tiled.input),
             weight: pick(&one.weight, &tiled.weight),
             transfer: one.transfer,
             reduce: one.reduce,

@@ -77,8 +77,51 @@ pub struct FamilyRates {
     pub forward: Rate,
     /// Backward (input and weight gradients).
     pub backward: Rate,
+    /// How its backward divides when split into B and W (an op that splits its backward,
+    /// fitted to calibrations that timed the two calls apart); none: into halves costing
+    /// what the fused backward does.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub split: Option<Split>,
     /// Ops the fit saw.
     pub samples: usize,
+}
+
+/// A family's backward called as B then W, against one call: B and W are fitted as shares of
+/// the fused backward's fitted seconds rather than as rates of their own, so that fitting
+/// errors do not make up a difference between the two that was not measured.
+#[derive(Clone, Copy, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct Split {
+    /// Seconds of B + W over those of the fused backward.
+    pub ratio: f64,
+    /// W's share of B + W.
+    pub weight: f64,
+}
+
+impl Split {
+    /// B's and W's seconds for a fused backward of `backward` seconds.
+    pub fn of(&self, backward: f64) -> (f64, f64) {
+        let both = self.ratio * backward;
+        (both * (1.0 - self.weight), both * self.weight)
+    }
+
+    /// The split of `samples` (all of one family whose op splits its backward, from
+    /// calibrations that timed B and W): the ratio of their sums, each sample relative to its
+    /// model's op seconds as in the rates' fit; none without a sample timed apart.
+    fn fit(samples: &[OpSample]) -> Option<Split> {
+        let (mut fused, mut input, mut weight) = (0.0, 0.0, 0.0);
+        for s in samples {
+            let (Some((b, w)), true) = (s.split, s.model_seconds > 0.0) else {
+                continue;
+            };
+            fused += s.backward / s.model_seconds;
+            input += b / s.model_seconds;
+            weight += w / s.model_seconds;
+        }
+        (fused > 0.0 && input + weight > 0.0).then(|| Split {
+            ratio: (input + weight) / fused,
+            weight: weight / (input + weight),
+        })
+    }
 }
 
 /// Op costs of one machine at one thread count.
@@ -143,6 +186,9 @@ pub struct OpSample {
     pub forward: f64,
     /// Backward seconds.
     pub backward: f64,
+    /// B's and W's seconds, for an op that splits its backward in a calibration that timed
+    /// them.
+    pub split: Option<(f64, f64)>,
     /// Its model's op seconds, forward and backward, at that micro-batch.
     pub model_seconds: f64,
 }
@@ -150,14 +196,18 @@ pub struct OpSample {
 /// The ops of `cal`, a calibration of `g`, as samples.
 pub fn samples(g: &Graph, cal: &Calibration) -> Vec<OpSample> {
     let total: f64 = cal.forward.iter().chain(&cal.backward).sum();
+    let timed_apart = cal.input.len() == g.nodes.len() && cal.weight.len() == g.nodes.len();
     g.nodes
         .iter()
+        .enumerate()
         .zip(cal.forward.iter().zip(&cal.backward))
-        .map(|(n, (&forward, &backward))| OpSample {
+        .map(|((i, n), (&forward, &backward))| OpSample {
             family: family(g, n),
             work: Work::of(g, n, cal.micro_batch, cal.dtype),
             forward,
             backward,
+            split: (timed_apart && n.op.get().splits_weights())
+                .then(|| (cal.input[i], cal.weight[i])),
             model_seconds: total,
         })
         .collect()
@@ -207,6 +257,7 @@ impl FittedCosts {
                 let rates = FamilyRates {
                     forward: f,
                     backward: b,
+                    split: Split::fit(&ss),
                     samples: ss.len(),
                 };
                 (name, rates)
@@ -242,6 +293,13 @@ impl FittedCosts {
         let r = self.families.get(&family(g, n))?;
         let w = Work::of(g, n, batch, dtype);
         Some((r.forward.seconds(&w), r.backward.seconds(&w)))
+    }
+
+    /// Node `n`'s backward of `backward` seconds as a zero-bubble order runs it, B's and W's
+    /// seconds, where `n`'s op splits its backward and the fit has a split for its family.
+    pub fn split(&self, g: &Graph, n: &Node, backward: f64) -> Option<(f64, f64)> {
+        let split = self.families.get(&family(g, n))?.split?;
+        n.op.get().splits_weights().then(|| split.of(backward))
     }
 
     /// Seconds to make a micro-batch of `batch` inputs of `g`.
@@ -378,6 +436,7 @@ pub fn cpu_threads(device: &str) -> Option<usize> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::plan::cost::{DeviceProfile, NodeCosts};
 
     /// Seconds every op of `g` takes at `micro` under `rate` (backward twice forward).
     fn calibration(g: &Graph, micro: usize, rate: &Rate) -> Calibration {
@@ -393,6 +452,8 @@ mod tests {
             device: "cpu (1 threads)".into(),
             backward: forward.iter().map(|t| 2.0 * t).collect(),
             forward,
+            input: vec![],
+            weight: vec![],
             data: 1e-3 * micro as f64,
             optimizer: 2e-3,
         }
@@ -428,6 +489,68 @@ mod tests {
         }
         let g = &runs[0].0;
         assert!((fit.optimizer(g, DType::F32) / 2e-3 - 1.0).abs() < 1e-6);
+    }
+
+    /// Where calibrations timed B and W apart, each family that splits its backward is
+    /// fitted their ratio to the fused backward and W's share, and the default model prices B
+    /// and W from them; the fused backward does not move. Other families run all in B.
+    #[test]
+    fn a_fit_recovers_how_backward_splits() {
+        let rate = Rate {
+            call: 2e-5,
+            per_flop: 1e-11,
+            ..Rate::default()
+        };
+        let runs: Vec<(Graph, Calibration)> = [("resnet20v2", 32, 2), ("unet_d2_w4", 32, 2)]
+            .into_iter()
+            .map(|(m, side, micro)| {
+                let g = crate::models::build(m, side, 3).unwrap();
+                let cal = calibration(&g, micro, &rate);
+                (g, cal)
+            })
+            .collect();
+        let fused = FittedCosts::fit("test", 1, &runs).unwrap();
+        assert!(fused.families.values().all(|r| r.split.is_none()));
+        // B + W 10% dearer than the fused backward, W 60% of them.
+        let timed: Vec<(Graph, Calibration)> = (runs.iter().cloned())
+            .map(|(g, mut cal)| {
+                let split = g.nodes.iter().map(|n| n.op.get().splits_weights());
+                (cal.input, cal.weight) = (cal.backward.iter().zip(split))
+                    .map(|(&b, s)| match s {
+                        true => (0.4 * 1.1 * b, 0.6 * 1.1 * b),
+                        false => (b, 0.0),
+                    })
+                    .unzip();
+                (g, cal)
+            })
+            .collect();
+        let fit = FittedCosts::fit("test", 1, &timed).unwrap();
+        for (g, _) in &timed {
+            let (one, apart) = (
+                NodeCosts::fitted(g, 4, DType::F32, &fused, &DeviceProfile::CPU),
+                NodeCosts::fitted(g, 4, DType::F32, &fit, &DeviceProfile::CPU),
+            );
+            assert_eq!(
+                (&one.forward, &one.backward),
+                (&apart.forward, &apart.backward)
+            );
+            for (i, n) in g.nodes.iter().enumerate() {
+                let (b, w) = (apart.input[i], apart.weight[i]);
+                let split = fit.families[&family(g, n)].split;
+                match n.op.get().splits_weights() {
+                    true => {
+                        let s = split.unwrap();
+                        assert!((s.ratio - 1.1).abs() < 1e-9 && (s.weight - 0.6).abs() < 1e-9);
+                        assert!(((b + w) / (1.1 * apart.backward[i]) - 1.0).abs() < 1e-9);
+                        assert!((w / (b + w) - 0.6).abs() < 1e-9, "{}", n.name);
+                    }
+                    false => {
+                        assert_eq!(split, None, "{}", n.name);
+                        assert_eq!((b, w), (apart.backward[i], 0.0), "{}", n.name);
+                    }
+                }
+            }
+        }
     }
 
     /// The committed fits load, hold every family the built-in models are made of (a family

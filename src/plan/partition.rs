@@ -761,6 +761,7 @@ mod tests {
             let costs = StageCosts {
                 forward: (0..p).map(|_| rng.random_range(0.5..2.0)).collect(),
                 backward: (0..p).map(|_| rng.random_range(1.0..4.0)).collect(),
+                input: vec![0.0; p],
                 weight: vec![0.0; p],
                 transfer: vec![0.0; p],
                 reduce: vec![],

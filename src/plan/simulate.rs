@@ -3,12 +3,13 @@
 //! the cost model on a device profile, boundary transfers on the link between the two ranks, a
 //! tiled stage's halo exchanges and statistics' sums on the link between its tile ranks), its
 //! REDUCEs where it places them: each stage's gradient all-reduce over the ranks holding a copy
-//! of it (on the slowest link the groups span).
+//! of it (on the slowest link the groups span), and each rank's STEP: the optimizer's memory
+//! traffic over its copies' parameters at the device's bandwidth.
 
 use std::fmt;
 use std::str::FromStr;
 
-use super::cost::{reduce_costs, DeviceProfile, Link, NodeCosts, TileCosts};
+use super::cost::{reduce_costs, step_costs, DeviceProfile, Link, NodeCosts, TileCosts};
 use crate::graph::Graph;
 use crate::plan::{Layout, RunConfig};
 use crate::{Error, Result};
@@ -114,6 +115,8 @@ pub struct Point {
     pub bubble: f64,
     /// Seconds of the slowest stage's gradient all-reduce (its REDUCE).
     pub all_reduce: f64,
+    /// Seconds of the slowest rank's STEP: the optimizer over its copies' parameters.
+    pub optimizer: f64,
     /// Seconds per micro-batch a rank of a tile group spends in halo exchanges, forward and
     /// backward, over its stages on tiles (0 without tiles).
     pub halo: f64,
@@ -148,6 +151,8 @@ pub fn step(c: &RunConfig, layout: &Layout, profile: &Profile, groups: usize) ->
     let gpus = groups * s.group_size();
     let link = profile.link(gpus <= profile.gpus_per_node);
     sc.reduce = reduce_costs(g, s, stages, dtype, groups, &link);
+    let states = c.train.optimizer.optimizer(c.train.sgd).state_names().len();
+    sc.step = step_costs(g, s, stages, dtype, states, &profile.device);
     let bytes = crate::plan::memory::stage_bytes(c, g, &layout.partition)?;
     let schedule = c.timeline(&sc, bytes.as_deref())?;
     let pipeline = schedule.makespan();
@@ -159,6 +164,7 @@ pub fn step(c: &RunConfig, layout: &Layout, profile: &Profile, groups: usize) ->
         pipeline,
         bubble: schedule.bubble(),
         all_reduce: sc.reduce.iter().copied().fold(0.0, f64::max),
+        optimizer: sc.step.iter().copied().fold(0.0, f64::max),
         halo,
         sums,
         images_per_s: images / pipeline,
@@ -189,4 +195,44 @@ pub fn weak_scaling(
         groups = g.checked_mul(2);
     }
     Ok(points)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::optim::{AdamConfig, OptimizerKind};
+    use crate::plan::TrainConfig;
+    use crate::schemes::{Kind, Order, Scheme};
+    use crate::tensor::DType;
+
+    /// A simulated step pays for the optimizer: one device's is its forward, its backward and
+    /// its STEP, the optimizer's memory traffic over every parameter (f32 SGD with momentum:
+    /// 6 × 4 bytes each; Adam: 8 × 4) at the profile's bandwidth.
+    #[test]
+    fn a_simulated_step_pays_for_the_optimizer() {
+        let g = crate::models::build("resnet20v2", 32, 10).unwrap();
+        let params = g.trainable_in(0..g.nodes.len()) as f64;
+        let single = Scheme::new(Kind::Single, 1, 1, 1, 1, Order::GPipe);
+        for (optimizer, bytes) in [
+            (OptimizerKind::Sgd, 24.0),
+            (OptimizerKind::Adam(AdamConfig::new(false)), 32.0),
+        ] {
+            let mut train = TrainConfig::new(2, 1);
+            train.optimizer = optimizer;
+            let c = RunConfig::new(train, single);
+            let layout = Layout::new(&g, &c).unwrap();
+            for profile in Profile::ALL {
+                let point = step(&c, &layout, &profile, 1).unwrap();
+                let costs = NodeCosts::analytic(&g, 2, DType::F32, &profile.device);
+                let compute: f64 = costs.total().iter().sum();
+                let want = bytes * params / profile.device.bytes_per_s;
+                assert!(
+                    ((point.pipeline - compute) / want - 1.0).abs() < 1e-6,
+                    "{profile}: step {} s, forward and backward {compute} s, optimizer {want} s",
+                    point.pipeline
+                );
+                assert!((point.optimizer / want - 1.0).abs() < 1e-12, "{profile}");
+            }
+        }
+    }
 }

@@ -215,7 +215,11 @@ pub struct StageCosts {
     pub forward: Vec<f64>,
     /// Seconds of each stage's whole backward (BW).
     pub backward: Vec<f64>,
-    /// Seconds of it a split backward leaves to W (the rest is B's).
+    /// Seconds of each stage's B where its backward is split: its input gradients, with the
+    /// whole backward of its ops that do not split theirs. B and W called apart can cost more
+    /// (or less) than BW.
+    pub input: Vec<f64>,
+    /// Seconds of each stage's W: the parameter gradients its B left.
     pub weight: Vec<f64>,
     /// Seconds to move a micro-batch's boundary tensors from stage s to s + 1.
     pub transfer: Vec<f64>,
@@ -228,12 +232,13 @@ pub struct StageCosts {
 }
 
 impl StageCosts {
-    /// Every stage costs `f` forward and `b` backward, a third of which is W; nothing else
-    /// costs time.
+    /// Every stage costs `f` forward and `b` backward, a third of which is W (split, B and W
+    /// cost what BW does); nothing else costs time.
     pub fn uniform(stages: usize, f: f64, b: f64) -> Self {
         StageCosts {
             forward: vec![f; stages],
             backward: vec![b; stages],
+            input: vec![b - b / 3.0; stages],
             weight: vec![b / 3.0; stages],
             transfer: vec![0.0; stages],
             reduce: vec![],
@@ -248,6 +253,7 @@ impl StageCosts {
         StageCosts {
             forward: times(&self.forward),
             backward: times(&self.backward),
+            input: times(&self.input),
             weight: times(&self.weight),
             step: times(&self.step),
             ..self.clone()
@@ -262,7 +268,7 @@ impl StageCosts {
         match t.pass {
             Pass::Forward => self.forward[s],
             Pass::Backward => self.backward[s],
-            Pass::Input => self.backward[s] - self.weight[s],
+            Pass::Input => self.input[s],
             Pass::Weight => self.weight[s],
             Pass::Reduce => listed(&self.reduce, s),
             Pass::Step => listed(&self.step, rank),
@@ -1786,6 +1792,7 @@ mod tests {
         // F = B = W = 1: 1F1B takes m·3 + (P - 1)·(F + B + W); ZB-H1, holding no more
         // micro-batches than 1F1B (each until its W), m·3 + (P - 1)·(F + B).
         let costs = |p| StageCosts {
+            input: vec![1.0; p],
             weight: vec![1.0; p],
             ..StageCosts::uniform(p, 1.0, 2.0)
         };

@@ -290,10 +290,16 @@ pub fn calibrate(a: CalibrateArgs) -> anyhow::Result<()> {
         a.repeats.max(1),
     )?;
     cal.save(&a.out)?;
-    let (f, b): (f64, f64) = (cal.forward.iter().sum(), cal.backward.iter().sum());
+    let f: f64 = cal.forward.iter().sum();
+    let (b, split) = cal.backward_sums();
     println!(
         "calibrated {} ops of {} at {}², micro-batch {micro}, {} in {:.1} s: forward {:.2} ms, backward {:.2} ms per micro-batch; wrote {}",
         g.nodes.len(), g.name, g.image_size(), t.numerics(), started.elapsed().as_secs_f64(), 1e3 * f, 1e3 * b, a.out.display()
+    );
+    println!(
+        "backward split as zero-bubble orders run it (B, then W): {:.2} ms ({:+.1}% against one call)",
+        1e3 * split,
+        100.0 * (split / b - 1.0)
     );
     Ok(())
 }
@@ -402,6 +408,12 @@ pub fn simulate(a: SimulateArgs) -> anyhow::Result<()> {
             1e3 * (p.halo + p.sums)
         );
     }
+    println!(
+        "each step ends with the optimizer (STEP): {:.3} ms on the slowest rank, its memory \
+         traffic over its copies' parameters at {:.0} GB/s",
+        1e3 * base.optimizer,
+        a.profile.device.bytes_per_s / 1e9
+    );
     let peak = fit::per_rank(&g, &c)?
         .iter()
         .map(|m| m.peak)
