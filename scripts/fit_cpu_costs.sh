@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Refreshes the default CPU cost model (src/plan/cpu_costs.json): calibrates a corpus of
-# built-in models (`gems calibrate`: every op timed at a micro-batch) at 1 thread and at every
-# core, then fits each op family's seconds per call, per FLOP and per byte
-# (`gems fit-costs`). Run on a quiet machine after `cargo build --release`; takes a few
+# built-in models (`gems calibrate`: every op timed at a micro-batch, a split backward's B and
+# W also apart) at 1 thread and at every core, then fits each op family's seconds per call,
+# per FLOP and per byte, and how its backward divides into B and W (`gems fit-costs`). Run on a quiet machine after `cargo build --release`; takes a few
 # minutes. Check the result with scripts/bench_cost_model.sh.
 #
 #   scripts/fit_cpu_costs.sh [OUT [PROFILES]]
