@@ -11,7 +11,7 @@ use gems::schemes::admission::Admission;
 use gems::schemes::{Kind, Order};
 
 use crate::cli::{CalibrateArgs, FitCostsArgs, OrderChoice, SimulateArgs, TrainArgs};
-use crate::train::setup;
+use crate::train::{measure_op_times, setup};
 
 /// Where the op times a plan predicts with come from.
 fn costs_source(c: &gems::RunConfig) -> String {
@@ -26,7 +26,8 @@ pub fn export_schedule(a: TrainArgs) -> anyhow::Result<()> {
     if a.spread.order == OrderChoice::All {
         anyhow::bail!("--order all: export one order at a time");
     }
-    let (graph, c) = setup(&a)?;
+    let (graph, mut c) = setup(&a)?;
+    measure_op_times(&a, &graph, &mut c, false)?;
     let layout = Layout::new(&graph, &c)?;
     print!("{}", layout.schedule.schedule(&c.scheme).to_json());
     Ok(())
@@ -38,7 +39,8 @@ fn compare_orders(a: &TrainArgs) -> anyhow::Result<()> {
     if a.spread.schedule_file.is_some() {
         anyhow::bail!("--order all compares the built-in orders; a schedule file is one schedule");
     }
-    let (graph, c) = setup(a)?;
+    let (graph, mut c) = setup(a)?;
+    measure_op_times(a, &graph, &mut c, false)?;
     let s = &c.scheme;
     println!(
         "orders for {} at {}², {} with P={} m={} η={} D={}, B={} ({}):",
@@ -101,7 +103,8 @@ pub fn plan(a: TrainArgs) -> anyhow::Result<()> {
     if a.spread.order == OrderChoice::All {
         return compare_orders(&a);
     }
-    let (graph, c) = setup(&a)?;
+    let (graph, mut c) = setup(&a)?;
+    measure_op_times(&a, &graph, &mut c, false)?;
     let layout = Layout::new(&graph, &c)?;
     let (g, s) = (&layout.graph, &c.scheme);
     let micro = c.train.batch_size / s.parts;

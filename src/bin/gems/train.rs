@@ -146,17 +146,7 @@ pub fn setup(a: &TrainArgs) -> anyhow::Result<(Graph, RunConfig)> {
         spatial: a.spread.spatial == Tiling::Auto,
     };
     let resolved = fit::resolve(&graph, c, auto)?;
-    let mut c = resolved.config;
-    // A GPU run of threads plans with its GPU's op times, measured at first use and kept (the
-    // processes of an MPI run would each measure their own: they take --calibration); a
-    // machine without the GPU still plans, with the fitted CPU model, and says so.
-    if a.spread.transport == Transport::Local && c.calibration.is_none() {
-        let cache = gems::plan::calibrate::cache_dir();
-        match gems::plan::calibrate::on_first_use(&graph, &c, cache.as_deref()) {
-            Ok(cal) => c.calibration = cal.map(Arc::new),
-            Err(e) => eprintln!("op times from the fitted CPU model: {e}"),
-        }
-    }
+    let c = resolved.config;
     if auto.spatial {
         println!("--spatial auto: {} tiles", c.scheme.spatial);
     }
@@ -185,6 +175,28 @@ pub fn setup(a: &TrainArgs) -> anyhow::Result<(Graph, RunConfig)> {
     Ok((graph, c))
 }
 
+/// A GPU run of threads plans with its GPU's op times, measured at first use and kept (the
+/// processes of an MPI run would each measure their own: they take --calibration). Where the GPU
+/// cannot be opened, a plan (`strict` false) is made with the fitted CPU model and says so; a
+/// run that trains stops there.
+pub fn measure_op_times(
+    a: &TrainArgs,
+    graph: &Graph,
+    c: &mut RunConfig,
+    strict: bool,
+) -> anyhow::Result<()> {
+    if a.spread.transport != Transport::Local || c.calibration.is_some() {
+        return Ok(());
+    }
+    let cache = gems::plan::calibrate::cache_dir();
+    match gems::plan::calibrate::on_first_use(graph, c, cache.as_deref()) {
+        Ok(cal) => c.calibration = cal.map(Arc::new),
+        Err(e) if !strict => eprintln!("op times from the fitted CPU model: {e}"),
+        Err(e) => return Err(e.into()),
+    }
+    Ok(())
+}
+
 pub fn train(a: TrainArgs) -> anyhow::Result<()> {
     if a.steps == Some(0) || a.checkpoint_every == Some(0) {
         anyhow::bail!("--steps and --checkpoint-every must be at least 1");
@@ -195,7 +207,8 @@ pub fn train(a: TrainArgs) -> anyhow::Result<()> {
     if a.spread.order == OrderChoice::All {
         anyhow::bail!("--order all compares the orders in `gems plan`; a run trains one");
     }
-    let (graph, c) = setup(&a)?;
+    let (graph, mut c) = setup(&a)?;
+    measure_op_times(&a, &graph, &mut c, true)?;
     fit::check_fits(&graph, &c)?;
     match a.spread.transport {
         Transport::Local => {
