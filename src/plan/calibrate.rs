@@ -78,16 +78,24 @@ impl Calibration {
         (self.backward.iter().sum(), split)
     }
 
-    /// Refuses a profile taken for another model, image, micro-batch or dtype.
-    pub fn check(
-        &self,
-        model: &str,
-        image_size: usize,
-        classes: usize,
-        micro_batch: usize,
-        dtype: DType,
-    ) -> Result<()> {
-        let want = (model, image_size, classes, micro_batch, dtype);
+    /// Refuses a profile taken for another model, image, micro-batch or dtype than `g` at
+    /// `micro_batch` in `dtype`, or for a graph of another node count.
+    pub fn check(&self, g: &Graph, micro_batch: usize, dtype: DType) -> Result<()> {
+        let nodes = g.nodes.len();
+        if self.forward.len() != nodes || self.backward.len() != nodes {
+            return Err(Error::Config(format!(
+                "the calibration times {} nodes; {} has {nodes}",
+                self.forward.len(),
+                g.name
+            )));
+        }
+        let want = (
+            g.name.as_str(),
+            g.image_size(),
+            g.classes(),
+            micro_batch,
+            dtype,
+        );
         let have = (
             self.model.as_str(),
             self.image_size,
@@ -376,20 +384,8 @@ pub fn on_first_use(
         )
     };
     let path = keep_in.map(|dir| dir.join(key));
-    let usable = |cal: &Calibration| {
-        cal.check(
-            &graph.name,
-            graph.image_size(),
-            graph.classes(),
-            micro,
-            t.activations(),
-        )
-        .is_ok()
-            && cal.forward.len() == graph.nodes.len()
-            && cal.backward.len() == graph.nodes.len()
-    };
     if let Some(cal) = path.as_deref().and_then(|p| Calibration::load(p).ok()) {
-        if usable(&cal) {
+        if cal.check(graph, micro, t.activations()).is_ok() {
             return Ok(Some(cal));
         }
     }

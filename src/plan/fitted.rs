@@ -463,6 +463,18 @@ mod tests {
     use super::*;
     use crate::plan::cost::{DeviceProfile, NodeCosts};
 
+    /// Each (model, side, micro-batch) of `runs` built with 3 classes and calibrated under
+    /// `rate`.
+    fn calibrated(runs: &[(&str, usize, usize)], rate: &Rate) -> Vec<(Graph, Calibration)> {
+        (runs.iter())
+            .map(|&(m, side, micro)| {
+                let g = crate::models::build(m, side, 3).unwrap();
+                let cal = calibration(&g, micro, rate);
+                (g, cal)
+            })
+            .collect()
+    }
+
     /// Seconds every op of `g` takes at `micro` under `rate` (backward twice forward).
     fn calibration(g: &Graph, micro: usize, rate: &Rate) -> Calibration {
         let forward: Vec<f64> = (g.nodes.iter())
@@ -494,15 +506,15 @@ mod tests {
             per_byte: 3e-10,
             per_param_byte: 5e-10,
         };
-        let runs: Vec<(Graph, Calibration)> = [("resnet20v2", 32, 2), ("resnet20v2", 32, 8)]
-            .into_iter()
-            .chain([("unet_d2_w4", 32, 2), ("unet_d2_w4", 32, 6)])
-            .map(|(m, side, micro)| {
-                let g = crate::models::build(m, side, 3).unwrap();
-                let cal = calibration(&g, micro, &rate);
-                (g, cal)
-            })
-            .collect();
+        let runs = calibrated(
+            &[
+                ("resnet20v2", 32, 2),
+                ("resnet20v2", 32, 8),
+                ("unet_d2_w4", 32, 2),
+                ("unet_d2_w4", 32, 6),
+            ],
+            &rate,
+        );
         let fit = FittedCosts::fit("test", 1, &runs).unwrap();
         for (g, _) in &runs {
             for n in &g.nodes {
@@ -527,14 +539,7 @@ mod tests {
             per_flop: 1e-11,
             ..Rate::default()
         };
-        let runs: Vec<(Graph, Calibration)> = [("resnet20v2", 32, 2), ("unet_d2_w4", 32, 2)]
-            .into_iter()
-            .map(|(m, side, micro)| {
-                let g = crate::models::build(m, side, 3).unwrap();
-                let cal = calibration(&g, micro, &rate);
-                (g, cal)
-            })
-            .collect();
+        let runs = calibrated(&[("resnet20v2", 32, 2), ("unet_d2_w4", 32, 2)], &rate);
         let fused = FittedCosts::fit("test", 1, &runs).unwrap();
         assert!(fused.families.values().all(|r| r.split.is_none()));
         // B + W 10% dearer than the fused backward, W 60% of them.

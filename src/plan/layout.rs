@@ -200,13 +200,7 @@ impl Layout {
         let micro = c.micro_batch();
         let costs = match &c.calibration {
             Some(cal) => {
-                cal.check(
-                    &graph.name,
-                    graph.image_size(),
-                    graph.classes(),
-                    micro,
-                    t.activations(),
-                )?;
+                cal.check(&graph, micro, t.activations())?;
                 cal.costs(&graph)
             }
             None => NodeCosts::fitted(
