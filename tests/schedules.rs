@@ -249,3 +249,119 @@ fn the_documented_example_file_is_a_valid_schedule() {
     let scheme = gems::Scheme::new(gems::Kind::Mp, 2, 2, 1, 1, gems::Order::OneFOneB);
     s.validate(&scheme).unwrap();
 }
+
+/// OFFLOAD and PREFETCH tasks, as the metered run of their schedule shows them: a micro-batch's
+/// saved tensors leave the device after its F and come back before its backward; what a
+/// deferred W reads leaves after its B. Each OFFLOAD ends with fewer bytes live on the device
+/// than the task before it, each PREFETCH with more, and the peak is lower. (Training with
+/// them matches one device: tests/schemes.rs.)
+#[test]
+fn offload_and_prefetch_tasks_free_the_device_until_the_pass_that_reads_it() {
+    use gems::schemes::{Kind, Order};
+    use gems::{models, plan::Layout, RunConfig, Scheme, TrainConfig};
+    use std::sync::Arc;
+    let g = models::build("resnet20v2", 32, 4).unwrap();
+    let scheme = Scheme::new(Kind::Mp, 2, 4, 1, 1, Order::OneFOneB);
+    let mut c = RunConfig::new(TrainConfig::new(4, 1), scheme);
+    let one_f = Layout::new(&g, &c).unwrap().schedule.schedule(&scheme);
+    // Each rank's tasks as it runs them (messages, REDUCE and STEP listed), and the device
+    // bytes during each.
+    let mut metered = |s: &Schedule| {
+        c.schedule = Some(Arc::new(s.clone()));
+        let tasks: Vec<Vec<Task>> = (Layout::new(&g, &c).unwrap().schedule.ranks.iter())
+            .map(|r| r.iter().map(|t| t.task).collect())
+            .collect();
+        (tasks, gems::fit::per_task(&g, &c).unwrap())
+    };
+    let peak =
+        |held: &[Vec<gems::memory::Held>], r: usize| held[r].iter().map(|h| h.peak).max().unwrap();
+    let (_, plain) = metered(&one_f);
+    let offloaded = one_f.offloading(|_| true, 0);
+    let (tasks, held) = metered(&offloaded);
+    let late = common::defer_weights(&one_f);
+    let (_, late_held) = metered(&late);
+    let (late_tasks, late_offloaded) = metered(&common::offload_weight_work(&late));
+    for (tasks, held) in [(&tasks, &held), (&late_tasks, &late_offloaded)] {
+        for r in 0..2 {
+            let copies = tasks[r].iter().filter(|t| t.pass.copies()).count();
+            assert_eq!(copies, 2 * 4, "rank {r}: {:?}", tasks[r]);
+            for (i, t) in tasks[r].iter().enumerate().filter(|(_, t)| t.pass.copies()) {
+                let (before, after) = (held[r][i - 1].live, held[r][i].live);
+                match t.pass {
+                    Pass::Offload => assert!(after < before, "rank {r}, {t}: {before} → {after}"),
+                    _ => assert!(after > before, "rank {r}, {t}: {before} → {after}"),
+                }
+            }
+        }
+    }
+    // The first stage holds two micro-batches between F and backward, the last one none
+    // (its backward follows its F); with every W at the end, both hold four W's tensors.
+    assert!(peak(&held, 0) < peak(&plain, 0));
+    for r in 0..2 {
+        assert!(peak(&late_offloaded, r) < peak(&late_held, r), "rank {r}");
+    }
+
+    // What the validator refuses, naming the rank and the task.
+    let refused = |s: &Schedule, why: &str| {
+        let err = s.validate(&scheme).unwrap_err().to_string();
+        assert!(err.contains(why), "{err}");
+    };
+    let find = |s: &Schedule, t: Task| s.ranks[0].iter().position(|&u| u == t).unwrap();
+    let (off, pre) = (Task::offload(0, 1), Task::prefetch(0, 1));
+    let mut s = offloaded.clone();
+    let q = find(&s, pre);
+    s.ranks[0].remove(q);
+    let o = find(&s, off);
+    refused(
+        &s,
+        &format!("rank 0, task {o} (OFFLOAD of stage 0, micro-batch 1): has no PREFETCH after it"),
+    );
+    let mut s = offloaded.clone();
+    let o = find(&s, off);
+    s.ranks[0].remove(o);
+    refused(
+        &s,
+        "(PREFETCH of stage 0, micro-batch 1): has no OFFLOAD before it",
+    );
+    // The backward between the two: it would read what is in the host tier.
+    let mut s = offloaded.clone();
+    let (q, b) = (find(&s, pre), find(&s, Task::backward(0, 1)));
+    s.ranks[0].remove(q);
+    s.ranks[0].insert(b, pre);
+    refused(
+        &s,
+        &format!(
+            "rank 0, task {} (BW of stage 0, micro-batch 1): comes between the OFFLOAD",
+            b - 1
+        ),
+    );
+    let mut s = offloaded.clone();
+    let (o, q) = (find(&s, off), find(&s, pre));
+    s.ranks[0].swap(o, q);
+    refused(
+        &s,
+        &format!("rank 0, task {o} (PREFETCH of stage 0, micro-batch 1): comes before its OFFLOAD"),
+    );
+    let mut s = offloaded.clone();
+    let o = find(&s, off);
+    s.ranks[0].remove(o);
+    s.ranks[0].insert(0, off);
+    refused(
+        &s,
+        "rank 0, task 0 (OFFLOAD of stage 0, micro-batch 1): comes before its F",
+    );
+    let mut s = one_f.clone();
+    s.ranks[0].extend([off, pre]);
+    refused(&s, "nothing is left to move");
+    let mut s = offloaded.clone();
+    s.ranks[1].insert(0, Task::offload(0, 2));
+    refused(&s, "rank 1, task 0 (OFFLOAD of stage 0, micro-batch 2): stage 0 of replica 0 is held by rank 0");
+    // A file says the same as the Rust it was written from.
+    assert_eq!(
+        Schedule::from_json(&offloaded.to_json()).unwrap(),
+        offloaded
+    );
+    assert!(offloaded
+        .to_json()
+        .contains(r#"{"kind":"OFFLOAD","stage":0,"micro_batch":0,"replica":0}"#));
+}

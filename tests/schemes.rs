@@ -246,7 +246,16 @@ fn split_backward(name: &str, p: usize, m: usize) {
         .unwrap()
         .schedule
         .schedule(&scheme);
-    c.schedule = Some(std::sync::Arc::new(common::defer_weights(&one_f)));
+    let late = common::defer_weights(&one_f);
+    c.schedule = Some(std::sync::Arc::new(late.clone()));
+    check_run(model, c.clone());
+    // Offloads as tasks: what every second micro-batch's F saved, out after the F and back a
+    // pass before its backward; with every W at the end, what each B leaves for it.
+    c.schedule = Some(std::sync::Arc::new(
+        one_f.offloading(|t| t.micro % 2 == 0, 1),
+    ));
+    check_run(model, c.clone());
+    c.schedule = Some(std::sync::Arc::new(common::offload_weight_work(&late)));
     check_run(model, c.clone());
     // 1F1B whose activations are sent late (each SEND_F just before the rank's next
     // receive): messages run where the schedule lists them.

@@ -123,6 +123,11 @@ pub struct Tape {
     ran: Vec<bool>,
     /// The inputs of each run of recomputed nodes, by the run's first node (range index).
     checkpoints: HashMap<usize, Vec<(ValueId, Tensor)>>,
+    /// Whether those inputs wait in the host tier (an [`Tape::offload`]).
+    checkpoints_on_host: bool,
+    /// Per node (range index): the copies its bundle, or the inputs of the recomputed run it
+    /// starts, are still arriving by (on a copy stream).
+    arriving: HashMap<usize, Vec<Event>>,
     /// Offloaded bundles are brought back this many nodes ahead of their backward.
     prefetch: usize,
     /// Input shapes (batch included) of each node.
@@ -131,6 +136,72 @@ pub struct Tape {
     seed: u64,
     /// How each node ran on tiles (all `Plain` without tiles).
     runs: Vec<Run>,
+}
+
+impl Tape {
+    /// Moves what the tape holds on the device for backward — the saved bundles and the
+    /// inputs of recomputed runs — to the host tier, each buffer once (an OFFLOAD task).
+    pub fn offload(&mut self, device: &Device) -> Result<()> {
+        let mut copies = Copies::default();
+        for (saved, keep) in self.saved.iter_mut().zip(&mut self.keep) {
+            if *keep == Keep::Device {
+                if let Some(bundle) = saved.take() {
+                    *saved = Some(copies.bundle(bundle, |t| device.to_host(t))?);
+                    *keep = Keep::Host;
+                }
+            }
+        }
+        if !self.checkpoints_on_host {
+            for kept in self.checkpoints.values_mut() {
+                for (_, t) in kept.iter_mut() {
+                    *t = copies.copy(t, |t| device.to_host(t))?;
+                }
+            }
+            self.checkpoints_on_host = true;
+        }
+        Ok(())
+    }
+
+    /// Brings back everything the tape holds in the host tier (a PREFETCH task); backward
+    /// waits for each node's copies when it reaches the node.
+    pub fn prefetch(&mut self, device: &Device) -> Result<()> {
+        let mut copies = Copies::default();
+        for j in 0..self.saved.len() {
+            self.fetch(j, &mut copies, device)?;
+        }
+        if self.checkpoints_on_host {
+            for (&first, kept) in self.checkpoints.iter_mut() {
+                let events = self.arriving.entry(first).or_default();
+                for (_, t) in kept.iter_mut() {
+                    *t = copies.copy(t, |t| {
+                        let (d, e) = device.from_host(t)?;
+                        events.extend(e);
+                        Ok(d)
+                    })?;
+                }
+            }
+            self.checkpoints_on_host = false;
+        }
+        Ok(())
+    }
+
+    /// Brings node `j`'s bundle back to the device if it waits in the host tier, noting the
+    /// copies it arrives by.
+    fn fetch(&mut self, j: usize, copies: &mut Copies, device: &Device) -> Result<()> {
+        if self.keep[j] != Keep::Host {
+            return Ok(());
+        }
+        if let Some(host) = self.saved[j].take() {
+            let events = self.arriving.entry(j).or_default();
+            self.saved[j] = Some(copies.bundle(host, |t| {
+                let (d, e) = device.from_host(t)?;
+                events.extend(e);
+                Ok(d)
+            })?);
+            self.keep[j] = Keep::Device;
+        }
+        Ok(())
+    }
 }
 
 /// How a node ran where samples are split into tiles.
@@ -294,6 +365,8 @@ pub fn forward(
         keep: nodes.clone().map(keep_of).collect(),
         ran: nodes.clone().map(|id| needed[id]).collect(),
         checkpoints: HashMap::new(),
+        checkpoints_on_host: false,
+        arriving: HashMap::new(),
         prefetch: policy.map_or(0, |p| p.prefetch),
         input_shapes: Vec::with_capacity(nodes.len()),
         requires_grad: Vec::new(),
@@ -469,6 +542,15 @@ fn recompute(
         .rev()
         .find(|&j| j == 0 || tape.keep[j - 1] != Keep::Recompute)
         .unwrap_or(0);
+    if tape.checkpoints_on_host {
+        return Err(Error::Internal(
+            "recomputing from inputs left in the host tier (an OFFLOAD without its PREFETCH)"
+                .into(),
+        ));
+    }
+    for e in tape.arriving.remove(&first).unwrap_or_default() {
+        device.backend().wait(&e)?;
+    }
     let feeds = tape
         .checkpoints
         .remove(&first)
@@ -502,6 +584,8 @@ fn recompute(
 #[derive(Default)]
 pub struct WeightWork {
     nodes: Vec<WeightNode>,
+    /// Whether what the nodes read waits in the host tier (an [`WeightWork::offload`]).
+    on_host: bool,
 }
 
 struct WeightNode {
@@ -510,12 +594,49 @@ struct WeightNode {
     dy: Tensor,
     inputs: Vec<Shape>,
     seed: u64,
+    /// The copies bringing `saved` and `dy` back (a PREFETCH's, on a copy stream).
+    arriving: Vec<Event>,
 }
 
 impl WeightWork {
     /// Whether nothing was left for the weight pass.
     pub fn is_empty(&self) -> bool {
         self.nodes.is_empty()
+    }
+
+    /// Moves what the weight pass reads to the host tier, each buffer once (an OFFLOAD task).
+    pub fn offload(&mut self, device: &Device) -> Result<()> {
+        if self.on_host {
+            return Ok(());
+        }
+        let mut copies = Copies::default();
+        for w in &mut self.nodes {
+            w.saved = copies.bundle(std::mem::take(&mut w.saved), |t| device.to_host(t))?;
+            w.dy = copies.copy(&w.dy, |t| device.to_host(t))?;
+        }
+        self.on_host = true;
+        Ok(())
+    }
+
+    /// Brings back what [`WeightWork::offload`] moved (a PREFETCH task); the weight pass
+    /// waits for each node's copies when it reaches the node.
+    pub fn prefetch(&mut self, device: &Device) -> Result<()> {
+        if !self.on_host {
+            return Ok(());
+        }
+        let mut copies = Copies::default();
+        for w in &mut self.nodes {
+            let events = &mut w.arriving;
+            let mut back = |t: &Tensor| {
+                let (d, e) = device.from_host(t)?;
+                events.extend(e);
+                Ok(d)
+            };
+            w.saved = copies.bundle(std::mem::take(&mut w.saved), &mut back)?;
+            w.dy = copies.copy(&w.dy, &mut back)?;
+        }
+        self.on_host = false;
+        Ok(())
     }
 }
 
@@ -541,29 +662,15 @@ pub fn backward(
         accumulate(device, &mut grads[v], g)?;
     }
     let mut fetched = Copies::default();
-    // Per node: the copies its bundle is still arriving by (on a copy stream).
-    let mut arriving: HashMap<usize, Vec<Event>> = HashMap::new();
     for (i, id) in tape.nodes.clone().enumerate().rev() {
         let node = &graph.nodes[id];
         // Offloaded bundles come back `prefetch` nodes ahead; a run of recomputed nodes is
         // recomputed when backward reaches its last node.
         for j in i.saturating_sub(tape.prefetch)..=i {
-            if tape.keep[j] == Keep::Host {
-                if let Some(host) = tape.saved[j].take() {
-                    let mut events = Vec::new();
-                    let bundle = fetched.bundle(host, |t| {
-                        let (d, e) = device.from_host(t)?;
-                        events.extend(e);
-                        Ok(d)
-                    })?;
-                    arriving.insert(j, events);
-                    tape.saved[j] = Some(bundle);
-                    tape.keep[j] = Keep::Device;
-                }
-            }
+            tape.fetch(j, &mut fetched, device)?;
         }
         // The copies overlapped the work queued since; this node's work waits for its own.
-        for e in arriving.remove(&i).unwrap_or_default() {
+        for e in tape.arriving.remove(&i).unwrap_or_default() {
             device.backend().wait(&e)?;
         }
         if tape.keep[i] == Keep::Recompute && tape.ran[i] && tape.saved[i].is_none() {
@@ -605,6 +712,7 @@ pub fn backward(
                 dy: dy.clone(),
                 inputs: tape.input_shapes[i].clone(),
                 seed: ctx.seed,
+                arriving: Vec::new(),
             });
         }
         let b = Backward {
@@ -646,7 +754,16 @@ pub fn weight_gradients(
     device: &Device,
     work: WeightWork,
 ) -> Result<()> {
+    if work.on_host {
+        return Err(Error::Internal(
+            "a weight pass over tensors left in the host tier (an OFFLOAD without its PREFETCH)"
+                .into(),
+        ));
+    }
     for w in work.nodes {
+        for e in &w.arriving {
+            device.backend().wait(e)?;
+        }
         let node = &graph.nodes[w.id];
         let trainable: Vec<usize> = node
             .params

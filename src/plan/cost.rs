@@ -155,6 +155,8 @@ impl NodeCosts {
             transfer: vec![0.0; stages.len()],
             reduce: vec![],
             step: vec![],
+            offload: vec![],
+            copies_overlap: false,
         }
     }
 }
@@ -404,9 +406,7 @@ impl TileCosts {
             backward: pick(&one.backward, &tiled.backward),
             input: pick(&one.input, &tiled.input),
             weight: pick(&one.weight, &tiled.weight),
-            transfer: one.transfer,
-            reduce: one.reduce,
-            step: one.step,
+            ..one
         }
     }
 

@@ -4,11 +4,12 @@
 
 use std::sync::Arc;
 
-use crate::graph::{Graph, Output, ValueId};
+use crate::graph::{saved_bytes, Graph, Output, ValueId};
 use crate::plan::config::RunConfig;
 use crate::plan::cost::{reduce_costs, DeviceProfile, Link, NodeCosts, TileCosts};
 use crate::plan::cuts::crossing;
 use crate::plan::memory;
+use crate::plan::offload::HostLink;
 use crate::plan::partition::{self, Partition};
 use crate::schemes::admission::Admission;
 use crate::schemes::schedule::{StageCosts, Timeline};
@@ -276,9 +277,23 @@ impl Layout {
                 optimizer * held as f64 / total
             })
             .collect();
+        // An OFFLOAD or PREFETCH copies what a micro-batch's F saved of its stage.
+        let link = match c.train.device {
+            crate::backend::DeviceKind::Cpu => HostLink::CPU,
+            crate::backend::DeviceKind::Cuda { .. } => HostLink::PCIE4,
+        };
+        let offload = stages
+            .iter()
+            .map(|r| {
+                let bytes = saved_bytes(&graph, r.clone(), t.activations()) * micro as u64;
+                bytes as f64 / link.bytes_per_s
+            })
+            .collect();
         let alone = StageCosts {
             reduce,
             step,
+            offload,
+            copies_overlap: link.overlaps && c.train.offload_copy.on_copy_stream(),
             ..tiles.stage_costs(&costs, stages)
         };
         let schedule = c.timeline(&alone, bytes.as_deref())?;

@@ -766,6 +766,8 @@ mod tests {
                 transfer: vec![0.0; p],
                 reduce: vec![],
                 step: vec![],
+                offload: vec![],
+                copies_overlap: false,
             };
             let moments = footprint::moments(&schedule::build(&scheme, &costs, &bound).unwrap());
             let mirrored = replicas > 1;

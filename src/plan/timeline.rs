@@ -1,5 +1,5 @@
 //! Timeline pictures: ranks as rows, each task a box coloured by replica and pass (forward
-//! lighter, backward darker; a REDUCE and the STEP in colours of their own), idle time left
+//! lighter, backward darker; a REDUCE, the STEP and host copies in colours of their own), idle time left
 //! blank, and under them each rank's device memory
 //! over time. The same drawing serves the predicted schedule (`gems plan --timeline`)
 //! and the measured one (`gems train --timeline`), so the two can be laid side by side.
@@ -21,6 +21,9 @@ const COLOURS: [(&str, &str); 4] = [
 /// optimizer), the same for every replica.
 const REDUCE: &str = "#c51b8a";
 const STEP: &str = "#636363";
+/// Colour of an OFFLOAD or PREFETCH (a micro-batch's saved tensors copied to the host tier or
+/// back).
+const COPY: &str = "#bd9e39";
 
 /// `tasks[r]`: rank r's tasks with start and end in seconds. `held[r]`: rank r's device bytes
 /// over time, as (seconds, bytes) points ([`curve`]).
@@ -31,7 +34,7 @@ pub fn svg(title: &str, tasks: &[Vec<Timed>], held: &[Vec<(f64, u64)>]) -> Strin
         .map(|t| t.end)
         .fold(0.0, f64::max)
         .max(1e-12);
-    let (left, width, row, gap, top) = (70.0, 900.0, 28.0, 6.0, 50.0);
+    let (left, width, row, gap, top) = (70.0, 900.0, 28.0, 6.0, 66.0);
     let ranks = tasks.len();
     let mem_top = top + ranks as f64 * (row + gap) + 30.0;
     let mem_h = 90.0;
@@ -48,10 +51,10 @@ pub fn svg(title: &str, tasks: &[Vec<Timed>], held: &[Vec<(f64, u64)>]) -> Strin
         r#"<text x="{left}" y="20" font-size="14">{}</text>"#,
         escape(title)
     );
-    // The legend, a row under the title: what each box is (replica 0's colours; others are
-    // shaded alike).
+    // The legend, two rows under the title: what each box is (replica 0's colours; others
+    // are shaded alike).
     let (f, b) = COLOURS[0];
-    let mut lx = left;
+    let (mut lx, mut ly) = (left, 28.0);
     for (label, fill, opacity) in [
         ("F forward", f, 1.0),
         ("B/BW backward", b, 1.0),
@@ -60,14 +63,20 @@ pub fn svg(title: &str, tasks: &[Vec<Timed>], held: &[Vec<(f64, u64)>]) -> Strin
         ("SEND posted", "black", 1.0),
         ("REDUCE gradient sums", REDUCE, 1.0),
         ("STEP optimizer", STEP, 1.0),
+        ("OFFLOAD/PREFETCH host copies", COPY, 1.0),
     ] {
+        // About 6.5 px a character at 11 px.
+        let wide = 34.0 + 6.5 * label.chars().count() as f64;
+        if lx + wide > left + width {
+            (lx, ly) = (left, ly + 16.0);
+        }
         let _ = writeln!(
             s,
-            r#"<rect x="{lx}" y="28" width="12" height="12" fill="{fill}" fill-opacity="{opacity}"/><text x="{}" y="38">{label}</text>"#,
-            lx + 16.0
+            r#"<rect x="{lx}" y="{ly}" width="12" height="12" fill="{fill}" fill-opacity="{opacity}"/><text x="{}" y="{}">{label}</text>"#,
+            lx + 16.0,
+            ly + 10.0
         );
-        // About 6.5 px a character at 11 px.
-        lx += 34.0 + 6.5 * label.len() as f64;
+        lx += wide;
     }
     for (r, list) in tasks.iter().enumerate() {
         let y = top + r as f64 * (row + gap);
@@ -87,6 +96,7 @@ pub fn svg(title: &str, tasks: &[Vec<Timed>], held: &[Vec<(f64, u64)>]) -> Strin
                 Pass::Weight => ("task", b, 0.45),
                 Pass::Reduce => ("reduce", REDUCE, 1.0),
                 Pass::Step => ("step", STEP, 1.0),
+                Pass::Offload | Pass::Prefetch => ("copy", COPY, 1.0),
                 Pass::SendActivations | Pass::SendGradients => {
                     let _ = writeln!(
                         s,

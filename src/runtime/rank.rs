@@ -430,6 +430,11 @@ impl Rank {
                     start
                 }
                 Pass::Step => self.step_optimizer()?,
+                Pass::Offload | Pass::Prefetch => {
+                    let start = Instant::now();
+                    self.move_saved(t)?;
+                    start
+                }
             };
             timeline.push(Timed {
                 task: t,
@@ -1144,6 +1149,24 @@ impl Rank {
             .iter()
             .position(|c| c.stage == t.stage && c.orientation == t.replica % 2)
             .ok_or_else(|| Error::Internal(format!("rank {} holds no copy for {t}", self.rank())))
+    }
+
+    /// Runs an OFFLOAD or PREFETCH task: what its micro-batch's next backward pass of the
+    /// stage reads — the F's tape before a B or BW, what a B left for its W after it — to the
+    /// host tier or back.
+    fn move_saved(&mut self, t: Task) -> Result<()> {
+        let key = (t.replica, t.stage, t.micro);
+        let out = t.pass == Pass::Offload;
+        let device = &self.device;
+        match (self.pending.get_mut(&key), self.weights.get_mut(&key)) {
+            (Some(p), _) if out => p.tape.offload(device),
+            (Some(p), _) => p.tape.prefetch(device),
+            (None, Some(w)) if out => w.offload(device),
+            (None, Some(w)) => w.prefetch(device),
+            (None, None) => Err(Error::Internal(format!(
+                "{t}: its micro-batch holds nothing for a backward of the stage here"
+            ))),
+        }
     }
 
     /// Runs a W task: the weight gradients its B left; returns when it started.

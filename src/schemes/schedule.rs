@@ -47,11 +47,18 @@ pub enum Pass {
     /// STEP: closes the step, last on every rank: the loss and the reduced gradients checked
     /// finite, BN running statistics committed, the loss scale, clipping and the optimizer.
     Step,
+    /// OFFLOAD: moves what its micro-batch's backward of the stage will read — what its F
+    /// saved, or what its B left for its W — to the host tier, freeing the device of it.
+    Offload,
+    /// PREFETCH: brings back what its OFFLOAD moved, before the micro-batch's next B, BW or W
+    /// of the stage; where the device copies on a stream of its own, the copies overlap the
+    /// tasks in between and that pass waits for them.
+    Prefetch,
 }
 
 impl Pass {
     /// Every pass, in the order of their codes.
-    pub const ALL: [Pass; 10] = [
+    pub const ALL: [Pass; 12] = [
         Pass::Forward,
         Pass::Backward,
         Pass::Input,
@@ -62,10 +69,12 @@ impl Pass {
         Pass::RecvGradients,
         Pass::Reduce,
         Pass::Step,
+        Pass::Offload,
+        Pass::Prefetch,
     ];
 
     /// Its code in schedule files: `F`, `BW`, `B`, `W`, `SEND_F`, `RECV_F`, `SEND_B`, `RECV_B`,
-    /// `REDUCE`, `STEP`.
+    /// `REDUCE`, `STEP`, `OFFLOAD`, `PREFETCH`.
     pub fn code(self) -> &'static str {
         match self {
             Pass::Forward => "F",
@@ -78,6 +87,8 @@ impl Pass {
             Pass::RecvGradients => "RECV_B",
             Pass::Reduce => "REDUCE",
             Pass::Step => "STEP",
+            Pass::Offload => "OFFLOAD",
+            Pass::Prefetch => "PREFETCH",
         }
     }
 
@@ -98,6 +109,12 @@ impl Pass {
                 | Pass::SendGradients
                 | Pass::RecvGradients
         )
+    }
+
+    /// Whether it copies a micro-batch's saved tensors between the device and the host tier
+    /// (OFFLOAD, PREFETCH).
+    pub fn copies(self) -> bool {
+        matches!(self, Pass::Offload | Pass::Prefetch)
     }
 
     /// Whether it is a collective closing the step's work on a stage or the rank (REDUCE,
@@ -165,6 +182,20 @@ impl Task {
             ..Task::forward(stage, micro)
         }
     }
+    /// OFFLOAD of what `micro`'s backward through `stage` will read (replica 0).
+    pub fn offload(stage: usize, micro: usize) -> Task {
+        Task {
+            pass: Pass::Offload,
+            ..Task::forward(stage, micro)
+        }
+    }
+    /// PREFETCH of what `micro`'s OFFLOAD through `stage` moved (replica 0).
+    pub fn prefetch(stage: usize, micro: usize) -> Task {
+        Task {
+            pass: Pass::Prefetch,
+            ..Task::forward(stage, micro)
+        }
+    }
     /// REDUCE of `stage`'s gradients.
     pub fn reduce(stage: usize) -> Task {
         Task {
@@ -229,6 +260,13 @@ pub struct StageCosts {
     /// Seconds of each pipeline position's STEP: the optimizer over the copies it holds (a
     /// position not listed: none).
     pub step: Vec<f64>,
+    /// Seconds to copy what one micro-batch's backward of each stage reads (its F's saved
+    /// tensors) to the host tier or back: an OFFLOAD's or a PREFETCH's (a stage not listed:
+    /// none).
+    pub offload: Vec<f64>,
+    /// Whether those copies run beside compute (a GPU's copy engine: the rank goes on, and
+    /// the pass after a PREFETCH waits for its copies) rather than on the rank's time.
+    pub copies_overlap: bool,
 }
 
 impl StageCosts {
@@ -243,6 +281,8 @@ impl StageCosts {
             transfer: vec![0.0; stages],
             reduce: vec![],
             step: vec![],
+            offload: vec![],
+            copies_overlap: false,
         }
     }
 
@@ -261,7 +301,8 @@ impl StageCosts {
     }
 
     /// Seconds of `t`'s pass on pipeline position `rank` (none for a message task: a send is
-    /// posted, a receive's wait is its message's travel).
+    /// posted, a receive's wait is its message's travel; an OFFLOAD's or PREFETCH's copies
+    /// where they overlap compute).
     pub fn of(&self, t: &Task, rank: usize) -> f64 {
         let s = t.stage;
         let listed = |v: &[f64], i: usize| v.get(i).copied().unwrap_or(0.0);
@@ -272,8 +313,14 @@ impl StageCosts {
             Pass::Weight => self.weight[s],
             Pass::Reduce => listed(&self.reduce, s),
             Pass::Step => listed(&self.step, rank),
+            Pass::Offload | Pass::Prefetch if !self.copies_overlap => listed(&self.offload, s),
             _ => 0.0,
         }
+    }
+
+    /// Seconds an OFFLOAD's or PREFETCH's copies of `stage` take.
+    fn copy(&self, stage: usize) -> f64 {
+        self.offload.get(stage).copied().unwrap_or(0.0)
     }
 }
 
@@ -578,6 +625,66 @@ impl Schedule {
         (out, origin)
     }
 
+    /// The schedule with what the backward of each micro-batch and stage will read offloaded
+    /// where `which` picks its F: an OFFLOAD right after that F, and a PREFETCH `ahead` passes
+    /// (F, B, BW, W) before the micro-batch's first backward of the stage on its rank, right
+    /// after the OFFLOAD where fewer passes lie between. The device holds less while the
+    /// micro-batch waits for its backward; the copies cost time where they cannot overlap
+    /// compute.
+    pub fn offloading(&self, which: impl Fn(&Task) -> bool, ahead: usize) -> Schedule {
+        let mut out = self.clone();
+        for list in &mut out.ranks {
+            let mut with: Vec<Task> = Vec::with_capacity(2 * list.len());
+            for &t in list.iter() {
+                with.push(t);
+                if t.pass == Pass::Forward && which(&t) {
+                    with.push(Task {
+                        pass: Pass::Offload,
+                        ..t
+                    });
+                }
+            }
+            // Where each PREFETCH goes: before the task at that index of `with`.
+            let mut at: Vec<(usize, Task)> = Vec::new();
+            for (o, t) in with
+                .iter()
+                .enumerate()
+                .filter(|(_, t)| t.pass == Pass::Offload)
+            {
+                let same =
+                    |u: &Task| (u.replica, u.stage, u.micro) == (t.replica, t.stage, t.micro);
+                let Some(b) = (o + 1..with.len()).find(|&i| {
+                    matches!(with[i].pass, Pass::Backward | Pass::Input) && same(&with[i])
+                }) else {
+                    continue; // no backward here: validation names it
+                };
+                let (mut i, mut passes) = (b, 0);
+                while passes < ahead && i > o + 1 {
+                    i -= 1;
+                    passes += with[i].pass.computes() as usize;
+                }
+                at.push((
+                    i,
+                    Task {
+                        pass: Pass::Prefetch,
+                        ..*t
+                    },
+                ));
+            }
+            at.sort_by_key(|&(i, _)| i);
+            let mut placed = Vec::with_capacity(with.len() + at.len());
+            let mut next = at.into_iter().peekable();
+            for (i, t) in with.into_iter().enumerate() {
+                while let Some((_, p)) = next.next_if(|&(j, _)| j == i) {
+                    placed.push(p);
+                }
+                placed.push(t);
+            }
+            *list = placed;
+        }
+        out
+    }
+
     /// Appends `task` to rank `rank`'s list.
     pub fn push(&mut self, rank: usize, task: Task) -> &mut Schedule {
         if rank >= self.ranks.len() {
@@ -689,7 +796,10 @@ impl Schedule {
     /// needs it (messages it does not list are put in place first: [`Schedule::with_messages`]);
     /// a REDUCE missing or repeated for a stage its rank holds, of a stage it does not hold, or
     /// before a backward of its stage on its rank; a STEP missing or not last (REDUCEs and STEPs
-    /// it does not list are put in place first: [`Schedule::with_reductions`]); a rank waiting
+    /// it does not list are put in place first: [`Schedule::with_reductions`]); an OFFLOAD
+    /// without its PREFETCH after it (or the reverse), before its micro-batch's F or after its
+    /// last backward there, or with a pass of its micro-batch and stage between it and its
+    /// PREFETCH; a rank waiting
     /// for a message no task will send, or at a REDUCE its stage's other holder does not reach
     /// in the same order (a deadlock, found by replaying the message matching and the
     /// collectives).
@@ -865,6 +975,61 @@ impl Schedule {
                             ));
                         }
                     }
+                    // At most one OFFLOAD and its PREFETCH, between two of the micro-batch's
+                    // passes of the stage, and nothing of it computing in between.
+                    let passes = [Some(f), Some(first_backward), w];
+                    match (find(Pass::Offload), find(Pass::Prefetch)) {
+                        (None, None) => {}
+                        (Some(o), None) => {
+                            return bad(format!(
+                                "rank {r}, task {} ({}): has no PREFETCH after it",
+                                ix(r, o),
+                                name(Pass::Offload)
+                            ))
+                        }
+                        (None, Some(q)) => {
+                            return bad(format!(
+                                "rank {r}, task {} ({}): has no OFFLOAD before it",
+                                ix(r, q),
+                                name(Pass::Prefetch)
+                            ))
+                        }
+                        (Some(o), Some(q)) if q < o => {
+                            return bad(format!(
+                                "rank {r}, task {} ({}): comes before its OFFLOAD (task {})",
+                                ix(r, q),
+                                name(Pass::Prefetch),
+                                ix(r, o)
+                            ))
+                        }
+                        (Some(o), Some(q)) => {
+                            let here =
+                                format!("rank {r}, task {} ({})", ix(r, o), name(Pass::Offload));
+                            if o < f {
+                                return bad(format!(
+                                    "{here}: comes before its F (task {}): nothing is saved yet",
+                                    ix(r, f)
+                                ));
+                            }
+                            let last = passes.into_iter().flatten().max().unwrap_or(f);
+                            if o > last {
+                                return bad(format!(
+                                    "{here}: comes after the micro-batch's last backward (task {}): nothing is left to move",
+                                    ix(r, last)
+                                ));
+                            }
+                            if let Some(c) = passes.into_iter().flatten().find(|&c| o < c && c < q)
+                            {
+                                return bad(format!(
+                                    "rank {r}, task {} ({}): comes between the OFFLOAD (task {}) and the PREFETCH (task {}) of what it reads",
+                                    ix(r, c),
+                                    self.ranks[r][c],
+                                    ix(r, o),
+                                    ix(r, q)
+                                ));
+                            }
+                        }
+                    }
                 }
             }
         }
@@ -977,6 +1142,8 @@ fn needs(t: &Task, stages: usize) -> Vec<Task> {
         Pass::RecvGradients => vec![at(Pass::SendGradients, t.stage + 1)],
         // What they wait for is the other ranks reaching them (see `time_listed`).
         Pass::Reduce | Pass::Step => vec![],
+        // Their own rank's order puts them after what they move (checked by `validate`).
+        Pass::Offload | Pass::Prefetch => vec![],
     }
 }
 
@@ -1037,6 +1204,11 @@ fn time_listed(
     // Each running rank's task: its start and when it ends if as many keep running.
     let mut running: Vec<Option<(f64, f64)>> = vec![None; p];
     let mut done: HashMap<Task, f64> = HashMap::new();
+    // Copies beside compute: when an OFFLOAD's copies end, and a PREFETCH's, which the
+    // micro-batch's next pass of the stage waits for; by (replica, stage, micro-batch).
+    let overlap = costs[0].copies_overlap;
+    let key = |t: &Task| (t.replica, t.stage, t.micro);
+    let (mut offloaded, mut arriving) = (HashMap::new(), HashMap::new());
     let mut out: Vec<Vec<Timed>> = vec![Vec::new(); p];
     let (mut now, mut busy) = (0.0f64, 0usize);
     let mut left: usize = schedule.ranks.iter().map(Vec::len).sum();
@@ -1076,13 +1248,28 @@ fn time_listed(
                     };
                     ready = ready.zip(end).map(|(a, e)| a.max(e + moved));
                 }
+                if t.pass.computes() {
+                    if let Some(&at) = arriving.get(&key(&t)) {
+                        ready = ready.map(|a: f64| a.max(at));
+                    }
+                }
                 match ready {
                     Some(at) if at > now => arrival = arrival.min(at),
-                    Some(_) if t.pass.computes() => {
+                    Some(_) if t.pass.computes() || (t.pass.copies() && !overlap) => {
+                        arriving.remove(&key(&t));
                         running[r] = Some((now, f64::NAN));
                         started = true;
                     }
                     Some(_) => {
+                        let copy = costs[0].copy(t.stage);
+                        match t.pass {
+                            Pass::Offload => _ = offloaded.insert(key(&t), now + copy),
+                            Pass::Prefetch => {
+                                let out = offloaded.get(&key(&t)).copied().unwrap_or(now);
+                                arriving.insert(key(&t), out.max(now) + copy);
+                            }
+                            _ => {}
+                        }
                         next[r] += 1;
                         left -= 1;
                         done.insert(t, now);
@@ -2215,6 +2402,73 @@ mod tests {
     /// A REDUCE costs its stage's all-reduce and starts when its stage's other holder reaches
     /// it; the STEP costs each rank's optimizer and starts when every rank has reached it; the
     /// bubble is the passes'.
+    #[test]
+    fn offloads_take_the_rank_s_time_or_overlap_and_hold_back_the_pass_after() {
+        // One stage, two micro-batches in GPipe's order; micro-batch 0's saved tensors out
+        // after its F, back one pass before its backward (before micro-batch 1's).
+        let one = scheme(Kind::Mp, 1, 2, 1, Order::GPipe);
+        let mut s = Schedule::empty(1, 2);
+        for t in [
+            Task::forward(0, 0),
+            Task::forward(0, 1),
+            Task::backward(0, 1),
+            Task::backward(0, 0),
+        ] {
+            s.push(0, t);
+        }
+        let s = s.offloading(|t| t.micro == 0, 1);
+        assert_eq!(
+            s.ranks[0],
+            [
+                Task::forward(0, 0),
+                Task::offload(0, 0),
+                Task::forward(0, 1),
+                Task::prefetch(0, 0),
+                Task::backward(0, 1),
+                Task::backward(0, 0)
+            ]
+        );
+        s.validate(&one).unwrap();
+        let spans = |costs: &StageCosts| -> Vec<(Pass, f64, f64)> {
+            time(&one, costs, &s).unwrap().ranks[0]
+                .iter()
+                .map(|t| (t.task.pass, t.start, t.end))
+                .collect()
+        };
+        let copying = |secs: f64, copies_overlap| StageCosts {
+            offload: vec![secs],
+            copies_overlap,
+            ..StageCosts::uniform(1, F, B)
+        };
+        use Pass::*;
+        // On the CPU a copy is the rank's work.
+        assert_eq!(
+            spans(&copying(0.5, false))[..6],
+            [
+                (Forward, 0.0, 1.0),
+                (Offload, 1.0, 1.5),
+                (Forward, 1.5, 2.5),
+                (Prefetch, 2.5, 3.0),
+                (Backward, 3.0, 5.0),
+                (Backward, 5.0, 7.0)
+            ]
+        );
+        // Beside compute it costs nothing while it is done in time...
+        assert_eq!(
+            spans(&copying(0.5, true))[..6],
+            [
+                (Forward, 0.0, 1.0),
+                (Offload, 1.0, 1.0),
+                (Forward, 1.0, 2.0),
+                (Prefetch, 2.0, 2.0),
+                (Backward, 2.0, 4.0),
+                (Backward, 4.0, 6.0)
+            ]
+        );
+        // ...and holds back the pass that reads it while it is not: out by 4, back by 7.
+        assert_eq!(spans(&copying(3.0, true))[5], (Backward, 7.0, 9.0));
+    }
+
     #[test]
     fn reductions_and_the_step_take_their_costs() {
         // GPipe, P = 2, m = 1: rank 0's BW ends at 6, rank 1's at 4.

@@ -253,6 +253,25 @@ pub fn defer_weights(schedule: &Schedule) -> Schedule {
     late
 }
 
+/// `schedule` with what each B leaves for its W offloaded until that W: an OFFLOAD right after
+/// the B, a PREFETCH right before the W.
+pub fn offload_weight_work(schedule: &Schedule) -> Schedule {
+    let mut out = schedule.clone();
+    for tasks in &mut out.ranks {
+        let mut with = Vec::new();
+        for &t in tasks.iter() {
+            let at = |pass| Task { pass, ..t };
+            match t.pass {
+                Pass::Input => with.extend([t, at(Pass::Offload)]),
+                Pass::Weight => with.extend([at(Pass::Prefetch), t]),
+                _ => with.push(t),
+            }
+        }
+        *tasks = with;
+    }
+    out
+}
+
 /// `schedule` with each rank's activations sent late: every SEND_F moved to just before the
 /// rank's next receive or collective (REDUCE, STEP), or the end of its list. A rank blocks
 /// only there, so what it sends before blocking still comes, and the schedule stays free of
