@@ -4,7 +4,7 @@
 
 use std::sync::Arc;
 
-use crate::graph::{saved_bytes, Graph, Output, ValueId};
+use crate::graph::{Graph, Output, ValueId};
 use crate::plan::config::RunConfig;
 use crate::plan::cost::{reduce_costs, DeviceProfile, Link, NodeCosts, TileCosts};
 use crate::plan::cuts::crossing;
@@ -282,17 +282,10 @@ impl Layout {
             crate::backend::DeviceKind::Cpu => HostLink::CPU,
             crate::backend::DeviceKind::Cuda { .. } => HostLink::PCIE4,
         };
-        let offload = stages
-            .iter()
-            .map(|r| {
-                let bytes = saved_bytes(&graph, r.clone(), t.activations()) * micro as u64;
-                bytes as f64 / link.bytes_per_s
-            })
-            .collect();
         let alone = StageCosts {
             reduce,
             step,
-            offload,
+            offload: link.stage_copies(&graph, stages, micro, t.activations()),
             copies_overlap: link.overlaps && c.train.offload_copy.on_copy_stream(),
             ..tiles.stage_costs(&costs, stages)
         };

@@ -34,6 +34,22 @@ impl HostLink {
     };
 }
 
+impl HostLink {
+    /// Seconds an OFFLOAD (or a PREFETCH) of each of `stages` copies over this link: what a
+    /// micro-batch of `micro` samples saves there in its forward.
+    pub fn stage_copies(
+        &self,
+        g: &Graph,
+        stages: &[std::ops::Range<usize>],
+        micro: usize,
+        dtype: crate::tensor::DType,
+    ) -> Vec<f64> {
+        (stages.iter())
+            .map(|r| (saved_bytes(g, r.clone(), dtype) * micro as u64) as f64 / self.bytes_per_s)
+            .collect()
+    }
+}
+
 /// One node's cheapest way to leave the device, and what it costs.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Choice {

@@ -4,7 +4,8 @@
 //! tiled stage's halo exchanges and statistics' sums on the link between its tile ranks), its
 //! REDUCEs where it places them: each stage's gradient all-reduce over the ranks holding a copy
 //! of it (on the slowest link the groups span), and each rank's STEP: the optimizer's memory
-//! traffic over its copies' parameters at the device's bandwidth.
+//! traffic over its copies' parameters at the device's bandwidth. A schedule's OFFLOADs and
+//! PREFETCHes copy over PCIe 4.0 beside compute.
 
 use std::fmt;
 use std::str::FromStr;
@@ -153,6 +154,10 @@ pub fn step(c: &RunConfig, layout: &Layout, profile: &Profile, groups: usize) ->
     sc.reduce = reduce_costs(g, s, stages, dtype, groups, &link);
     let states = c.train.optimizer.optimizer(c.train.sgd).state_names().len();
     sc.step = step_costs(g, s, stages, dtype, states, &profile.device);
+    // A schedule's OFFLOADs and PREFETCHes copy over PCIe beside compute.
+    let host = crate::plan::offload::HostLink::PCIE4;
+    sc.offload = host.stage_copies(g, stages, micro, activations);
+    sc.copies_overlap = host.overlaps;
     let bytes = crate::plan::memory::stage_bytes(c, g, &layout.partition)?;
     let schedule = c.timeline(&sc, bytes.as_deref())?;
     let pipeline = schedule.makespan();
