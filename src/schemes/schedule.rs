@@ -799,10 +799,9 @@ impl Schedule {
     /// it does not list are put in place first: [`Schedule::with_reductions`]); an OFFLOAD
     /// without its PREFETCH after it (or the reverse), before its micro-batch's F or after its
     /// last backward there, or with a pass of its micro-batch and stage between it and its
-    /// PREFETCH; a rank waiting
-    /// for a message no task will send, or at a REDUCE its stage's other holder does not reach
-    /// in the same order (a deadlock, found by replaying the message matching and the
-    /// collectives).
+    /// PREFETCH; a rank waiting for a message no task will send, or at a REDUCE its stage's
+    /// other holder does not reach in the same order (a deadlock, found by replaying the
+    /// message matching and the collectives).
     pub fn validate(&self, scheme: &Scheme) -> Result<()> {
         let (listed, origin) = self.listing();
         listed.validate_listed(scheme, &origin)
