@@ -3,8 +3,9 @@
 pipeline order: runs `gems plan --order all --measure STEPS` (each order planned, then trained
 a few steps on local ranks) for a few models and prints predicted and measured steps, their
 ratio, and the largest error against the 10% the model is held to. Each run is measured in
---rounds rounds (every order once per round) and the median of the rounds is kept: this VM's
-step times move by ±15% from one minute to the next.
+--rounds rounds (every order once per round), the rounds going over every run in turn, and the
+median of the rounds is kept: this VM's step times move by ±15% from one minute to the next,
+and a run's rounds spread over the benchmark are not all in one slow (or fast) minute.
 
     scripts/bench_cost_model.py [--steps 12] [--rounds 3] [--threads N]
 
@@ -44,20 +45,22 @@ def main():
     a = p.parse_args()
     print(f"{'run':<44} {'order':<12} {'predicted':>10} {'measured':>10} {'error':>8}")
     worst = 0.0
-    for model, side, batch, flags in RUNS:
-        cmd = [GEMS, "--threads", str(a.threads), "plan", "--model", model, "--image-size",
-               str(side), "--batch-size", str(batch), *flags, "--order", "all", "--measure",
-               str(a.steps)]
-        name = f"{model} {side}² B={batch} {' '.join(flags[1:])}"
-        rows = {}
-        for _ in range(a.rounds):
+    rows = {}  # run name → order → (predicted, measured steps)
+    for _ in range(a.rounds):
+        for model, side, batch, flags in RUNS:
+            cmd = [GEMS, "--threads", str(a.threads), "plan", "--model", model, "--image-size",
+                   str(side), "--batch-size", str(batch), *flags, "--order", "all",
+                   "--measure", str(a.steps)]
+            name = f"{model} {side}² B={batch} {' '.join(flags[1:])}"
             out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
             for line in out.splitlines():
                 m = ROW.match(line)
                 if m:
-                    rows.setdefault(m.group(1), (float(m.group(4)), []))[1].append(
+                    orders = rows.setdefault(name, {})
+                    orders.setdefault(m.group(1), (float(m.group(4)), []))[1].append(
                         float(m.group(5)))
-        for order, (predicted, times) in rows.items():
+    for name, orders in rows.items():
+        for order, (predicted, times) in orders.items():
             measured = statistics.median(times)
             error = predicted / measured - 1.0
             worst = max(worst, abs(error))
