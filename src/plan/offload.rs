@@ -32,9 +32,7 @@ impl HostLink {
         bytes_per_s: 25e9,
         overlaps: true,
     };
-}
 
-impl HostLink {
     /// Seconds an OFFLOAD (or a PREFETCH) of each of `stages` copies over this link: what a
     /// micro-batch of `micro` samples saves there in its forward.
     pub fn stage_copies(

@@ -543,9 +543,13 @@ fn spawn(
     let thread = std::thread::Builder::new()
         .name(format!("rank {r}"))
         .spawn(move || {
+            let sharers = c.scheme.world();
             let rank = catch_panic(|| Rank::new(c, layout, comm, data));
             let mut rank = match rank {
-                Ok(rank) => rank,
+                Ok(mut rank) => {
+                    rank.pool_sharers = sharers;
+                    rank
+                }
                 Err(e) => {
                     world.fail(r, format!("rank {r} failed: {e}"));
                     let _ = outbox.send(Box::new(Err::<(), Error>(e)));
