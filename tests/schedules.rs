@@ -300,6 +300,13 @@ fn offload_and_prefetch_tasks_free_the_device_until_the_pass_that_reads_it() {
     for r in 0..2 {
         assert!(peak(&late_offloaded, r) < peak(&late_held, r), "rank {r}");
     }
+    // The timeline draws each copy as a box of its own, named in the legend.
+    c.schedule = Some(Arc::new(offloaded.clone()));
+    let timed = Layout::new(&g, &c).unwrap().schedule.ranks;
+    let svg = gems::plan::timeline::svg("offloaded", &timed, &[]);
+    // ranks · micro-batches · (OFFLOAD, PREFETCH)
+    assert_eq!(svg.matches(r#"class="copy""#).count(), 2 * 4 * 2);
+    assert!(svg.contains("OFFLOAD/PREFETCH host copies"));
 
     // What the validator refuses, naming the rank and the task.
     let refused = |s: &Schedule, why: &str| {

@@ -1,8 +1,8 @@
 //! Timeline pictures: ranks as rows, each task a box coloured by replica and pass (forward
-//! lighter, backward darker; a REDUCE, the STEP and host copies in colours of their own), idle time left
-//! blank, and under them each rank's device memory
-//! over time. The same drawing serves the predicted schedule (`gems plan --timeline`)
-//! and the measured one (`gems train --timeline`), so the two can be laid side by side.
+//! lighter, backward darker; a REDUCE, the STEP and host copies in colours of their own), idle
+//! time left blank, and under them each rank's device memory over time. The same drawing
+//! serves the predicted schedule (`gems plan --timeline`) and the measured one (`gems train
+//! --timeline`), so the two can be laid side by side.
 
 use std::fmt::Write;
 
