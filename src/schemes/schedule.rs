@@ -313,7 +313,7 @@ impl StageCosts {
             Pass::Weight => self.weight[s],
             Pass::Reduce => listed(&self.reduce, s),
             Pass::Step => listed(&self.step, rank),
-            Pass::Offload | Pass::Prefetch if !self.copies_overlap => listed(&self.offload, s),
+            Pass::Offload | Pass::Prefetch if !self.copies_overlap => self.copy(s),
             _ => 0.0,
         }
     }
