@@ -2,10 +2,14 @@
 # Refreshes the default CPU cost model (src/plan/cpu_costs.json): calibrates a corpus of
 # built-in models (`gems calibrate`: every op timed at a micro-batch, a split backward's B and
 # W also apart) at 1 thread and at every core, then fits each op family's seconds per call,
-# per FLOP and per byte, and how its backward divides into B and W (`gems fit-costs`). Run on a quiet machine after `cargo build --release`; takes a few
-# minutes. Check the result with scripts/bench_cost_model.sh.
+# per image, per output plane, per FLOP and per byte (those beyond the cache apart), and how
+# its backward divides into B and W (`gems fit-costs`). The corpus is calibrated ROUNDS times over (default 3), every profile fitted:
+# a VM's speed moves by 10-20% from one minute to the next, and a model calibrated once in a
+# fast or slow minute would pull its families' rates with it. Run on a quiet machine after
+# `cargo build --release`; takes about four minutes a round on 2 cores. Check the result with
+# scripts/bench_cost_model.py.
 #
-#   scripts/fit_cpu_costs.sh [OUT [PROFILES]]
+#   scripts/fit_cpu_costs.sh [OUT [PROFILES [ROUNDS]]]
 #
 # OUT defaults to src/plan/cpu_costs.json; PROFILES, a folder to keep the calibrations in
 # (default: a temporary one).
@@ -22,26 +26,31 @@ else
 fi
 
 # model, side, micro-batch: small and large channel counts, every conv kernel and stride the
-# models use, pools, upsampling and concatenation (U-Nets), fully connected layers.
+# models use, pools, upsampling and concatenation (U-Nets), fully connected layers; each model
+# at two micro-batches, for how a kernel's time grows with the batch.
 CORPUS=(
-    "resnet20v2 32 32"
-    "resnet56v2 64 8"
-    "resnet110v2 128 2"
-    "resnet50 224 4"
-    "alexnet 224 8"
-    "unet_d3_w16 128 2"
-    "unet_resnet18 128 2"
-    "amoebanet_d 64 2"
-    "inception_v3 299 1"
-    "resnet50_gn 128 2"
-    "vgg19 64 4"
+    "resnet20v2 32 32" "resnet20v2 32 8"
+    "resnet56v2 64 8" "resnet56v2 64 2"
+    "resnet110v2 128 2" "resnet110v2 128 4"
+    "resnet50 224 4" "resnet50 224 1"
+    "alexnet 224 8" "alexnet 224 32"
+    "unet_d3_w16 128 2" "unet_d3_w16 128 1"
+    "unet_resnet18 128 2" "unet_resnet18 128 4"
+    "amoebanet_d 64 2" "amoebanet_d 64 1"
+    "inception_v3 299 1" "inception_v3 299 2"
+    "resnet50_gn 128 2" "resnet50_gn 128 4"
+    "vgg19 64 4" "vgg19 64 16"
 )
+ROUNDS=${3:-3}
 CORES=$(nproc)
-for threads in $(printf '%s\n' 1 "$CORES" | sort -un); do
-    for entry in "${CORPUS[@]}"; do
-        read -r model side batch <<<"$entry"
-        "$GEMS" --threads "$threads" calibrate --model "$model" --image-size "$side" \
-            --batch-size "$batch" --repeats 5 --out "$DIR/$threads-$model-$side.json"
+for round in $(seq "$ROUNDS"); do
+    for threads in $(printf '%s\n' 1 "$CORES" | sort -un); do
+        for entry in "${CORPUS[@]}"; do
+            read -r model side batch <<<"$entry"
+            "$GEMS" --threads "$threads" calibrate --model "$model" --image-size "$side" \
+                --batch-size "$batch" --repeats 5 \
+                --out "$DIR/$threads-$model-$side-m$batch-$round.json"
+        done
     done
 done
 "$GEMS" fit-costs --out "$OUT" "$DIR"/*.json

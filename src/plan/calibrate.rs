@@ -186,8 +186,23 @@ impl<'a> Samples<'a> {
 /// Times every node of `graph` (forward, then backward, and for an op that splits its
 /// backward also its B and W calls apart) on `device` at `micro` images, with parameters in
 /// `dtype` and activations in `activations`, the median of `repeats` runs after one warm-up.
-#[allow(clippy::too_many_arguments)]
 pub fn calibrate(
+    graph: &Graph,
+    micro: usize,
+    numerics: (DType, DType),
+    device: &Device,
+    repeats: usize,
+) -> Result<Calibration> {
+    // On the CPU each op is timed from a pool worker, where a training rank calls it: called
+    // from outside the pool, an op also pays for waking a worker and sleeping until it is done.
+    let on_cpu = crate::plan::fitted::cpu_threads(&device.backend().name()).is_some();
+    match on_cpu && rayon::current_thread_index().is_none() {
+        true => rayon::scope(|_| time_ops(graph, micro, numerics, device, repeats)),
+        false => time_ops(graph, micro, numerics, device, repeats),
+    }
+}
+
+fn time_ops(
     graph: &Graph,
     micro: usize,
     (dtype, activations): (DType, DType),

@@ -1,16 +1,13 @@
-//! The default CPU cost model: each op family's seconds as a fixed part plus parts per FLOP,
-//! per byte of activations and per byte of parameters, fitted to calibrations of this project's kernels (`gems calibrate`
-//! over a corpus of models, `scripts/fit_cpu_costs.sh`) and committed as
-//! `src/plan/cpu_costs.json`, one fit per thread count measured.
+//! The default CPU cost model: each op family's seconds as a fixed part plus parts per image,
+//! per output plane, per FLOP, per byte of activations and per byte of parameters, fitted to
+//! calibrations of this project's kernels (`gems calibrate` over a corpus of models,
+//! `scripts/fit_cpu_costs.sh`) and committed as `src/plan/cpu_costs.json`, one fit per
+//! thread count measured.
 //!
 //! A family whose op splits its backward (the convolutions) also has a [`Split`]: what its B
-//! and W cost called apart, as a ratio to the fitted fused backward and W's share. The
-//! committed splits were fitted by `gems fit-costs` from one run of the script's calibrations
-//! (2026-11-28, the 2-core AMD EPYC VM, shared with another build) and added to the fits
-//! committed before, whose rates were kept, so that no fused backward moved: B + W came out
-//! within 1.2% of one call in every family (0.991–1.012), W about half of them (0.45–0.52),
-//! 0.72–0.73 for transposed convolutions, and all of a first layer's, which computes no input
-//! gradient. A refit with the script fits rates and splits together.
+//! and W cost called apart, as a ratio to the fitted fused backward and W's share (B + W
+//! within about 1% of one call, W about half of it, nearly three quarters for a transposed
+//! convolution, and all of a first layer's, which computes no input gradient).
 
 use std::collections::BTreeMap;
 use std::sync::OnceLock;
@@ -24,6 +21,13 @@ use crate::{Error, Result};
 /// What one call does: the terms its seconds are fitted on.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct Work {
+    /// Samples (images) the call computes on: a kernel's loops over them cost apart from its
+    /// FLOPs and bytes (32 images of 32² run a 3×3 convolution at half the speed of 2 of 128²).
+    pub images: f64,
+    /// Planes of its output, an image's channel each: a kernel's loops over them cost apart
+    /// too (a batch norm over 32 images of 32² takes twice as long per element as over 2 of
+    /// 128²).
+    pub planes: f64,
     /// FLOPs.
     pub flops: f64,
     /// Bytes of activations read and written.
@@ -40,42 +44,77 @@ impl Work {
             .clone()
             .map(|p| g.params[p].spec.shape.numel())
             .sum();
+        let dims = g.values[n.output].shape.dims();
+        let planes: usize = dims[..dims.len().saturating_sub(2)].iter().product();
         Work {
+            images: batch as f64,
+            planes: (planes * batch) as f64,
             flops: g.node_flops(n) as f64 * batch as f64,
             bytes: g.node_bytes(n, dtype) as f64 * batch as f64,
             param_bytes: (params * dtype.size()) as f64,
         }
     }
 
-    /// The terms a [`Rate`] multiplies: a call, then each of the three.
-    fn terms(&self) -> [f64; 4] {
-        [1.0, self.flops, self.bytes, self.param_bytes]
+    /// The terms a [`Rate`] multiplies: a call, then each of the others, the bytes beyond
+    /// `cache` apart as well.
+    fn terms(&self, cache: f64) -> [f64; TERMS] {
+        [
+            1.0,
+            self.images,
+            self.planes,
+            self.flops,
+            self.bytes,
+            (self.bytes - cache).max(0.0),
+            self.param_bytes,
+        ]
     }
 }
 
-/// Seconds of one call: a fixed part plus parts per FLOP, per byte of activations and per
-/// byte of parameters.
+/// How many terms a [`Rate`] has.
+const TERMS: usize = 7;
+
+/// Seconds of one call: a fixed part plus parts per image, per output plane, per FLOP, per
+/// byte of activations (and per byte beyond what stays in cache) and per byte of parameters.
 #[derive(Clone, Copy, Debug, Default, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct Rate {
     /// Seconds every call costs.
     pub call: f64,
+    /// Seconds per image.
+    #[serde(default)]
+    pub per_image: f64,
+    /// Seconds per output plane.
+    #[serde(default)]
+    pub per_plane: f64,
     /// Seconds per FLOP.
     pub per_flop: f64,
     /// Seconds per byte of activations.
     pub per_byte: f64,
+    /// Seconds per byte of activations beyond the fit's `cache_bytes`: a call whose tensors
+    /// stay in cache runs faster per byte than one that streams them from memory.
+    #[serde(default)]
+    pub per_cold_byte: f64,
     /// Seconds per byte of parameters.
     pub per_param_byte: f64,
 }
 
 impl Rate {
-    fn coefficients(&self) -> [f64; 4] {
-        [self.call, self.per_flop, self.per_byte, self.per_param_byte]
+    fn coefficients(&self) -> [f64; TERMS] {
+        [
+            self.call,
+            self.per_image,
+            self.per_plane,
+            self.per_flop,
+            self.per_byte,
+            self.per_cold_byte,
+            self.per_param_byte,
+        ]
     }
 
-    /// Seconds of a call doing `w`.
-    pub fn seconds(&self, w: &Work) -> f64 {
-        let (c, t) = (self.coefficients(), w.terms());
-        (0..4).map(|i| c[i] * t[i]).sum()
+    /// Seconds of a call doing `w`, on a machine that keeps `cache` bytes of a call's
+    /// activations in cache.
+    pub fn seconds(&self, w: &Work, cache: f64) -> f64 {
+        let (c, t) = (self.coefficients(), w.terms(cache));
+        (0..TERMS).map(|i| c[i] * t[i]).sum()
     }
 }
 
@@ -149,6 +188,11 @@ fn weighted_median(pairs: impl Iterator<Item = (f64, f64)>) -> Option<f64> {
         .map(|p| p.0)
 }
 
+/// The cache sizes a fit tries, in MiB: from a core's L2 to a large L3.
+pub const CACHE_SIZES: [f64; 6] = [1.0, 2.0, 4.0, 8.0, 16.0, 32.0];
+
+const MIB: f64 = 1024.0 * 1024.0;
+
 /// Op costs of one machine at one thread count.
 #[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct FittedCosts {
@@ -158,6 +202,10 @@ pub struct FittedCosts {
     pub threads: usize,
     /// Each op family's rates (see [`family`]).
     pub families: BTreeMap<String, FamilyRates>,
+    /// Bytes of a call's activations that stay in cache: the size among [`CACHE_SIZES`] that
+    /// fits the calibrations best.
+    #[serde(default)]
+    pub cache_bytes: f64,
     /// Making and uploading a micro-batch: per byte of input.
     pub data: Rate,
     /// One optimizer step: per byte of parameters.
@@ -238,9 +286,10 @@ pub fn samples(g: &Graph, cal: &Calibration) -> Vec<OpSample> {
         .collect()
 }
 
-/// Making a micro-batch of `batch` inputs of `g`: its bytes.
+/// Making a micro-batch of `batch` inputs of `g`: its images and bytes.
 fn input_work(g: &Graph, batch: usize, dtype: DType) -> Work {
     Work {
+        images: batch as f64,
         bytes: (g.input_shape().numel() * batch * dtype.size()) as f64,
         ..Work::default()
     }
@@ -268,26 +317,34 @@ impl FittedCosts {
                 by_family.entry(s.family.clone()).or_default().push(s);
             }
         }
-        let families = by_family
-            .into_iter()
-            .map(|(name, ss)| {
-                let work: Vec<Work> = ss.iter().map(|s| s.work).collect();
-                let forward: Vec<f64> = ss.iter().map(|s| s.forward).collect();
-                let backward: Vec<f64> = ss.iter().map(|s| s.backward).collect();
-                let scale: Vec<f64> = ss.iter().map(|s| s.model_seconds).collect();
-                let (f, b) = (
-                    fit_rate(&work, &forward, &scale),
-                    fit_rate(&work, &backward, &scale),
-                );
-                let rates = FamilyRates {
-                    forward: f,
-                    backward: b,
-                    split: Split::fit(&ss),
-                    samples: ss.len(),
-                };
-                (name, rates)
-            })
-            .collect();
+        // Every family at each cache size; the size with the least error over all is kept.
+        let fit_families = |cache: f64| -> (BTreeMap<String, FamilyRates>, f64) {
+            let mut total = 0.0;
+            let families = (by_family.iter())
+                .map(|(name, ss)| {
+                    let work: Vec<Work> = ss.iter().map(|s| s.work).collect();
+                    let forward: Vec<f64> = ss.iter().map(|s| s.forward).collect();
+                    let backward: Vec<f64> = ss.iter().map(|s| s.backward).collect();
+                    let scale: Vec<f64> = ss.iter().map(|s| s.model_seconds).collect();
+                    let (f, f_err) = fit_rate(&work, &forward, &scale, cache);
+                    let (b, b_err) = fit_rate(&work, &backward, &scale, cache);
+                    total += f_err + b_err;
+                    let rates = FamilyRates {
+                        forward: f,
+                        backward: b,
+                        split: Split::fit(ss),
+                        samples: ss.len(),
+                    };
+                    (name.clone(), rates)
+                })
+                .collect();
+            (families, total)
+        };
+        let (cache_bytes, (families, _)) = CACHE_SIZES
+            .iter()
+            .map(|&mib| (mib * MIB, fit_families(mib * MIB)))
+            .min_by(|(_, (_, a)), (_, (_, b))| a.total_cmp(b))
+            .expect("at least one cache size");
         // Data and optimizer, one call per profile, each relative to its own time.
         let own = |of: fn(&Calibration) -> f64| -> (Vec<f64>, Vec<f64>) {
             let t: Vec<f64> = runs.iter().map(|(_, c)| of(c)).collect();
@@ -303,12 +360,16 @@ impl FittedCosts {
                 })
                 .collect()
         };
+        let fit = |work: &[Work], seconds: &[f64], scale: &[f64]| {
+            fit_rate(work, seconds, scale, cache_bytes).0
+        };
         Ok(FittedCosts {
             machine: machine.to_string(),
             threads,
             families,
-            data: fit_rate(&bytes_of(runs, true), &data, &data_scale),
-            optimizer: fit_rate(&bytes_of(runs, false), &optimizer, &optimizer_scale),
+            cache_bytes,
+            data: fit(&bytes_of(runs, true), &data, &data_scale),
+            optimizer: fit(&bytes_of(runs, false), &optimizer, &optimizer_scale),
         })
     }
 
@@ -317,7 +378,8 @@ impl FittedCosts {
     pub fn node(&self, g: &Graph, n: &Node, batch: usize, dtype: DType) -> Option<(f64, f64)> {
         let r = self.families.get(&family(g, n))?;
         let w = Work::of(g, n, batch, dtype);
-        Some((r.forward.seconds(&w), r.backward.seconds(&w)))
+        let cache = self.cache_bytes;
+        Some((r.forward.seconds(&w, cache), r.backward.seconds(&w, cache)))
     }
 
     /// Node `n`'s backward of `backward` seconds as a zero-bubble order runs it, B's and W's
@@ -329,12 +391,14 @@ impl FittedCosts {
 
     /// Seconds to make a micro-batch of `batch` inputs of `g`.
     pub fn data(&self, g: &Graph, batch: usize, dtype: DType) -> f64 {
-        self.data.seconds(&input_work(g, batch, dtype))
+        self.data
+            .seconds(&input_work(g, batch, dtype), self.cache_bytes)
     }
 
     /// Seconds of one optimizer step over `g`'s parameters.
     pub fn optimizer(&self, g: &Graph, dtype: DType) -> f64 {
-        self.optimizer.seconds(&param_work(g, dtype))
+        self.optimizer
+            .seconds(&param_work(g, dtype), self.cache_bytes)
     }
 }
 
@@ -358,19 +422,20 @@ pub fn cpu_for(threads: usize) -> &'static FittedCosts {
         .expect("src/plan/cpu_costs.json holds at least one fit")
 }
 
-/// The non-negative `Rate` with the least squared error over `work → seconds`, each call's
-/// error relative to its `scale` (its model's op seconds: each model's step counts alike, and
-/// within it the ops that take its time): each subset of the four terms is solved by least
-/// squares and the best one with no negative coefficient kept.
-fn fit_rate(work: &[Work], seconds: &[f64], scale: &[f64]) -> Rate {
-    let rows: Vec<([f64; 4], f64)> = work
+/// The non-negative `Rate` with the least squared error over `work → seconds` with `cache`
+/// bytes in cache, and that error, each call's error relative to its `scale` (its model's op
+/// seconds: each model's step counts alike, and within it the ops that take its time): each
+/// subset of the terms is solved by least squares and the best one with no negative
+/// coefficient kept.
+fn fit_rate(work: &[Work], seconds: &[f64], scale: &[f64], cache: f64) -> (Rate, f64) {
+    let rows: Vec<([f64; TERMS], f64)> = work
         .iter()
         .zip(seconds.iter().zip(scale))
         .filter(|(_, (&t, &k))| t.is_finite() && t >= 0.0 && k > 0.0)
-        .map(|(w, (&t, &k))| (w.terms().map(|x| x / k), t / k))
+        .map(|(w, (&t, &k))| (w.terms(cache).map(|x| x / k), t / k))
         .collect();
     // Columns scaled to unit size keep the normal equations well conditioned.
-    let norm: Vec<f64> = (0..4)
+    let norm: Vec<f64> = (0..TERMS)
         .map(|j| {
             let m = rows.iter().map(|(x, _)| x[j].abs()).fold(0.0, f64::max);
             if m > 0.0 {
@@ -380,9 +445,9 @@ fn fit_rate(work: &[Work], seconds: &[f64], scale: &[f64]) -> Rate {
             }
         })
         .collect();
-    let mut best: Option<([f64; 4], f64)> = None;
-    for mask in 1u8..16 {
-        let cols: Vec<usize> = (0..4).filter(|j| mask & (1 << j) != 0).collect();
+    let mut best: Option<([f64; TERMS], f64)> = None;
+    for mask in 1u8..1 << TERMS {
+        let cols: Vec<usize> = (0..TERMS).filter(|j| mask & (1 << j) != 0).collect();
         let k = cols.len();
         let mut ata = vec![vec![0.0; k]; k];
         let mut atb = vec![0.0; k];
@@ -399,25 +464,30 @@ fn fit_rate(work: &[Work], seconds: &[f64], scale: &[f64]) -> Rate {
         if sol.iter().any(|&v| v < 0.0) {
             continue;
         }
-        let mut coef = [0.0; 4];
+        let mut coef = [0.0; TERMS];
         for (a, &i) in cols.iter().enumerate() {
             coef[i] = sol[a] / norm[i];
         }
         let err: f64 = rows
             .iter()
-            .map(|(x, y)| ((0..4).map(|j| coef[j] * x[j]).sum::<f64>() - y).powi(2))
+            .map(|(x, y)| ((0..TERMS).map(|j| coef[j] * x[j]).sum::<f64>() - y).powi(2))
             .sum();
         if best.is_none_or(|(_, e)| err < e) {
             best = Some((coef, err));
         }
     }
-    let [call, per_flop, per_byte, per_param_byte] = best.map_or([0.0; 4], |(c, _)| c);
-    Rate {
+    let ([call, per_image, per_plane, per_flop, per_byte, per_cold_byte, per_param_byte], err) =
+        best.unwrap_or(([0.0; TERMS], 0.0));
+    let rate = Rate {
         call,
+        per_image,
+        per_plane,
         per_flop,
         per_byte,
+        per_cold_byte,
         per_param_byte,
-    }
+    };
+    (rate, err)
 }
 
 /// Solves the small system `a·x = b` by Gaussian elimination with partial pivoting; `None`
@@ -478,7 +548,7 @@ mod tests {
     /// Seconds every op of `g` takes at `micro` under `rate` (backward twice forward).
     fn calibration(g: &Graph, micro: usize, rate: &Rate) -> Calibration {
         let forward: Vec<f64> = (g.nodes.iter())
-            .map(|n| rate.seconds(&Work::of(g, n, micro, DType::F32)))
+            .map(|n| rate.seconds(&Work::of(g, n, micro, DType::F32), 4.0 * MIB))
             .collect();
         Calibration {
             model: g.name.clone(),
@@ -496,32 +566,44 @@ mod tests {
         }
     }
 
-    /// Op times made by known rates are fitted back: every node's seconds at a micro-batch
-    /// the fit did not see come out as the rates say.
+    /// Op times made by known rates, with 4 MiB in cache, are fitted back: the cache size is
+    /// found, and every node's seconds at micro-batches the fit did not see, in cache and
+    /// beyond it, and those of a model it did not see come out as the rates say.
     #[test]
     fn a_fit_recovers_the_rates_that_made_the_times() {
         let rate = Rate {
             call: 2e-5,
+            per_image: 4e-6,
+            per_plane: 3e-8,
             per_flop: 1e-11,
             per_byte: 3e-10,
+            per_cold_byte: 2e-10,
             per_param_byte: 5e-10,
         };
         let runs = calibrated(
             &[
                 ("resnet20v2", 32, 2),
-                ("resnet20v2", 32, 8),
+                ("resnet20v2", 32, 64),
+                ("resnet20v2", 64, 2),
+                ("resnet20v2", 64, 24),
                 ("unet_d2_w4", 32, 2),
-                ("unet_d2_w4", 32, 6),
+                ("unet_d2_w4", 32, 40),
+                ("unet_d2_w4", 32, 96),
             ],
             &rate,
         );
         let fit = FittedCosts::fit("test", 1, &runs).unwrap();
-        for (g, _) in &runs {
-            for n in &g.nodes {
-                let want = rate.seconds(&Work::of(g, n, 4, DType::F32));
-                let (f, b) = fit.node(g, n, 4, DType::F32).unwrap();
-                assert!((f / want - 1.0).abs() < 1e-6, "{}: {f} vs {want}", n.name);
-                assert!((b / (2.0 * want) - 1.0).abs() < 1e-6, "{}", n.name);
+        assert_eq!(fit.cache_bytes, 4.0 * MIB);
+        // A model the fit has not seen, of the same families at other shapes, too.
+        let unseen = crate::models::build("resnet56v2", 48, 3).unwrap();
+        for g in runs.iter().map(|(g, _)| g).chain([&unseen]) {
+            for micro in [4, 128] {
+                for n in &g.nodes {
+                    let want = rate.seconds(&Work::of(g, n, micro, DType::F32), 4.0 * MIB);
+                    let (f, b) = fit.node(g, n, micro, DType::F32).unwrap();
+                    assert!((f / want - 1.0).abs() < 1e-6, "{}: {f} vs {want}", n.name);
+                    assert!((b / (2.0 * want) - 1.0).abs() < 1e-6, "{}", n.name);
+                }
             }
         }
         let g = &runs[0].0;

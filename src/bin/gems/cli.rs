@@ -55,9 +55,10 @@ pub enum Command {
     /// Time every op of a model on this device at the run's micro-batch and write the profile
     /// that --calibration reads (takes the flags of train).
     Calibrate(Box<CalibrateArgs>),
-    /// Fit the default CPU cost model (each op family's seconds per call, per FLOP and per
-    /// byte) to calibrations of built-in models, one fit per thread count they were taken at,
-    /// and write it as JSON (scripts/fit_cpu_costs.sh refreshes src/plan/cpu_costs.json).
+    /// Fit the default CPU cost model (each op family's seconds per call, per image, per
+    /// output plane, per FLOP and per byte) to calibrations of built-in models, one fit per
+    /// thread count they were taken at, and write it as JSON (scripts/fit_cpu_costs.sh
+    /// refreshes src/plan/cpu_costs.json).
     FitCosts(FitCostsArgs),
     /// Make and inspect data: a synthetic whole-slide image, the tiles slides yield.
     #[command(subcommand)]

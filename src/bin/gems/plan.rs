@@ -329,27 +329,33 @@ pub fn fit_costs(a: FitCostsArgs) -> anyhow::Result<()> {
     let text = serde_json::to_string_pretty(&fits)?;
     gems::core::files::write_atomically(&a.out, text.as_bytes())?;
     for f in &fits {
+        let runs = &by_threads[&f.threads];
         println!(
-            "{} threads: {} op families from {} profiles; each profile's ops, fitted against measured:",
+            "{} threads: {} op families from {} profiles; each model's ops, fitted against measured (the median of its profiles, their range):",
             f.threads,
             f.families.len(),
-            by_threads[&f.threads].len()
+            runs.len()
         );
-        for (g, cal) in &by_threads[&f.threads] {
-            let measured: f64 = cal.forward.iter().chain(&cal.backward).sum();
-            let fitted: f64 = g
-                .nodes
-                .iter()
+        // A model calibrated more than once: its times, fitted and measured, by profile.
+        let mut by_model: std::collections::BTreeMap<_, (f64, Vec<f64>)> = Default::default();
+        for (g, cal) in runs {
+            let fitted: f64 = (g.nodes.iter())
                 .filter_map(|n| f.node(g, n, cal.micro_batch, cal.dtype))
                 .map(|(f, b)| f + b)
                 .sum();
+            let key = (cal.model.clone(), cal.image_size, cal.micro_batch);
+            let entry = by_model.entry(key).or_insert((fitted, Vec::new()));
+            entry.1.push(cal.forward.iter().chain(&cal.backward).sum());
+        }
+        for ((model, side, micro), (fitted, mut measured)) in by_model {
+            measured.sort_by(f64::total_cmp);
+            let median = measured[measured.len() / 2];
             println!(
-                "  {:<16} {:>5}² micro-batch {:<3} {:>9.1} ms {:>+7.1}%",
-                cal.model,
-                cal.image_size,
-                cal.micro_batch,
-                1e3 * measured,
-                100.0 * (fitted / measured - 1.0)
+                "  {model:<16} {side:>5}² micro-batch {micro:<3} {:>9.1} ms ({:.1}–{:.1}) {:>+7.1}%",
+                1e3 * median,
+                1e3 * measured[0],
+                1e3 * measured[measured.len() - 1],
+                100.0 * (fitted / median - 1.0)
             );
         }
     }
