@@ -1,8 +1,8 @@
 //! The default CPU cost model: each op family's seconds as a fixed part plus parts per image,
-//! per output plane, per FLOP, per byte of activations and per byte of parameters, fitted to
-//! calibrations of this project's kernels (`gems calibrate` over a corpus of models,
-//! `scripts/fit_cpu_costs.sh`) and committed as `src/plan/cpu_costs.json`, one fit per
-//! thread count measured.
+//! per output plane, per FLOP, per byte of activations (and per byte beyond what stays in
+//! cache) and per byte of parameters, fitted to calibrations of this project's kernels (`gems
+//! calibrate` over a corpus of models, `scripts/fit_cpu_costs.sh`) and committed as
+//! `src/plan/cpu_costs.json`, one fit per thread count measured.
 //!
 //! A family whose op splits its backward (the convolutions) also has a [`Split`]: what its B
 //! and W cost called apart, as a ratio to the fitted fused backward and W's share (B + W
@@ -21,12 +21,13 @@ use crate::{Error, Result};
 /// What one call does: the terms its seconds are fitted on.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct Work {
-    /// Samples (images) the call computes on: a kernel's loops over them cost apart from its
-    /// FLOPs and bytes (32 images of 32² run a 3×3 convolution at half the speed of 2 of 128²).
+    /// Samples (images) the call computes on: kernels loop over them, at a cost apart from
+    /// their FLOPs and bytes (fitted without this term, resnet20v2's 3×3 convolutions at 32
+    /// images of 32² came out at half their measured time).
     pub images: f64,
-    /// Planes of its output, an image's channel each: a kernel's loops over them cost apart
-    /// too (a batch norm over 32 images of 32² takes twice as long per element as over 2 of
-    /// 128²).
+    /// Planes of its output, an image's channel each: kernels loop over them too (the fused
+    /// batch norm and ReLU over 32 images of 32² measured three times the time per element of
+    /// 2 images of 128²).
     pub planes: f64,
     /// FLOPs.
     pub flops: f64,
