@@ -193,11 +193,12 @@ pub fn calibrate(
     device: &Device,
     repeats: usize,
 ) -> Result<Calibration> {
-    // On the CPU each op is timed from a pool worker, where a training rank calls it: called
-    // from outside the pool, an op also pays for waking a worker and sleeping until it is done.
+    // On the CPU each op is timed from a pool worker, where a training rank calls it.
     let on_cpu = crate::plan::fitted::cpu_threads(&device.backend().name()).is_some();
-    match on_cpu && rayon::current_thread_index().is_none() {
-        true => rayon::scope(|_| time_ops(graph, micro, numerics, device, repeats)),
+    match on_cpu {
+        true => {
+            crate::backend::cpu::on_worker(|| time_ops(graph, micro, numerics, device, repeats))
+        }
         false => time_ops(graph, micro, numerics, device, repeats),
     }
 }

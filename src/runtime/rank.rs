@@ -460,11 +460,9 @@ impl Rank {
         Ok(done)
     }
 
-    /// Runs a compute task on one of the CPU pool's workers when this rank's thread is not
-    /// one (ranks as threads, an MPI process's main thread): called from outside the pool,
-    /// every operator would wake a worker and sleep until it finished, two futex round trips
-    /// per operator (10–15% of a small model's step on 2 cores); from a worker, operators fork
-    /// onto warm threads. Only where every rank of the process can have a worker of its own:
+    /// Runs a compute task on one of the CPU pool's workers ([`crate::backend::cpu::on_worker`]) when this
+    /// rank's thread is not one (ranks as threads, an MPI process's main thread): from outside
+    /// the pool its operators cost 10–15% more of a small model's step on 2 cores. Only where every rank of the process can have a worker of its own:
     /// with more ranks than workers, a worker waiting inside one rank's task runs another
     /// rank's whole task before it returns (4 ranks on 2 threads measured 15% slower so). A
     /// rank whose compute waits on other ranks (halos of tiles) stays on its thread: on a
@@ -472,8 +470,8 @@ impl Rank {
     fn on_pool(&mut self, f: impl FnOnce(&mut Rank) -> Result<Instant> + Send) -> Result<Instant> {
         let cpu = self.c.train.device == crate::backend::DeviceKind::Cpu;
         let own_worker = self.pool_sharers <= rayon::current_num_threads();
-        match cpu && own_worker && self.tiles.is_none() && rayon::current_thread_index().is_none() {
-            true => rayon::scope(|_| f(self)),
+        match cpu && own_worker && self.tiles.is_none() {
+            true => crate::backend::cpu::on_worker(|| f(self)),
             false => f(self),
         }
     }

@@ -305,6 +305,16 @@ fn with_avx2<R>(f: impl FnOnce() -> R) -> R {
     f()
 }
 
+/// Runs `f` on one of the CPU pool's workers (in place where this thread is one): called from
+/// outside the pool, every operator would wake a worker and sleep until it finished, two futex
+/// round trips per operator; from a worker, operators fork onto warm threads.
+pub fn on_worker<R: Send>(f: impl FnOnce() -> R + Send) -> R {
+    match rayon::current_thread_index() {
+        Some(_) => f(),
+        None => rayon::scope(|_| f()),
+    }
+}
+
 /// Makes glibc serve every thread from one heap. With a heap per thread, tensors allocated by
 /// one rank's thread and freed by another (boundary messages) make the heaps grow and shrink
 /// by mapping fresh pages: measured here, the first stage of a 2-rank pipeline computed 50%
