@@ -75,6 +75,9 @@ fn calibrated_step_time_predictions_hold() {
         input: per_op(|c| &c.input),
         weight: per_op(|c| &c.weight),
         data: median(cals.iter().map(|c| c.data).collect()),
+        loss: (0..g.outputs.len())
+            .map(|o| median(cals.iter().map(|c| c.loss[o]).collect()))
+            .collect(),
         optimizer: median(cals.iter().map(|c| c.optimizer).collect()),
         ..cals[0].clone()
     };

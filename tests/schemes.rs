@@ -363,6 +363,7 @@ fn mast_packed_by_bytes_under_a_cap_matches_single() {
         input: vec![],
         weight: vec![],
         data: 0.0,
+        loss: vec![],
         optimizer: 0.0,
     };
     for (p, m, order) in [(2, 4, Order::GPipe), (3, 2, Order::GPipe)] {

@@ -99,6 +99,8 @@ impl NodeCosts {
             c.input.push(i);
             c.weight.push(w);
         }
+        let loss = g.outputs.iter().map(|o| fit.loss(g, o.value, batch, dtype));
+        charge_losses(g, &mut c.forward, loss);
         c
     }
 
@@ -117,6 +119,16 @@ impl NodeCosts {
             sum_over(&self.forward, stages),
             sum_over(&self.backward, stages),
         )
+    }
+}
+
+/// Adds each of `g`'s outputs' `loss` seconds (in the order of [`Graph::outputs`]) to the
+/// forward of the node computing it: the forward task that computes an output also scores it.
+pub fn charge_losses(g: &Graph, forward: &mut [f64], loss: impl IntoIterator<Item = f64>) {
+    for (o, t) in g.outputs.iter().zip(loss) {
+        if let Some(n) = g.values[o.value].producer {
+            forward[n] += t;
+        }
     }
 }
 

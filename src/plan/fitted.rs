@@ -13,7 +13,7 @@ use std::collections::BTreeMap;
 use std::sync::OnceLock;
 
 use super::calibrate::Calibration;
-use crate::graph::{Graph, Node};
+use crate::graph::{Graph, Node, ValueId};
 use crate::ops::Op;
 use crate::tensor::DType;
 use crate::{Error, Result};
@@ -209,6 +209,10 @@ pub struct FittedCosts {
     pub cache_bytes: f64,
     /// Making and uploading a micro-batch: per byte of input.
     pub data: Rate,
+    /// Scoring a micro-batch at an output (loss, gradient, predictions): per image, per
+    /// class map and per byte of logits (none in a fit made before losses were timed).
+    #[serde(default)]
+    pub loss: Rate,
     /// One optimizer step: per byte of parameters.
     pub optimizer: Rate,
 }
@@ -296,6 +300,18 @@ fn input_work(g: &Graph, batch: usize, dtype: DType) -> Work {
     }
 }
 
+/// Scoring a micro-batch of `batch` samples at output `value` of `g`: its images, class
+/// maps (one per sample and class) and bytes of logits.
+fn loss_work(g: &Graph, value: ValueId, batch: usize, dtype: DType) -> Work {
+    let shape = &g.values[value].shape;
+    Work {
+        images: batch as f64,
+        planes: (shape.dim(0) * batch) as f64,
+        bytes: (shape.numel() * batch * dtype.size()) as f64,
+        ..Work::default()
+    }
+}
+
 /// An optimizer step over `g`'s parameters: their bytes.
 fn param_work(g: &Graph, dtype: DType) -> Work {
     let n: usize = g.params.iter().map(|p| p.spec.shape.numel()).sum();
@@ -352,6 +368,13 @@ impl FittedCosts {
             (t.clone(), t)
         };
         let (data, data_scale) = own(|c| c.data);
+        // Losses, one call per output of each profile that timed them.
+        let (loss_work, loss): (Vec<Work>, Vec<f64>) = (runs.iter())
+            .flat_map(|(g, c)| {
+                (g.outputs.iter().zip(&c.loss))
+                    .map(|(o, &t)| (loss_work(g, o.value, c.micro_batch, c.dtype), t))
+            })
+            .unzip();
         let (optimizer, optimizer_scale) = own(|c| c.optimizer);
         let bytes_of = |runs: &[(Graph, Calibration)], input: bool| -> Vec<Work> {
             runs.iter()
@@ -370,6 +393,7 @@ impl FittedCosts {
             families,
             cache_bytes,
             data: fit(&bytes_of(runs, true), &data, &data_scale),
+            loss: fit(&loss_work, &loss, &loss),
             optimizer: fit(&bytes_of(runs, false), &optimizer, &optimizer_scale),
         })
     }
@@ -394,6 +418,12 @@ impl FittedCosts {
     pub fn data(&self, g: &Graph, batch: usize, dtype: DType) -> f64 {
         self.data
             .seconds(&input_work(g, batch, dtype), self.cache_bytes)
+    }
+
+    /// Seconds of scoring a micro-batch of `batch` samples at output `value` of `g`.
+    pub fn loss(&self, g: &Graph, value: ValueId, batch: usize, dtype: DType) -> f64 {
+        self.loss
+            .seconds(&loss_work(g, value, batch, dtype), self.cache_bytes)
     }
 
     /// Seconds of one optimizer step over `g`'s parameters.
@@ -563,13 +593,17 @@ mod tests {
             input: vec![],
             weight: vec![],
             data: 1e-3 * micro as f64,
+            loss: (g.outputs.iter())
+                .map(|o| rate.seconds(&loss_work(g, o.value, micro, DType::F32), 4.0 * MIB))
+                .collect(),
             optimizer: 2e-3,
         }
     }
 
-    /// Op times made by known rates, with 4 MiB in cache, are fitted back: the cache size is
-    /// found, and every node's seconds at micro-batches the fit did not see, in cache and
-    /// beyond it, and those of a model it did not see come out as the rates say.
+    /// Op and loss times made by known rates, with 4 MiB in cache, are fitted back: the cache
+    /// size is found, and every node's and output's seconds at micro-batches the fit did not
+    /// see, in cache and beyond it, and those of a model it did not see come out as the rates
+    /// say.
     #[test]
     fn a_fit_recovers_the_rates_that_made_the_times() {
         let rate = Rate {
@@ -604,6 +638,15 @@ mod tests {
                     let (f, b) = fit.node(g, n, micro, DType::F32).unwrap();
                     assert!((f / want - 1.0).abs() < 1e-6, "{}: {f} vs {want}", n.name);
                     assert!((b / (2.0 * want) - 1.0).abs() < 1e-6, "{}", n.name);
+                }
+                for o in &g.outputs {
+                    let want = rate.seconds(&loss_work(g, o.value, micro, DType::F32), 4.0 * MIB);
+                    let loss = fit.loss(g, o.value, micro, DType::F32);
+                    assert!(
+                        (loss / want - 1.0).abs() < 1e-6,
+                        "{}: {loss} vs {want}",
+                        g.name
+                    );
                 }
             }
         }

@@ -295,9 +295,10 @@ pub fn calibrate(a: CalibrateArgs) -> anyhow::Result<()> {
     cal.save(&a.out)?;
     let f: f64 = cal.forward.iter().sum();
     let (b, split) = cal.backward_sums();
+    let loss: f64 = cal.loss.iter().sum();
     println!(
-        "calibrated {} ops of {} at {}², micro-batch {micro}, {} in {:.1} s: forward {:.2} ms, backward {:.2} ms per micro-batch; wrote {}",
-        g.nodes.len(), g.name, g.image_size(), t.numerics(), started.elapsed().as_secs_f64(), 1e3 * f, 1e3 * b, a.out.display()
+        "calibrated {} ops of {} at {}², micro-batch {micro}, {} in {:.1} s: forward {:.2} ms, backward {:.2} ms, loss {:.2} ms per micro-batch; wrote {}",
+        g.nodes.len(), g.name, g.image_size(), t.numerics(), started.elapsed().as_secs_f64(), 1e3 * f, 1e3 * b, 1e3 * loss, a.out.display()
     );
     println!(
         "backward split as zero-bubble orders run it (B, then W): {:.2} ms ({:+.1}% against one call)",
