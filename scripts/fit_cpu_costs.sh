@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # Refreshes the default CPU cost model (src/plan/cpu_costs.json): calibrates a corpus of
-# built-in models (`gems calibrate`: every op timed at a micro-batch, a split backward's B and
-# W also apart) at 1 thread and at every core, then fits each op family's seconds per call,
-# per image, per output plane, per FLOP and per byte (those beyond the cache apart), and how
-# its backward divides into B and W (`gems fit-costs`). The corpus is calibrated ROUNDS times over (default 3), every profile fitted:
+# built-in models (`gems calibrate`: every op timed at a micro-batch as a step runs it, a split
+# backward's B and W also apart, and the loss at each output) at 1 thread and at every core,
+# then fits each op family's seconds per call, per image, per output plane, per FLOP and per
+# byte (those beyond the cache apart), how its backward divides into B and W, and the loss's
+# seconds (`gems fit-costs`). The corpus is calibrated ROUNDS times over (default 3), every profile fitted:
 # a VM's speed moves by 10-20% from one minute to the next, and a model calibrated once in a
 # fast or slow minute would pull its families' rates with it. Run on a quiet machine after
-# `cargo build --release`; takes about four minutes a round on 2 cores. Check the result with
+# `cargo build --release`; takes about five and a half minutes a round on 2 cores. Check the result with
 # scripts/bench_cost_model.py.
 #
 #   scripts/fit_cpu_costs.sh [OUT [PROFILES [ROUNDS]]]
