@@ -197,7 +197,7 @@ impl<'a> Samples<'a> {
 /// and the loss at each output. Nodes are timed as a step runs them, in windows of
 /// 64 MiB of outputs: every forward, then every backward in reverse, so that a
 /// backward finds what its forward saved as far out of cache as in training (timed right
-/// after its forward, unet_d3_w16's backward at micro-batch 1 measured 8–24% less).
+/// after its forward, unet_d3_w16's backward at micro-batch 1 measured 8–20% less).
 pub fn calibrate(
     graph: &Graph,
     micro: usize,
@@ -226,11 +226,6 @@ fn time_ops(
     let n = graph.nodes.len();
     let (mut forward, mut backward) = (vec![0.0; n], vec![0.0; n]);
     let (mut input, mut weight) = (vec![0.0; n], vec![0.0; n]);
-    // A GPU queues its work: each time ends when the device has finished it.
-    let elapsed = |start: Instant| -> Result<f64> {
-        device.backend().synchronize()?;
-        Ok(start.elapsed().as_secs_f64())
-    };
     let median = |mut v: Vec<f64>| {
         v.sort_by(f64::total_cmp);
         v[v.len() / 2]
@@ -300,15 +295,12 @@ fn time_ops(
     };
     let mut data = Vec::new();
     for i in 0..=repeats {
-        let start = Instant::now();
-        let (pixels, _) = synthetic.batch((i * micro) as u64, micro);
-        let x = device.upload(
-            batched(micro, graph.input_shape()),
-            &pixels,
-            activations,
-            Category::Activations,
-        )?;
-        data.push(elapsed(start)?);
+        let (x, seconds) = timed(device, || {
+            let (pixels, _) = synthetic.batch((i * micro) as u64, micro);
+            let shape = batched(micro, graph.input_shape());
+            device.upload(shape, &pixels, activations, Category::Activations)
+        })?;
+        data.push(seconds);
         drop(x);
     }
     let loss = (graph.outputs.iter())
@@ -334,10 +326,11 @@ fn time_ops(
     let mut sgd = crate::optim::Sgd::new(&params, device, sgd_config)?;
     let mut optimizer = Vec::new();
     for _ in 0..=repeats {
-        let start = Instant::now();
-        sgd.step(&mut params, device, 0.01, 1.0)?;
-        params.zero_grads(device)?;
-        optimizer.push(elapsed(start)?);
+        let ((), seconds) = timed(device, || {
+            sgd.step(&mut params, device, 0.01, 1.0)?;
+            params.zero_grads(device)
+        })?;
+        optimizer.push(seconds);
     }
     Ok(Calibration {
         data: median(data[1..].to_vec()),
@@ -440,11 +433,8 @@ fn forward_sweep(
             })
             .collect::<Result<Vec<_>>>()?;
         let refs: Vec<&Tensor> = xs.iter().collect();
-        device.backend().synchronize()?;
-        let start = Instant::now();
-        let (y, saved) = r.op.forward(ctx, &refs, &mut r.params)?;
-        device.backend().synchronize()?;
-        swept.push((start.elapsed().as_secs_f64(), saved));
+        let ((y, saved), seconds) = timed(device, || r.op.forward(ctx, &refs, &mut r.params))?;
+        swept.push((seconds, saved));
         values.insert(r.node.output, y);
     }
     Ok(swept)
@@ -465,8 +455,6 @@ fn backward_call(
     let device = samples.device;
     let dy = samples.input(r.output.clone(), r.activations, false)?;
     let none = vec![false; r.need.len()];
-    device.backend().synchronize()?;
-    let start = Instant::now();
     let b = Backward {
         saved,
         dy,
@@ -474,9 +462,9 @@ fn backward_call(
         need: if inputs { &r.need } else { &none },
         weights,
     };
-    r.op.backward(ctx, b, &r.params, &mut r.grads)?;
-    device.backend().synchronize()?;
-    Ok(start.elapsed().as_secs_f64())
+    let (dx, seconds) = timed(device, || r.op.backward(ctx, b, &r.params, &mut r.grads))?;
+    drop(dx);
+    Ok(seconds)
 }
 
 /// Seconds of what the trainer does with one micro-batch's `logits` at an output: the loss
@@ -486,17 +474,25 @@ fn time_loss(device: &Device, logits: &Tensor, first: bool, dtype: DType) -> Res
     let dims = logits.shape().dims();
     let (classes, places) = (dims[1], logits.shape().numel() / dims[1]);
     let labels: Vec<u32> = (0..places).map(|q| (q % classes) as u32).collect();
-    device.backend().synchronize()?;
-    let start = Instant::now();
-    let ce = loss::softmax_cross_entropy(device, logits, &labels, None, loss::Norm::PerSample)?;
-    if first {
-        std::hint::black_box(loss::predictions(&ce.probs)?);
-    }
-    let d = ce.backward(device, 1.0, dtype)?;
-    device.backend().synchronize()?;
-    let seconds = start.elapsed().as_secs_f64();
+    let (d, seconds) = timed(device, || {
+        let ce = loss::softmax_cross_entropy(device, logits, &labels, None, loss::Norm::PerSample)?;
+        if first {
+            std::hint::black_box(loss::predictions(&ce.probs)?);
+        }
+        ce.backward(device, 1.0, dtype)
+    })?;
     drop(d);
     Ok(seconds)
+}
+
+/// What `f` returns and its seconds on `device`, from an idle device to the end of the work
+/// it queued (a GPU queues its work; the clock stops when it has finished).
+fn timed<T>(device: &Device, f: impl FnOnce() -> Result<T>) -> Result<(T, f64)> {
+    device.backend().synchronize()?;
+    let start = Instant::now();
+    let out = f()?;
+    device.backend().synchronize()?;
+    Ok((out, start.elapsed().as_secs_f64()))
 }
 
 /// Where [`on_first_use`] keeps its profiles for runs that name none: the `calibrations`
