@@ -226,7 +226,9 @@ fn time_ops(
     let n = graph.nodes.len();
     let (mut forward, mut backward) = (vec![0.0; n], vec![0.0; n]);
     let (mut input, mut weight) = (vec![0.0; n], vec![0.0; n]);
-    let median = |mut v: Vec<f64>| {
+    // The median of the runs after the first, which warms caches and the allocator.
+    let median = |v: &[f64]| {
+        let mut v = v[1..].to_vec();
         v.sort_by(f64::total_cmp);
         v[v.len() / 2]
     };
@@ -276,13 +278,12 @@ fn time_ops(
                 }
             }
         }
-        // The first sweep warms caches and the allocator.
         for (i, [f, b, bi, bw]) in window.zip(times) {
-            forward[i] = median(f[1..].to_vec());
-            backward[i] = median(b[1..].to_vec());
+            forward[i] = median(&f);
+            backward[i] = median(&b);
             (input[i], weight[i]) = match bi.is_empty() {
                 true => (backward[i], 0.0),
-                false => (median(bi[1..].to_vec()), median(bw[1..].to_vec())),
+                false => (median(&bi), median(&bw)),
             };
         }
     }
@@ -314,7 +315,7 @@ fn time_ops(
             let times = (0..=repeats)
                 .map(|_| time_loss(device, &logits, i == 0, activations))
                 .collect::<Result<Vec<_>>>()?;
-            Ok(median(times[1..].to_vec()))
+            Ok(median(&times))
         })
         .collect::<Result<Vec<_>>>()?;
     let mut params = crate::graph::Params::init(graph, device, dtype, 1)?;
@@ -333,9 +334,9 @@ fn time_ops(
         optimizer.push(seconds);
     }
     Ok(Calibration {
-        data: median(data[1..].to_vec()),
+        data: median(&data),
         loss,
-        optimizer: median(optimizer[1..].to_vec()),
+        optimizer: median(&optimizer),
         model: graph.name.clone(),
         image_size,
         classes,

@@ -369,7 +369,7 @@ impl FittedCosts {
         };
         let (data, data_scale) = own(|c| c.data);
         // Losses, one call per output of each profile that timed them.
-        let (loss_work, loss): (Vec<Work>, Vec<f64>) = (runs.iter())
+        let (scorings, scoring): (Vec<Work>, Vec<f64>) = (runs.iter())
             .flat_map(|(g, c)| {
                 (g.outputs.iter().zip(&c.loss))
                     .map(|(o, &t)| (loss_work(g, o.value, c.micro_batch, c.dtype), t))
@@ -393,7 +393,7 @@ impl FittedCosts {
             families,
             cache_bytes,
             data: fit(&bytes_of(runs, true), &data, &data_scale),
-            loss: fit(&loss_work, &loss, &loss),
+            loss: fit(&scorings, &scoring, &scoring),
             optimizer: fit(&bytes_of(runs, false), &optimizer, &optimizer_scale),
         })
     }

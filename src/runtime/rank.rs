@@ -460,13 +460,14 @@ impl Rank {
         Ok(done)
     }
 
-    /// Runs a compute task on one of the CPU pool's workers ([`crate::backend::cpu::on_worker`]) when this
-    /// rank's thread is not one (ranks as threads, an MPI process's main thread): from outside
-    /// the pool its operators cost 10–15% more of a small model's step on 2 cores. Only where every rank of the process can have a worker of its own:
-    /// with more ranks than workers, a worker waiting inside one rank's task runs another
-    /// rank's whole task before it returns (4 ranks on 2 threads measured 15% slower so). A
-    /// rank whose compute waits on other ranks (halos of tiles) stays on its thread: on a
-    /// worker it could be waiting under another rank's task, which waits for it.
+    /// Runs a compute task on one of the CPU pool's workers ([`crate::backend::cpu::on_worker`])
+    /// when this rank's thread is not one (ranks as threads, an MPI process's main thread): from
+    /// outside the pool its operators cost 10–15% more of a small model's step on 2 cores. Only
+    /// where every rank of the process can have a worker of its own: with more ranks than
+    /// workers, a worker waiting inside one rank's task runs another rank's whole task before
+    /// it returns (4 ranks on 2 threads measured 15% slower so). A rank whose compute waits on
+    /// other ranks (halos of tiles) stays on its thread: on a worker it could be waiting under
+    /// another rank's task, which waits for it.
     fn on_pool(&mut self, f: impl FnOnce(&mut Rank) -> Result<Instant> + Send) -> Result<Instant> {
         let cpu = self.c.train.device == crate::backend::DeviceKind::Cpu;
         let own_worker = self.pool_sharers <= rayon::current_num_threads();
