@@ -372,3 +372,31 @@ fn offload_and_prefetch_tasks_free_the_device_until_the_pass_that_reads_it() {
         .to_json()
         .contains(r#"{"kind":"OFFLOAD","stage":0,"micro_batch":0,"replica":0}"#));
 }
+
+#[test]
+fn a_plan_of_one_schedule_measures_its_step_when_asked() {
+    let dir = tempfile::tempdir().unwrap();
+    exported(dir.path());
+    let path = dir.path().join("1f1b.json");
+    let mut args = vec![
+        "plan",
+        "--schedule-file",
+        path.to_str().unwrap(),
+        "--measure",
+        "3",
+    ];
+    args.extend(RUN);
+    let out = gems(&args);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let text = String::from_utf8(out.stdout).unwrap();
+    let line = (text.lines())
+        .find(|l| l.starts_with("measured step "))
+        .unwrap_or_else(|| panic!("no measured step in:\n{text}"));
+    let seconds: f64 = line.split_whitespace().nth(2).unwrap().parse().unwrap();
+    assert!(seconds > 0.0 && seconds < 60.0, "{line}");
+    assert!(line.contains("3 steps on local ranks"), "{line}");
+}

@@ -775,7 +775,7 @@ pub struct TrainArgs {
     /// A profile from `gems calibrate`: measured op times to split and schedule with.
     #[arg(long, value_name = "FILE")]
     pub calibration: Option<PathBuf>,
-    /// Plan with --order all: also train this many steps of each order on local ranks and
+    /// Plan: also train this many steps on local ranks (of each order, with --order all) and
     /// print the measured step (the median after the first).
     #[arg(long, value_name = "STEPS")]
     pub measure: Option<usize>,

@@ -68,17 +68,7 @@ fn compare_orders(a: &TrainArgs) -> anyhow::Result<()> {
         let layout = Layout::new(&graph, &c)?;
         let peaks = fit::per_rank(&graph, &c)?;
         let measured = match a.measure {
-            Some(steps) => {
-                let data = crate::train::open_data(&graph, &c, false, true)?;
-                let mut session = gems::Session::new(&graph, c.clone(), data)?;
-                let mut times = Vec::new();
-                for _ in 0..steps.max(2) {
-                    times.push(session.step()?.seconds);
-                }
-                times.remove(0);
-                times.sort_by(f64::total_cmp);
-                format!("{:.3} s", times[times.len() / 2])
-            }
+            Some(steps) => format!("{:.3} s", measured_step(&graph, &c, steps)?),
             None => "-".into(),
         };
         println!(
@@ -96,6 +86,24 @@ fn compare_orders(a: &TrainArgs) -> anyhow::Result<()> {
         );
     }
     Ok(())
+}
+
+/// Trains `steps` steps (at least 2) of the plan on local ranks: the median step after the
+/// first, which fills the loader and the memory pools.
+fn measured_step(
+    graph: &gems::graph::Graph,
+    c: &gems::RunConfig,
+    steps: usize,
+) -> anyhow::Result<f64> {
+    let data = crate::train::open_data(graph, c, false, true)?;
+    let mut session = gems::Session::new(graph, c.clone(), data)?;
+    let mut times = Vec::new();
+    for _ in 0..steps.max(2) {
+        times.push(session.step()?.seconds);
+    }
+    times.remove(0);
+    times.sort_by(f64::total_cmp);
+    Ok(times[times.len() / 2])
 }
 
 /// The partition, the predicted schedule, and each rank's memory by category against capacity.
@@ -190,6 +198,16 @@ pub fn plan(a: TrainArgs) -> anyhow::Result<()> {
         images / layout.predicted_step(false),
         100.0 * layout.schedule.bubble()
     );
+    if let Some(steps) = a.measure {
+        let measured = measured_step(&graph, &c, steps)?;
+        println!(
+            "measured step {measured:.3} s, {:.1} images/s ({} steps on local ranks, the median \
+             after the first; predicted {:+.1}%)",
+            images / measured,
+            steps.max(2),
+            100.0 * (step / measured - 1.0)
+        );
+    }
     let rule = match &layout.admission {
         Admission::Count(n) => format!("at most {n} by count"),
         Admission::Bytes(_) => format!(
