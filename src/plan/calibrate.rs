@@ -507,8 +507,8 @@ pub fn cache_dir() -> Option<std::path::PathBuf> {
 /// every op of `graph` timed on the run's first GPU, at its micro-batch, the first time this
 /// configuration runs there, then kept in `keep_in` ([`cache_dir`] for the command line) and
 /// read back by later runs. The file's name holds a hash of the model, the GPU, its kernels'
-/// sources and this version of gems: a change to any of them measures afresh. `None` for a
-/// CPU run: the fitted CPU model prices it.
+/// sources, this file's (how it times them) and this version of gems: a change to any of them
+/// measures afresh. `None` for a CPU run: the fitted CPU model prices it.
 pub fn on_first_use(
     graph: &Graph,
     c: &RunConfig,
@@ -527,6 +527,7 @@ pub fn on_first_use(
         device.backend().name().hash(&mut h);
         crate::backend::cuda::kernels::SOURCES.hash(&mut h);
         crate::backend::cuda::kernels::HEADER.hash(&mut h);
+        include_str!("calibrate.rs").hash(&mut h);
         env!("CARGO_PKG_VERSION").hash(&mut h);
         format!(
             "{}-{}-{}-micro{micro}-{}-{:016x}.json",

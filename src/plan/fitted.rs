@@ -312,6 +312,30 @@ fn loss_work(g: &Graph, value: ValueId, batch: usize, dtype: DType) -> Work {
     }
 }
 
+/// Of the calibrations of each configuration (model, input side, classes, micro-batch and
+/// activations' dtype), the one with the least op time, in the order they came.
+fn fastest_of_each(runs: &[(Graph, Calibration)]) -> Vec<(Graph, Calibration)> {
+    let key = |c: &Calibration| {
+        (
+            c.model.clone(),
+            c.image_size,
+            c.classes,
+            c.micro_batch,
+            c.dtype,
+        )
+    };
+    let ops = |c: &Calibration| c.forward.iter().chain(&c.backward).sum::<f64>();
+    let mut fastest: Vec<(Graph, Calibration)> = Vec::new();
+    for (g, cal) in runs {
+        match fastest.iter_mut().find(|(_, c)| key(c) == key(cal)) {
+            Some(kept) if ops(cal) < ops(&kept.1) => *kept = (g.clone(), cal.clone()),
+            Some(_) => {}
+            None => fastest.push((g.clone(), cal.clone())),
+        }
+    }
+    fastest
+}
+
 /// An optimizer step over `g`'s parameters: their bytes.
 fn param_work(g: &Graph, dtype: DType) -> Work {
     let n: usize = g.params.iter().map(|p| p.spec.shape.numel()).sum();
@@ -323,11 +347,14 @@ fn param_work(g: &Graph, dtype: DType) -> Work {
 
 impl FittedCosts {
     /// Fits every family seen in `runs` (graphs with a calibration of each, all at one thread
-    /// count on one machine): the rates with the least relative error, none negative.
+    /// count on one machine): the rates with the least relative error, none negative. Of
+    /// several calibrations of one configuration only the fastest counts: on a shared machine
+    /// a neighbour only adds time, and the fastest round is the machine's own speed.
     pub fn fit(machine: &str, threads: usize, runs: &[(Graph, Calibration)]) -> Result<Self> {
         if runs.is_empty() {
             return Err(Error::Config("nothing to fit: no calibration given".into()));
         }
+        let runs = &fastest_of_each(runs)[..];
         let mut by_family: BTreeMap<String, Vec<OpSample>> = BTreeMap::new();
         for (g, cal) in runs {
             for s in samples(g, cal) {
@@ -600,8 +627,8 @@ mod tests {
         }
     }
 
-    /// Op and loss times made by known rates, with 4 MiB in cache, are fitted back: the cache
-    /// size is found, and every node's and output's seconds at micro-batches the fit did not
+    /// Op and loss times made by known rates, with 4 MiB in cache, are fitted back from the
+    /// fastest of two rounds: the cache size is found, and every node's and output's seconds at micro-batches the fit did not
     /// see, in cache and beyond it, and those of a model it did not see come out as the rates
     /// say.
     #[test]
@@ -627,7 +654,23 @@ mod tests {
             ],
             &rate,
         );
-        let fit = FittedCosts::fit("test", 1, &runs).unwrap();
+        // Every configuration also calibrated in a slow minute (a neighbour busy, each time
+        // 30% longer), before its true round: the fit keeps the fastest.
+        let mut rounds: Vec<(Graph, Calibration)> = (runs.iter())
+            .map(|(g, c)| {
+                let mut slow = c.clone();
+                for t in (slow.forward.iter_mut())
+                    .chain(&mut slow.backward)
+                    .chain(&mut slow.loss)
+                    .chain([&mut slow.data, &mut slow.optimizer])
+                {
+                    *t *= 1.3;
+                }
+                (g.clone(), slow)
+            })
+            .collect();
+        rounds.extend(runs.iter().cloned());
+        let fit = FittedCosts::fit("test", 1, &rounds).unwrap();
         assert_eq!(fit.cache_bytes, 4.0 * MIB);
         // A model the fit has not seen, of the same families at other shapes, too.
         let unseen = crate::models::build("resnet56v2", 48, 3).unwrap();
