@@ -11,12 +11,13 @@ order is measured in --rounds rounds; every round visits every order of every ru
 shuffled sequence, so an order's rounds lie minutes apart. The fastest round is the machine's
 own speed, the one the model is fitted to (`gems fit-costs` keeps the fastest calibration of
 each configuration) and the one this checks; the rounds' median is printed beside it. Each
-measurement trains about --seconds of steps after the first (at least 6).
+measurement trains about --seconds of steps after the first (at least 3): the shorter a
+measurement, the likelier a round finds the machine undisturbed throughout.
 
-    scripts/bench_cost_model.py [--rounds 5] [--seconds 4] [--threads N]
+    scripts/bench_cost_model.py [--rounds 10] [--seconds 2] [--threads N]
 
 Run from the repository root after `cargo build --release`, on a quiet machine (a busy core
-slows a step more than the ops it was fitted to); about 14 minutes on 2 cores. Exits 1 when an
+slows a step more than the ops it was fitted to); about 20 minutes on 2 cores. Exits 1 when an
 error exceeds the limit.
 """
 
@@ -58,10 +59,10 @@ def first(pattern, lines):
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("--rounds", type=int, default=5)
-    # The first steps of a small model are slow (the loader and the memory pools filling): a
-    # few seconds of steps keep them out of the median.
-    p.add_argument("--seconds", type=float, default=4.0)
+    p.add_argument("--rounds", type=int, default=10)
+    # The first steps of a small model are slow (the loader and the memory pools filling):
+    # two seconds of its steps keep them out of the median.
+    p.add_argument("--seconds", type=float, default=2.0)
     p.add_argument("--threads", type=int, default=os.cpu_count())
     a = p.parse_args()
 
@@ -73,7 +74,7 @@ def main():
             m = ORDER_ROW.match(line)
             if m:
                 predicted = float(m.group(2))
-                steps = 1 + max(6, math.ceil(a.seconds / predicted))
+                steps = 1 + max(3, math.ceil(a.seconds / predicted))
                 units.append((name, m.group(1), (model, side, batch, flags), predicted, steps))
 
     measured = {(u[0], u[1]): [] for u in units}
