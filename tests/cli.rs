@@ -422,3 +422,54 @@ fn resume_accepts_the_checkpoints_values_and_refuses_others() {
     }
     std::fs::remove_dir_all(dir).ok();
 }
+
+/// `gems fit-costs` fits the fastest of a configuration's calibrations and reports each model
+/// against it: a second calibration of the same model, every op twice as slow (a busy
+/// neighbour), is named the slowest and moves nothing.
+#[test]
+fn fit_costs_keeps_the_fastest_calibration_of_a_configuration() {
+    use gems::plan::calibrate::Calibration;
+    let dir = tempfile::tempdir().unwrap();
+    let (fast, slow, out) = (
+        dir.path().join("fast.json"),
+        dir.path().join("slow.json"),
+        dir.path().join("costs.json"),
+    );
+    let (ok, _, err) = gems(&[
+        "--threads",
+        "1",
+        "calibrate",
+        "--model",
+        "resnet20v2",
+        "--batch-size",
+        "2",
+        "--repeats",
+        "1",
+        "--out",
+        fast.to_str().unwrap(),
+    ]);
+    assert!(ok, "{err}");
+    let mut cal = Calibration::load(&fast).unwrap();
+    let ms = |c: &Calibration| 1e3 * c.forward.iter().chain(&c.backward).sum::<f64>();
+    let fastest = ms(&cal);
+    for t in cal.forward.iter_mut().chain(&mut cal.backward) {
+        *t *= 2.0;
+    }
+    cal.save(&slow).unwrap();
+    let fit = |profiles: &[&std::path::Path]| {
+        let mut args = vec!["fit-costs", "--out", out.to_str().unwrap()];
+        args.extend(profiles.iter().map(|p| p.to_str().unwrap()));
+        let (ok, text, err) = gems(&args);
+        assert!(ok, "{err}");
+        (text, std::fs::read_to_string(&out).unwrap())
+    };
+    let (text, both) = fit(&[&slow, &fast]);
+    let line = (text.lines())
+        .find(|l| l.trim_start().starts_with("resnet20v2"))
+        .unwrap_or_else(|| panic!("no resnet20v2 line in:\n{text}"));
+    assert!(
+        line.contains(&format!("{fastest:.1} ms (slowest {:.1})", ms(&cal))),
+        "{line}"
+    );
+    assert_eq!(both, fit(&[&fast]).1, "the slow calibration moved the fit");
+}
