@@ -78,8 +78,8 @@ def main():
                 units.append((name, m.group(1), (model, side, batch, flags), predicted, steps))
 
     measured = {(u[0], u[1]): [] for u in units}
-    for round in range(a.rounds):
-        for name, order, run, predicted, steps in random.Random(round).sample(units, len(units)):
+    for seed in range(a.rounds):
+        for name, order, run, predicted, steps in random.Random(seed).sample(units, len(units)):
             out = gems(a.threads, *run, "--order", order, "--measure", str(steps))
             if abs(first(PREDICTED, out) - predicted) > 5e-4:
                 sys.exit(f"{name} {order}: the plan's prediction moved between calls")
