@@ -503,8 +503,11 @@ fn fit_rate(work: &[Work], seconds: &[f64], scale: &[f64], cache: f64) -> (Rate,
             }
         })
         .collect();
+    // A price per byte beyond the cache is only told from noise where some op reaches well
+    // past it: fitted on ops that barely pass the cache, it extrapolates wildly.
+    let cold = work.iter().map(|w| w.bytes - cache).fold(0.0, f64::max) >= cache;
     let mut best: Option<([f64; TERMS], f64)> = None;
-    for mask in 1u8..1 << TERMS {
+    for mask in (1u8..1 << TERMS).filter(|m| cold || m & (1 << 5) == 0) {
         let cols: Vec<usize> = (0..TERMS).filter(|j| mask & (1 << j) != 0).collect();
         let k = cols.len();
         let mut ata = vec![vec![0.0; k]; k];
@@ -648,12 +651,16 @@ mod tests {
                 ("resnet20v2", 32, 64),
                 ("resnet20v2", 64, 2),
                 ("resnet20v2", 64, 24),
+                ("resnet20v2", 64, 160),
                 ("unet_d2_w4", 32, 2),
                 ("unet_d2_w4", 32, 40),
                 ("unet_d2_w4", 32, 96),
+                ("unet_d2_w4", 32, 768),
             ],
             &rate,
         );
+        // The largest micro-batches take every family's ops to twice the cache or more: a
+        // cold byte's price needs ops well past it.
         // Every configuration also calibrated in a slow minute (a neighbour busy, each time
         // 30% longer), before its true round: the fit keeps the fastest.
         let mut rounds: Vec<(Graph, Calibration)> = (runs.iter())
@@ -695,6 +702,34 @@ mod tests {
         }
         let g = &runs[0].0;
         assert!((fit.optimizer(g, DType::F32) / 2e-3 - 1.0).abs() < 1e-6);
+    }
+
+    /// Ops that barely pass the cache cannot price a byte beyond it: one of them timed 20%
+    /// long (a busy minute) leaves the price at the fitted per-byte rate, and an op sixteen
+    /// times the cache costs what its bytes do, not what a steep cold-byte rate would make
+    /// of that minute.
+    #[test]
+    fn a_cold_byte_is_priced_only_where_ops_reach_well_past_the_cache() {
+        let cache = 4.0 * MIB;
+        let work: Vec<Work> = [1.0, 2.0, 3.0, 4.0, 4.5, 5.0]
+            .map(|mib| Work {
+                bytes: mib * MIB,
+                ..Work::default()
+            })
+            .to_vec();
+        let mut seconds: Vec<f64> = work.iter().map(|w| 1e-10 * w.bytes).collect();
+        *seconds.last_mut().unwrap() *= 1.2;
+        let (rate, _) = fit_rate(&work, &seconds, &seconds, cache);
+        assert_eq!(rate.per_cold_byte, 0.0, "{rate:?}");
+        let big = Work {
+            bytes: 64.0 * MIB,
+            ..Work::default()
+        };
+        let price = rate.seconds(&big, cache) / (1e-10 * big.bytes);
+        assert!(
+            (0.8..1.3).contains(&price),
+            "{price} times its bytes' price"
+        );
     }
 
     /// Where calibrations timed B and W apart, each family that splits its backward is
