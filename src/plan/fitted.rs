@@ -74,6 +74,9 @@ impl Work {
 /// How many terms a [`Rate`] has.
 const TERMS: usize = 7;
 
+/// Where the bytes beyond the cache sit among [`Work::terms`].
+const COLD_TERM: usize = 5;
+
 /// Seconds of one call: a fixed part plus parts per image, per output plane, per FLOP, per
 /// byte of activations (and per byte beyond what stays in cache) and per byte of parameters.
 #[derive(Clone, Copy, Debug, Default, PartialEq, serde::Serialize, serde::Deserialize)]
@@ -507,7 +510,7 @@ fn fit_rate(work: &[Work], seconds: &[f64], scale: &[f64], cache: f64) -> (Rate,
     // past it: fitted on ops that barely pass the cache, it extrapolates wildly.
     let cold = work.iter().map(|w| w.bytes - cache).fold(0.0, f64::max) >= cache;
     let mut best: Option<([f64; TERMS], f64)> = None;
-    for mask in (1u8..1 << TERMS).filter(|m| cold || m & (1 << 5) == 0) {
+    for mask in (1u8..1 << TERMS).filter(|m| cold || m & (1 << COLD_TERM) == 0) {
         let cols: Vec<usize> = (0..TERMS).filter(|j| mask & (1 << j) != 0).collect();
         let k = cols.len();
         let mut ata = vec![vec![0.0; k]; k];
@@ -631,9 +634,9 @@ mod tests {
     }
 
     /// Op and loss times made by known rates, with 4 MiB in cache, are fitted back from the
-    /// fastest of two rounds: the cache size is found, and every node's and output's seconds at micro-batches the fit did not
-    /// see, in cache and beyond it, and those of a model it did not see come out as the rates
-    /// say.
+    /// fastest of two rounds: the cache size is found, and every node's and output's seconds
+    /// at micro-batches the fit did not see, in cache and beyond it, and those of a model it
+    /// did not see come out as the rates say.
     #[test]
     fn a_fit_recovers_the_rates_that_made_the_times() {
         let rate = Rate {
@@ -645,6 +648,8 @@ mod tests {
             per_cold_byte: 2e-10,
             per_param_byte: 5e-10,
         };
+        // The largest micro-batches take every family's ops to twice the cache or more: a
+        // cold byte's price needs ops well past it.
         let runs = calibrated(
             &[
                 ("resnet20v2", 32, 2),
@@ -659,8 +664,6 @@ mod tests {
             ],
             &rate,
         );
-        // The largest micro-batches take every family's ops to twice the cache or more: a
-        // cold byte's price needs ops well past it.
         // Every configuration also calibrated in a slow minute (a neighbour busy, each time
         // 30% longer), before its true round: the fit keeps the fastest.
         let mut rounds: Vec<(Graph, Calibration)> = (runs.iter())
