@@ -30,6 +30,20 @@ const RUN: [&str; 10] = [
     "1",
 ];
 
+/// What `gems plan --schedule-file path` prints for the run `RUN` with `more` flags.
+fn plan_of(path: &Path, more: &[&str]) -> String {
+    let mut args = vec!["plan", "--schedule-file", path.to_str().unwrap()];
+    args.extend(RUN);
+    args.extend(more);
+    let out = gems(&args);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout).unwrap()
+}
+
 /// `gems schedule export` of 1F1B on 2 ranks, 4 micro-batches.
 fn exported(dir: &Path) -> Schedule {
     let out = gems(&[
@@ -205,15 +219,7 @@ fn deferring_every_w_holds_more_memory_than_1f1b_and_plans_say_so() {
     let good = exported(dir.path());
     let late = common::defer_weights(&good);
     let peak = |path: &Path| -> f64 {
-        let mut args = vec!["plan", "--schedule-file", path.to_str().unwrap()];
-        args.extend(RUN);
-        let out = gems(&args);
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        let text = String::from_utf8(out.stdout).unwrap();
+        let text = plan_of(path, &[]);
         let line = text
             .lines()
             .find(|l| l.trim_start().starts_with("rank 0:"))
@@ -377,22 +383,7 @@ fn offload_and_prefetch_tasks_free_the_device_until_the_pass_that_reads_it() {
 fn a_plan_of_one_schedule_measures_its_step_when_asked() {
     let dir = tempfile::tempdir().unwrap();
     exported(dir.path());
-    let path = dir.path().join("1f1b.json");
-    let mut args = vec![
-        "plan",
-        "--schedule-file",
-        path.to_str().unwrap(),
-        "--measure",
-        "3",
-    ];
-    args.extend(RUN);
-    let out = gems(&args);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let text = String::from_utf8(out.stdout).unwrap();
+    let text = plan_of(&dir.path().join("1f1b.json"), &["--measure", "3"]);
     let line = (text.lines())
         .find(|l| l.starts_with("measured step "))
         .unwrap_or_else(|| panic!("no measured step in:\n{text}"));
