@@ -17,7 +17,7 @@ measurement, the likelier a round finds the machine undisturbed throughout.
     scripts/bench_cost_model.py [--rounds 10] [--seconds 2] [--threads N]
 
 Run from the repository root after `cargo build --release`, on a quiet machine (a busy core
-slows a step more than the ops it was fitted to); about 20 minutes on 2 cores. Exits 1 when an
+slows a step more than the ops it was fitted to); about 25 minutes on 2 cores. Exits 1 when an
 error exceeds the limit.
 """
 
@@ -33,13 +33,22 @@ import sys
 GEMS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "target", "release", "gems")
 LIMIT = 0.10
 
-# (model, side, batch, scheme flags): a single device, and pipelines on two local ranks.
+# (model, side, batch, scheme flags, orders to measure; None: every order the scheme runs).
+# Single devices, at sizes inside the calibrated corpus and at 4 and 16 times the pixels of its
+# largest resnet110v2 (256² and 512², where the model extrapolates; 256² B=2 and resnet50 224²
+# B=8 are the steps the model was first held to), and pipelines on two local ranks. One device
+# with one micro-batch runs every order alike but for a split backward, so 1F1B and ZB-H1 stand
+# for the orders at the large sizes.
+FUSED_AND_SPLIT = ("1f1b", "zbh1")
 RUNS = [
-    ("resnet110v2", 128, 4, ["--scheme", "single"]),
-    ("resnet110v2", 128, 8, ["--scheme", "mp", "--split", "2", "--parts", "4"]),
-    ("resnet56v2", 64, 16, ["--scheme", "mp", "--split", "2", "--parts", "4"]),
-    ("unet_d3_w16", 128, 4, ["--scheme", "mp", "--split", "2", "--parts", "4"]),
-    ("resnet110v2", 128, 8, ["--scheme", "mast", "--split", "2", "--parts", "2"]),
+    ("resnet110v2", 128, 4, ["--scheme", "single"], None),
+    ("resnet110v2", 256, 2, ["--scheme", "single"], FUSED_AND_SPLIT),
+    ("resnet110v2", 512, 1, ["--scheme", "single"], FUSED_AND_SPLIT),
+    ("resnet50", 224, 8, ["--scheme", "single"], FUSED_AND_SPLIT),
+    ("resnet110v2", 128, 8, ["--scheme", "mp", "--split", "2", "--parts", "4"], None),
+    ("resnet56v2", 64, 16, ["--scheme", "mp", "--split", "2", "--parts", "4"], None),
+    ("unet_d3_w16", 128, 4, ["--scheme", "mp", "--split", "2", "--parts", "4"], None),
+    ("resnet110v2", 128, 8, ["--scheme", "mast", "--split", "2", "--parts", "2"], None),
 ]
 
 ORDER_ROW = re.compile(r"^(\S+)\s+[\d.]+%\s+[\d.]+ s\s+([\d.]+) s")
@@ -68,11 +77,11 @@ def main():
 
     # Every order each run's scheme can run, with its predicted step and its steps to train.
     units = []
-    for model, side, batch, flags in RUNS:
+    for model, side, batch, flags, orders in RUNS:
         name = f"{model} {side}² B={batch} {' '.join(flags[1:])}"
         for line in gems(a.threads, model, side, batch, flags, "--order", "all"):
             m = ORDER_ROW.match(line)
-            if m:
+            if m and (orders is None or m.group(1) in orders):
                 predicted = float(m.group(2))
                 steps = 1 + max(3, math.ceil(a.seconds / predicted))
                 units.append((name, m.group(1), (model, side, batch, flags), predicted, steps))
