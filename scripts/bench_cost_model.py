@@ -35,10 +35,9 @@ LIMIT = 0.10
 
 # (model, side, batch, scheme flags, orders to measure; None: every order the scheme runs).
 # Single devices, at sizes inside the calibrated corpus and at 4 and 16 times the pixels of its
-# largest resnet110v2 (256² and 512², where the model extrapolates; 256² B=2 and resnet50 224²
-# B=8 are the steps the model was first held to), and pipelines on two local ranks. One device
-# with one micro-batch runs every order alike but for a split backward, so 1F1B and ZB-H1 stand
-# for the orders at the large sizes.
+# largest resnet110v2 (256² and 512², where the model extrapolates), and pipelines on two local
+# ranks. One device with one micro-batch runs every order alike but for a split backward, so
+# 1F1B and ZB-H1 stand for the orders at the large sizes.
 FUSED_AND_SPLIT = ("1f1b", "zbh1")
 RUNS = [
     ("resnet110v2", 128, 4, ["--scheme", "single"], None),
