@@ -4,11 +4,14 @@
 # backward's B and W also apart, and the loss at each output) at 1 thread and at every core,
 # then fits each op family's seconds per call, per image, per output plane, per FLOP and per
 # byte (those beyond the cache apart), how its backward divides into B and W, and the loss's
-# seconds (`gems fit-costs`). The corpus is calibrated ROUNDS times over (default 3) and the fit
-# keeps each configuration's fastest round: a shared VM's speed moves by 10-40% from one minute
-# to the next (its neighbours only add time), and its fastest round, the machine's own speed,
-# holds from hour to hour. Run on a quiet machine after `cargo build --release`; takes about
-# five and a half minutes a round on 2 cores. Check the result with scripts/bench_cost_model.py.
+# seconds (`gems fit-costs`), and last how much slower than those fits ranks computing at once
+# on this CPU run (scripts/fit_at_once.py, from measured steps of two-rank pipelines). The
+# corpus is calibrated ROUNDS times over (default 3) and the fit keeps each configuration's
+# fastest round: a shared VM's speed moves by 10-40% from one minute to the next (its
+# neighbours only add time), and its fastest round, the machine's own speed, holds from hour
+# to hour. Run on a quiet machine after `cargo build --release`; takes about five and a half
+# minutes a round on 2 cores, and two more for the pipelines. Check the result with
+# scripts/bench_cost_model.py.
 #
 #   scripts/fit_cpu_costs.sh [OUT [PROFILES [ROUNDS]]]
 #
@@ -55,3 +58,4 @@ for round in $(seq "$ROUNDS"); do
     done
 done
 "$GEMS" fit-costs --out "$OUT" "$DIR"/*.json
+python3 scripts/fit_at_once.py "$OUT"

@@ -99,6 +99,14 @@ fn bad_input_gets_one_line_and_a_failure() {
         ),
         (vec!["train", "--scheme", "warp"], "unknown scheme"),
         (
+            vec!["--cpu-costs", "Cargo.toml", "plan"],
+            "Cargo.toml: not a CPU cost fit",
+        ),
+        (
+            vec!["--cpu-costs", "no-such-fit.json", "plan"],
+            "no-such-fit.json",
+        ),
+        (
             vec![
                 "train",
                 "--scheme",
@@ -472,4 +480,30 @@ fn fit_costs_keeps_the_fastest_calibration_of_a_configuration() {
         "{line}"
     );
     assert_eq!(both, fit(&[&fast]).1, "the slow calibration moved the fit");
+    // Planned with a fit of the slow calibration alone instead of the built-in one, a step
+    // costs about what that calibration measured.
+    fit(&[&slow]);
+    let (ok, text, err) = gems(&[
+        "--threads",
+        "1",
+        "--cpu-costs",
+        out.to_str().unwrap(),
+        "plan",
+        "--model",
+        "resnet20v2",
+        "--batch-size",
+        "2",
+    ]);
+    assert!(ok, "{err}");
+    let step: f64 = (text.lines())
+        .find_map(|l| l.strip_prefix("predicted step "))
+        .and_then(|l| l.split(' ').next())
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| panic!("no predicted step in:\n{text}"));
+    let ratio = 1e3 * step / ms(&cal);
+    assert!(
+        (0.8..1.25).contains(&ratio),
+        "{step} s against {} ms",
+        ms(&cal)
+    );
 }

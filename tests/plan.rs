@@ -928,3 +928,48 @@ fn tiles_say_where_they_stop_and_a_grid_too_fine_is_refused() {
         "{e}"
     );
 }
+
+/// Ranks sharing the CPU: two data-parallel ranks of one stage compute at once the whole step,
+/// so on two threads (where the committed fits were made at 1 and 2) each runs every pass at
+/// the one-thread fit's time, `at_once` times over.
+#[test]
+fn two_ranks_at_once_on_two_threads_run_at_the_one_thread_fit() {
+    use gems::plan::cost::{DeviceProfile, NodeCosts};
+    use gems::plan::fitted;
+    use gems::schemes::schedule::Pass;
+    let run = config(
+        "resnet20v2",
+        32,
+        8,
+        Scheme::new(Kind::Mp, 1, 2, 1, 2, Order::GPipe),
+        None,
+    );
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(2)
+        .build()
+        .unwrap();
+    let layout = pool.install(|| layout_of(&run));
+    let one = NodeCosts::fitted(
+        &layout.graph,
+        run.micro_batch(),
+        run.train.activations(),
+        fitted::cpu_for(1),
+        &DeviceProfile::CPU,
+    )
+    .stage_costs(&layout.partition.stages);
+    let passes = |rank: &[gems::schemes::schedule::Timed]| -> f64 {
+        (rank.iter())
+            .filter(|t| matches!(t.task.pass, Pass::Forward | Pass::Backward))
+            .map(|t| t.end - t.start)
+            .sum()
+    };
+    let expected = 2.0 * (one.forward[0] + one.backward[0]) * fitted::cpu_for(2).at_once;
+    let shared = passes(&layout.shared.ranks[0]);
+    assert!(
+        (shared - expected).abs() < 1e-9 * expected,
+        "{shared} s of passes against {expected} s"
+    );
+    // Alone on the two threads, the same passes cost the two-thread fit's time.
+    let alone = passes(&layout.schedule.ranks[0]);
+    assert!(alone < shared, "{alone} s alone against {shared} s at once");
+}

@@ -218,6 +218,17 @@ pub struct FittedCosts {
     pub loss: Rate,
     /// One optimizer step: per byte of parameters.
     pub optimizer: Rate,
+    /// How many times as long a rank's ops take while several ranks compute at once on these
+    /// threads as the fit at its share of them predicts (two ranks on two threads: the
+    /// one-thread fit): what they share besides the cores (cache, memory bandwidth, the
+    /// pool's hand-offs, the heap). Fitted to measured steps of two-rank pipelines
+    /// (`scripts/fit_at_once.py`); 1 where none were measured.
+    #[serde(default = "unmeasured")]
+    pub at_once: f64,
+}
+
+fn unmeasured() -> f64 {
+    1.0
 }
 
 /// What node `n` of `g` is for the cost model: a convolution by kernel, stride and grouping
@@ -425,6 +436,7 @@ impl FittedCosts {
             data: fit(&bytes_of(runs, true), &data, &data_scale),
             loss: fit(&scorings, &scoring, &scoring),
             optimizer: fit(&bytes_of(runs, false), &optimizer, &optimizer_scale),
+            at_once: unmeasured(),
         })
     }
 
@@ -463,12 +475,33 @@ impl FittedCosts {
     }
 }
 
-/// The committed fits of this project's CPU kernels, one per thread count measured.
+static CPU_FITS: OnceLock<Vec<FittedCosts>> = OnceLock::new();
+
+/// The fits of this project's CPU kernels the default model uses, one per thread count
+/// measured: the committed ones (`src/plan/cpu_costs.json`) unless [`use_cpu_fits`] chose others.
 pub fn cpu() -> &'static [FittedCosts] {
-    static FITS: OnceLock<Vec<FittedCosts>> = OnceLock::new();
-    FITS.get_or_init(|| {
+    CPU_FITS.get_or_init(|| {
         serde_json::from_str(include_str!("cpu_costs.json"))
             .expect("src/plan/cpu_costs.json is checked by the tests")
+    })
+}
+
+/// Makes the default CPU model use the fits `gems fit-costs` wrote to `path` (another
+/// machine's, or a refit) instead of the committed ones, for the rest of the process: called
+/// before anything is planned.
+pub fn use_cpu_fits(path: &std::path::Path) -> Result<()> {
+    let text = crate::core::files::read_text(path)?;
+    let fits: Vec<FittedCosts> = serde_json::from_str(&text).map_err(|e| {
+        Error::Config(format!(
+            "{}: not a CPU cost fit as `gems fit-costs` writes it: {e}",
+            path.display()
+        ))
+    })?;
+    if fits.is_empty() {
+        return Err(Error::Config(format!("{}: no fit in it", path.display())));
+    }
+    CPU_FITS.set(fits).map_err(|_| {
+        Error::Config("the CPU cost fits are chosen before anything is planned".into())
     })
 }
 
@@ -481,6 +514,26 @@ pub fn cpu_for(threads: usize) -> &'static FittedCosts {
         .max_by_key(|f| f.threads)
         .or_else(|| fits.iter().min_by_key(|f| f.threads))
         .expect("src/plan/cpu_costs.json holds at least one fit")
+}
+
+/// What each of `ranks` ranks computing at once on `threads` threads pays: the fit at its
+/// share of the threads, and how many times its times they take: for two ranks or more, the
+/// [`FittedCosts::at_once`] of the fit at `threads`, times the turns ranks take where there
+/// are more ranks than threads. `None` where no fit was
+/// measured at `threads`, or none at the share.
+pub fn cpu_shared(threads: usize, ranks: usize) -> Option<(&'static FittedCosts, f64)> {
+    let alone = cpu().iter().find(|f| f.threads == threads)?;
+    if ranks <= 1 {
+        return Some((alone, 1.0));
+    }
+    let share = match threads % ranks {
+        0 => threads / ranks,
+        _ if ranks > threads => 1,
+        _ => return None,
+    };
+    let fit = cpu().iter().find(|f| f.threads == share)?;
+    let turns = (ranks as f64 / threads as f64).max(1.0);
+    Some((fit, alone.at_once * turns))
 }
 
 /// The non-negative `Rate` with the least squared error over `work → seconds` with `cache`
@@ -637,6 +690,22 @@ mod tests {
     /// fastest of two rounds: the cache size is found, and every node's and output's seconds
     /// at micro-batches the fit did not see, in cache and beyond it, and those of a model it
     /// did not see come out as the rates say.
+    #[test]
+    fn ranks_at_once_are_priced_at_their_share_of_the_threads() {
+        let at = |threads: usize| cpu().iter().find(|f| f.threads == threads).unwrap();
+        let shared = |threads, ranks| cpu_shared(threads, ranks).map(|(f, by)| (f.threads, by));
+        let at_once = at(2).at_once;
+        assert!(at_once >= 1.0, "{at_once}");
+        assert_eq!(shared(2, 1), Some((2, 1.0)));
+        assert_eq!(shared(2, 2), Some((1, at_once)));
+        assert_eq!(shared(2, 3), Some((1, 1.5 * at_once)));
+        assert_eq!(shared(2, 4), Some((1, 2.0 * at_once)));
+        assert_eq!(shared(1, 2), Some((1, 2.0 * at(1).at_once)));
+        // No fit at 4 threads, nor at 3 of them each: the caller shares the speed instead.
+        assert_eq!(shared(4, 2), None);
+        assert_eq!(shared(3, 1), None);
+    }
+
     #[test]
     fn a_fit_recovers_the_rates_that_made_the_times() {
         let rate = Rate {

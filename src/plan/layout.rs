@@ -4,6 +4,7 @@
 
 use std::sync::Arc;
 
+use crate::backend::DeviceKind;
 use crate::graph::{Graph, Output, ValueId};
 use crate::plan::config::RunConfig;
 use crate::plan::cost::{reduce_costs, DeviceProfile, Link, NodeCosts, TileCosts};
@@ -267,36 +268,62 @@ impl Layout {
         let reduce = reduce_costs(&graph, &c.scheme, stages, t.dtype, c.scheme.dp, &Link::CPU);
         // Each rank steps the optimizer over its copies' share of the parameters (by tensor).
         let total = graph.params.len().max(1) as f64;
-        let step: Vec<f64> = (0..c.scheme.stages)
-            .map(|slot| {
-                let held: usize = (0..c.scheme.replicas.min(2))
-                    .flat_map(|replica| c.scheme.stages_at(replica, slot))
-                    .flat_map(|s| &graph.nodes[stages[s].clone()])
-                    .map(|n| n.params.len())
-                    .sum();
-                optimizer * held as f64 / total
-            })
-            .collect();
+        let steps = |optimizer: f64| -> Vec<f64> {
+            (0..c.scheme.stages)
+                .map(|slot| {
+                    let held: usize = (0..c.scheme.replicas.min(2))
+                        .flat_map(|replica| c.scheme.stages_at(replica, slot))
+                        .flat_map(|s| &graph.nodes[stages[s].clone()])
+                        .map(|n| n.params.len())
+                        .sum();
+                    optimizer * held as f64 / total
+                })
+                .collect()
+        };
         // An OFFLOAD or PREFETCH copies what a micro-batch's F saved of its stage.
         let link = match c.train.device {
-            crate::backend::DeviceKind::Cpu => HostLink::CPU,
-            crate::backend::DeviceKind::Cuda { .. } => HostLink::PCIE4,
+            DeviceKind::Cpu => HostLink::CPU,
+            DeviceKind::Cuda { .. } => HostLink::PCIE4,
         };
         let alone = StageCosts {
             reduce,
-            step,
+            step: steps(optimizer),
             offload: link.stage_copies(&graph, stages, micro, t.activations()),
             copies_overlap: link.overlaps && c.train.offload_copy.on_copy_stream(),
             ..tiles.stage_costs(&costs, stages)
         };
         let schedule = c.timeline(&alone, bytes.as_deref())?;
         // Ranks on one CPU share its pool of threads: while k of a pipeline's P ranks run
-        // tasks, so do k of every data-parallel group's and every tile's, k·world/P in all,
-        // and each gets that share of the pool.
+        // tasks, so do k of every data-parallel group's and every tile's, k·world/P in all.
+        // Each runs at the default model's fit at its share of the threads where one was
+        // measured, else at that share of the speed of all of them.
         let shared = {
-            let per_position = c.scheme.world() as f64 / c.scheme.stages as f64;
-            let sharing: Vec<StageCosts> = (1..=c.scheme.stages)
-                .map(|k| alone.slower(k as f64 * per_position))
+            let (world, positions) = (c.scheme.world(), c.scheme.stages);
+            let threads = rayon::current_num_threads();
+            let fitted = c.calibration.is_none() && c.train.device == DeviceKind::Cpu;
+            let at_share = |ranks: usize| {
+                let (fit, by) = crate::plan::fitted::cpu_shared(threads, ranks)?;
+                let costs =
+                    NodeCosts::fitted(&graph, micro, t.activations(), fit, &DeviceProfile::CPU);
+                let ops = tiles_of(&costs).stage_costs(&costs, stages);
+                let shared = StageCosts {
+                    forward: ops.forward,
+                    backward: ops.backward,
+                    input: ops.input,
+                    weight: ops.weight,
+                    step: steps(fit.optimizer(&graph, t.dtype)),
+                    ..alone.clone()
+                };
+                Some(shared.slower(by))
+            };
+            let sharing: Vec<StageCosts> = (1..=positions)
+                .map(|k| {
+                    let whole = (k * world % positions == 0).then_some(k * world / positions);
+                    match whole.filter(|&r| r > 1 && fitted).and_then(at_share) {
+                        Some(shared) => shared,
+                        None => alone.slower((k * world) as f64 / positions as f64),
+                    }
+                })
                 .collect();
             crate::schemes::schedule::time_shared(
                 &c.scheme,
@@ -324,9 +351,10 @@ impl Layout {
     /// Predicted seconds of a step: the schedule, its REDUCEs and STEPs (each rank's optimizer
     /// over its copies' share of the parameters) included. With `shared_device`, the ranks are
     /// threads of this process sharing its CPU (or processes sharing one machine): the ranks
-    /// running tasks at each moment share its threads, each task as slow as their number
-    /// times its time on all of them; otherwise each rank is a device of its own and the step
-    /// ends with the slowest rank's STEP.
+    /// running tasks at each moment share its threads, each at the default model's fit at
+    /// its share of them (see [`crate::plan::fitted::cpu_shared`]; a profile's times as many
+    /// times as long as ranks run at once); otherwise each rank is a device of its own and the
+    /// step ends with the slowest rank's STEP.
     pub fn predicted_step(&self, shared_device: bool) -> f64 {
         match shared_device {
             true => self.shared.makespan(),

@@ -27,6 +27,10 @@ pub struct Cli {
     /// depend on it.
     #[arg(long, global = true, value_parser = thread_count)]
     pub threads: Option<usize>,
+    /// The default CPU cost model's fits: a file `gems fit-costs` wrote (this machine's
+    /// refit, another machine's), instead of the ones built in (src/plan/cpu_costs.json).
+    #[arg(long, global = true, value_name = "FILE")]
+    pub cpu_costs: Option<PathBuf>,
     #[command(subcommand)]
     pub command: Command,
 }

@@ -46,6 +46,12 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     }
+    if let Some(path) = &cli.cpu_costs {
+        if let Err(e) = gems::plan::fitted::use_cpu_fits(path) {
+            eprintln!("error: {}", cli::explain(&e.into()));
+            return ExitCode::FAILURE;
+        }
+    }
     let result = match cli.command {
         Command::Train(a) => train::train(*a),
         Command::Models(a) => models::list(a),
