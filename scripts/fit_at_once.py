@@ -47,8 +47,7 @@ def gems(fits, threads, run, *more):
     cmd = [GEMS, "--threads", str(threads), "--cpu-costs", fits, "plan", "--model", model,
            "--image-size", str(side), "--batch-size", str(batch), *flags, "--order", "1f1b",
            *more]
-    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.splitlines()
-    return out
+    return subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.splitlines()
 
 
 def first(pattern, lines):

@@ -505,7 +505,7 @@ pub fn use_cpu_fits(path: &std::path::Path) -> Result<()> {
     })
 }
 
-/// The committed fit for ranks running on `threads` threads: the one measured at the most
+/// The default model's fit for ranks running on `threads` threads: the one measured at the most
 /// threads not above it (the fewest measured, below that).
 pub fn cpu_for(threads: usize) -> &'static FittedCosts {
     let fits = cpu();
@@ -519,8 +519,8 @@ pub fn cpu_for(threads: usize) -> &'static FittedCosts {
 /// What each of `ranks` ranks computing at once on `threads` threads pays: the fit at its
 /// share of the threads, and how many times its times they take: for two ranks or more, the
 /// [`FittedCosts::at_once`] of the fit at `threads`, times the turns ranks take where there
-/// are more ranks than threads. `None` where no fit was
-/// measured at `threads`, or none at the share.
+/// are more ranks than threads. `None` where no fit was measured at `threads`, or none at
+/// the share.
 pub fn cpu_shared(threads: usize, ranks: usize) -> Option<(&'static FittedCosts, f64)> {
     let alone = cpu().iter().find(|f| f.threads == threads)?;
     if ranks <= 1 {
@@ -686,10 +686,9 @@ mod tests {
         }
     }
 
-    /// Op and loss times made by known rates, with 4 MiB in cache, are fitted back from the
-    /// fastest of two rounds: the cache size is found, and every node's and output's seconds
-    /// at micro-batches the fit did not see, in cache and beyond it, and those of a model it
-    /// did not see come out as the rates say.
+    /// Two ranks on two threads run at the one-thread fit, `at_once` times over; more ranks
+    /// than threads take turns; where no fit was made at the threads or at the share, none is
+    /// offered.
     #[test]
     fn ranks_at_once_are_priced_at_their_share_of_the_threads() {
         let at = |threads: usize| cpu().iter().find(|f| f.threads == threads).unwrap();
@@ -706,6 +705,10 @@ mod tests {
         assert_eq!(shared(3, 1), None);
     }
 
+    /// Op and loss times made by known rates, with 4 MiB in cache, are fitted back from the
+    /// fastest of two rounds: the cache size is found, and every node's and output's seconds
+    /// at micro-batches the fit did not see, in cache and beyond it, and those of a model it
+    /// did not see come out as the rates say.
     #[test]
     fn a_fit_recovers_the_rates_that_made_the_times() {
         let rate = Rate {

@@ -352,9 +352,9 @@ impl Layout {
     /// over its copies' share of the parameters) included. With `shared_device`, the ranks are
     /// threads of this process sharing its CPU (or processes sharing one machine): the ranks
     /// running tasks at each moment share its threads, each at the default model's fit at
-    /// its share of them (see [`crate::plan::fitted::cpu_shared`]; a profile's times as many
-    /// times as long as ranks run at once); otherwise each rank is a device of its own and the
-    /// step ends with the slowest rank's STEP.
+    /// its share of them (see [`crate::plan::fitted::cpu_shared`]; under a calibration
+    /// profile, its times as many times over as ranks run); otherwise each rank is a device of
+    /// its own and the step ends with the slowest rank's STEP.
     pub fn predicted_step(&self, shared_device: bool) -> f64 {
         match shared_device {
             true => self.shared.makespan(),
