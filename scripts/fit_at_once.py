@@ -20,12 +20,11 @@ import json
 import math
 import os
 import random
-import re
 import subprocess
 import sys
 import tempfile
 
-GEMS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "target", "release", "gems")
+from bench_cost_model import GEMS, MEASURED, PREDICTED, first
 
 MP = ["--scheme", "mp", "--split", "2", "--parts", "4"]
 # (model, side, batch, scheme flags): pipelines and a MAST pair, small and large channel
@@ -38,9 +37,6 @@ RUNS = [
     ("resnet56v2", 64, 16, ["--scheme", "mast", "--split", "2", "--parts", "2"]),
 ]
 
-PREDICTED = re.compile(r"^predicted step ([\d.]+) s")
-MEASURED = re.compile(r"^measured step ([\d.]+) s")
-
 
 def gems(fits, threads, run, *more):
     model, side, batch, flags = run
@@ -48,10 +44,6 @@ def gems(fits, threads, run, *more):
            "--image-size", str(side), "--batch-size", str(batch), *flags, "--order", "1f1b",
            *more]
     return subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.splitlines()
-
-
-def first(pattern, lines):
-    return next(float(m.group(1)) for m in map(pattern.match, lines) if m)
 
 
 def main():
